@@ -1,0 +1,53 @@
+"""The smallest honest distributed job: detect the launcher, form the group, all-reduce, report.
+
+    python jobs/check_env.py                       # a world of one
+    torchrun --nproc-per-node 2 jobs/check_env.py  # two ranks on gloo
+    srun ... python jobs/check_env.py --out DIR    # one JSON file per rank in DIR
+
+Every rank contributes rank+1; the sum must be world_size*(world_size+1)/2 on every rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mgpu.environment import detect_environment  # noqa: E402
+from mgpu.errors import MgpuError, exit_with  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, help="directory for one rank<N>.json per rank")
+    parser.add_argument("--timeout-s", type=float, default=1800.0, help="rendezvous timeout in seconds")
+    args = parser.parse_args(argv)
+    try:
+        env = detect_environment()
+    except MgpuError as error:
+        exit_with(error, "check_env")
+
+    from mgpu.distributed import all_reduce, process_group  # torch only after validation
+
+    with process_group(env, timeout=timedelta(seconds=args.timeout_s)) as ctx:
+        total = int(all_reduce(float(env.rank + 1)).item())
+    expected = env.world_size * (env.world_size + 1) // 2
+    record = {**env.__dict__, "nodes": list(env.nodes), "backend": ctx.backend, "device": str(ctx.device),
+              "allreduce_sum": total, "expected_sum": expected, "hostname": socket.gethostname(),
+              "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"rank{env.rank}.json").write_text(json.dumps(record, indent=1))
+    print(f"rank {env.rank}/{env.world_size} ({env.launcher}, node {env.node_rank} {socket.gethostname()}, "
+          f"{ctx.backend}): all-reduce sum {total}, expected {expected}", flush=True)
+    return 0 if total == expected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

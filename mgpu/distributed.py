@@ -1,0 +1,158 @@
+"""The process group: pick the device and backend, form the group, tear it down on every exit path.
+
+Also the few collective helpers the trainer needs. Each works in a world of one without a group,
+so single-process code paths stay the same as distributed ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Literal, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from mgpu.environment import ProcessEnv, detect_environment
+from mgpu.errors import MgpuError
+
+__all__ = [
+    "DEFAULT_INIT_TIMEOUT",
+    "DistContext",
+    "all_reduce",
+    "barrier",
+    "broadcast_object",
+    "get_rank",
+    "get_world_size",
+    "process_group",
+    "rank_zero_only",
+    "select_device",
+]
+
+# Long on purpose: on a busy cluster the last node of a job can start minutes after the first, and a
+# short timeout turns that ordinary delay into a crash. Bad configurations fail earlier, in validation.
+DEFAULT_INIT_TIMEOUT = timedelta(minutes=30)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """What a rank knows once its group is formed."""
+
+    env: ProcessEnv
+    device: torch.device
+    backend: str
+
+
+def select_device(env: ProcessEnv, cuda_available: bool | None = None, visible_gpus: int | None = None
+                  ) -> torch.device:
+    """The GPU this rank owns, or the CPU.
+
+    With every GPU of the node visible to every task (`--gpus-per-node`), the local rank picks one;
+    with one GPU per task (`--gpus-per-task=1`, `--gpu-bind`), the only visible device is ours.
+    """
+    cuda_available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if not cuda_available:
+        return torch.device("cpu")
+    visible_gpus = torch.cuda.device_count() if visible_gpus is None else visible_gpus
+    if visible_gpus == 1:
+        return torch.device("cuda", 0)
+    if env.local_rank < visible_gpus:
+        return torch.device("cuda", env.local_rank)
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES", "unset")
+    raise MgpuError(f"local rank {env.local_rank} but only {visible_gpus} GPUs are visible "
+                    f"(CUDA_VISIBLE_DEVICES={shown}): request one GPU per task (--gpus-per-node equal to "
+                    f"--ntasks-per-node)")
+
+
+def _init_method(env: ProcessEnv) -> str:
+    host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
+    return f"tcp://{host}:{env.master_port}"
+
+
+@contextlib.contextmanager
+def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_INIT_TIMEOUT,
+                  backend: str | None = None) -> Iterator[DistContext]:
+    """Form the default process group for this rank and destroy it however the block exits.
+
+    NCCL when this rank has a GPU, gloo otherwise. `timeout` bounds the rendezvous and every
+    collective; with NCCL, async error handling makes a stuck collective abort the process
+    instead of hanging it.
+    """
+    env = detect_environment() if env is None else env
+    device = select_device(env)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if backend == "nccl":
+        # Tear the process down when a collective times out or a peer fails, instead of waiting forever.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    if dist.is_initialized():
+        raise MgpuError("a default process group already exists in this process: form it only once")
+    kwargs: dict[str, Any] = {"backend": backend, "rank": env.rank, "world_size": env.world_size,
+                              "timeout": timeout}
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    if env.world_size == 1:
+        kwargs["store"] = dist.HashStore()  # a world of one needs no port at all
+    else:
+        kwargs["init_method"] = _init_method(env)
+    dist.init_process_group(**kwargs)
+    try:
+        yield DistContext(env=env, device=device, backend=backend)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank_zero_only(fn: F) -> F:
+    """Run `fn` on global rank 0 only; other ranks get None."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs) if get_rank() == 0 else None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def barrier() -> None:
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def all_reduce(value: torch.Tensor | float, op: Literal["sum", "mean", "max", "min"] = "sum",
+               device: torch.device | None = None) -> torch.Tensor:
+    """Reduce a tensor or a Python number across ranks; returns a new tensor, the input is untouched."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().clone()
+    else:
+        tensor = torch.tensor(value, dtype=torch.float64, device=device)
+    if get_world_size() > 1:
+        reduce_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM,
+                     "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+        dist.all_reduce(tensor, op=reduce_op)
+        if op == "mean":
+            # gloo has no AVG op; sum then divide works on every backend.
+            tensor = tensor / get_world_size()
+    return tensor
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Every rank returns rank `src`'s `obj` (pickled; keep it small)."""
+    if get_world_size() == 1:
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src)
+    return holder[0]

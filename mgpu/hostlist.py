@@ -1,0 +1,109 @@
+"""Pure parsers for Slurm's compressed node lists and task counts.
+
+`expand_hostlist("gpu-a[001-002,010],gpu-b07")` -> `["gpu-a001", "gpu-a002", "gpu-a010", "gpu-b07"]`
+`expand_tasks_per_node("2(x3),1")` -> `[2, 2, 2, 1]`
+
+Both follow Slurm's own grammar (see `scontrol show hostnames`); tests check them against it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+__all__ = ["HostlistError", "expand_hostlist", "expand_tasks_per_node"]
+
+
+class HostlistError(ValueError):
+    """A node list or task count that does not follow Slurm's grammar."""
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas that are not inside brackets."""
+    parts: list[str] = []
+    depth = 0
+    current: list[str] = []
+    for char in text:
+        if char == "[":
+            depth += 1
+            if depth > 1:
+                raise HostlistError(f"nested '[' in node list {text!r}")
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise HostlistError(f"unbalanced ']' in node list {text!r}")
+        if char == "," and depth == 0:
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(char)
+    if depth != 0:
+        raise HostlistError(f"unbalanced '[' in node list {text!r}")
+    parts.append("".join(current))
+    return parts
+
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+def _expand_bracket(body: str, whole: str) -> list[str]:
+    """Expand the inside of one bracket group, e.g. `001-003,7` -> 001 002 003 7."""
+    values: list[str] = []
+    for item in body.split(","):
+        match = _RANGE.match(item.strip())
+        if not match:
+            raise HostlistError(f"bad range {item!r} in node list {whole!r}")
+        low, high = match.group(1), match.group(2)
+        if high is None:
+            values.append(low)
+            continue
+        if int(high) < int(low):
+            raise HostlistError(f"descending range {item!r} in node list {whole!r}")
+        # Slurm pads every number of a range to the width of its lower bound (`n[08-10]` -> n08 n09 n10).
+        width = len(low)
+        values.extend(str(i).zfill(width) for i in range(int(low), int(high) + 1))
+    return values
+
+
+def _expand_one(pattern: str, whole: str) -> list[str]:
+    """Expand one comma-free pattern; several bracket groups form a cartesian product."""
+    pieces = re.split(r"\[([^\]]*)\]", pattern)
+    # re.split with one group alternates: literal, bracket body, literal, ...
+    choices: list[list[str]] = []
+    for index, piece in enumerate(pieces):
+        if index % 2 == 0:
+            if "[" in piece or "]" in piece:
+                raise HostlistError(f"unbalanced bracket in node list {whole!r}")
+            choices.append([piece])
+        else:
+            choices.append(_expand_bracket(piece, whole))
+    return ["".join(combo) for combo in itertools.product(*choices)]
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Expand a Slurm node list (`SLURM_JOB_NODELIST`) into host names, in Slurm's order."""
+    text = text.strip()
+    if not text:
+        raise HostlistError("empty node list")
+    hosts: list[str] = []
+    for part in _split_top_level(text):
+        part = part.strip()
+        if not part:
+            raise HostlistError(f"empty entry in node list {text!r}")
+        hosts.extend(_expand_one(part, text))
+    return hosts
+
+
+_TASKS = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
+
+
+def expand_tasks_per_node(text: str) -> list[int]:
+    """Expand `SLURM_TASKS_PER_NODE` (`2(x3),1`) into one task count per node."""
+    counts: list[int] = []
+    for item in text.strip().split(","):
+        match = _TASKS.match(item.strip())
+        if not match:
+            raise HostlistError(f"bad task count {item!r} in {text!r} (expected e.g. '2(x3),1')")
+        tasks, repeat = int(match.group(1)), int(match.group(2) or 1)
+        counts.extend([tasks] * repeat)
+    return counts

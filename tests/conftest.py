@@ -1,0 +1,120 @@
+"""Shared fixtures. Every test runs under `no_leaks`: it fails a test that leaves behind changed
+environment variables, an initialised default process group, or live child processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+
+
+def live_children(pid: int | None = None) -> set[int]:
+    """Direct children of this process that are still running (zombies excluded)."""
+    pid = os.getpid() if pid is None else pid
+    children: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children.update(int(c) for c in (task / "children").read_text().split())
+        except OSError:
+            continue
+    alive = set()
+    for child in children:
+        try:
+            state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            alive.add(child)
+    return alive
+
+
+def _environ() -> dict[str, str]:
+    # pytest itself sets PYTEST_CURRENT_TEST for each phase of a test.
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    env_before = _environ()
+    children_before = live_children()
+    yield
+    problems = []
+    env_after = _environ()
+    if env_after != env_before:
+        changed = sorted(k for k in set(env_after) | set(env_before) if env_after.get(k) != env_before.get(k))
+        problems.append(f"environment variables leaked: {changed}")
+        for key in set(env_after) - set(env_before):
+            del os.environ[key]
+        os.environ.update(env_before)
+    if "torch.distributed" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+            problems.append("a default process group was left initialised")
+    leaked = live_children() - children_before
+    for child in leaked:
+        try:
+            os.kill(child, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if leaked:
+        problems.append(f"child processes left running: {sorted(leaked)}")
+    if problems:
+        pytest.fail("; ".join(problems), pytrace=False)
+
+
+def ensure_resolvable(names: list[str]) -> None:
+    """Make test node names resolve to loopback (as a real cluster's DNS would), or skip."""
+    missing = []
+    for name in names:
+        try:
+            socket.gethostbyname(name)
+        except OSError:
+            missing.append(name)
+    if not missing:
+        return
+    if os.geteuid() != 0:
+        pytest.skip(f"node names {missing} do not resolve and /etc/hosts needs root to add them")
+    with open("/etc/hosts", "a") as hosts:
+        hosts.write(f"127.0.0.1 {' '.join(missing)}  # mgpu tests\n")
+
+
+def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: Path = ROOT
+                  ) -> list[subprocess.CompletedProcess[str]]:
+    """Start every command at once, wait for all with one deadline, kill any left at the end."""
+    procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for cmd, env in commands]
+    results = []
+    try:
+        for proc, (cmd, _) in zip(procs, commands):
+            out, _ = proc.communicate(timeout=timeout)
+            results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, None))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    """The test process's environment without any launcher variables, plus `extra`."""
+    launcher_prefixes = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
+    launcher_names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_prefixes) and k not in launcher_names}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env.update(extra)
+    return env

@@ -1,0 +1,82 @@
+"""Slurm node-list and task-count grammar, table-driven; checked against scontrol where installed."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from mgpu.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+
+HOSTLISTS: list[tuple[str, list[str]]] = [
+    ("n1", ["n1"]),
+    ("n1,n2", ["n1", "n2"]),
+    ("n[1-2]", ["n1", "n2"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("n[001-003]", ["n001", "n002", "n003"]),
+    ("n[08-11]", ["n08", "n09", "n10", "n11"]),
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("n[9-11]", ["n9", "n10", "n11"]),
+    ("n[1,3,5]", ["n1", "n3", "n5"]),
+    ("n[1-2,5-6]", ["n1", "n2", "n5", "n6"]),
+    ("n[5]", ["n5"]),
+    ("n[01-02]-ib", ["n01-ib", "n02-ib"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("a[1-3,7],b-x,c[09-11]", ["a1", "a2", "a3", "a7", "b-x", "c09", "c10", "c11"]),
+    ("gpu-a[001-002,010],gpu-b07", ["gpu-a001", "gpu-a002", "gpu-a010", "gpu-b07"]),
+    ("node-1,node-2", ["node-1", "node-2"]),
+    ("host.example.com", ["host.example.com"]),
+    ("n[1-2].cluster", ["n1.cluster", "n2.cluster"]),
+    ("x[0-1]y[0-1]z[0-1]", ["x0y0z0", "x0y0z1", "x0y1z0", "x0y1z1", "x1y0z0", "x1y0z1", "x1y1z0", "x1y1z1"]),
+    ("n[1-2],m[3-4]", ["n1", "n2", "m3", "m4"]),
+    ("n2,n1", ["n2", "n1"]),
+    ("n[10-10]", ["n10"]),
+    ("[1-3]", ["1", "2", "3"]),
+    ("cn[0-1],gpu01", ["cn0", "cn1", "gpu01"]),
+    ("p[1-2]q", ["p1q", "p2q"]),
+    ("a-b-c[1-2]", ["a-b-c1", "a-b-c2"]),
+    ("n[0000-0002]", ["n0000", "n0001", "n0002"]),
+    ("node[7-9,10-11]", ["node7", "node8", "node9", "node10", "node11"]),
+]
+
+BAD_HOSTLISTS = ["", "n[1-2", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]", "n1,,n2", "n[]"]
+
+TASKS: list[tuple[str, list[int]]] = [
+    ("1", [1]),
+    ("4", [4]),
+    ("2(x3)", [2, 2, 2]),
+    ("2(x3),1", [2, 2, 2, 1]),
+    ("1,2,3", [1, 2, 3]),
+    ("8(x2),4(x1)", [8, 8, 4]),
+]
+
+
+@pytest.mark.parametrize("text, expected", HOSTLISTS)
+def test_expand_hostlist(text: str, expected: list[str]) -> None:
+    assert expand_hostlist(text) == expected
+
+
+@pytest.mark.parametrize("text", BAD_HOSTLISTS)
+def test_bad_hostlist_is_rejected(text: str) -> None:
+    with pytest.raises(HostlistError):
+        expand_hostlist(text)
+
+
+@pytest.mark.parametrize("text, expected", TASKS)
+def test_expand_tasks_per_node(text: str, expected: list[int]) -> None:
+    assert expand_tasks_per_node(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "2(x)", "x2", "2(3)", "-1"])
+def test_bad_tasks_per_node_is_rejected(text: str) -> None:
+    with pytest.raises(HostlistError):
+        expand_tasks_per_node(text)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="Slurm's scontrol is not installed")
+@pytest.mark.parametrize("text, expected", HOSTLISTS)
+def test_matches_scontrol(text: str, expected: list[str]) -> None:
+    out = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == expand_hostlist(text)
