@@ -66,18 +66,25 @@ def _expand_bracket(body: str, whole: str) -> list[str]:
 
 
 def _expand_one(pattern: str, whole: str) -> list[str]:
-    """Expand one comma-free pattern; several bracket groups form a cartesian product."""
+    """Expand one comma-free pattern; several bracket groups form a product, in Slurm's order."""
     pieces = re.split(r"\[([^\]]*)\]", pattern)
-    # re.split with one group alternates: literal, bracket body, literal, ...
-    choices: list[list[str]] = []
-    for index, piece in enumerate(pieces):
-        if index % 2 == 0:
-            if "[" in piece or "]" in piece:
-                raise HostlistError(f"unbalanced bracket in node list {whole!r}")
-            choices.append([piece])
-        else:
-            choices.append(_expand_bracket(piece, whole))
-    return ["".join(combo) for combo in itertools.product(*choices)]
+    # re.split with one group alternates: literal, bracket body, literal, ..., literal.
+    literals, groups = pieces[0::2], [_expand_bracket(body, whole) for body in pieces[1::2]]
+    if any("[" in lit or "]" in lit for lit in literals):
+        raise HostlistError(f"unbalanced bracket in node list {whole!r}")
+    if groups and literals[-1]:
+        # Slurm (22.05) rejects `n[1-2]-ib`: a bracket group must end the name.
+        raise HostlistError(f"text {literals[-1]!r} after the last ']' in node list {whole!r}")
+    if len(groups) < 2:
+        return [literals[0] + value for value in (groups[0] if groups else [""])]
+    # Slurm's order (checked against `scontrol show hostnames`): the last group varies fastest, then
+    # the first, second, ... group: a[1-2]b[1-2]c[1-2] -> a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ...
+    leading = groups[:-1]
+    names = []
+    for combo in itertools.product(*reversed(leading), groups[-1]):
+        values = list(reversed(combo[:-1])) + [combo[-1]]
+        names.append("".join(lit + value for lit, value in zip(literals, values)))
+    return names
 
 
 def expand_hostlist(text: str) -> list[str]:

@@ -21,26 +21,31 @@ HOSTLISTS: list[tuple[str, list[str]]] = [
     ("n[1,3,5]", ["n1", "n3", "n5"]),
     ("n[1-2,5-6]", ["n1", "n2", "n5", "n6"]),
     ("n[5]", ["n5"]),
-    ("n[01-02]-ib", ["n01-ib", "n02-ib"]),
     ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
     ("a[1-3,7],b-x,c[09-11]", ["a1", "a2", "a3", "a7", "b-x", "c09", "c10", "c11"]),
     ("gpu-a[001-002,010],gpu-b07", ["gpu-a001", "gpu-a002", "gpu-a010", "gpu-b07"]),
     ("node-1,node-2", ["node-1", "node-2"]),
     ("host.example.com", ["host.example.com"]),
-    ("n[1-2].cluster", ["n1.cluster", "n2.cluster"]),
-    ("x[0-1]y[0-1]z[0-1]", ["x0y0z0", "x0y0z1", "x0y1z0", "x0y1z1", "x1y0z0", "x1y0z1", "x1y1z0", "x1y1z1"]),
+    # Three or more groups: the last varies fastest, then the first, then the second (Slurm's order).
+    ("x[0-1]y[0-1]z[0-1]", ["x0y0z0", "x0y0z1", "x1y0z0", "x1y0z1", "x0y1z0", "x0y1z1", "x1y1z0", "x1y1z1"]),
+    ("a[1-2]b[1-2]c[1-2]d[1]", ["a1b1c1d1", "a2b1c1d1", "a1b2c1d1", "a2b2c1d1", "a1b1c2d1", "a2b1c2d1",
+                                "a1b2c2d1", "a2b2c2d1"]),
+    ("a[1-2]b[3,5]", ["a1b3", "a1b5", "a2b3", "a2b5"]),
+    ("n[1-2]-[3-4]", ["n1-3", "n1-4", "n2-3", "n2-4"]),
+    ("n[1-2]-ib[3-4]", ["n1-ib3", "n1-ib4", "n2-ib3", "n2-ib4"]),
     ("n[1-2],m[3-4]", ["n1", "n2", "m3", "m4"]),
     ("n2,n1", ["n2", "n1"]),
     ("n[10-10]", ["n10"]),
     ("[1-3]", ["1", "2", "3"]),
     ("cn[0-1],gpu01", ["cn0", "cn1", "gpu01"]),
-    ("p[1-2]q", ["p1q", "p2q"]),
     ("a-b-c[1-2]", ["a-b-c1", "a-b-c2"]),
     ("n[0000-0002]", ["n0000", "n0001", "n0002"]),
     ("node[7-9,10-11]", ["node7", "node8", "node9", "node10", "node11"]),
 ]
 
-BAD_HOSTLISTS = ["", "n[1-2", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]", "n1,,n2", "n[]"]
+# Slurm 22.05 rejects text after the last bracket group ("Invalid hostlist: n[01-02]-ib").
+SUFFIXED = ["n[01-02]-ib", "n[1-2].cluster", "p[1-2]q", "n[1-2]-ib,n[3-4]-ib"]
+BAD_HOSTLISTS = ["", "n[1-2", "n1-2]", "n[a-b]", "n[3-1]", "n[[1]]", "n1,,n2", "n[]", *SUFFIXED]
 
 TASKS: list[tuple[str, list[int]]] = [
     ("1", [1]),
@@ -80,3 +85,10 @@ def test_matches_scontrol(text: str, expected: list[str]) -> None:
     out = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == expand_hostlist(text)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="Slurm's scontrol is not installed")
+@pytest.mark.parametrize("text", SUFFIXED)
+def test_scontrol_also_rejects(text: str) -> None:
+    out = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30)
+    assert "Invalid hostlist" in out.stdout + out.stderr
