@@ -1,0 +1,48 @@
+"""Train one job: `python jobs/train.py --config X.yaml [key=value ...]`.
+
+    python jobs/train.py --config jobs/configs/mnist.yaml                  # one process
+    torchrun --nproc-per-node 2 jobs/train.py --config jobs/configs/mnist.yaml   # DDP, 2 ranks
+    srun python jobs/train.py --config ...                                 # one Slurm task per GPU
+
+Running the same command again resumes the run from its newest valid checkpoint.
+Exit codes: 0 finished, 2 bad input, 3 stopped by a signal (checkpoint written; see mgpu.requeue).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mgpu.config import load_config  # noqa: E402  (no torch: validation is fast)
+from mgpu.errors import MgpuError, exit_with  # noqa: E402
+
+STOPPED_EXIT_CODE = 3
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config (default: the built-in defaults, the MNIST-style example)")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.epochs=3")
+    parser.add_argument("--stop-at-step", type=int, metavar="K",
+                        help="testing: stop after step K as if preempted (checkpoint, exit code 3)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        from mgpu.runner import run_training
+
+        result = run_training(cfg, config_path=args.config, stop_at_step=args.stop_at_step)
+    except MgpuError as error:
+        exit_with(error, "train")
+    return STOPPED_EXIT_CODE if result.status == "stopped" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""The on-disk checkpoint store: atomic saves, verified loads, pruning, and an optional background writer.
+
+`directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and sha256)
+and `latest` / `best`, one-line files naming a step directory. A save is built under a `.tmp-*` name and
+renamed into place, so a killed writer leaves the old checkpoint or the new one, never a torn one.
+Rank 0 only; call a store from one thread (its own background writer aside).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import errno
+import hashlib
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, TypeVar
+
+import torch
+
+from mgpu.errors import MgpuError
+
+__all__ = ["CheckpointError", "CheckpointStore", "LoadedCheckpoint", "SavedCheckpoint", "snapshot_to_cpu"]
+
+FORMAT = 1
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+LATEST = "latest"
+BEST = "best"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_TMP_PREFIX = ".tmp-"
+_CHUNK = 1 << 20
+
+log = logging.getLogger("mgpu.checkpoint")
+
+# Temporary paths of this process's saves in flight: stale-file cleanup must leave them alone.
+_ACTIVE: set[Path] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+T = TypeVar("T")
+Writer = Callable[[dict[str, Any], Path], None]
+OnDone = Callable[["SavedCheckpoint | BaseException"], None]
+
+
+class CheckpointError(MgpuError):
+    """No usable checkpoint, or a save that cannot be made."""
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    path: Path
+    step: int
+    bytes: int
+    seconds: float  # wall time of the whole write: snapshot, blocking and background parts
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any]
+    skipped: tuple[tuple[Path, str], ...]  # checkpoints tried first and rejected: (path, reason)
+
+
+class _Invalid(Exception):
+    """A checkpoint directory that fails verification; the message names the bad file."""
+
+
+def snapshot_to_cpu(obj: T) -> T:
+    """A copy of nested dicts, lists and tuples in which every tensor is a fresh CPU copy.
+
+    Training may go on changing the live tensors while a background thread writes the copy. A tensor
+    reached twice (tied weights) is copied once; a dict keeps its type and attributes (a state_dict's
+    `_metadata`).
+    """
+    memo: dict[int, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if tensor.is_cuda and tensor.layout == torch.strided:
+            # Pinned host memory makes the device-to-host copy fast and asynchronous; synchronised below.
+            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            devices.add(tensor.device)
+            return out.copy_(tensor, non_blocking=True)
+        return tensor.to("cpu", copy=True)
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = copy_tensor(value)
+            return memo[id(value)]
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            for key, item in value.items():
+                out[key] = walk(item)
+            return out
+        if isinstance(value, list):
+            return [walk(item) for item in value]
+        if isinstance(value, tuple):
+            items = [walk(item) for item in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return copy.deepcopy(value)
+
+    result = walk(obj)
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return result
+
+
+def _one_line(text: object, limit: int = 500) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _tmp_name(label: str) -> str:
+    return f"{_TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+@contextmanager
+def _claimed(path: Path) -> Iterator[Path]:
+    """Mark a temporary path as this process's while the block runs, and remove whatever is left at it."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(path)
+    try:
+        yield path
+    finally:
+        try:
+            _remove(path)
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(path)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError, TypeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = ()) -> LoadedCheckpoint:
+    match = _STEP_DIR.fullmatch(path.name)
+    if match is None:
+        raise _Invalid(f"{path} is not a step_XXXXXXXX checkpoint directory")
+    step, meta_path, state_path = int(match[1]), path / META_FILE, path / STATE_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise _Invalid(f"{meta_path} is missing (incomplete save)") from None
+    except (OSError, ValueError) as e:
+        raise _Invalid(f"{meta_path} is unreadable: {e}") from None
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("step") == step
+            and isinstance(meta.get("sha256"), str) and isinstance(meta.get("bytes"), int)):
+        raise _Invalid(f"{meta_path} is not format-{FORMAT} metadata for step {step}")
+    try:
+        size = state_path.stat().st_size
+        if size != meta["bytes"]:
+            raise _Invalid(f"{state_path} is {size} bytes, {META_FILE} says {meta['bytes']} (truncated?)")
+        sha = _sha256(state_path)
+    except OSError as e:
+        raise _Invalid(f"{state_path} is unreadable: {e.strerror}") from None
+    if sha != meta["sha256"]:
+        raise _Invalid(f"{state_path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... "
+                       f"(corrupted)")
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise _Invalid(f"{state_path} does not load with weights_only=True: {e}") from None
+    if not isinstance(state, dict):
+        raise _Invalid(f"{state_path} holds a {type(state).__name__}, not a dict")
+    return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
+
+
+def _checked_extra(state: object, step: object, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """Reject bad arguments before any work; returns a private copy of `extra`."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
+    try:
+        return json.loads(json.dumps(extra or {}))  # type: ignore[no-any-return]
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint extra metadata must be JSON-serialisable: {e}") from None
+
+
+class CheckpointStore:
+    """The checkpoints of one run in `directory`: the newest `keep_last`, plus the best and the latest."""
+
+    def __init__(self, directory: Path, keep_last: int = 2, *, writer: Writer | None = None) -> None:
+        if keep_last < 1:
+            raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self._writer: Writer = writer or torch.save
+        self._thread: threading.Thread | None = None
+        self._outcome: SavedCheckpoint | BaseException | None = None
+
+    # ------------------------------------------------------------------ saving
+    def save(self, state: dict[str, Any], step: int, *, is_best: bool = False,
+             extra: dict[str, Any] | None = None) -> SavedCheckpoint:
+        """Write a checkpoint and return once it is durable (after any background save in flight)."""
+        self.wait()
+        extra = _checked_extra(state, step, extra)
+        return self._write(state, step, is_best, extra, time.monotonic())
+
+    def save_async(self, state: dict[str, Any], step: int, *, is_best: bool = False,
+                   extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
+        """Snapshot `state` to CPU memory now and write it in a background thread.
+
+        Blocks only for a save already in flight (and re-raises its error) and for the snapshot.
+        `on_done` is called from the writer thread with the result or the exception.
+        """
+        self.wait()
+        extra = _checked_extra(state, step, extra)
+        started = time.monotonic()
+        snapshot = snapshot_to_cpu(state)
+        self._thread = threading.Thread(target=self._background, name=f"mgpu-checkpoint-{step}", daemon=False,
+                                        args=(snapshot, step, is_best, extra, started, on_done))
+        self._thread.start()
+
+    def wait(self) -> SavedCheckpoint | None:
+        """Block until the background save in flight (if any) is durable; re-raise its exception."""
+        thread = self._thread
+        if thread is None:
+            return None
+        thread.join()
+        outcome, self._thread, self._outcome = self._outcome, None, None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        self.wait()  # idempotent: a second call finds nothing in flight
+
+    def _background(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
+                    started: float, on_done: OnDone | None) -> None:
+        try:
+            outcome: SavedCheckpoint | BaseException = self._write(state, step, is_best, extra, started)
+        except BaseException as e:
+            outcome = e
+        self._outcome = outcome
+        if on_done is not None:
+            try:
+                on_done(outcome)
+            except Exception:
+                log.exception("checkpoint on_done callback failed")
+
+    def _write(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
+               started: float) -> SavedCheckpoint:
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _fsync(self.directory.parent, directory=True)
+        self._remove_stale_tmp()  # frees the space a killed writer held before this one needs it
+        name = f"step_{step:08d}"
+        final = self.directory / name
+        with _claimed(self.directory / _tmp_name(name)) as tmp:
+            tmp.mkdir()
+            self._writer(state, tmp / STATE_FILE)
+            _fsync(tmp / STATE_FILE)
+            size = (tmp / STATE_FILE).stat().st_size
+            meta = {"step": step, "sha256": _sha256(tmp / STATE_FILE), "bytes": size, "created": time.time(),
+                    "format": FORMAT, "extra": extra}
+            _write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+            _fsync(tmp, directory=True)
+            self._install(tmp, final)
+        self._point(LATEST, name)
+        if is_best:
+            self._point(BEST, name)
+        self._prune()
+        saved = SavedCheckpoint(path=final, step=step, bytes=size, seconds=time.monotonic() - started)
+        log.info("saved checkpoint %s (%d bytes, %.2fs)", final, size, saved.seconds)
+        return saved
+
+    def _install(self, tmp: Path, final: Path) -> None:
+        """Rename the complete `tmp` to `final`; a step saved again replaces its old directory."""
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # Swapped, so that some complete copy of the step sits at `final` at every moment; the old
+            # one ends up at `tmp`, removed with it.
+            if not _exchange(tmp, final):
+                # A crash between these renames leaves the step at neither name: a resume then falls
+                # back to an older checkpoint (lost progress, never a torn state).
+                with _claimed(tmp.with_name(tmp.name + "-old")) as aside:
+                    os.rename(final, aside)
+                    try:
+                        os.rename(tmp, final)
+                    except OSError:
+                        os.rename(aside, final)
+                        raise
+        _fsync(self.directory, directory=True)
+
+    def _point(self, pointer: str, name: str) -> None:
+        with _claimed(self.directory / _tmp_name(pointer)) as tmp:
+            _write_durably(tmp, f"{name}\n".encode())
+            os.replace(tmp, self.directory / pointer)
+        _fsync(self.directory, directory=True)
+
+    def _prune(self) -> None:
+        complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]
+        keep = {path.name for path in complete[:self.keep_last]}
+        keep |= {name for name in (self._pointer(LATEST), self._pointer(BEST)) if name}
+        for path in complete:
+            if path.name not in keep:
+                # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir.
+                with _claimed(self.directory / _tmp_name(path.name)) as trash:
+                    os.rename(path, trash)
+        self._remove_stale_tmp()
+
+    def _remove_stale_tmp(self) -> None:
+        # List first, then read the claims: a live temporary path is claimed before it is created.
+        entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(_TMP_PREFIX)]
+        with _ACTIVE_LOCK:
+            active = set(_ACTIVE)
+        for entry in entries:
+            if entry not in active:
+                _remove(entry)
+
+    # ------------------------------------------------------------------ loading
+    def latest(self) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies: the one `latest` names, then the others newest first.
+
+        None if there is none at all; CheckpointError if there are some but none is valid.
+        """
+        paths = [path for _, path in self._step_dirs()]
+        if not paths:
+            return None
+        pointed = self._pointer(LATEST)
+        return self._first_valid(sorted(paths, key=lambda path: path.name != pointed))
+
+    def best(self) -> LoadedCheckpoint | None:
+        """The checkpoint `best` names (None if no save was marked best); CheckpointError if it is invalid."""
+        name = self._pointer(BEST)
+        return None if name is None else self._first_valid([self.directory / name])
+
+    def latest_path(self) -> Path | None:
+        """The directory the `latest` file names, unverified."""
+        name = self._pointer(LATEST)
+        return None if name is None else self.directory / name
+
+    def list_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        return sorted(step for step, path in self._step_dirs() if (path / META_FILE).is_file())
+
+    @staticmethod
+    def load_dir(path: Path) -> LoadedCheckpoint:
+        """Verify and load one checkpoint directory (what other ranks do with the path rank 0 chose)."""
+        try:
+            return _verify_and_load(Path(path))
+        except _Invalid as e:
+            raise CheckpointError(f"checkpoint {path} is invalid: {_one_line(e)}") from None
+
+    def _first_valid(self, paths: list[Path]) -> LoadedCheckpoint:
+        skipped: list[tuple[Path, str]] = []
+        for path in paths:
+            try:
+                return _verify_and_load(path, tuple(skipped))
+            except _Invalid as e:
+                reason = _one_line(e)
+                log.warning("skipping checkpoint %s: %s", path, reason)
+                skipped.append((path, reason))
+        raise CheckpointError(f"no valid checkpoint in {self.directory}: {len(skipped)} rejected, "
+                              f"the first because {skipped[0][1]}")
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """Every step_* directory, newest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = _STEP_DIR.fullmatch(entry.name)
+            if match and entry.is_dir():
+                found.append((int(match[1]), entry))
+        return sorted(found, reverse=True)
+
+    def _pointer(self, pointer: str) -> str | None:
+        try:
+            name = (self.directory / pointer).read_text().strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            name = _one_line(e)
+        if _STEP_DIR.fullmatch(name):
+            return name
+        log.warning("ignoring %s: not a step_XXXXXXXX name (%s)", self.directory / pointer, name)
+        return None

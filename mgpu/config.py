@@ -1,0 +1,557 @@
+"""The run's settings: typed dataclasses read from a YAML file plus `dotted.key=value` overrides.
+
+`load_config("cfg.yaml", ["optim.lr=3e-4"])` returns a validated `Config`. Any mistake (unknown key,
+wrong type, out-of-range value) fails at submission time with one line naming the dotted key, not
+minutes later on a compute node. `check_resume_compatible` compares the config saved with a
+checkpoint to the current one, so a resumed run cannot silently change what it optimises.
+Nothing here imports torch: the submission path must start fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import difflib
+import functools
+import math
+import os
+import re
+import signal
+import tempfile
+import types
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any, Callable, Literal, Mapping, Sequence, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+from mgpu.errors import MgpuError
+
+__all__ = [
+    "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
+    "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig",
+    "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
+    "diff_configs", "dump_config", "is_safe_to_change", "load_config", "save_config",
+]
+
+
+class ConfigError(MgpuError):
+    """A config file or override that cannot be used; the message names the dotted key."""
+
+
+@dataclass
+class TaskConfig:
+    """What to train."""
+
+    target: str = "jobs.tasks.mnist:MnistTask"
+    """Import path `package.module:ClassName` of the Task to train."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the Task's constructor (free-form)."""
+
+
+@dataclass
+class DataConfig:
+    """How batches are drawn."""
+
+    batch_size: int = 32
+    """Samples per rank per micro-step; the global batch is batch_size * world_size * train.grad_accum."""
+    eval_batch_size: int | None = None
+    """Samples per rank per evaluation step (null: batch_size)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (the same order on every rank count for a given seed)."""
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer."""
+
+    name: Literal["adam", "adamw", "sgd"] = "adamw"
+    """Which torch.optim optimizer."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for adamw)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam's two moment decay rates, each in [0, 1)."""
+    momentum: float = 0.9
+    """SGD momentum (sgd only)."""
+    zero: bool = False
+    """Shard the optimizer state across ranks (ZeroRedundancyOptimizer)."""
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning-rate schedule, in optimizer steps."""
+
+    name: Literal["constant", "cosine", "linear"] = "constant"
+    """Shape of the decay after warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to optim.lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of optim.lr (cosine and linear)."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    epochs: int = 1
+    """Passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps, even before `epochs` are done (null: no limit)."""
+    grad_accum: int = 1
+    """Micro-steps (forward/backward) per optimizer step."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value (null: no clipping)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that supports it, fp32 on CPU."""
+    seed: int = 0
+    """Seed of every random generator (each rank derives its own from it)."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch)."""
+    find_unused_parameters: bool = False
+    """DDP's find_unused_parameters: needed when some parameters get no gradient in a step."""
+    static_graph: bool = False
+    """DDP's static_graph: the set of used parameters is the same every step."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation, best-checkpoint tracking and early stopping."""
+
+    every_steps: int = 0
+    """Evaluate every this many optimizer steps (0: at the end of every epoch)."""
+    metric: str = "loss"
+    """Evaluation metric that decides the best checkpoint and early stopping."""
+    mode: Literal["min", "max"] = "min"
+    """Whether a lower or a higher `metric` is better."""
+    early_stopping_patience: int | None = None
+    """Evaluations without improvement before training stops (null: never stop early)."""
+    min_delta: float = 0.0
+    """Smallest change of `metric` that counts as an improvement."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints in the run directory."""
+
+    every_steps: int = 0
+    """Save every this many optimizer steps (0: at the end of every epoch only, plus preemption saves)."""
+    keep_last: int = 2
+    """Most recent checkpoints to keep."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the best eval.metric."""
+    async_save: bool = True
+    """Write checkpoints in the background while training goes on."""
+
+
+@dataclass
+class LogConfig:
+    """Progress reporting."""
+
+    every_steps: int = 10
+    """Log training metrics every this many optimizer steps (0: at the end of every epoch only)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run directory."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """auto: only when stdout is a terminal."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run's files go."""
+
+    name: str = "run"
+    """Name of the run; resuming uses the run directory of the same name."""
+    root: str = "runs"
+    """Run directories are created under it."""
+    dir: str | None = None
+    """Explicit run directory (overrides root/name)."""
+
+
+@dataclass
+class DistributedConfig:
+    """The process group."""
+
+    init_timeout_s: float = 1800.0
+    """Seconds to wait for every rank to join (and for any collective) before failing."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: nccl with GPUs, gloo on CPU."""
+
+
+@dataclass
+class PreemptionConfig:
+    """Saving and requeueing before the scheduler stops the job."""
+
+    signal: str = "USR2"
+    """Signal that announces the end of the job (as in sbatch --signal=B:USR2@120); stored without 'SIG'."""
+    check_every_steps: int = 1
+    """Optimizer steps between the ranks' agreements on a stop flag (one small all-reduce each)."""
+
+
+@dataclass
+class Config:
+    """Everything a run needs to know, one section per concern."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """What to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """How batches are drawn."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation and early stopping."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Progress reporting."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where the run's files go."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """The process group."""
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    """Saving and requeueing before the scheduler stops the job."""
+
+
+SAFE_TO_CHANGE: frozenset[str] = frozenset({
+    "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
+    "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "data.num_workers",
+    "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*",
+})
+"""Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING: Any = _Missing()
+"""Stands for a key that one side of `diff_configs` lacks."""
+
+# PyYAML follows YAML 1.1, where `1e-3` (no dot) is a string; YAML 1.2 and every user read it as a float.
+_EXP_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$")
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-3` as a float and rejects duplicate keys (YAML keeps the last silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[str] = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                if key_node.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key_node.value}'", key_node.start_mark)
+                seen.add(key_node.value)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes strings like '1e-3', which `_Loader` would read back as floats."""
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _EXP_FLOAT, list("-+.0123456789"))
+
+_TARGET = re.compile(r"[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+_ALIASES = {
+    "learning_rate": "optim.lr", "lr": "optim.lr", "wd": "optim.weight_decay", "optimizer": "optim.name",
+    "scheduler": "schedule.name", "warmup": "schedule.warmup_steps", "bs": "data.batch_size",
+    "workers": "data.num_workers", "max_epochs": "train.epochs", "num_epochs": "train.epochs",
+    "gradient_accumulation_steps": "train.grad_accum", "accumulate_grad_batches": "train.grad_accum",
+    "max_grad_norm": "train.clip_grad_norm", "grad_clip": "train.clip_grad_norm", "patience":
+    "eval.early_stopping_patience", "amp": "train.precision", "mixed_precision": "train.precision",
+}
+_UNUSABLE_SIGNALS = {
+    "USR1": "NCCL uses SIGUSR1 itself", "KILL": "SIGKILL cannot be caught", "STOP": "SIGSTOP cannot be caught",
+    "TERM": "Slurm sends SIGTERM itself on scancel and preemption", "CHLD": "every exiting child process sends it",
+    **dict.fromkeys(("SEGV", "BUS", "FPE", "ILL", "ABRT"), "it reports a crash"),
+}
+
+
+def _ge(low: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= low else f"must be >= {low}"
+
+
+def _gt(low: float) -> Callable[[Any], str | None]:
+    return lambda v: None if v > low else f"must be > {low}"
+
+
+def _between(low: float, high: float, high_ok: bool) -> Callable[[Any], str | None]:
+    bracket = "]" if high_ok else ")"
+    return lambda v: None if low <= v <= high and (high_ok or v < high) else f"must be in [{low}, {high}{bracket}"
+
+
+_RULES: dict[str, Callable[[Any], str | None]] = {
+    "task.target": lambda v: None if _TARGET.fullmatch(v) else "must look like 'package.module:ClassName'",
+    "data.batch_size": _ge(1), "data.eval_batch_size": _ge(1), "data.num_workers": _ge(0),
+    "optim.lr": _gt(0), "optim.weight_decay": _ge(0), "optim.momentum": _ge(0),
+    "optim.betas": lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v) else "must be 2 numbers in [0, 1)",
+    "schedule.warmup_steps": _ge(0), "schedule.min_lr_ratio": _between(0, 1, True),
+    "train.epochs": _ge(1), "train.max_steps": _ge(1), "train.grad_accum": _ge(1), "train.clip_grad_norm": _gt(0),
+    "train.seed": _between(0, 2**32, False), "eval.every_steps": _ge(0), "eval.early_stopping_patience": _ge(1),
+    "eval.min_delta": _ge(0), "eval.metric": lambda v: None if v else "must not be empty",
+    "checkpoint.every_steps": _ge(0), "checkpoint.keep_last": _ge(1), "log.every_steps": _ge(0),
+    "run.name": lambda v: None if v else "must not be empty", "run.root": lambda v: None if v else "must not be empty",
+    "distributed.init_timeout_s": _gt(0), "preemption.check_every_steps": _ge(1),
+}
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)
+
+
+def _scalar(hint: Any, value: Any) -> Any:
+    """`value` as a `hint` (bool, int, float or str), or MISSING if it is not one."""
+    if hint is bool or isinstance(value, bool):
+        return value if hint is bool and isinstance(value, bool) else MISSING
+    if hint is float and isinstance(value, (int, float, str)):
+        try:
+            number = float(value)
+        except (ValueError, OverflowError):
+            return MISSING
+        return number if math.isfinite(number) else MISSING
+    return value if hint in (int, str) and isinstance(value, hint) else MISSING
+
+
+def _coerce(path: str, hint: Any, value: Any) -> Any:
+    """`value` checked against the type `hint` (numeric strings become floats); ConfigError naming `path` if not."""
+    origin, args = get_origin(hint), get_args(hint)
+    nullable = origin in (Union, types.UnionType)
+    if nullable:
+        if value is None:
+            return None
+        hint = next(arg for arg in args if arg is not type(None))
+        origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal:
+        if isinstance(value, str) and value in args:
+            return value
+        raise ConfigError(f"{path}: expected one of {', '.join(map(repr, args))}, got {value!r}")
+    if origin is list and isinstance(value, (list, tuple)):
+        return [_coerce(f"{path}[{i}]", args[0], item) for i, item in enumerate(value)]
+    if origin is dict and isinstance(value, Mapping) and all(isinstance(key, str) for key in value):
+        return copy.deepcopy(dict(value))
+    if origin is None and (converted := _scalar(hint, value)) is not MISSING:
+        return converted
+    expected = {list: "a list", dict: "a mapping with string keys"}.get(origin, getattr(hint, "__name__", str(hint)))
+    quote = " (quote it)" if hint is str and isinstance(value, (int, float)) else ""
+    raise ConfigError(f"{path}: expected {expected}{' or null' if nullable else ''}, got {value!r}{quote}")
+
+
+def _signal_name(value: str) -> str:
+    """`'SIGUSR2'`, `'usr2'` -> `'USR2'`; ConfigError for a name that is no signal or one that cannot serve."""
+    name = value.strip().upper().removeprefix("SIG")
+    if f"SIG{name}" not in signal.Signals.__members__:
+        raise ConfigError(f"preemption.signal: {value!r} is not a signal name: use e.g. 'USR2' "
+                          f"(as in sbatch --signal=B:USR2@120)")
+    name = signal.Signals[f"SIG{name}"].name.removeprefix("SIG")  # aliases (IOT, CLD) -> canonical names
+    if name in _UNUSABLE_SIGNALS:
+        raise ConfigError(f"preemption.signal: cannot be {value!r} ({_UNUSABLE_SIGNALS[name]}): use e.g. 'USR2'")
+    return name
+
+
+def _suggest(key: str, section: str | None) -> str | None:
+    """The dotted key (or section) the user most likely meant by `key`, found under `section`."""
+    norm = key.lower().replace("-", "_")
+    sections = _hints(Config)
+    leaves: dict[str, str] = {}
+    for name, cls in sections.items():
+        for leaf in _hints(cls):
+            leaves.setdefault(leaf, f"{name}.{leaf}")
+    if norm in _ALIASES or norm in leaves:
+        return _ALIASES.get(norm) or leaves[norm]
+    local = list(sections) if section is None else list(_hints(sections[section]))
+    if close := difflib.get_close_matches(norm, local, n=1):
+        return close[0] if section is None else f"{section}.{close[0]}"
+    close = difflib.get_close_matches(norm, list(leaves), n=1)
+    return leaves[close[0]] if close else None
+
+
+def _unknown(key: str, section: str | None) -> ConfigError:
+    path, what = (key, "section") if section is None else (f"{section}.{key}", "key")
+    known = list(_hints(Config)) if section is None else list(_hints(_hints(Config)[section]))
+    guess = _suggest(key, section)
+    hint = f"did you mean '{guess}'?" if guess else f"known: {', '.join(known)}"
+    return ConfigError(f"{path}: unknown {what} ({hint})")
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """A validated Config from nested mappings (as read from YAML); missing keys keep their defaults."""
+    sections = _hints(Config)
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"config: expected a mapping of sections ({', '.join(sections)}), got {data!r}")
+    for name in data:
+        if name not in sections:
+            raise _unknown(str(name), None)
+    built = {}
+    for name, cls in sections.items():
+        raw = data.get(name)
+        if raw is None:  # `train:` with nothing under it
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{name}: expected a mapping of keys, got {raw!r}")
+        hints, values = _hints(cls), {}
+        for key, value in raw.items():
+            if key not in hints:
+                raise _unknown(str(key), name)
+            path = f"{name}.{key}"
+            value = _coerce(path, hints[key], value)
+            if path == "preemption.signal":
+                value = _signal_name(value)
+            problem = _RULES[path](value) if path in _RULES and value is not None else None
+            if problem:
+                raise ConfigError(f"{path}: {problem}, got {value!r}")
+            values[key] = value
+        built[name] = cls(**values)
+    return Config(**built)
+
+
+def config_to_dict(cfg: Config) -> dict[str, Any]:
+    """Plain nested dicts, lists and scalars: YAML-serialisable, and `config_from_dict` gives `cfg` back."""
+    return dataclasses.asdict(cfg)
+
+
+def _parse_yaml(text: str, where: str, lines: bool = True) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.MarkedYAMLError as error:
+        mark = error.problem_mark or error.context_mark
+        line = f":{mark.line + 1}" if mark is not None and lines else ""
+        raise ConfigError(" ".join(f"{where}{line}: invalid YAML: {error.problem or error.context}".split())) from None
+    except yaml.YAMLError as error:
+        raise ConfigError(" ".join(f"{where}: invalid YAML: {error}".split())) from None
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """A copy of `data` with each `dotted.key=value` set; values are YAML (`3e-4`, `null`, `[0.9, 0.95]`)."""
+    result = copy.deepcopy(dict(data))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.epochs=3 or optim.lr=3e-4")
+        value = _parse_yaml(text, f"override {item!r}", lines=False)
+        node = result
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return result
+
+
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
+    """The Config in the YAML file at `path` (None: the defaults) with `overrides` applied."""
+    data: Any = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
+            raise ConfigError(f"config file '{path}' not found{where}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"config file '{path}' cannot be read: {error}") from None
+        data = _parse_yaml(text, str(path))
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file '{path}': the top level must be a mapping of sections "
+                              f"(task:, data:, train:, ...), got a {type(data).__name__}")
+    return config_from_dict(apply_overrides(data, overrides))
+
+
+def dump_config(cfg: Config) -> str:
+    """`cfg` as YAML text that `load_config` reads back unchanged."""
+    return yaml.dump(config_to_dict(cfg), Dumper=_Dumper, sort_keys=False, allow_unicode=True)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write `cfg` as YAML to `path` atomically: readers see the old file or the new one, never a partial one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the config from collaborators
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(dump_config(cfg))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # persist the rename itself
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return path
+
+
+def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+    """`(dotted key, old value, new value)` for every leaf that differs; MISSING where one side lacks it."""
+    flat_old, flat_new = _flatten(old), _flatten(new)
+    keys = list(flat_old) + [key for key in flat_new if key not in flat_old]
+    changes = []
+    for key in keys:
+        a, b = flat_old.get(key, MISSING), flat_new.get(key, MISSING)
+        if type(a) is not type(b) or a != b:  # True == 1 == 1.0, yet changing one to another is a change
+            changes.append((key, a, b))
+    return changes
+
+
+def is_safe_to_change(key: str) -> bool:
+    """Whether the dotted `key` may differ between a checkpoint's config and the run resuming it."""
+    return any(fnmatchcase(key, pattern) for pattern in SAFE_TO_CHANGE)
+
+
+def _fmt(value: Any) -> str:
+    if value is None or isinstance(value, bool):
+        text = {None: "null", True: "true", False: "false"}[value]
+    else:
+        text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _normalized(data: Mapping[str, Any] | Config) -> dict[str, Any]:
+    if isinstance(data, Config):
+        return config_to_dict(data)
+    try:  # fills defaults and canonical forms ('1e-3' -> 0.001), so that only real changes show
+        return config_to_dict(config_from_dict(data))
+    except ConfigError:  # e.g. a checkpoint from an older schema: compare as saved
+        return dict(data)
+
+
+def check_resume_compatible(saved: Mapping[str, Any] | Config, current: Mapping[str, Any] | Config) -> list[str]:
+    """Lines like `train.epochs: 3 -> 5` for the safe changes; ConfigError listing every unsafe one."""
+    changes = diff_configs(_normalized(saved), _normalized(current))
+    unsafe = [f"{key} ({_fmt(a)} -> {_fmt(b)})" for key, a, b in changes if not is_safe_to_change(key)]
+    if unsafe:
+        raise ConfigError(f"config differs from the checkpoint's in keys that change the run: {', '.join(unsafe)}; "
+                          f"restore them, or start a new run (run.name=...)")
+    return [f"{key}: {_fmt(a)} -> {_fmt(b)}" for key, a, b in changes]

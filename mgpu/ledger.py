@@ -1,0 +1,61 @@
+"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0.
+
+Every event has `time` (unix seconds), `event` and the job's `job_id` and `restart`; the rest
+depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.
+
+    started          world_size, nodes, launcher, config_path, git_sha
+    resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
+    checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
+    signal_received  signal, step (the first step boundary that saw it), rank
+    preempted        step, reason ("signal" | "time_limit" | "cancelled" | "requeue" | "test")
+    requeued         step, how ("self" | "slurm"), job_id
+    evaluated        step, metrics
+    early_stopped    step, metric, best
+    finished         step, epoch, seconds
+    failed           step, error
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["Ledger", "read_ledger"]
+
+
+class Ledger:
+    """Append-only event log; a no-op on ranks other than 0."""
+
+    def __init__(self, path: Path | None, job_id: str = "", restart: int = 0) -> None:
+        self.path = path
+        self.context = {"job_id": job_id, "restart": restart}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, event: str, **fields: Any) -> None:
+        if self.path is None:
+            return
+        record = {"time": round(time.time(), 3), "event": event, **self.context, **fields}
+        line = json.dumps(record, default=str) + "\n"
+        # One write of one line in append mode: concurrent runs never interleave within a line, and the
+        # fsync makes a "checkpoint_saved" line as durable as the checkpoint it announces.
+        with open(self.path, "a", encoding="utf-8") as file:
+            file.write(line)
+            file.flush()
+            os.fsync(file.fileno())
+
+
+def read_ledger(path: Path) -> list[dict[str, Any]]:
+    """All events of a ledger; a torn last line (a killed writer) is ignored."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

@@ -1,0 +1,97 @@
+"""One rank's whole job: environment -> run directory -> process group -> trainer -> result.
+
+`run_training` is the entry every launcher ends in: `jobs/train.py` (plain python or torchrun),
+the sbatch templates, and the callable submitit pickles. Everything that can be checked without
+peers (the config, the task import, the launcher's variables) is checked before the process
+group is formed, so a bad input fails in one line instead of waiting for ranks that never come.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+from mgpu.config import Config, save_config
+from mgpu.environment import ProcessEnv, detect_environment
+from mgpu.ledger import Ledger
+from mgpu.task import build_task, import_task_class
+
+__all__ = ["resolve_run_dir", "run_training", "setup_logging"]
+
+log = logging.getLogger("mgpu.train")
+
+
+def resolve_run_dir(cfg: Config, env: ProcessEnv) -> Path:
+    """`run.dir`, else `<run.root>/<run.name>-<job id>` for a scheduler job (the id survives requeues),
+    else `<run.root>/<run.name>` (running the same command again resumes it)."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    if env.launcher in ("slurm", "submitit-local") or "SLURM_JOB_ID" in os.environ:
+        return Path(cfg.run.root) / f"{cfg.run.name}-{env.job_id}"
+    return Path(cfg.run.root) / cfg.run.name
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Every rank logs to `<run>/logs/rank<N>.log`; rank 0 also to stdout (the batch log)."""
+    root = logging.getLogger("mgpu")
+    root.setLevel(logging.INFO)
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    file_handler.setFormatter(formatter)
+    root.addHandler(file_handler)
+    if rank == 0:
+        console = logging.StreamHandler(sys.stdout)
+        console.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        root.addHandler(console)
+    root.propagate = False
+
+
+def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
+                 env: ProcessEnv | None = None):  # -> FitResult (torch is imported below, not at module import)
+    """Train on this rank until finished, early-stopped or stopped by a signal; return the result."""
+    env = env or detect_environment()
+    import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
+
+    from mgpu.distributed import process_group
+    from mgpu.preemption import StopRequest
+    from mgpu.trainer import Trainer
+
+    run_dir = resolve_run_dir(cfg, env)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(run_dir, env.rank)
+    ledger = Ledger(run_dir / "events.jsonl" if env.rank == 0 else None, env.job_id, env.restart_count)
+    started = time.time()
+    # Signals are caught from here on: one arriving during the rendezvous or the resume is not lost.
+    with StopRequest(cfg.preemption.signal) as stop, \
+            process_group(env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
+                          backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend) as ctx:
+        if env.rank == 0:
+            save_config(cfg, run_dir / "config.yaml")
+        task = build_task(cfg.task.target, cfg.task.args)
+        try:
+            trainer = Trainer(cfg, task, ctx, run_dir, ledger, stop, stop_at_step)
+            if env.rank == 0:
+                ledger.write("started", world_size=env.world_size, nodes=list(env.nodes), launcher=env.launcher,
+                             config_path=config_path, device=str(ctx.device), backend=ctx.backend,
+                             run_dir=str(run_dir), git_sha=trainer.version)
+                if trainer.resume_step:
+                    p = trainer.progress
+                    ledger.write("resumed", step=p.step, epoch=p.epoch, position=p.position)
+            result = trainer.fit()
+        except BaseException as error:
+            if env.rank == 0:
+                ledger.write("failed", error=f"{type(error).__name__}: {error}")
+            raise
+        if env.rank == 0 and result.status != "stopped":
+            ledger.write("finished", step=result.step, epoch=result.epoch, status=result.status,
+                         seconds=round(time.time() - started, 3), metrics=result.metrics)
+    log.info("%s at step %d (run directory %s)", result.status, result.step, run_dir)
+    return result

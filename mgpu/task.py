@@ -1,0 +1,99 @@
+"""The user's side of a job: model, data, loss and metrics. No distributed code in it.
+
+A config names a `Task` subclass by import path (`task.target: jobs.tasks.mnist:MnistTask`) and
+passes `task.args` to its constructor. The trainer handles ranks, sharding, DDP, precision,
+checkpoints and logging. Losses and metrics are **per sample** (shape `[batch]`), so the trainer can
+weight them exactly when the last batch of an epoch is smaller on some ranks than on others.
+
+    class MnistTask(Task):
+        def build_model(self):   return SmallCNN()
+        def train_dataset(self): return SyntheticDigits(60_000, seed=0)
+        def eval_dataset(self):  return SyntheticDigits(10_000, seed=1)
+        def loss(self, model, batch):
+            images, labels = batch
+            return F.cross_entropy(model(images), labels, reduction="none")
+        def metrics(self, model, batch):
+            images, labels = batch
+            logits = model(images)
+            return {"loss": F.cross_entropy(logits, labels, reduction="none"),
+                    "accuracy": (logits.argmax(1) == labels).float()}
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any, Callable, Mapping
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from mgpu.errors import MgpuError
+
+__all__ = ["Task", "TaskError", "build_task", "import_task_class"]
+
+
+class TaskError(MgpuError):
+    """The configured task cannot be imported or built."""
+
+
+class Task(ABC):
+    """Subclass this; `__init__` receives `task.args` from the config as keyword arguments."""
+
+    def __init__(self, **args: Any) -> None:
+        if args:
+            raise TaskError(f"{type(self).__name__} takes no task.args, got {sorted(args)}")
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh model on the CPU. Every rank builds it; the trainer seeds and moves it."""
+
+    @abstractmethod
+    def train_dataset(self) -> Dataset:
+        """A map-style dataset (`len` and integer indexing). Must be the same on every rank."""
+
+    def eval_dataset(self) -> Dataset | None:
+        """The held-out dataset for `metrics`, or None for no evaluation."""
+        return None
+
+    @abstractmethod
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Per-sample training losses, shape `[batch]`; the trainer averages them."""
+
+    def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
+        """Per-sample evaluation values, each shape `[batch]`; averaged over the whole eval set."""
+        return {"loss": self.loss(model, batch)}
+
+    def collate_fn(self) -> Callable[[list[Any]], Any] | None:
+        """How samples form a batch (None: torch's default collate)."""
+        return None
+
+    def tokens_per_sample(self) -> int | None:
+        """For language models: tokens in one sample, so throughput is also reported in tokens/s."""
+        return None
+
+
+def import_task_class(target: str) -> type[Task]:
+    """`"package.module:ClassName"` -> the class, with one-line errors."""
+    module_name, _, class_name = target.partition(":")
+    if not module_name or not class_name:
+        raise TaskError(f"task.target={target!r}: expected 'module.path:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise TaskError(f"task.target={target!r}: cannot import {module_name!r} ({error}); run from the "
+                        "repository root or install the package that defines it") from None
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Task)):
+        raise TaskError(f"task.target={target!r}: {module_name} has no Task subclass named {class_name!r}")
+    return cls
+
+
+def build_task(target: str, args: Mapping[str, Any]) -> Task:
+    """Import and construct the task; a bad `task.args` key fails in one line."""
+    cls = import_task_class(target)
+    try:
+        return cls(**dict(args))
+    except TypeError as error:
+        raise TaskError(f"task.args for {target}: {error}") from None

@@ -1,0 +1,413 @@
+"""The DDP training loop, top to bottom: resume, step, log, evaluate, checkpoint, stop.
+
+One `Trainer` per rank, inside a formed process group. Every rank runs the same sequence of
+collectives in the same order: DDP's gradient all-reduce, the stop agreement, metric reductions
+and checkpoint gathers happen at the same steps everywhere, decided only by the step count and
+by values that were all-reduced first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Literal
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from mgpu.checkpoint import CheckpointStore, LoadedCheckpoint
+from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config
+from mgpu.data import MicroBatch, ShardPlan, eval_shard
+from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
+from mgpu.errors import MgpuError
+from mgpu.ledger import Ledger
+from mgpu.optim import build_optimizer, build_scheduler
+from mgpu.preemption import StopRequest
+from mgpu.reporting import Reporter, format_metrics
+from mgpu.rng import seed_everything
+from mgpu.task import Task
+from mgpu.train_state import Progress, code_version, gather_state, restore_state
+
+__all__ = ["FitResult", "Trainer"]
+
+log = logging.getLogger("mgpu.train")
+
+
+@dataclass(frozen=True)
+class FitResult:
+    status: Literal["finished", "stopped", "early_stopped"]
+    step: int
+    epoch: int
+    reasons: frozenset[str] = frozenset()
+    """Why a stopped run stopped (see mgpu.preemption.REASONS)."""
+    checkpoint: Path | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+class Trainer:
+    def __init__(self, cfg: Config, task: Task, ctx: DistContext, run_dir: Path, ledger: Ledger,
+                 stop: StopRequest, stop_at_step: int | None = None) -> None:
+        self.cfg, self.task, self.ctx, self.run_dir = cfg, task, ctx, run_dir
+        self.ledger, self.stop, self.stop_at_step = ledger, stop, stop_at_step
+        self.rank, self.world = ctx.env.rank, ctx.env.world_size
+        self.device = ctx.device
+        self.is_main = self.rank == 0
+        self.config_dict = config_to_dict(cfg)
+
+        self.train_set: Dataset = task.train_dataset()
+        self.eval_set: Dataset | None = task.eval_dataset()
+        self.plan = ShardPlan(len(self.train_set), cfg.data.batch_size, self.rank, self.world,  # type: ignore[arg-type]
+                              cfg.train.seed, cfg.data.shuffle)
+
+        # The same initial weights everywhere (DDP also broadcasts rank 0's), then per-rank streams
+        # so dropout and augmentation differ between ranks.
+        seed_everything(cfg.train.seed)
+        model = task.build_model()
+        if cfg.train.sync_batchnorm and self.world > 1:
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        self.model: nn.Module = model.to(self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
+        self.store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last) \
+            if self.is_main else None
+        self.progress, resumed = self._resume()
+        self.total_steps = self._total_steps()
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.total_steps)
+        if resumed is not None:
+            self.progress = restore_state(resumed.state, self.model, self.optimizer, self.scheduler, self.scaler,
+                                          self.rank, cfg.train.seed)
+        else:
+            seed_everything(cfg.train.seed + self.rank)
+        self.ddp: nn.Module = self.model
+        if self.world > 1:
+            self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                           find_unused_parameters=cfg.train.find_unused_parameters,
+                           static_graph=cfg.train.static_graph)
+        self.resume_step = self.progress.step if resumed is not None else 0
+        self.reporter = Reporter(self.is_main, run_dir / "tensorboard" if cfg.log.tensorboard else None,
+                                 self.total_steps, self.resume_step, cfg.log.progress_bar)
+        self.version = code_version()
+        self._last_saved_step = self.resume_step if resumed is not None else -1
+        self._window_start = time.perf_counter()
+        self._window_steps = 0
+        self._window_samples = 0
+        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._loss_count = 0
+        self._grad_norm = torch.zeros((), device=self.device)
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def precision(self) -> torch.dtype:
+        wanted = self.cfg.train.precision
+        if self.device.type != "cuda" or wanted == "fp32":
+            return torch.float32
+        if wanted == "fp16":
+            return torch.float16
+        if wanted == "bf16" or torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.precision)
+
+    def _resume(self) -> tuple[Progress, LoadedCheckpoint | None]:
+        """Rank 0 finds the newest valid checkpoint; every rank loads that same file."""
+        path = None
+        if self.store is not None:
+            found = self.store.latest()
+            for bad, reason in found.skipped if found else ():
+                log.warning("checkpoint %s rejected (%s); using an older one", bad, reason)
+            path = str(found.path) if found else None
+        path = broadcast_object(path)
+        if path is None:
+            return Progress(), None
+        loaded = found if self.store is not None else CheckpointStore.load_dir(Path(path))  # type: ignore[possibly-undefined]
+        changes = check_resume_compatible(loaded.state["config"], self.config_dict)
+        if self.is_main:
+            for change in changes:
+                log.info("config changed on resume (safe): %s", change)
+        return Progress(**loaded.state["progress"]), loaded
+
+    def _total_steps(self) -> int:
+        """Optimizer steps of the whole run: done so far + what is left from here on this world size."""
+        accum = self.cfg.train.grad_accum
+        per_epoch = math.ceil(self.plan.micro_steps_left(0) / accum)
+        p = self.progress
+        left = 0
+        if p.epoch < self.cfg.train.epochs:
+            left = math.ceil(self.plan.micro_steps_left(p.position) / accum)
+            left += (self.cfg.train.epochs - p.epoch - 1) * per_epoch
+        total = p.step + left
+        if self.cfg.train.max_steps is not None:
+            total = min(total, self.cfg.train.max_steps)
+        return max(total, p.step)
+
+    # ------------------------------------------------------------------ data
+    def _loader(self, dataset: Dataset, batch_sampler: Any) -> DataLoader:
+        # An own generator: creating a DataLoader iterator draws a worker base seed, and from the global
+        # RNG that draw would shift dropout's stream differently in a resumed run than in an unbroken one.
+        generator = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + self.progress.epoch * 1009
+                                                  + self.rank)
+        return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=self.cfg.data.num_workers,
+                          collate_fn=self.task.collate_fn(), pin_memory=self.device.type == "cuda",
+                          generator=generator)
+
+    def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
+        """Groups of `grad_accum` micro-batches, epoch after epoch, from the current position."""
+        while self.progress.epoch < self.cfg.train.epochs:
+            micro = list(self.plan.micro_batches(self.progress.epoch, self.progress.position))
+            group: list[tuple[MicroBatch, Any]] = []
+            for index, (mb, batch) in enumerate(zip(micro, self._loader(self.train_set, [m.indices for m in micro]))):
+                group.append((mb, batch))
+                if len(group) == self.cfg.train.grad_accum or index == len(micro) - 1:
+                    yield group
+                    group = []
+
+    # ------------------------------------------------------------------ the loop
+    def fit(self) -> FitResult:
+        cfg, p = self.cfg, self.progress
+        self._check_eval_metric()
+        if self.is_main:
+            self.reporter.hparams(_flatten(self.config_dict), dump_config(cfg))
+            self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
+                               f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position})")
+        status: Literal["finished", "stopped", "early_stopped"] = "finished"
+        reasons: set[str] = set()
+        self.model.train()
+        try:
+            for group in self._optimizer_steps():
+                if p.step >= self.total_steps:
+                    break
+                self._train_step(group)
+                p.step += 1
+                p.position = group[-1][0].end_position
+                p.samples_seen += sum(mb.global_count for mb, _ in group)
+                epoch_end = p.position >= self.plan.num_samples
+                if epoch_end:
+                    p.epoch, p.position = p.epoch + 1, 0
+                every = cfg.log.every_steps
+                if (every and p.step % every == 0) or (not every and epoch_end) or p.step == self.total_steps:
+                    self._log_train()
+                if self._eval_due(epoch_end) and self._evaluate_and_track():
+                    status = "early_stopped"
+                    break
+                if self._checkpoint_due(epoch_end):
+                    self._save("epoch" if epoch_end else "periodic")
+                if p.step >= self.total_steps:
+                    break
+                if self.stop_at_step is not None and p.step == self.stop_at_step:
+                    self.stop.request("test")
+                if p.step % cfg.preemption.check_every_steps == 0:
+                    reasons = self.stop.agree(self.device)
+                    if reasons:
+                        status = "stopped"
+                        break
+            if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
+                self._evaluate_and_track()
+            path = self._save("preemption" if status == "stopped" else "final", wait=True)
+        finally:
+            self.reporter.close()
+            if self.store is not None:
+                self.store.close()
+        if status == "stopped" and self.is_main:
+            self.ledger.write("preempted", step=p.step, reasons=sorted(reasons),
+                              signals=[name for name, _ in self.stop.received])
+        metrics = getattr(self, "_last_metrics", {})
+        return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics)
+
+    def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
+        """One optimizer step over `grad_accum` micro-batches; the gradient all-reduce runs once, at the end."""
+        total = sum(mb.global_count for mb, _ in group)
+        for index, (mb, batch) in enumerate(group):
+            last = index == len(group) - 1
+            # no_sync: the micro-steps before the last only accumulate locally; DDP reduces once.
+            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
+            with sync:
+                with self._autocast():
+                    losses = self.task.loss(self.ddp, to_device(batch, self.device))
+                if losses.dim() != 1 or losses.shape[0] != len(mb.indices):
+                    raise MgpuError(f"{type(self.task).__name__}.loss must return one loss per sample (shape "
+                                    f"[{len(mb.indices)}]), got shape {list(losses.shape)}")
+                real = losses[:mb.real].float()
+                # DDP averages gradients over ranks: scaling by world/total makes that average the exact
+                # mean over every real sample of the step, however unevenly the samples were split.
+                self.scaler.scale(real.sum() * (self.world / total)).backward()
+            self._loss_sum += real.detach().sum().double()
+            self._loss_count += mb.real
+        self.scaler.unscale_(self.optimizer)
+        max_norm = self.cfg.train.clip_grad_norm
+        self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                         max_norm if max_norm is not None else math.inf)
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self._window_steps += 1
+        self._window_samples += total
+
+    # ------------------------------------------------------------------ logging
+    def _log_train(self) -> None:
+        # The only host sync of the step path: once per log interval, not per step.
+        totals = all_reduce(torch.stack([self._loss_sum, torch.tensor(float(self._loss_count),
+                                                                      dtype=torch.float64, device=self.device)]))
+        elapsed = time.perf_counter() - self._window_start
+        metrics = {
+            "loss": (totals[0] / totals[1].clamp(min=1)).item(),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": float(self._grad_norm),
+            "samples_per_s": self._window_samples / max(elapsed, 1e-9),
+            "step_time_s": elapsed / max(self._window_steps, 1),
+        }
+        tokens = self.task.tokens_per_sample()
+        if tokens:
+            metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens
+        p = self.progress
+        self.reporter.scalars(p.step, metrics, "train")
+        self.reporter.progress(p.step, p.epoch, metrics)
+        if not self.reporter.bar:
+            self.reporter.line(f"step {p.step}/{self.total_steps} epoch {p.epoch}  {format_metrics(metrics)}")
+        self._loss_sum.zero_()
+        self._loss_count = 0
+        self._window_start, self._window_steps, self._window_samples = time.perf_counter(), 0, 0
+
+    # ------------------------------------------------------------------ evaluation
+    def _eval_due(self, epoch_end: bool) -> bool:
+        if self.eval_set is None:
+            return False
+        every = self.cfg.eval.every_steps
+        return (every > 0 and self.progress.step % every == 0) or (every == 0 and epoch_end)
+
+    def _check_eval_metric(self) -> None:
+        """Fail now, not after the first epoch, if eval.metric is not one of the task's metrics."""
+        if self.eval_set is None or len(self.eval_set) == 0:  # type: ignore[arg-type]
+            return
+        batch = next(iter(self._loader(self.eval_set, [[0]])))
+        self.model.eval()
+        with torch.no_grad(), self._autocast():
+            names = sorted(self.task.metrics(self.model, to_device(batch, self.device)))
+        self.model.train()
+        if self.cfg.eval.metric not in names:
+            raise MgpuError(f"eval.metric={self.cfg.eval.metric!r} is not one of the task's metrics {names}: "
+                            f"set eval.metric to one of them")
+
+    def evaluate(self) -> dict[str, float]:
+        """Mean of each metric over the whole eval set: per-sample sums and counts, all-reduced."""
+        assert self.eval_set is not None
+        indices = eval_shard(len(self.eval_set), self.rank, self.world)  # type: ignore[arg-type]
+        batch_size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
+        batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+        sums: dict[str, torch.Tensor] = {}
+        count = 0
+        # The plain module, not DDP: ranks run different numbers of eval batches, and DDP's forward
+        # may run collectives (buffer broadcast) that would then never match up.
+        self.model.eval()
+        with torch.no_grad(), self._autocast():
+            for batch in self._loader(self.eval_set, batches) if batches else ():
+                values = self.task.metrics(self.model, to_device(batch, self.device))
+                for name, value in values.items():
+                    sums[name] = sums.get(name, 0) + value.detach().double().sum()
+                count += len(next(iter(values.values())))
+        self.model.train()
+        names = broadcast_object(sorted(sums)) if self.world > 1 else sorted(sums)
+        zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        totals = all_reduce(torch.stack([sums.get(n, zero) for n in names] +
+                                        [torch.tensor(float(count), dtype=torch.float64, device=self.device)]))
+        return {name: (totals[i] / totals[-1].clamp(min=1)).item() for i, name in enumerate(names)}
+
+    def _evaluate_and_track(self) -> bool:
+        """Evaluate, log, keep the best checkpoint; True when early stopping says stop."""
+        cfg, p = self.cfg.eval, self.progress
+        metrics = self.evaluate()
+        self._last_eval, self._last_metrics = p.step, metrics
+        value = metrics[cfg.metric]
+        improved = p.best_metric is None or (
+            value < p.best_metric - cfg.min_delta if cfg.mode == "min" else value > p.best_metric + cfg.min_delta)
+        if improved:
+            p.best_metric, p.evals_without_improvement = value, 0
+        else:
+            p.evals_without_improvement += 1
+        self.reporter.scalars(p.step, metrics, "eval")
+        self.reporter.line(f"eval step {p.step}  {format_metrics(metrics)}" + ("  (best)" if improved else ""))
+        if self.is_main:
+            self.ledger.write("evaluated", step=p.step, metrics=metrics, best=improved)
+        if improved and self.cfg.checkpoint.keep_best:
+            self._save("best", is_best=True)
+        patience = cfg.early_stopping_patience
+        if patience is not None and p.evals_without_improvement >= patience:
+            if self.is_main:
+                self.ledger.write("early_stopped", step=p.step, metric=cfg.metric, best=p.best_metric)
+            self.reporter.line(f"early stopping at step {p.step}: {cfg.metric} did not improve in {patience} "
+                               f"evaluations (best {p.best_metric:.4g})")
+            return True
+        return False
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_due(self, epoch_end: bool) -> bool:
+        every = self.cfg.checkpoint.every_steps
+        return (every > 0 and self.progress.step % every == 0) or (every == 0 and epoch_end)
+
+    def _save(self, reason: str, is_best: bool = False, wait: bool = False) -> Path | None:
+        """Checkpoint the current step (a collective). `wait`: return only once it is durable on disk."""
+        p = self.progress
+        if p.step == self._last_saved_step and not is_best:
+            if wait and self.store is not None:
+                self.store.wait()
+            barrier()
+            return self.store.latest_path() if self.store is not None else None
+        state = gather_state(self.model, self.optimizer, self.scheduler, self.scaler, p, self.config_dict,
+                             self.version)
+        path = None
+        if self.store is not None and state is not None:
+            extra = {"epoch": p.epoch, "reason": reason, "metrics": getattr(self, "_last_metrics", {})}
+            started = time.perf_counter()
+
+            def done(result: Any) -> None:
+                if isinstance(result, BaseException):
+                    self.ledger.write("failed", step=p.step, error=f"checkpoint save failed: {result}")
+                else:
+                    self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
+                                      blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
+                                      reason=reason)
+
+            if self.cfg.checkpoint.async_save and not wait:
+                blocked = 0.0
+                self.store.save_async(state, p.step, is_best=is_best, extra=extra, on_done=done)
+                blocked = time.perf_counter() - started
+            else:
+                self.store.wait()
+                saved = self.store.save(state, p.step, is_best=is_best, extra=extra)
+                blocked = time.perf_counter() - started
+                done(saved)
+                path = saved.path
+        self._last_saved_step = p.step
+        if wait:
+            barrier()  # no rank reports "stopped" before the checkpoint is durable
+        return path
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat

@@ -1,0 +1,74 @@
+"""Small tasks for the trainer's tests: fast on CPU, with dropout and batch norm so RNG and buffers matter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset
+
+from mgpu.task import Task
+
+
+class Blobs(Dataset):
+    """`size` points in 8-d, 3 classes; each item also carries its index so tests can account for it."""
+
+    def __init__(self, size: int, seed: int) -> None:
+        centers = torch.randn(3, 8, generator=torch.Generator().manual_seed(1234)) * 2
+        g = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(0, 3, (size,), generator=g)
+        self.x = centers[self.labels] + torch.randn(size, 8, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return self.x[i], self.labels[i], i
+
+
+class BlobTask(Task):
+    """MLP with dropout and batch norm. `ids_dir`: append every trained sample id to ids-rank<R>.txt."""
+
+    def __init__(self, size: int = 40, eval_size: int = 17, ids_dir: str | None = None) -> None:
+        self.size, self.eval_size, self.ids_dir = size, eval_size, ids_dir
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+
+    def train_dataset(self) -> Dataset:
+        return Blobs(self.size, 0)
+
+    def eval_dataset(self) -> Dataset:
+        return Blobs(self.eval_size, 1)
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        x, y, ids = batch
+        if self.ids_dir:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with open(Path(self.ids_dir) / f"ids-rank{rank}.txt", "a") as f:
+                f.write(" ".join(str(int(i)) for i in ids) + "\n")
+        return F.cross_entropy(model(x), y, reduction="none")
+
+    def metrics(self, model: nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
+        x, y, _ = batch
+        logits = model(x)
+        return {"loss": F.cross_entropy(logits, y, reduction="none"), "accuracy": (logits.argmax(1) == y).float()}
+
+
+class SlowBlobTask(BlobTask):
+    """BlobTask whose steps take `step_s` seconds (for signal tests that need time to act)."""
+
+    def __init__(self, step_s: float = 0.2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.step_s = step_s
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        import time
+
+        time.sleep(self.step_s)
+        return super().loss(model, batch)
+
+

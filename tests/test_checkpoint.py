@@ -1,0 +1,372 @@
+"""The checkpoint store on real files: round trips, pruning, corruption, the background writer, and
+SIGKILLs landing at every phase of a save."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+import logging
+import os
+import random
+import select
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from mgpu.checkpoint import CheckpointError, CheckpointStore, SavedCheckpoint, snapshot_to_cpu
+from tests.conftest import PYTHON, ROOT, base_env
+
+WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
+
+
+class NotAllowed:
+    """A class a weights_only load must refuse to construct."""
+
+
+def _state(value: float = 1.0) -> dict[str, Any]:
+    return {"model": {"w": torch.full((3, 4), value), "b": torch.arange(4, dtype=torch.int64)},
+            "optim": {"lr": 0.1, "betas": [0.9, 0.999], "state": {0: {"m": torch.zeros(2)}}},
+            "epoch": 3, "name": "run-a", "ratio": 0.25}
+
+
+def _assert_same(actual: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor) and actual.dtype == expected.dtype
+        assert torch.equal(actual, expected)
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and actual.keys() == expected.keys()
+        for key in expected:
+            _assert_same(actual[key], expected[key])
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) and len(actual) == len(expected)
+        for a, e in zip(actual, expected):
+            _assert_same(a, e)
+    else:
+        assert type(actual) is type(expected) and actual == expected
+
+
+def _tmp_entries(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith(".tmp-"))
+
+
+def test_round_trip_meta_and_list_steps(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ckpt", keep_last=5)
+    before = time.time()
+    saved = store.save(_state(), 5, extra={"epoch": 3, "metrics": {"loss": 0.5}})
+    assert (saved.path, saved.step) == (tmp_path / "ckpt" / "step_00000005", 5)
+    assert saved.bytes == (saved.path / "state.pt").stat().st_size and saved.seconds >= 0
+    store.save(_state(7.0), 7)
+    store.save(_state(6.0), 6)
+    assert store.list_steps() == [5, 6, 7]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step_00000006\n"  # the last save, not the highest
+    assert store.latest_path() == tmp_path / "ckpt" / "step_00000006"
+
+    loaded = CheckpointStore(tmp_path / "ckpt").latest()
+    assert loaded is not None and (loaded.step, loaded.skipped) == (6, ())
+    _assert_same(loaded.state, _state(6.0))
+    first = CheckpointStore.load_dir(saved.path)
+    _assert_same(first.state, _state())
+    meta = json.loads((saved.path / "meta.json").read_text())
+    assert first.meta == meta
+    assert meta["step"] == 5 and meta["format"] == 1 and meta["bytes"] == saved.bytes
+    assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+    assert before <= meta["created"] <= time.time()
+    assert meta["extra"] == {"epoch": 3, "metrics": {"loss": 0.5}}
+    assert store.best() is None and _tmp_entries(tmp_path / "ckpt") == []
+
+
+def test_bad_arguments_fail_before_writing(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    with pytest.raises(CheckpointError, match="JSON-serialisable"):
+        store.save(_state(), 1, extra={"bad": object()})
+    with pytest.raises(CheckpointError, match="step must be an int"):
+        store.save(_state(), -1)
+    with pytest.raises(CheckpointError, match="keep_last"):
+        CheckpointStore(tmp_path, keep_last=0)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_pruning_keeps_last_k_and_best(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=2)
+    store.save(_state(1.0), 1, is_best=True)
+    for step in range(2, 6):
+        store.save(_state(float(step)), step)
+    assert store.list_steps() == [1, 4, 5]
+    best = store.best()
+    assert best is not None and best.step == 1
+    _assert_same(best.state, _state(1.0))
+    store.save(_state(6.0), 6, is_best=True)
+    assert store.list_steps() == [5, 6]
+
+
+def test_latest_is_never_pruned(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=2)
+    store.save(_state(10.0), 10)
+    store.save(_state(20.0), 20)
+    store.save(_state(5.0), 5)  # a run resumed from an older checkpoint saves below the newest steps
+    assert store.list_steps() == [5, 10, 20]
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 5
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
+def test_saving_a_step_again_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
+    if not exchange:  # as on a platform or filesystem without renameat2
+        monkeypatch.setattr("mgpu.checkpoint._exchange", lambda a, b: False)
+    store = CheckpointStore(tmp_path)
+    store.save(_state(1.0), 3)
+    store.save(_state(2.0), 3, is_best=True)
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 3
+    _assert_same(loaded.state, _state(2.0))
+    assert store.list_steps() == [3] and _tmp_entries(tmp_path) == []
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage, reason", [(_truncate, "bytes"), (_flip_a_byte, "sha256")])
+def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                     damage: Callable[[Path], None], reason: str) -> None:
+    store = CheckpointStore(tmp_path, keep_last=3)
+    store.save(_state(1.0), 1)
+    bad = store.save(_state(2.0), 2).path
+    damage(bad / "state.pt")
+    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+        loaded = store.latest()
+    assert loaded is not None and loaded.step == 1
+    _assert_same(loaded.state, _state(1.0))
+    [(path, why)] = loaded.skipped
+    assert path == bad and str(bad / "state.pt") in why and reason in why
+    [record] = [r for r in caplog.records if r.name == "mgpu.checkpoint"]
+    assert record.levelno == logging.WARNING and str(bad / "state.pt") in record.getMessage()
+    assert "\n" not in record.getMessage()
+
+
+def test_a_checkpoint_that_would_run_code_is_rejected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path)
+    store.save(_state(1.0), 1)
+    store.save({"obj": NotAllowed()}, 2)  # sha256 and size match: only the weights_only load refuses it
+    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+        loaded = store.latest()
+    assert loaded is not None and loaded.step == 1
+    assert "weights_only" in loaded.skipped[0][1] and "state.pt" in caplog.text
+    with pytest.raises(CheckpointError, match="step_00000002"):
+        CheckpointStore.load_dir(tmp_path / "step_00000002")
+
+
+def test_incomplete_dirs_are_skipped_and_stale_tmp_removed(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    good = store.save(_state(1.0), 1).path
+    stale = tmp_path / ".tmp-step_00000009-999999-deadbeef"
+    stale.mkdir()
+    (stale / "state.pt").write_bytes((good / "state.pt").read_bytes())
+    (tmp_path / ".tmp-latest-999999-deadbeef").write_text("step_00000009\n")
+    no_meta = tmp_path / "step_00000008"
+    no_meta.mkdir()
+    (no_meta / "state.pt").write_bytes((good / "state.pt").read_bytes())
+    (tmp_path / "latest").write_text("step_00000008\n")  # e.g. a filesystem that reordered the writes
+
+    assert store.list_steps() == [1]
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 1
+    assert loaded.skipped == ((no_meta, f"{no_meta / 'meta.json'} is missing (incomplete save)"),)
+    store.save(_state(2.0), 2)
+    assert _tmp_entries(tmp_path) == []
+
+
+def test_no_checkpoint_is_none_and_all_bad_is_one_line_error(tmp_path: Path) -> None:
+    assert CheckpointStore(tmp_path).latest() is None
+    assert CheckpointStore(tmp_path / "missing").latest() is None
+    store = CheckpointStore(tmp_path)
+    for step in (1, 2):
+        _flip_a_byte(store.save(_state(), step).path / "state.pt")
+    with pytest.raises(CheckpointError) as raised:
+        store.latest()
+    message = str(raised.value)
+    assert "\n" not in message and str(tmp_path) in message and "2 rejected" in message
+
+
+def test_snapshot_copies_tensors_and_keeps_structure() -> None:
+    linear = torch.nn.BatchNorm1d(3).state_dict()
+    tied = torch.ones(2)
+    state = {"model": linear, "a": tied, "b": tied, "pair": (tied, 1), "view": torch.arange(10)[2:4]}
+    snap = snapshot_to_cpu(state)
+    assert getattr(snap["model"], "_metadata") == getattr(linear, "_metadata")
+    assert type(snap["model"]) is type(linear) and snap["a"] is snap["b"] is snap["pair"][0]
+    assert snap["a"].data_ptr() != tied.data_ptr() and snap["view"].untyped_storage().nbytes() == 16
+    tied.add_(1)
+    assert torch.equal(snap["a"], torch.ones(2))
+
+
+class PausedWriter:
+    """A writer that blocks until released, and records when each call entered and left."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[tuple[float, float]] = []
+        self.fail = fail
+
+    def __call__(self, state: dict[str, Any], path: Path) -> None:
+        entered = time.monotonic()
+        self.entered.set()
+        assert self.release.wait(10)
+        if self.fail:
+            raise RuntimeError("disk on fire")
+        torch.save(state, path)
+        self.calls.append((entered, time.monotonic()))
+
+
+def test_save_async_writes_a_snapshot(tmp_path: Path) -> None:
+    writer = PausedWriter()
+    results: list[SavedCheckpoint | BaseException] = []
+    store = CheckpointStore(tmp_path, writer=writer)
+    state = _state(1.0)
+    store.save_async(state, 1, extra={"epoch": 0}, on_done=results.append)
+    assert writer.entered.wait(10)
+    state["model"]["w"].add_(100)  # training goes on while the write is in flight
+    state["optim"]["state"][0]["m"].fill_(7)
+    writer.release.set()
+    saved = store.wait()
+    assert saved is not None and results == [saved] and saved.step == 1
+    assert store.wait() is None
+    loaded = store.latest()
+    assert loaded is not None
+    _assert_same(loaded.state, _state(1.0))
+    store.close()
+    store.close()
+
+
+def test_save_async_waits_for_the_save_in_flight(tmp_path: Path) -> None:
+    writer = PausedWriter()
+    store = CheckpointStore(tmp_path, writer=writer)
+    store.save_async(_state(1.0), 1)  # returns while the writer is paused
+    assert writer.entered.wait(10)
+    second = threading.Thread(target=store.save_async, args=(_state(2.0), 2))
+    second.start()
+    second.join(0.3)
+    assert second.is_alive() and writer.calls == []
+    writer.release.set()
+    second.join(10)
+    store.close()
+    (_, first_left), (second_entered, _) = writer.calls
+    assert second_entered >= first_left
+    assert store.list_steps() == [1, 2]
+
+
+def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
+    writer = PausedWriter(fail=True)
+    writer.release.set()
+    results: list[SavedCheckpoint | BaseException] = []
+    store = CheckpointStore(tmp_path, writer=writer)
+    store.save_async(_state(), 1, on_done=results.append)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        store.wait()
+    assert len(results) == 1 and isinstance(results[0], RuntimeError)
+    store.close()  # the error was delivered once
+    assert store.latest() is None and _tmp_entries(tmp_path) == []
+
+
+class LineReader:
+    """Lines from a child's stdout, with a deadline on each wait."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        self.fd = proc.stdout.fileno()
+        self.buffer = b""
+        self.seen: list[str] = []
+
+    def expect(self, prefix: str, timeout: float = 10.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            while b"\n" in self.buffer:
+                raw, self.buffer = self.buffer.split(b"\n", 1)
+                line = raw.decode(errors="replace")
+                self.seen.append(line)
+                if line.startswith(prefix):
+                    return line
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.fd], [], [], left)[0]:
+                raise AssertionError(f"no {prefix!r} line within {timeout}s; output: {self.seen}")
+            chunk = os.read(self.fd, 65536)
+            if not chunk:
+                raise AssertionError(f"writer server exited before {prefix!r}; output: {self.seen}")
+            self.buffer += chunk
+
+
+def _phase(directory: Path) -> str:
+    """Where the save of step 2 stood when it was killed, from what it left on disk."""
+    tmp = [p for p in directory.glob(".tmp-step_00000002-*") if p.is_dir()]
+    if tmp:
+        return "before rename" if (tmp[0] / "meta.json").exists() else "writing state.pt"
+    latest = (directory / "latest").read_text().strip()
+    if latest == "step_00000001":
+        return "before latest" if (directory / "step_00000002").exists() else "before tmp dir"
+    return "before best" if not (directory / "best").exists() else "pruning"
+
+
+@pytest.mark.timeout(120)
+def test_kill_during_save_never_loses_a_complete_checkpoint(tmp_path: Path) -> None:
+    trials, expected_write_s = 20, 0.3
+    delays = [(i + random.random()) / trials * 1.3 * expected_write_s for i in range(trials)]
+    failures: list[str] = []
+    phases: collections.Counter[str] = collections.Counter()
+    started = time.monotonic()
+    proc = subprocess.Popen([PYTHON, WRITER_SCRIPT], env=base_env(), cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdin is not None
+    reader = LineReader(proc)
+    try:
+        for trial, delay in enumerate(delays):
+            directory = tmp_path / f"trial{trial}"
+            proc.stdin.write(f"trial {directory}\n".encode())
+            proc.stdin.flush()
+            pid = int(reader.expect("writing ").split()[1])
+            time.sleep(delay)
+            os.kill(pid, signal.SIGKILL)  # not reaped until "reap": the pid is still this child's
+            proc.stdin.write(b"reap\n")
+            proc.stdin.flush()
+            reader.expect("reaped ")
+            completed = f"done {pid}" in reader.seen
+            phases["completed" if completed else _phase(directory)] += 1
+            try:
+                loaded = CheckpointStore(directory).latest()
+                assert loaded is not None and loaded.step in (1, 2) and loaded.skipped == ()
+                assert loaded.step == 2 or not completed
+                assert torch.equal(loaded.state["w"], torch.full((64 * 1024,), float(loaded.step)))
+                assert loaded.state["step"] == loaded.step
+                for step_dir in directory.glob("step_*"):  # none is ever torn, pointed at or not
+                    CheckpointStore.load_dir(step_dir)
+                store = CheckpointStore(directory)
+                store.save({"w": torch.zeros(1)}, 3)
+                assert _tmp_entries(directory) == [] and store.list_steps()[-1] == 3
+            except Exception as e:
+                failures.append(f"trial {trial} (delay {delay:.3f}s, {phases}): {e!r}")
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(10)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    elapsed = time.monotonic() - started
+    print(f"kill test: {trials} trials in {elapsed:.1f}s, phases at kill: {dict(phases)}")
+    assert failures == [], f"{len(failures)}/{trials} trials failed: {failures}"
+    assert trials - phases["completed"] >= 1, f"no trial was killed before step 2 completed: {dict(phases)}"
+    assert proc.returncode == 0, reader.seen

@@ -1,0 +1,65 @@
+"""Resumable sharding: every sample once per epoch, on any world size, from any position."""
+
+from __future__ import annotations
+
+import pytest
+
+from mgpu.data import ShardPlan, epoch_permutation, eval_shard
+
+
+def epoch_samples(num: int, batch: int, world: int, start: int = 0, epoch: int = 0) -> list[list[int]]:
+    """Per micro-step, the real samples of all ranks in rank order."""
+    plans = [ShardPlan(num, batch, rank, world, seed=3) for rank in range(world)]
+    steps = list(zip(*(plan.micro_batches(epoch, start) for plan in plans)))
+    return [[i for mb in step for i in mb.indices[:mb.real]] for step in steps]
+
+
+@pytest.mark.parametrize("num, batch, world", [(10, 2, 1), (10, 2, 2), (11, 2, 2), (7, 4, 2), (5, 1, 4),
+                                               (3, 2, 4), (100, 8, 3)])
+def test_each_sample_exactly_once(num: int, batch: int, world: int) -> None:
+    seen = [i for step in epoch_samples(num, batch, world) for i in step]
+    assert sorted(seen) == list(range(num))
+    assert seen == epoch_permutation(num, 3, 0)  # the global order is the permutation, whatever the world
+
+
+@pytest.mark.parametrize("num, batch, world", [(11, 2, 2), (3, 2, 4), (5, 1, 4)])
+def test_every_rank_steps_together_and_short_batches_pad(num: int, batch: int, world: int) -> None:
+    plans = [ShardPlan(num, batch, rank, world) for rank in range(world)]
+    per_rank = [list(plan.micro_batches(0)) for plan in plans]
+    assert len({len(steps) for steps in per_rank}) == 1  # same number of DDP all-reduces everywhere
+    for step in zip(*per_rank):
+        assert all(len(mb.indices) >= 1 for mb in step)
+        assert all(len(mb.indices) - mb.real in (0, 1) for mb in step)
+        assert sum(mb.real for mb in step) == step[0].global_count
+        assert len({mb.end_position for mb in step}) == 1
+
+
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2), (2, 3), (4, 2)])
+def test_world_size_change_continues_at_the_same_sample(before: int, after: int) -> None:
+    num, batch = 37, 3
+    first = epoch_samples(num, batch, before)[:2]
+    position = sum(len(step) for step in first)
+    rest = epoch_samples(num, batch, after, start=position)
+    seen = [i for step in first + rest for i in step]
+    assert sorted(seen) == list(range(num)), "a sample was repeated or skipped"
+    assert seen == epoch_permutation(num, 3, 0)
+
+
+def test_epochs_reshuffle_and_seed_determines_order() -> None:
+    assert epoch_permutation(50, 0, 0) != epoch_permutation(50, 0, 1)
+    assert epoch_permutation(50, 0, 1) == epoch_permutation(50, 0, 1)
+    assert epoch_permutation(50, 1, 0) != epoch_permutation(50, 0, 0)
+    assert epoch_permutation(5, 0, 0, shuffle=False) == [0, 1, 2, 3, 4]
+
+
+def test_micro_steps_left() -> None:
+    plan = ShardPlan(10, 2, 0, 2)
+    assert plan.micro_steps_left(0) == 3 and plan.micro_steps_left(8) == 1 and plan.micro_steps_left(10) == 0
+    assert len(list(plan.micro_batches(0, 10))) == 0
+    with pytest.raises(ValueError):
+        list(plan.micro_batches(0, 11))
+
+
+def test_eval_shard_covers_once() -> None:
+    shards = [eval_shard(10, r, 3) for r in range(3)]
+    assert sorted(i for s in shards for i in s) == list(range(10))
