@@ -79,6 +79,11 @@ class ShardPlan:
             yield MicroBatch(indices, real, count, position + count)
             position += count
 
+    def smallest_micro_batch(self, start: int = 0) -> int:
+        """The fewest samples any rank gets in a micro-batch from `start` on (the last one may be short)."""
+        rest = (self.num_samples - start) % self.global_batch
+        return max(rest // self.world_size, 1) if rest else self.batch_size
+
     def micro_steps_left(self, start: int) -> int:
         """Micro-steps from `start` to the end of the epoch (the same on every rank)."""
         return -(-(self.num_samples - start) // self.global_batch)

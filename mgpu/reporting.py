@@ -61,6 +61,8 @@ class Reporter:
         if self.writer is not None:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
+            # On disk at every log interval: a killed run's curve is not lost up to its last log line.
+            self.writer.flush()
 
     def line(self, text: str) -> None:
         """A plain log line (ends any progress bar line first)."""

@@ -82,9 +82,10 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
                 ledger.write("started", world_size=env.world_size, nodes=list(env.nodes), launcher=env.launcher,
                              config_path=config_path, device=str(ctx.device), backend=ctx.backend,
                              run_dir=str(run_dir), git_sha=trainer.version)
-                if trainer.resume_step:
+                if trainer.resumed_from is not None:
                     p = trainer.progress
-                    ledger.write("resumed", step=p.step, epoch=p.epoch, position=p.position)
+                    ledger.write("resumed", step=p.step, epoch=p.epoch, position=p.position,
+                                 **{"from": str(trainer.resumed_from)}, skipped=trainer.resume_skipped)
             result = trainer.fit()
         except BaseException as error:
             if env.rank == 0:

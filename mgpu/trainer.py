@@ -88,6 +88,7 @@ class Trainer:
             if self.is_main else None
         self.progress, resumed = self._resume()
         self.total_steps = self._total_steps()
+        self._check_batch_norm_batches()
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.total_steps)
         if resumed is not None:
             self.progress = restore_state(resumed.state, self.model, self.optimizer, self.scheduler, self.scaler,
@@ -100,6 +101,8 @@ class Trainer:
                            find_unused_parameters=cfg.train.find_unused_parameters,
                            static_graph=cfg.train.static_graph)
         self.resume_step = self.progress.step if resumed is not None else 0
+        self.resumed_from = resumed.path if resumed is not None else None
+        self.resume_skipped = [(str(bad), reason) for bad, reason in resumed.skipped] if resumed else []
         self.reporter = Reporter(self.is_main, run_dir / "tensorboard" if cfg.log.tensorboard else None,
                                  self.total_steps, self.resume_step, cfg.log.progress_bar)
         self.version = code_version()
@@ -112,6 +115,16 @@ class Trainer:
         self._grad_norm = torch.zeros((), device=self.device)
 
     # ------------------------------------------------------------------ setup
+    def _check_batch_norm_batches(self) -> None:
+        """BatchNorm cannot train on one sample: fail now rather than at the end of the first epoch."""
+        has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
+        starts = {self.progress.position, 0} if self.progress.epoch + 1 < self.cfg.train.epochs else {
+            self.progress.position}
+        if has_norm and min(self.plan.smallest_micro_batch(start) for start in starts) == 1:
+            raise MgpuError(f"with {len(self.train_set)} samples, data.batch_size={self.cfg.data.batch_size} "  # type: ignore[arg-type]
+                            f"and {self.world} ranks, some rank gets a one-sample batch at the end of each epoch, "
+                            f"which BatchNorm cannot train on: change data.batch_size")
+
     @property
     def precision(self) -> torch.dtype:
         wanted = self.cfg.train.precision

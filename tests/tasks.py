@@ -32,11 +32,13 @@ class Blobs(Dataset):
 class BlobTask(Task):
     """MLP with dropout and batch norm. `ids_dir`: append every trained sample id to ids-rank<R>.txt."""
 
-    def __init__(self, size: int = 40, eval_size: int = 17, ids_dir: str | None = None) -> None:
-        self.size, self.eval_size, self.ids_dir = size, eval_size, ids_dir
+    def __init__(self, size: int = 40, eval_size: int = 17, ids_dir: str | None = None,
+                 batch_norm: bool = True) -> None:
+        self.size, self.eval_size, self.ids_dir, self.batch_norm = size, eval_size, ids_dir, batch_norm
 
     def build_model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+        norm = nn.BatchNorm1d(16) if self.batch_norm else nn.Identity()
+        return nn.Sequential(nn.Linear(8, 16), norm, nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
 
     def train_dataset(self) -> Dataset:
         return Blobs(self.size, 0)

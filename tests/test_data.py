@@ -63,3 +63,12 @@ def test_micro_steps_left() -> None:
 def test_eval_shard_covers_once() -> None:
     shards = [eval_shard(10, r, 3) for r in range(3)]
     assert sorted(i for s in shards for i in s) == list(range(10))
+
+
+@pytest.mark.parametrize("num, batch, world, smallest", [(12, 3, 2, 3), (13, 3, 2, 1), (40, 3, 1, 1), (41, 3, 2, 2),
+                                                          (7, 4, 2, 3), (3, 2, 4, 1)])
+def test_smallest_micro_batch(num: int, batch: int, world: int, smallest: int) -> None:
+    plans = [ShardPlan(num, batch, rank, world) for rank in range(world)]
+    sizes = [len(mb.indices) for plan in plans for mb in plan.micro_batches(0)]
+    assert min(sizes) == plans[0].smallest_micro_batch() == smallest
+    assert ShardPlan(41, 3, 0, 2).smallest_micro_batch(start=9) == 1  # 32 left: the last 2 split 1 + 1

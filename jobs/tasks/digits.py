@@ -45,16 +45,21 @@ class SyntheticDigits(Dataset):
         # Thicker or thinner strokes: a random max-pool dilation on part of the samples.
         thick = torch.rand(size, generator=generator) < 0.5
         images[thick] = F.max_pool2d(images[thick], 3, stride=1, padding=1)
-        angle = (torch.rand(size, generator=generator) - 0.5) * math.radians(30)
-        scale = 0.8 + 0.35 * torch.rand(size, generator=generator)
-        shear = (torch.rand(size, generator=generator) - 0.5) * 0.4
-        shift = (torch.rand(size, 2, generator=generator) - 0.5) * 0.3
+        angle = (torch.rand(size, generator=generator) - 0.5) * math.radians(70)
+        scale = 0.6 + 0.6 * torch.rand(size, generator=generator)
+        shear = (torch.rand(size, generator=generator) - 0.5) * 0.8
+        shift = (torch.rand(size, 2, generator=generator) - 0.5) * 0.5
         cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
         theta = torch.stack([torch.stack([cos, -sin + shear, shift[:, 0]], 1),
                              torch.stack([sin, cos, shift[:, 1]], 1)], 1)
         grid = F.affine_grid(theta, list(images.shape), align_corners=False)
         images = F.grid_sample(images, grid, align_corners=False)
-        images = images + 0.3 * torch.randn(images.shape, generator=generator)
+        # Clutter: a random bright bar through part of the images, then heavy pixel noise.
+        bars = torch.zeros_like(images)
+        rows = torch.randint(0, 28, (size,), generator=generator)
+        has_bar = torch.rand(size, generator=generator) < 0.5
+        bars[torch.arange(size)[has_bar], 0, rows[has_bar], :] = 1.0
+        images = torch.maximum(images, bars) + 0.5 * torch.randn(images.shape, generator=generator)
         self.images = ((images - 0.15) / 0.35).contiguous()
 
     def __len__(self) -> int:

@@ -1,0 +1,230 @@
+"""The training loop end to end, through jobs/train.py: exact resume, world-size change, corrupted
+checkpoints, TensorBoard across a resume, config errors. Real processes, real gloo groups."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from mgpu.checkpoint import CheckpointStore
+from mgpu.ledger import read_ledger
+from tests.conftest import PYTHON, ROOT, base_env, run_processes
+
+TRAIN = str(ROOT / "jobs" / "train.py")
+TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+# 40 samples, 3 per rank, 2 ranks, 2 micro-steps per step: 4 steps per epoch (the last one has a single
+# micro-step of 4 samples), 12 in all. Warmup, cosine, clipping, dropout and batch norm all in play.
+BLOBS = ["task.target=tests.tasks:BlobTask", "train.epochs=3", "data.batch_size=3", "train.grad_accum=2",
+         "train.clip_grad_norm=1.0", "schedule.name=cosine", "schedule.warmup_steps=3", "log.every_steps=1",
+         "checkpoint.keep_last=10", "optim.lr=0.01"]
+
+
+def train(run_dir: Path, *args: str, ranks: int = 1, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    cmd = [PYTHON, TRAIN, f"run.dir={run_dir}", *args]
+    if ranks > 1:
+        port = str(random.randint(20000, 32000))
+        cmd = [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", port, *cmd[1:]]
+    (result,) = run_processes([(cmd, base_env())], timeout=timeout)
+    return result
+
+
+def final_state(run_dir: Path) -> dict[str, Any]:
+    loaded = CheckpointStore(run_dir / "checkpoints").latest()
+    assert loaded is not None, f"no checkpoint in {run_dir}"
+    return loaded.state
+
+
+def assert_identical(a: Any, b: Any, path: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{path} differs"
+    elif isinstance(a, dict):
+        assert set(a) == set(b), path
+        for key in a:
+            assert_identical(a[key], b[key], f"{path}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    run_dir = tmp_path_factory.mktemp("unbroken")
+    result = train(run_dir, *BLOBS, ranks=2)
+    assert result.returncode == 0, result.stdout
+    return final_state(run_dir)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stop_at", [1, 2, 4, 9])  # mid-epoch, mid-epoch, last step of epoch 0, mid-epoch 2
+def test_resume_is_bit_identical(stop_at: int, uninterrupted: dict[str, Any], tmp_path: Path) -> None:
+    first = train(tmp_path, *BLOBS, f"--stop-at-step={stop_at}", ranks=2)
+    assert first.returncode != 0  # torchrun reports the workers' exit code 3 ("stopped") as a failure
+    assert "exitcode  : 3" in first.stdout, first.stdout
+    assert final_state(tmp_path)["progress"]["step"] == stop_at
+    second = train(tmp_path, *BLOBS, ranks=2)
+    assert second.returncode == 0, second.stdout
+    resumed = final_state(tmp_path)
+    assert resumed["progress"]["step"] == uninterrupted["progress"]["step"] == 12
+    assert_identical(resumed["model"], uninterrupted["model"], "model")
+    assert_identical(resumed["optimizer"], uninterrupted["optimizer"], "optimizer")
+    assert_identical(resumed["scheduler"], uninterrupted["scheduler"], "scheduler")
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [stop_at]
+    assert [e["step"] for e in events if e["event"] == "preempted"] == [stop_at]
+
+
+def read_ids(directory: Path, world: int, remainder: int) -> list[int]:
+    """Every trained sample id. When the epoch's last global batch has fewer samples than ranks
+    (`remainder` < world), ranks >= remainder train on one zero-weight padding sample (mgpu.data):
+    their last line is not a sample seen."""
+    ids = []
+    for rank in range(world):
+        lines = (directory / f"ids-rank{rank}.txt").read_text().splitlines()
+        if 0 < remainder < world and rank >= remainder:
+            lines = lines[:-1]
+        ids += [int(i) for line in lines for i in line.split()]
+    return ids
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+def test_world_size_change_sees_every_sample_once(before: int, after: int, tmp_path: Path) -> None:
+    ids_dir = tmp_path / "ids"
+    ids_dir.mkdir()
+    # No batch norm: the epoch's last batches have a single sample on some rank (40 = 13 * 3 + 1).
+    run = ["task.target=tests.tasks:BlobTask", f"task.args.ids_dir={ids_dir}", "task.args.batch_norm=false",
+           "train.epochs=1",
+           "data.batch_size=3", "checkpoint.every_steps=1", "log.every_steps=1"]
+    first = train(tmp_path / "run", *run, "--stop-at-step=3", ranks=before)
+    assert "step 3/" in first.stdout and final_state(tmp_path / "run")["progress"]["step"] == 3, first.stdout
+    seen_before = read_ids(ids_dir, before, 0)
+    assert len(seen_before) == 3 * 3 * before
+    for path in ids_dir.iterdir():
+        path.unlink()
+    second = train(tmp_path / "run", *run, ranks=after)
+    assert second.returncode == 0, second.stdout
+    seen_after = read_ids(ids_dir, after, (40 - len(seen_before)) % (3 * after))
+    both = seen_before + seen_after
+    assert sorted(both) == list(range(40)), "a sample was seen twice or skipped"
+    assert final_state(tmp_path / "run")["world_size"] == after
+
+
+def test_corrupted_latest_falls_back_to_previous(tmp_path: Path) -> None:
+    run = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=8", "checkpoint.keep_last=5"]
+    assert train(tmp_path, *run).returncode == 0
+    store = CheckpointStore(tmp_path / "checkpoints")
+    steps = store.list_steps()
+    assert steps == [5, 10]
+    bad = tmp_path / "checkpoints" / "step_00000010" / "state.pt"
+    data = bytearray(bad.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, same size
+    bad.write_bytes(bytes(data))
+    # One more epoch (a safe change): it must resume from step 5, name the bad file, and finish.
+    result = train(tmp_path, *run[:1], "train.epochs=3", *run[2:])
+    assert result.returncode == 0, result.stdout
+    assert str(bad.parent) in result.stdout
+    resumed = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "resumed"]
+    assert resumed[-1]["step"] == 5 and str(bad.parent) in json.dumps(resumed[-1]["skipped"])
+    assert final_state(tmp_path)["progress"]["step"] == 15
+
+
+def test_truncated_latest_falls_back_to_previous(tmp_path: Path) -> None:
+    run = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=8"]
+    assert train(tmp_path, *run).returncode == 0
+    bad = tmp_path / "checkpoints" / "step_00000010" / "state.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+    result = train(tmp_path, *run)
+    assert result.returncode == 0 and str(bad.parent) in result.stdout, result.stdout
+    resumed = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "resumed"]
+    assert resumed[-1]["step"] == 5
+
+
+def test_one_sample_batch_norm_batch_is_refused_up_front(tmp_path: Path) -> None:
+    result = train(tmp_path, "task.target=tests.tasks:BlobTask", "data.batch_size=3")  # 40 = 13 * 3 + 1
+    assert result.returncode == 2 and "one-sample batch" in result.stdout, result.stdout
+
+
+def test_unsafe_config_change_on_resume_is_refused(tmp_path: Path) -> None:
+    run = ["task.target=tests.tasks:BlobTask", "train.epochs=1", "data.batch_size=8"]
+    assert train(tmp_path, *run).returncode == 0
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").iterdir())
+    result = train(tmp_path, *run, "optim.lr=0.5")
+    assert result.returncode == 2
+    errors = [line for line in result.stdout.splitlines() if "error" in line]
+    assert len(errors) == 1 and "optim.lr" in errors[0], result.stdout
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").iterdir()) == before
+
+
+def test_tensorboard_curve_never_overlaps_across_a_resume(tmp_path: Path) -> None:
+    run = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.05", "train.epochs=2", "data.batch_size=2",
+           "log.every_steps=1", "checkpoint.every_steps=4", "checkpoint.async_save=false"]
+    cmd = [PYTHON, TRAIN, f"run.dir={tmp_path}", *run]
+    proc = subprocess.Popen(cmd, env=base_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:  # killed after step 7's line, 3 steps past the step-4 checkpoint
+            if "step 7/" in line or time.monotonic() > deadline:
+                break
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert final_state(tmp_path)["progress"]["step"] == 4
+    assert train(tmp_path, *run).returncode == 0
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    steps = [event.step for event in events.Scalars("train/loss")]
+    assert steps == sorted(set(steps)), f"loss steps not strictly increasing: {steps}"
+    assert steps == list(range(1, 41))
+
+
+MALFORMED = [
+    ("trian:\n  epochs: 1\n", [], "did you mean 'train'"),
+    ("train:\n  epoch: 1\n", [], "did you mean 'train.epochs'"),
+    ("optim:\n  lr: abc\n", [], "optim.lr: expected float, got 'abc'"),
+    ("data:\n  batch_size: 2.5\n", [], "data.batch_size"),
+    ("data:\n  batch_size: -4\n", [], "data.batch_size"),
+    ("train:\n  precision: fp8\n", [], "train.precision"),
+    ("eval:\n  mode: minimum\n", [], "eval.mode"),
+    ("task:\n  target: no_colon\n", [], "task.target"),
+    ("preemption:\n  signal: USR1\n", [], "preemption.signal"),
+    ("train: [1, 2\n", [], "YAML"),
+    ("- a list\n", [], "mapping"),
+    ("", ["train.epochs"], "train.epochs"),
+    ("", ["train.epochs=many"], "train.epochs"),
+    ("task:\n  target: tests.no_such_module:Task\n", [], "tests.no_such_module"),
+]
+
+
+@pytest.mark.parametrize("text, overrides, message", MALFORMED)
+def test_malformed_config_fails_in_one_line_before_any_group(text: str, overrides: list[str], message: str,
+                                                             tmp_path: Path) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    run_dir = tmp_path / "run"
+    result = subprocess.run([PYTHON, TRAIN, "--config", str(config), f"run.dir={run_dir}", *overrides],
+                            env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr
+    assert not run_dir.exists(), "something was created before the config was validated"
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    result = subprocess.run([PYTHON, TRAIN, "--config", str(tmp_path / "nope.yaml")], env=base_env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "nope.yaml" in result.stderr and len(result.stderr.splitlines()) == 1
