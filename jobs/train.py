@@ -5,7 +5,8 @@
     srun python jobs/train.py --config ...                                 # one Slurm task per GPU
 
 Running the same command again resumes the run from its newest valid checkpoint.
-Exit codes: 0 finished, 2 bad input, 3 stopped by a signal (checkpoint written; see mgpu.requeue).
+Exit codes: 0 finished (or stopped and requeued under Slurm), 2 bad input, 3 stopped by a signal and
+not requeued (the checkpoint is written: run the same command to resume). See mgpu/job.py.
 """
 
 from __future__ import annotations
@@ -36,12 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-        from mgpu.runner import run_training
+        from mgpu.job import JobStopped, run_job
 
-        result = run_training(cfg, config_path=args.config, stop_at_step=args.stop_at_step)
+        run_job(cfg, config_path=args.config, stop_at_step=args.stop_at_step)
     except MgpuError as error:
         exit_with(error, "train")
-    return STOPPED_EXIT_CODE if result.status == "stopped" else 0
+    except JobStopped as stopped:
+        print(f"train: {stopped}", file=sys.stderr, flush=True)
+        return STOPPED_EXIT_CODE
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     started          world_size, nodes, launcher, config_path, git_sha
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
-    signal_received  signal, step (the first step boundary that saw it), rank
-    preempted        step, reason ("signal" | "time_limit" | "cancelled" | "requeue" | "test")
-    requeued         step, how ("self" | "slurm"), job_id
+    preempted        step, reasons (mgpu.preemption.REASONS agreed by all ranks), signals (seen by rank 0)
+    stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...), requeue, reason
+    requeued         step, how ("self" | "slurm"), message
     evaluated        step, metrics
     early_stopped    step, metric, best
     finished         step, epoch, seconds

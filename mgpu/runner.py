@@ -8,12 +8,14 @@ group is formed, so a bad input fails in one line instead of waiting for ranks t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from mgpu.config import Config, save_config
 from mgpu.environment import ProcessEnv, detect_environment
@@ -55,8 +57,12 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
-                 env: ProcessEnv | None = None):  # -> FitResult (torch is imported below, not at module import)
-    """Train on this rank until finished, early-stopped or stopped by a signal; return the result."""
+                 env: ProcessEnv | None = None, stop: Any = None) -> tuple[Any, Ledger]:
+    """Train on this rank until finished, early-stopped or stopped by a signal.
+
+    Returns (FitResult, the run's ledger). `stop`: an installed `StopRequest` (default: one installed
+    for the duration of the call). torch is imported here, not at module import.
+    """
     env = env or detect_environment()
     import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
 
@@ -70,9 +76,14 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     ledger = Ledger(run_dir / "events.jsonl" if env.rank == 0 else None, env.job_id, env.restart_count)
     started = time.time()
     # Signals are caught from here on: one arriving during the rendezvous or the resume is not lost.
-    with StopRequest(cfg.preemption.signal) as stop, \
-            process_group(env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
-                          backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend) as ctx:
+    own_stop = stop is None
+    stop = StopRequest(cfg.preemption.signal).install() if own_stop else stop
+    with contextlib.ExitStack() as cleanup:
+        if own_stop:
+            cleanup.callback(stop.uninstall)
+        ctx = cleanup.enter_context(process_group(
+            env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
+            backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend))
         if env.rank == 0:
             save_config(cfg, run_dir / "config.yaml")
         task = build_task(cfg.task.target, cfg.task.args)
@@ -95,4 +106,4 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
             ledger.write("finished", step=result.step, epoch=result.epoch, status=result.status,
                          seconds=round(time.time() - started, 3), metrics=result.metrics)
     log.info("%s at step %d (run directory %s)", result.status, result.step, run_dir)
-    return result
+    return result, ledger

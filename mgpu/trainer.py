@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,6 +203,7 @@ class Trainer:
             self.reporter.hparams(_flatten(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
                                f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position})")
+        log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
         status: Literal["finished", "stopped", "early_stopped"] = "finished"
         reasons: set[str] = set()
         self.model.train()
@@ -231,6 +233,8 @@ class Trainer:
                 if p.step % cfg.preemption.check_every_steps == 0:
                     reasons = self.stop.agree(self.device)
                     if reasons:
+                        log.info("stopping at step %d (%s; signals on this rank: %s)", p.step,
+                                 ", ".join(sorted(reasons)), [name for name, _ in self.stop.received])
                         status = "stopped"
                         break
             if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):

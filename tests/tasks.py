@@ -63,9 +63,15 @@ class BlobTask(Task):
 class SlowBlobTask(BlobTask):
     """BlobTask whose steps take `step_s` seconds (for signal tests that need time to act)."""
 
-    def __init__(self, step_s: float = 0.2, **kwargs) -> None:
+    def __init__(self, step_s: float = 0.2, ballast_mb: int = 0, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.step_s = step_s
+        self.step_s, self.ballast_mb = step_s, ballast_mb
+
+    def build_model(self) -> nn.Module:
+        model = super().build_model()
+        if self.ballast_mb:  # a large buffer makes every checkpoint slow to write
+            model.register_buffer("ballast", torch.zeros(self.ballast_mb * 2**18))
+        return model
 
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         import time

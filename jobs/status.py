@@ -1,0 +1,181 @@
+"""Show a run's state: `python jobs/status.py RUN_DIR_OR_JOB_ID [--folder runs]`.
+
+    python jobs/status.py runs/mnist-12345     # a run directory
+    python jobs/status.py 12345                # a Slurm job id: runs/*-12345 (array: runs/*-12345_*)
+
+Reads `<run dir>/events.jsonl` (see mgpu/ledger.py) and asks squeue/sacct where they exist.
+Exit codes: 0 shown, 2 no such run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mgpu.errors import MgpuError, exit_with  # noqa: E402
+from mgpu.ledger import read_ledger  # noqa: E402
+
+__all__ = ["describe", "find_run_dirs", "progress_line", "scheduler_state", "summarize"]
+
+_SLURM_ID = re.compile(r"^\d+(_\d+)?$")
+
+
+def find_run_dirs(arg: str, folder: str | Path = "runs") -> list[Path]:
+    """A run directory as given, else the run directories of job `arg` under `folder`."""
+    path = Path(arg)
+    if path.is_dir():
+        return [path]
+    root = Path(folder)
+    found = sorted(root.glob(f"*-{arg}"))
+    if not found and _SLURM_ID.match(arg) and "_" not in arg:
+        found = sorted(root.glob(f"*-{arg}_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    if not found:
+        raise MgpuError(f"{arg!r}: neither a run directory nor a job id with a run directory "
+                        f"{root}/*-{arg} (pass --folder, the root the job was submitted with)")
+    return [p for p in found if p.is_dir()]
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[str, Any]:
+    """The facts status and `submit.py --wait` show, from the ledger's events (oldest first)."""
+    now = time.time() if now is None else now
+    if not events:
+        return {"state": "not started", "events": 0}
+    last = events[-1]
+    restart = max(int(e.get("restart") or 0) for e in events)
+    summary: dict[str, Any] = {
+        "events": len(events), "job_id": last.get("job_id"), "restart": restart,
+        "requeues": sum(e["event"] == "requeued" for e in events),
+        "last_event": last["event"], "last_event_age_s": now - last["time"],
+        "launcher": next((e.get("launcher") for e in reversed(events) if e["event"] == "started"), None),
+    }
+    state = "running"
+    for event in reversed(events):
+        name = event["event"]
+        if name == "finished":
+            status = event.get("status")
+            state = "finished" if status in (None, "finished") else f"finished ({status})"
+        elif name == "failed":
+            state = f"failed: {event.get('error', '?')}"
+        elif name == "preempted":
+            state = "stopped by a signal (requeue pending)"
+        elif name not in ("started", "resumed"):
+            continue
+        break
+    summary["state"] = state
+    stepped = [e for e in events if isinstance(e.get("step"), int)]
+    if stepped:
+        summary["step"] = stepped[-1]["step"]
+        summary["epoch"] = next((e["epoch"] for e in reversed(stepped) if "epoch" in e), None)
+    saves = [e for e in events if e["event"] == "checkpoint_saved"]
+    if saves:
+        summary["checkpoint"] = {"step": saves[-1].get("step"), "age_s": now - saves[-1]["time"],
+                                 "reason": saves[-1].get("reason"), "path": saves[-1].get("path")}
+    # Throughput over the current run (since the last start/resume): steps between two ledger events.
+    current = [e for e in events if int(e.get("restart") or 0) == restart]
+    start = next((e for e in reversed(current) if e["event"] in ("started", "resumed")), None)
+    if start is not None and stepped:
+        begin_step = start.get("step", 0) if start["event"] == "resumed" else 0
+        end = stepped[-1]
+        if end["time"] > start["time"] and end["step"] > begin_step:
+            summary["steps_per_s"] = (end["step"] - begin_step) / (end["time"] - start["time"])
+            summary["throughput_window_s"] = end["time"] - start["time"]
+    totals = [e["total_steps"] for e in events if isinstance(e.get("total_steps"), int)]
+    if totals and "step" in summary:
+        summary["total_steps"] = totals[-1]
+    return summary
+
+
+def progress_line(summary: dict[str, Any]) -> str:
+    """One line: state, step, last checkpoint, throughput."""
+    parts = [summary["state"]]
+    if "step" in summary:
+        total = f"/{summary['total_steps']}" if "total_steps" in summary else ""
+        parts.append(f"step {summary['step']}{total}")
+    if "checkpoint" in summary:
+        ckpt = summary["checkpoint"]
+        parts.append(f"checkpoint step {ckpt['step']} {_age(ckpt['age_s'])} ago")
+    if "steps_per_s" in summary:
+        parts.append(f"{summary['steps_per_s']:.3g} steps/s")
+    if summary.get("restart"):
+        parts.append(f"restart {summary['restart']}")
+    return ", ".join(parts)
+
+
+def scheduler_state(job_id: str) -> str | None:
+    """Slurm's state of the job (squeue while queued or running, then sacct), or None if unknown."""
+    if not _SLURM_ID.match(job_id):
+        return None
+    for command in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id]):
+        if shutil.which(command[0]) is None:
+            continue
+        try:
+            out = subprocess.run(command, capture_output=True, text=True, timeout=15, check=False).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        lines = [line.strip() for line in out.splitlines() if line.strip()]
+        if lines:
+            return lines[-1].split()[0]
+    return None
+
+
+def describe(run_dir: Path, now: float | None = None) -> list[str]:
+    """The lines `status.py` prints for one run directory."""
+    summary = summarize(read_ledger(run_dir / "events.jsonl"), now)
+    lines = [f"run         {run_dir}"]
+    job_id = summary.get("job_id") or run_dir.name.rsplit("-", 1)[-1]
+    sched = scheduler_state(str(job_id)) if summary.get("launcher") != "submitit-local" else None
+    lines.append(f"job         {job_id}" + (f" (slurm: {sched})" if sched else ""))
+    lines.append(f"state       {summary['state']}")
+    if not summary["events"]:
+        return lines
+    lines.append(f"requeues    {summary['restart']} restart(s), {summary['requeues']} requeue event(s)")
+    if "step" in summary:
+        total = f" of {summary['total_steps']}" if "total_steps" in summary else ""
+        epoch = f", epoch {summary['epoch']}" if summary.get("epoch") is not None else ""
+        lines.append(f"progress    step {summary['step']}{total}{epoch}")
+    if "checkpoint" in summary:
+        ckpt = summary["checkpoint"]
+        lines.append(f"checkpoint  step {ckpt['step']}, {_age(ckpt['age_s'])} ago ({ckpt['reason']})")
+    else:
+        lines.append("checkpoint  none yet")
+    if "steps_per_s" in summary:
+        lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {_age(summary['throughput_window_s'])}")
+    lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("target", metavar="RUN_DIR_OR_JOB_ID")
+    parser.add_argument("--folder", default="runs", help="root of the run directories (default: runs)")
+    args = parser.parse_args(argv)
+    try:
+        run_dirs = find_run_dirs(args.target, args.folder)
+    except MgpuError as error:
+        exit_with(error, "status")
+    for i, run_dir in enumerate(run_dirs):
+        print(("\n" if i else "") + "\n".join(describe(run_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Submit training as a Slurm batch job, or run it here: `python jobs/submit.py --config X.yaml [key=value ...]`.
+
+    python jobs/submit.py --nodes 2 --gpus-per-node 4 --time 04:00:00 --config jobs/configs/mnist.yaml
+    python jobs/submit.py --gpus-per-node 2 --config jobs/configs/mnist.yaml      # no sbatch here: runs locally
+    python jobs/submit.py ... --sweep optim.lr=1e-3,3e-4 --sweep data.batch_size=32,64   # a 4-task job array
+    python jobs/submit.py ... --dry-run                                            # print the sbatch file only
+
+Everything is validated before anything is created or submitted. One task per GPU; the job
+checkpoints and requeues itself --signal-lead seconds before its time limit or on preemption.
+Exit codes: 0 submitted (completed, when waiting), 1 the job failed, 2 bad input (nothing submitted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator, NoReturn, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if __name__ == "__main__":  # find task modules as the job will, from the working directory, not from jobs/
+    sys.path[0:1] = [os.getcwd()] + ([str(ROOT)] if str(ROOT) != os.getcwd() else [])
+
+from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
+from mgpu.submission import (Resources, Submission, build_submission, run_dir_for, sbatch_script,  # noqa: E402
+                             slurm_parameters, submitit_command, submitit_folder)
+
+PROG = "submit"
+# Slurm states after which a job may still run again (submitit's list and the transient ones).
+_UNFINISHED = {"READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
+               "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other input error
+        exit_with(MgpuError(message), PROG)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="jobs/submit.py", description=__doc__.splitlines()[0], epilog="\n".join(__doc__.splitlines()[1:]),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (default: the built-in defaults)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.epochs=3")
+    r = p.add_argument_group("resources")
+    r.add_argument("--nodes", type=int, default=1, help="nodes (default: 1)")
+    r.add_argument("--gpus-per-node", type=int, default=1, help="GPUs per node, one task each; 0: CPU (default: 1)")
+    r.add_argument("--tasks-per-node", type=int, help="tasks per node with --gpus-per-node 0 (default: 1)")
+    r.add_argument("--cpus-per-task", type=int, help="CPUs per task (default: the partition's)")
+    r.add_argument("--mem", help="memory per node, Slurm's syntax, e.g. 64G (default: the partition's)")
+    r.add_argument("--time", default="01:00:00", help="time limit: MM, HH:MM:SS, D-HH:MM or D-HH (default: 01:00:00)")
+    for flag in ("partition", "account", "qos", "constraint"):
+        r.add_argument(f"--{flag}", help=f"sbatch --{flag}")
+    r.add_argument("--exclude", help="nodes to avoid, a Slurm node list (e.g. gpu[03-04])")
+    r.add_argument("--job-name", help="Slurm job name (default: run.name)")
+    j = p.add_argument_group("job")
+    j.add_argument("--folder", help="root of the run directories; sets run.root (default: run.root, i.e. runs)")
+    j.add_argument("--signal-lead", type=int, default=120, metavar="S",
+                   help="signal the job S seconds before its time limit, to checkpoint (default: 120)")
+    j.add_argument("--max-requeues", type=int, default=10, help="times the job requeues itself (default: 10)")
+    j.add_argument("--cluster", choices=("auto", "slurm", "local", "debug"), default="auto",
+                   help="auto: slurm if sbatch is on PATH, else local (processes here); debug: in-process")
+    j.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
+                   help="run every combination as a job array (repeatable)")
+    j.add_argument("--max-parallel", type=int, default=4, help="array tasks running at once (default: 4)")
+    j.add_argument("--dry-run", action="store_true", help="print what would be submitted; submit nothing")
+    j.add_argument("--wait", action="store_true", help="follow the job until it ends; exit 0 if it completed")
+    j.add_argument("--poll-interval", type=float, default=15.0, help=argparse.SUPPRESS)
+    return p.parse_intermixed_args(argv)
+
+
+def _resources(args: argparse.Namespace, sub: Submission) -> Resources:
+    cfg = sub.configs[0]
+    return Resources(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
+                     cpus_per_task=args.cpus_per_task, mem=args.mem, time=args.time, partition=args.partition,
+                     account=args.account, qos=args.qos, constraint=args.constraint, exclude=args.exclude,
+                     job_name=args.job_name or sub.name, signal_lead_s=args.signal_lead,
+                     max_requeues=args.max_requeues, requeue_signal=cfg.preemption.signal)
+
+
+def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
+    cluster = args.cluster
+    if cluster == "auto":
+        cluster = "slurm" if shutil.which("sbatch") else "local"
+    if args.max_parallel < 1:
+        raise MgpuError(f"--max-parallel {args.max_parallel}: must be >= 1")
+    sub = build_submission(args.config, args.overrides, args.sweep, args.folder)
+    res = _resources(args, sub)
+    if cluster in ("local", "debug") and res.nodes > 1:
+        raise MgpuError(f"--nodes {res.nodes}: --cluster {cluster} runs on this machine only; use --nodes 1")
+    if cluster == "slurm" and not args.dry_run and not (shutil.which("sbatch") and shutil.which("srun")):
+        raise MgpuError("--cluster slurm: sbatch/srun not found on PATH; submit from a login node or use --cluster local")
+    return cluster, sub, res
+
+
+def _describe_tasks(sub: Submission) -> list[str]:
+    if len(sub.configs) == 1:
+        return []
+    return [f"# task {i}: run.name={cfg.run.name} {' '.join(o)}" for i, (cfg, o) in enumerate(zip(sub.configs, sub.overrides))]
+
+
+def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int) -> None:
+    folder = submitit_folder(sub.configs[0].run.root)
+    if cluster == "slurm":
+        print(sbatch_script(res, submitit_command(folder), folder, len(sub.configs), max_parallel), end="")
+    else:
+        print(f"# {cluster}: 1 node, {res.ntasks_per_node if cluster == 'local' else 1} process(es), "
+              f"time limit {res.time} ({res.time_s} s), signal {res.requeue_signal} {res.signal_lead_s} s before; "
+              f"logs in {folder}")
+    for line in [f"# dry run: nothing submitted; run root {sub.configs[0].run.root}", *_describe_tasks(sub)]:
+        print(line, file=sys.stderr)
+
+
+@contextlib.contextmanager
+def _job_environ(res: Resources) -> Iterator[None]:
+    """What the sbatch setup lines export, for the local executor (its controller copies os.environ)."""
+    values = {"MGPU_MAX_REQUEUES": str(res.max_requeues), "SUBMITIT_PREEMPT_SIGNAL": res.requeue_signal}
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int) -> list[Any]:
+    """Create the executor and submit one job per config (an array on Slurm); returns submitit jobs."""
+    import submitit
+
+    from mgpu.job import TrainJob  # only now: the job's callable (no torch at import either)
+
+    folder = submitit_folder(sub.configs[0].run.root)
+    fns = [TrainJob(config, sub.config_path) for config in sub.dicts]
+    if cluster == "slurm":
+        executor = submitit.SlurmExecutor(folder, max_num_timeout=res.max_requeues)
+        executor.update_parameters(**slurm_parameters(res, max_parallel))
+        return list(executor.submit_array(fns))
+    if cluster == "debug":
+        debug = submitit.DebugExecutor(folder)
+        return [debug.submit(fn) for fn in fns]
+    local = submitit.LocalExecutor(folder, max_num_timeout=res.max_requeues)
+    local.update_parameters(nodes=1, tasks_per_node=res.ntasks_per_node, gpus_per_node=res.gpus_per_node,
+                            timeout_min=res.time_s / 60, signal_delay_s=res.signal_lead_s)
+    with _job_environ(res):
+        return [local.submit(fns[0])]  # the others start one after another (see main)
+
+
+def _print_job(job: Any, cfg: Any, cluster: str) -> Path:
+    run_dir = run_dir_for(cfg, str(job.job_id), cluster)
+    follow = f"python jobs/status.py {run_dir}" + (f"   (or: squeue -j {job.job_id})" if cluster == "slurm" else "")
+    print(f"{cluster} job {job.job_id}\n  run directory  {run_dir}\n  stdout         {job.paths.stdout}\n"
+          f"  stderr         {job.paths.stderr}\n  follow         {follow}", flush=True)
+    return run_dir
+
+
+def follow(jobs: list[Any], run_dirs: list[Path], cluster: str, poll_s: float) -> bool:
+    """Print state changes and progress until every job ends; True if all completed."""
+    from jobs.status import progress_line, scheduler_state, summarize
+    from mgpu.ledger import read_ledger
+
+    shown: dict[int, tuple[str, str]] = {}
+    final: dict[int, bool] = {}
+    while len(final) < len(jobs):
+        if cluster == "slurm":
+            jobs[0].watcher.update()  # one sacct for all of them (the watcher is shared)
+        for i, (job, run_dir) in enumerate(zip(jobs, run_dirs)):
+            if i in final:
+                continue
+            summary = summarize(read_ledger(run_dir / "events.jsonl"))
+            if cluster == "slurm":
+                state = (job.watcher.get_state(job.job_id, mode="cache").split() or ["UNKNOWN"])[0].upper()
+                if state == "UNKNOWN":  # no accounting: squeue while queued, then the ledger decides
+                    state = scheduler_state(str(job.job_id)) or ("COMPLETED" if summary["state"].startswith(
+                        "finished") else "FAILED" if summary["state"].startswith("failed") else "UNKNOWN")
+                done = state not in _UNFINISHED
+                ok = state == "COMPLETED"
+            else:
+                state = job.state
+                done = job.done()
+                ok = done and summary["state"].startswith("finished")
+            line = progress_line(summary) if summary["events"] else "waiting for the first event"
+            if shown.get(i) != (state, line):
+                prefix = f"[{time.strftime('%H:%M:%S')}] job {job.job_id}"
+                print(f"{prefix} {state}: {line}", flush=True)
+                shown[i] = (state, line)
+            if done:
+                final[i] = ok
+        if len(final) < len(jobs):
+            time.sleep(poll_s)
+    return all(final.values())
+
+
+def _error_line(error: BaseException) -> str:
+    """The exception line of the traceback inside submitit's FailedJobError (else its first line)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    raised = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt|Stopped)\b", line)]
+    return (raised or lines or [type(error).__name__])[-1]
+
+
+def _run_here(job: Any, run_dir: Path, cluster: str, poll_s: float) -> bool:
+    """Wait for a local or debug job, print its result or its error; True if it succeeded."""
+    try:
+        if cluster == "local":
+            follow([job], [run_dir], cluster, poll_s)
+        results = job.results()
+    except KeyboardInterrupt:
+        job.cancel()
+        print(f"submit: interrupted: job {job.job_id} cancelled", file=sys.stderr, flush=True)
+        raise SystemExit(130) from None
+    except Exception as error:  # submitit's FailedJobError carries the rank's traceback
+        print(f"job {job.job_id} failed: {_error_line(error)} (see {job.paths.stderr})", file=sys.stderr, flush=True)
+        return False
+    print(f"job {job.job_id} done: {str(results[0])[:300]}", flush=True)
+    return True
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        cluster, sub, res = _validate(args)
+    except MgpuError as error:
+        exit_with(error, PROG)
+    if args.dry_run:
+        dry_run(cluster, sub, res, args.max_parallel)
+        return 0
+    if cluster == "debug" and res.ntasks_per_node > 1:
+        print("submit: note: --cluster debug runs one rank in this process", file=sys.stderr)
+    if cluster != "slurm":  # one job at a time on this machine, each waited for
+        ok = True
+        for i, cfg in enumerate(sub.configs):
+            single = Submission([cfg], [sub.overrides[i]], sub.config_path, sub.name)
+            job = submit(cluster, single, res, args.max_parallel)[0]
+            ok = _run_here(job, _print_job(job, cfg, cluster), cluster, min(args.poll_interval, 2.0)) and ok
+        return 0 if ok else 1
+    jobs = submit(cluster, sub, res, args.max_parallel)
+    run_dirs = [_print_job(job, cfg, cluster) for job, cfg in zip(jobs, sub.configs)]
+    if len(jobs) > 1:
+        array_id = str(jobs[0].job_id).split("_")[0]
+        print(f"array {array_id}: {len(jobs)} tasks, at most {args.max_parallel} at once; "
+              f"python jobs/status.py {array_id} --folder {sub.configs[0].run.root}   (or: squeue -j {array_id})")
+    if args.wait:
+        return 0 if follow(jobs, run_dirs, cluster, args.poll_interval) else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

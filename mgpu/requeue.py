@@ -1,0 +1,141 @@
+"""After a stop: what happened to the job, and should it come back? Asked of Slurm, not guessed.
+
+SIGTERM alone does not tell preemption from `scancel`; Slurm's view of the job does. What a task
+sees in `scontrol show job` right after the signal, measured on Slurm 22.05 (2 nodes, KillWait 5):
+
+| event                                   | signals      | JobState   | RestartCnt | PreemptTime | Slurm requeues? |
+|-----------------------------------------|--------------|------------|------------|-------------|-----------------|
+| preempted, GraceTime 0                  | (USR2+) TERM | COMPLETING | +1         | -           | yes             |
+| `scontrol requeue` from outside         | TERM         | COMPLETING | +1         | -           | yes             |
+| preempted, GraceTime > 0 (user signal)  | USR2         | RUNNING    | same       | set         | no: self        |
+| preempted, GraceTime > 0 (no user sig.) | TERM         | RUNNING    | same       | set         | no: self        |
+| `--signal=USR2@lead` before time limit  | USR2         | RUNNING    | same       | unset       | no: self        |
+| `scancel --signal=USR2` (on demand)     | USR2         | RUNNING    | same       | unset       | no: self        |
+| time limit reached (no lead signal)     | TERM         | COMPLETING | same       | unset, Reason=TimeLimit | no: self |
+| `scancel`                               | TERM         | COMPLETING | same       | unset       | no, stays down  |
+
+A self-requeue of a cancelled job *does* bring it back, so the cancelled case must be recognised
+before requeueing. A preempted job with GraceTime > 0 that exits without requeueing itself ends
+COMPLETED and never returns.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from mgpu.errors import MgpuError
+
+__all__ = ["Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job", "requeue"]
+
+Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "terminated",
+                "not_slurm"]
+Runner = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
+
+
+class RequeueError(MgpuError):
+    """Slurm cannot be asked or told (e.g. scontrol is missing in the container)."""
+
+
+@dataclass(frozen=True)
+class JobView:
+    """The fields of `scontrol show job` the decision needs."""
+
+    state: str
+    reason: str
+    restarts: int
+    preempt_time: str | None
+
+
+@dataclass(frozen=True)
+class Decision:
+    event: Event
+    requeue: bool
+    """True: this job must run `scontrol requeue` on itself to come back."""
+    why: str
+
+
+@dataclass(frozen=True)
+class RequeueOutcome:
+    how: Literal["self", "slurm"]
+    message: str
+
+
+def _run(cmd: list[str]) -> "subprocess.CompletedProcess[str]":
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+
+
+def _scontrol() -> str:
+    path = shutil.which("scontrol")
+    if path is None:
+        raise RequeueError("scontrol not found on PATH (inside a container? bind-mount Slurm's client "
+                           "commands): cannot ask Slurm about the job or requeue it; the checkpoint is kept, "
+                           "resubmit the job to resume")
+    return path
+
+
+def parse_job_view(text: str) -> JobView:
+    """`scontrol show job -o` output -> JobView."""
+    fields = dict(token.split("=", 1) for token in text.split() if "=" in token)
+    preempt = fields.get("PreemptTime")
+    return JobView(state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", "None"),
+                   restarts=int(fields.get("Restarts", "0")),
+                   preempt_time=None if preempt in (None, "None", "-", "Unknown") else preempt)
+
+
+def query_job(job_id: str, run: Runner = _run) -> JobView:
+    cmd = [_scontrol(), "show", "job", "-o", job_id]
+    proc = run(cmd)
+    if proc.returncode < 0:
+        # Killed by a signal Slurm sent the whole step (e.g. the TERM that follows USR2 at preemption).
+        time.sleep(0.5)
+        proc = run(cmd)
+    if proc.returncode != 0:
+        raise RequeueError(f"scontrol show job {job_id} failed: {(proc.stderr or proc.stdout).strip()}")
+    return parse_job_view(proc.stdout)
+
+
+def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
+    """Name what happened from this run's stop reasons and Slurm's view (see the table above)."""
+    if view.restarts > restarts_at_start:
+        return "requeued_by_slurm"
+    if view.preempt_time is not None:
+        return "preempted"
+    if view.reason == "TimeLimit":
+        return "time_limit"
+    if view.state in ("COMPLETING", "CANCELLED") and "requeue_signal" not in reasons:
+        return "cancelled"
+    if "requeue_signal" in reasons:
+        return "user_signal"  # the --signal lead before the time limit, or `scancel --signal=USR2`
+    return "terminated"  # SIGTERM from outside Slurm's scheduling (e.g. kill): come back, nothing was cancelled
+
+
+def decide(reasons: set[str], in_slurm: bool, job_id: str | None, restarts: int, max_requeues: int,
+           run: Runner = _run) -> Decision:
+    """Whether this job should requeue itself after stopping for `reasons` (mgpu.preemption.REASONS)."""
+    if not in_slurm or job_id is None:
+        return Decision("not_slurm", False, "not a Slurm job: run the same command again to resume")
+    event = classify(reasons, query_job(job_id, run), restarts)
+    if event == "requeued_by_slurm":
+        return Decision(event, False, "Slurm is requeueing the job (preemption or an outside requeue)")
+    if event == "cancelled":
+        return Decision(event, False, "the job was cancelled; it stays cancelled")
+    if restarts >= max_requeues:
+        return Decision(event, False, f"{event}, but the requeue budget is spent ({restarts} of {max_requeues} "
+                                      "requeues used): resubmit to continue from the checkpoint")
+    return Decision(event, True, f"{event}: requeueing (requeue {restarts + 1} of {max_requeues})")
+
+
+def requeue(job_id: str, run: Runner = _run) -> RequeueOutcome:
+    """`scontrol requeue <job id>` (array-aware: `<array job>_<task>` requeues that task only)."""
+    proc = run([_scontrol(), "requeue", job_id])
+    if proc.returncode == 0:
+        return RequeueOutcome("self", f"requeued job {job_id}")
+    message = (proc.stderr or proc.stdout).strip()
+    if "pending" in message.lower():
+        # GraceTime=0: Slurm requeued the job already; ours arrives second and fails harmlessly.
+        return RequeueOutcome("slurm", f"Slurm had already requeued job {job_id} ({message})")
+    raise RequeueError(f"scontrol requeue {job_id} failed: {message}")

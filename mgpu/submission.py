@@ -1,0 +1,330 @@
+"""Building and validating a submission: resources, sweeps, executor parameters and the sbatch text.
+
+Everything a submission can get wrong (the config, the task's import path, the resources, the sweep)
+is checked here before anything is created or submitted, with one-line errors naming the flag.
+Nothing here imports torch, and submitit only inside the functions that need it, so that
+`jobs/submit.py --help` and `--dry-run` start fast.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import itertools
+import math
+import re
+import shlex
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from mgpu.config import Config, ConfigError, config_to_dict, load_config
+from mgpu.errors import MgpuError
+from mgpu.hostlist import HostlistError, expand_hostlist
+
+__all__ = [
+    "MAX_ARRAY_SIZE", "Resources", "Submission", "build_submission", "check_task_target", "expand_sweep",
+    "parse_slurm_time", "parse_sweep", "run_dir_for", "sbatch_script", "setup_lines", "slurm_parameters",
+    "submitit_command", "submitit_folder",
+]
+
+MAX_ARRAY_SIZE = 1000  # below Slurm's default MaxArraySize (1001)
+_TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                   r"|(?P<h>\d+):(?P<hm>\d+):(?P<hs>\d+)|(?P<m>\d+)(?::(?P<ms>\d+))?)$")
+_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
+
+
+def parse_slurm_time(text: str) -> int:
+    """Slurm's `--time` formats (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) -> seconds."""
+    match = _TIME.match(text.strip())
+    if match is None:
+        raise MgpuError(f"--time {text!r}: not a Slurm time; use MM, HH:MM:SS, D-HH:MM or D-HH (e.g. 04:00:00)")
+    g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
+    if "d" in g:
+        return ((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0)
+    if "h" in g:
+        return (g["h"] * 60 + g["hm"]) * 60 + g["hs"]
+    return g["m"] * 60 + g.get("ms", 0)
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What the job asks Slurm for; construction validates (MgpuError naming the flag and the fix)."""
+
+    nodes: int = 1
+    gpus_per_node: int = 1
+    tasks_per_node: int | None = None
+    """Only with --gpus-per-node 0 (CPU); with GPUs there is one task per GPU."""
+    cpus_per_task: int | None = None
+    mem: str | None = None
+    time: str = "01:00:00"
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+    exclude: str | None = None
+    job_name: str = "mgpu"
+    signal_lead_s: int = 120
+    max_requeues: int = 10
+    requeue_signal: str = "USR2"
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1:
+            raise MgpuError(f"--nodes {self.nodes}: must be >= 1")
+        if self.gpus_per_node < 0:
+            raise MgpuError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0 (0: CPU only)")
+        if self.tasks_per_node is not None:
+            if self.tasks_per_node < 1:
+                raise MgpuError(f"--tasks-per-node {self.tasks_per_node}: must be >= 1")
+            if self.gpus_per_node and self.tasks_per_node != self.gpus_per_node:
+                raise MgpuError(f"--tasks-per-node {self.tasks_per_node}: with GPUs there is one task per GPU; "
+                                f"omit it (it is --gpus-per-node, {self.gpus_per_node})")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise MgpuError(f"--cpus-per-task {self.cpus_per_task}: must be >= 1")
+        if self.mem is not None and not _MEM.match(self.mem):
+            raise MgpuError(f"--mem {self.mem!r}: use Slurm's <number>[K|M|G|T] per node, e.g. 64G")
+        seconds = parse_slurm_time(self.time)
+        if seconds < 60:
+            raise MgpuError(f"--time {self.time!r}: Slurm's limit must be at least one minute")
+        if not 10 <= self.signal_lead_s <= 65535:
+            raise MgpuError(f"--signal-lead {self.signal_lead_s}: must be in [10, 65535] seconds "
+                            "(time to checkpoint before the limit)")
+        if self.signal_lead_s >= seconds:
+            raise MgpuError(f"--signal-lead {self.signal_lead_s}: must be shorter than --time {self.time} "
+                            f"({seconds} s); lower it or ask for more time")
+        if self.max_requeues < 0:
+            raise MgpuError(f"--max-requeues {self.max_requeues}: must be >= 0")
+        if f"SIG{self.requeue_signal}" not in signal.Signals.__members__:
+            raise MgpuError(f"preemption.signal {self.requeue_signal!r}: not a signal name (e.g. USR2)")
+        for flag, value in (("--partition", self.partition), ("--account", self.account), ("--qos", self.qos),
+                            ("--constraint", self.constraint)):
+            if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+                raise MgpuError(f"{flag} {value!r}: must be a non-empty word without spaces")
+        if not self.job_name.strip():
+            raise MgpuError("--job-name: must not be empty")
+        if self.exclude is not None:
+            try:
+                expand_hostlist(self.exclude)
+            except HostlistError as error:
+                raise MgpuError(f"--exclude {self.exclude!r}: {error}; use a Slurm node list, e.g. gpu[01-03]") \
+                    from None
+
+    @property
+    def time_s(self) -> int:
+        return parse_slurm_time(self.time)
+
+    @property
+    def time_min(self) -> int:
+        """Whole minutes (what submitit passes to `--time`), rounded up like Slurm does."""
+        return math.ceil(self.time_s / 60)
+
+    @property
+    def ntasks_per_node(self) -> int:
+        return self.gpus_per_node or self.tasks_per_node or 1
+
+
+def setup_lines(res: Resources) -> list[str]:
+    """Lines the batch script runs before srun: what the job reads from its environment."""
+    return [f"export MGPU_MAX_REQUEUES={res.max_requeues}",
+            # submitit's own handler in the job listens to this signal (its default, USR2, otherwise)
+            f"export SUBMITIT_PREEMPT_SIGNAL={res.requeue_signal}"]
+
+
+def slurm_parameters(res: Resources, max_parallel: int = 4) -> dict[str, Any]:
+    """Parameters for `SlurmExecutor.update_parameters` (the names of submitit's `_make_sbatch_string`)."""
+    params: dict[str, Any] = {
+        "job_name": res.job_name, "nodes": res.nodes, "ntasks_per_node": res.ntasks_per_node,
+        "time": res.time_min, "signal_delay_s": res.signal_lead_s, "array_parallelism": max_parallel,
+        "setup": setup_lines(res), "srun_args": ["--kill-on-bad-exit=1"],
+        # submitit adds --open-mode=append but not --requeue (it relies on the cluster's JobRequeue=1);
+        # --mem goes through as Slurm spells it (submitit's own `mem` wants GB as a float).
+        "additional_parameters": {"requeue": True, "signal": f"{res.requeue_signal}@{res.signal_lead_s}",
+                                  **({"mem": res.mem} if res.mem else {})},
+    }
+    optional = {"gpus_per_node": res.gpus_per_node or None, "cpus_per_task": res.cpus_per_task,
+                "partition": res.partition, "account": res.account, "qos": res.qos,
+                "constraint": res.constraint, "exclude": res.exclude}
+    params.update({k: v for k, v in optional.items() if v is not None})
+    return params
+
+
+def submitit_folder(root: str | Path) -> Path:
+    """Where submitit keeps pickles and logs: `<run.root>/submitit` (no %j: Slurm creates no directories)."""
+    return Path(root).expanduser().absolute() / "submitit"
+
+
+def submitit_command(folder: str | Path) -> str:
+    """The command SlurmExecutor puts after srun (its `_submitit_command_str`)."""
+    return " ".join([shlex.quote(sys.executable), "-u -m submitit.core._submit", shlex.quote(str(folder))])
+
+
+def sbatch_script(res: Resources, command: str, folder: str | Path, array_size: int | None = None,
+                  max_parallel: int = 4) -> str:
+    """The exact sbatch file SlurmExecutor would submit, from submitit's own generator; submits nothing."""
+    from submitit.slurm.slurm import _make_sbatch_string
+
+    params = slurm_parameters(res, max_parallel)
+    if array_size is not None and array_size > 1:
+        params["map_count"] = array_size  # what SlurmExecutor sets on its copy for an array
+    return _make_sbatch_string(command=command, folder=Path(folder).expanduser().absolute(), **params)
+
+
+def _split_values(text: str) -> list[str]:
+    """`1,2` -> ['1', '2']; commas inside brackets or quotes (`[0.9,0.95]`) do not split."""
+    values, depth, quote, current = [], 0, "", ""
+    for char in text:
+        if quote:
+            quote = "" if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char in "[{":
+            depth += 1
+        elif char in "]}":
+            depth -= 1
+        elif char == "," and depth == 0:
+            values.append(current.strip())
+            current = ""
+            continue
+        current += char
+    values.append(current.strip())
+    return values
+
+
+def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """`["optim.lr=1e-3,3e-4", ...]` -> `[("optim.lr", ["1e-3", "3e-4"]), ...]`, with one-line errors."""
+    parsed: list[tuple[str, list[str]]] = []
+    for item in items:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        values = _split_values(text)
+        if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key) or not all(values):
+            raise MgpuError(f"--sweep {item!r}: expected dotted.key=v1,v2,... (e.g. optim.lr=1e-3,3e-4)")
+        if any(key == seen for seen, _ in parsed):
+            raise MgpuError(f"--sweep {item!r}: {key} is swept twice; give all its values in one --sweep")
+        parsed.append((key, values))
+    return parsed
+
+
+def expand_sweep(sweep: Sequence[tuple[str, Sequence[str]]]) -> list[list[str]]:
+    """The cartesian product as override lists, first key slowest: [["a=1", "b=x"], ["a=1", "b=y"], ...]."""
+    return [[f"{key}={value}" for (key, _), value in zip(sweep, combo)]
+            for combo in itertools.product(*(values for _, values in sweep))]
+
+
+def _sweep_names(base: str, combos: list[list[str]]) -> list[str]:
+    """Readable distinct run names (`base_lr0.001_bs32`); numbered (`base_0`, ...) if those collide."""
+    def part(override: str) -> str:
+        key, _, value = override.partition("=")
+        return key.rsplit(".", 1)[-1] + re.sub(r"[^A-Za-z0-9.+-]+", "", value)
+
+    names = [f"{base}_" + "_".join(part(o) for o in combo) for combo in combos]
+    if len(set(names)) < len(names) or any(len(name) > 100 for name in names):
+        names = [f"{base}_{i}" for i in range(len(combos))]
+    return names
+
+
+def _defined_names(tree: ast.Module) -> set[str]:
+    """Names bound at a module's top level (also inside top-level if/try blocks)."""
+    names: set[str] = set()
+    nodes: list[ast.stmt] = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+        elif isinstance(node, (ast.If, ast.Try)):
+            nodes.extend(node.body + node.orelse + getattr(node, "finalbody", []))
+            nodes.extend(s for h in getattr(node, "handlers", []) for s in h.body)
+    return names
+
+
+def check_task_target(target: str) -> None:
+    """The module of `package.module:Class` can be found and binds the class; without importing it."""
+    module, _, name = target.partition(":")
+    fix = "run from the repository root or install the package that defines it"
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):  # a missing parent package
+        spec = None
+    except Exception as error:  # noqa: BLE001  (a parent package's __init__ that fails to run)
+        raise ConfigError(f"task.target={target!r}: importing the package of {module!r} failed: {error}") from None
+    if spec is None:
+        raise ConfigError(f"task.target={target!r}: no module named {module!r} ({fix})")
+    if not (spec.origin and spec.origin.endswith(".py")):
+        return  # compiled or namespace module: only importing would tell
+    try:
+        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"), spec.origin)
+    except (OSError, SyntaxError, UnicodeDecodeError) as error:
+        raise ConfigError(f"task.target={target!r}: cannot read {spec.origin}: {error}") from None
+    if name not in _defined_names(tree):
+        raise ConfigError(f"task.target={target!r}: {spec.origin} defines no {name!r}")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """Validated configs (one per array task) and the overrides that made each."""
+
+    configs: list[Config]
+    overrides: list[list[str]]
+    config_path: str | None
+    name: str
+    """run.name before any sweep suffix (the default Slurm job name)."""
+
+    @property
+    def dicts(self) -> list[dict[str, Any]]:
+        return [config_to_dict(cfg) for cfg in self.configs]
+
+
+def _with_root(cfg: Config, root: str | None) -> Config:
+    cfg.run.root = str(Path(root if root is not None else cfg.run.root).expanduser().absolute())
+    return cfg
+
+
+def build_submission(config_path: str | None, overrides: Sequence[str], sweep: Sequence[str] = (),
+                     root: str | None = None) -> Submission:
+    """Load and validate the config once per sweep combination; ConfigError/MgpuError in one line.
+
+    `root` (jobs/submit.py's --folder) replaces run.root; either way it becomes absolute, so the job
+    finds the same directory whatever its working directory.
+    """
+    base_overrides = list(overrides)
+    base = _with_root(load_config(config_path, base_overrides), root)
+    check_task_target(base.task.target)
+    parsed = parse_sweep(sweep)
+    if not parsed:
+        return Submission([base], [[]], config_path, base.run.name)
+    combos = expand_sweep(parsed)
+    if len(combos) > MAX_ARRAY_SIZE:
+        raise MgpuError(f"--sweep: {len(combos)} combinations exceed {MAX_ARRAY_SIZE} array tasks; sweep fewer values")
+    keys = [key for key, _ in parsed]
+    if base.run.dir and "run.dir" not in keys:
+        raise MgpuError(f"run.dir={base.run.dir!r}: a sweep needs one directory per task; remove run.dir")
+    names = [base.run.name] * len(combos) if "run.name" in keys else _sweep_names(base.run.name, combos)
+    configs = []
+    for i, (combo, name) in enumerate(zip(combos, names)):
+        extra = combo if "run.name" in keys else [*combo, f"run.name={name}"]
+        try:
+            cfg = _with_root(load_config(config_path, base_overrides + extra), root)
+        except ConfigError as error:
+            raise ConfigError(f"--sweep task {i} ({', '.join(combo)}): {error}") from None
+        if cfg.task.target != base.task.target:
+            check_task_target(cfg.task.target)
+        if cfg.preemption.signal != base.preemption.signal:
+            raise MgpuError("--sweep preemption.signal: one array has one sbatch --signal; do not sweep it")
+        configs.append(cfg)
+    return Submission(configs, combos, config_path, base.run.name)
+
+
+def run_dir_for(cfg: Config, job_id: str, cluster: str) -> Path:
+    """The run directory the job will use (as `mgpu.runner.resolve_run_dir` derives it)."""
+    if cfg.run.dir:
+        return Path(cfg.run.dir)
+    if cluster == "debug":  # in-process: a plain single process, no job id
+        return Path(cfg.run.root) / cfg.run.name
+    return Path(cfg.run.root) / f"{cfg.run.name}-{job_id}"

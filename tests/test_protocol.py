@@ -1,0 +1,141 @@
+"""The stop protocol with real processes: a signal to one rank stops every rank at the same step with
+one checkpoint; signals during a checkpoint write; the requeue budget; a missing scontrol."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from mgpu.checkpoint import CheckpointStore
+from mgpu.ledger import read_ledger
+from tests.conftest import PYTHON, ROOT, base_env
+from tests.test_environment import srun_task
+
+TRAIN = str(ROOT / "jobs" / "train.py")
+TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+SLOW = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.1", "train.epochs=50", "data.batch_size=4",
+        "log.every_steps=1"]
+
+
+def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
+    deadline = time.monotonic() + timeout
+    log = run_dir / "logs" / f"rank{rank}.log"
+    while time.monotonic() < deadline:
+        if log.exists():
+            match = re.search(r"\(pid (\d+)\)", log.read_text())
+            if match:
+                return int(match.group(1))
+        time.sleep(0.1)
+    raise AssertionError(f"rank {rank} never logged its pid in {log}")
+
+
+def stop_steps(run_dir: Path, world: int) -> list[int]:
+    steps = []
+    for rank in range(world):
+        found = re.findall(r"stopping at step (\d+)", (run_dir / "logs" / f"rank{rank}.log").read_text())
+        assert len(found) == 1, f"rank {rank} stopped {len(found)} times"
+        steps.append(int(found[0]))
+    return steps
+
+
+def start_torchrun(run_dir: Path, *args: str) -> subprocess.Popen[str]:
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 32000)), TRAIN,
+           f"run.dir={run_dir}", *args]
+    return subprocess.Popen(cmd, env=base_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        return out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("signame", ["SIGUSR2", "SIGTERM"])
+def test_signal_to_one_rank_stops_all_at_the_same_step(signame: str, tmp_path: Path) -> None:
+    proc = start_torchrun(tmp_path, *SLOW)
+    try:
+        pid = rank_pid(tmp_path, 1)
+        time.sleep(1.0)
+        os.kill(pid, getattr(signal, signame))
+        out = finish(proc)
+    finally:
+        finish(proc, 5)
+    steps = stop_steps(tmp_path, 2)
+    assert steps[0] == steps[1] > 0, out
+    events = read_ledger(tmp_path / "events.jsonl")
+    # One checkpoint of the stop step (the stop's own, or the epoch's when the stop fell on an epoch end).
+    saves_at_stop = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] == steps[0]]
+    assert len(saves_at_stop) == 1 and CheckpointStore(tmp_path / "checkpoints").latest().step == steps[0]
+    assert [e["step"] for e in events if e["event"] == "stop_decision"] == [steps[0]]
+    assert [e["signals"] for e in events if e["event"] == "preempted"] == [[]]  # rank 0 got no signal itself
+    assert "exitcode  : 3" in out  # not a Slurm job: stopped, not requeued
+
+
+@pytest.mark.multiprocess
+def test_signals_during_checkpoint_writes_do_not_corrupt(tmp_path: Path) -> None:
+    # A 40 MB buffer makes every save take a while; async saves every step, signals every 20 ms.
+    proc = start_torchrun(tmp_path, *SLOW, "task.args.step_s=0.02", "task.args.ballast_mb=40",
+                          "checkpoint.every_steps=1", "checkpoint.keep_last=3")
+    try:
+        pid = rank_pid(tmp_path, 0)
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any(p.name.startswith(".tmp-") for p in (tmp_path / "checkpoints").glob(".tmp-*")):
+                os.kill(pid, signal.SIGUSR2)
+            time.sleep(0.02)
+        out = finish(proc)
+    finally:
+        finish(proc, 5)
+    steps = stop_steps(tmp_path, 2)
+    store = CheckpointStore(tmp_path / "checkpoints")
+    latest = store.latest()
+    assert latest is not None and latest.step == steps[0] and not latest.skipped, out
+    for step in store.list_steps():  # every complete checkpoint on disk verifies
+        assert CheckpointStore.load_dir(tmp_path / "checkpoints" / f"step_{step:08d}").step == step
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    saves = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "checkpoint_saved"]
+    assert len({e["step"] for e in saves}) == len(saves), "a step was saved twice"
+
+
+def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = base_env(**srun_task(0, 0, 0, SLURM_NTASKS="1", SLURM_STEP_NUM_TASKS="1", SLURM_JOB_NODELIST="localhost",
+                               SLURM_STEP_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_STEP_NUM_NODES="1",
+                               SLURM_TASKS_PER_NODE="1", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NTASKS_PER_NODE="1",
+                               SLURM_JOB_ID=str(random.randint(10**6, 10**7))))
+    env.update(extra)
+    return env
+
+
+def test_requeue_budget_is_honoured(tmp_path: Path) -> None:
+    env = slurm_env(tmp_path, SLURM_RESTART_COUNT="3", MGPU_MAX_REQUEUES="2")
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 3
+    assert "requeue budget exhausted: this is restart 3 of at most 2" in result.stderr
+    assert not (tmp_path / "checkpoints").exists()  # did not train
+    assert read_ledger(tmp_path / "events.jsonl")[-1]["event"] == "failed"
+
+
+def test_missing_scontrol_after_a_stop_is_a_clear_error(tmp_path: Path) -> None:
+    # A container without Slurm's client commands: only the venv's programs on PATH.
+    env = slurm_env(tmp_path, PATH=str(Path(PYTHON).parent))
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask",
+                             "data.batch_size=8", "--stop-at-step=2"], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    errors = result.stderr.strip().splitlines()
+    assert len(errors) == 1 and "scontrol not found on PATH" in errors[0]
+    assert CheckpointStore(tmp_path / "checkpoints").latest().step == 2  # the checkpoint is kept

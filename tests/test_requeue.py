@@ -1,0 +1,91 @@
+"""The requeue decision, table-driven from what Slurm 22.05 showed inside a job (see mgpu/requeue.py),
+and the requeue command itself against a fake scontrol only where the real one cannot be used."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from mgpu.requeue import JobView, RequeueError, classify, decide, parse_job_view, requeue
+
+RUNNING = JobView("RUNNING", "None", 0, None)
+CASES = [
+    # (reasons, view, restarts at start) -> event
+    ({"requeue_signal", "sigterm"}, JobView("COMPLETING", "None", 1, None), 0, "requeued_by_slurm"),  # GraceTime 0
+    ({"sigterm"}, JobView("COMPLETING", "None", 3, None), 2, "requeued_by_slurm"),  # outside scontrol requeue
+    ({"requeue_signal"}, JobView("RUNNING", "None", 0, "2026-11-23T11:53:28"), 0, "preempted"),  # grace + signal
+    ({"sigterm"}, JobView("RUNNING", "None", 0, "2026-11-23T11:55:17"), 0, "preempted"),  # grace, no user signal
+    ({"requeue_signal"}, RUNNING, 0, "user_signal"),  # --signal lead before the time limit / scancel --signal
+    ({"sigterm"}, JobView("COMPLETING", "TimeLimit", 0, None), 0, "time_limit"),
+    ({"sigterm"}, JobView("COMPLETING", "None", 0, None), 0, "cancelled"),  # scancel
+    ({"sigterm"}, JobView("CANCELLED", "None", 1, None), 1, "cancelled"),
+    ({"sigterm"}, RUNNING, 0, "terminated"),
+    ({"test"}, RUNNING, 0, "terminated"),
+]
+
+
+@pytest.mark.parametrize("reasons, view, restarts, event", CASES)
+def test_classify(reasons: set[str], view: JobView, restarts: int, event: str) -> None:
+    assert classify(reasons, view, restarts) == event
+
+
+def fake_scontrol(show: str, requeue_rc: int = 0, requeue_err: str = "") -> tuple[list[list[str]], object]:
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd[1:])
+        if cmd[1] == "show":
+            return subprocess.CompletedProcess(cmd, 0, show, "")
+        return subprocess.CompletedProcess(cmd, requeue_rc, "", requeue_err)
+
+    return calls, run
+
+
+SHOW = "JobId=7 JobName=x JobState={state} Reason={reason} Restarts={restarts} PreemptTime={preempt} Requeue=1"
+
+
+@pytest.mark.parametrize("show, restarts, budget, requeue_wanted, words", [
+    (SHOW.format(state="RUNNING", reason="None", restarts=0, preempt="2026-11-23T11:53:28"), 0, 3, True, "preempted"),
+    (SHOW.format(state="RUNNING", reason="None", restarts=3, preempt="2026-11-23T11:53:28"), 3, 3, False, "budget"),
+    (SHOW.format(state="COMPLETING", reason="None", restarts=0, preempt="None"), 0, 3, False, "cancelled"),
+    (SHOW.format(state="COMPLETING", reason="None", restarts=1, preempt="-"), 0, 3, False, "Slurm is requeueing"),
+])
+def test_decide(show: str, restarts: int, budget: int, requeue_wanted: bool, words: str,
+                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
+    calls, run = fake_scontrol(show)
+    decision = decide({"requeue_signal"} if "RUNNING" in show else {"sigterm"}, True, "7", restarts, budget, run)
+    assert decision.requeue is requeue_wanted and words in decision.why
+    assert calls == [["show", "job", "-o", "7"]]
+
+
+def test_not_slurm_never_requeues() -> None:
+    decision = decide({"sigterm"}, False, None, 0, 3)
+    assert decision.event == "not_slurm" and not decision.requeue and "same command" in decision.why
+
+
+def test_requeue_names_the_array_task(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
+    calls, run = fake_scontrol("")
+    assert requeue("4200_7", run).how == "self"
+    assert calls == [["requeue", "4200_7"]]
+
+
+def test_requeue_already_pending_is_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
+    _, run = fake_scontrol("", 1, "scontrol: error: Job is pending execution")
+    assert requeue("7", run).how == "slurm"
+
+
+def test_missing_scontrol_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(RequeueError, match="scontrol not found on PATH.*resubmit"):
+        requeue("7")
+    with pytest.raises(RequeueError, match="scontrol not found"):
+        decide({"sigterm"}, True, "7", 0, 3)
+
+
+def test_parse_job_view() -> None:
+    view = parse_job_view(SHOW.format(state="RUNNING", reason="None", restarts=2, preempt="None"))
+    assert view == JobView("RUNNING", "None", 2, None)

@@ -1,0 +1,345 @@
+"""Submission: resources, sweeps, the exact sbatch text, one-line input errors, no torch on the fast path,
+jobs/status.py, the sbatch templates, and a local two-process run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mgpu.errors import MgpuError
+from mgpu.submission import (Resources, build_submission, check_task_target, expand_sweep, parse_slurm_time,
+                             parse_sweep, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
+from tests.conftest import PYTHON, ROOT, base_env
+
+SUBMIT = str(ROOT / "jobs" / "submit.py")
+STATUS = str(ROOT / "jobs" / "status.py")
+BLOB_YAML = """\
+task: {target: 'tests.tasks:BlobTask', args: {size: 32, eval_size: 8}}
+data: {batch_size: 4}
+train: {epochs: 1}
+log: {tensorboard: false, every_steps: 0}
+checkpoint: {async_save: false}
+run: {name: blob}
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    path = tmp_path / "blob.yaml"
+    path.write_text(BLOB_YAML)
+    return path
+
+
+def run_script(args: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, *args], cwd=ROOT, env=base_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.parametrize("text, seconds", [
+    ("30", 1800), ("1", 60), ("90", 5400), ("5:30", 330), ("01:00:00", 3600), ("4:00:00", 14400),
+    ("100:00:00", 360000), ("1-00", 86400), ("2-12", 216000), ("1-02:30", 95400), ("1-00:00:30", 86430),
+])
+def test_slurm_time(text: str, seconds: int) -> None:
+    assert parse_slurm_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "1h", "1.5", "1:2:3:4", "-5", "1-", "1-2:3:4:5", "a-01", "01:00:0x"])
+def test_slurm_time_rejects(text: str) -> None:
+    with pytest.raises(MgpuError, match="--time"):
+        parse_slurm_time(text)
+
+
+def test_resources_parameters() -> None:
+    gpu = slurm_parameters(Resources(nodes=2, gpus_per_node=4, mem="64G", time="1-00", signal_lead_s=300))
+    assert gpu["nodes"] == 2 and gpu["ntasks_per_node"] == 4 and gpu["gpus_per_node"] == 4
+    assert gpu["time"] == 1440 and gpu["signal_delay_s"] == 300 and gpu["srun_args"] == ["--kill-on-bad-exit=1"]
+    assert gpu["additional_parameters"] == {"requeue": True, "signal": "USR2@300", "mem": "64G"}
+    cpu = slurm_parameters(Resources(gpus_per_node=0, tasks_per_node=3, time="00:10:30"))
+    assert "gpus_per_node" not in cpu and cpu["ntasks_per_node"] == 3 and cpu["time"] == 11  # rounded up
+    assert slurm_parameters(Resources(gpus_per_node=0))["ntasks_per_node"] == 1
+
+
+def expected_script(folder: Path, **lines: str) -> str:
+    f = str(folder)
+    q = shlex.quote
+    return f"""#!/bin/bash
+
+# Parameters
+#SBATCH --account=proj
+#SBATCH --constraint=a100
+#SBATCH --cpus-per-task=8
+#SBATCH --error={q(f + '/%j_0_log.err')}
+#SBATCH --exclude='n[3-4]'
+#SBATCH --gpus-per-node=4
+#SBATCH --job-name=exp
+#SBATCH --mem=64G
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --open-mode=append
+#SBATCH --output={q(f + '/%j_0_log.out')}
+#SBATCH --partition=gpu
+#SBATCH --qos=high
+#SBATCH --requeue
+#SBATCH --signal={lines.get('signal', 'USR2')}@180
+#SBATCH --time=240
+#SBATCH --wckey=submitit
+
+# setup
+export MGPU_MAX_REQUEUES=5
+export SUBMITIT_PREEMPT_SIGNAL={lines.get('signal', 'USR2')}
+
+# command
+export SUBMITIT_EXECUTOR=slurm
+srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.err')} --kill-on-bad-exit=1 \
+{q(PYTHON)} -u -m submitit.core._submit {q(f)}
+"""
+
+
+RESOURCE_FLAGS = ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "8", "--mem", "64G", "--time", "04:00:00",
+                  "--partition", "gpu", "--account", "proj", "--qos", "high", "--constraint", "a100",
+                  "--exclude", "n[3-4]", "--job-name", "exp", "--signal-lead", "180", "--max-requeues", "5"]
+
+
+def test_dry_run_prints_the_whole_sbatch_script(tmp_path: Path, config: Path) -> None:
+    runs = tmp_path / "runs"
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(runs),
+                         *RESOURCE_FLAGS, "train.epochs=2"])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected_script(runs / "submitit")
+    assert "nothing submitted" in result.stderr
+    assert not runs.exists()
+    # preemption.signal from the config becomes sbatch's --signal and submitit's signal alike
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(runs),
+                         *RESOURCE_FLAGS, "preemption.signal=SIGXCPU"])
+    assert result.stdout == expected_script(runs / "submitit", signal="XCPU"), result.stderr
+
+
+def test_dry_run_is_what_submitit_submits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SlurmExecutor given slurm_parameters() writes the same file (single job and array)."""
+    from submitit.slurm.slurm import SlurmExecutor
+
+    monkeypatch.setattr(SlurmExecutor, "affinity", classmethod(lambda cls: 2))  # no srun needed
+    res = Resources(nodes=2, gpus_per_node=2, time="2:00:00", partition="p", max_requeues=3)
+    folder = submitit_folder(tmp_path / "runs")
+    command = submitit_command(folder)
+    executor = SlurmExecutor(folder, max_num_timeout=res.max_requeues)
+    executor.update_parameters(**slurm_parameters(res, max_parallel=2))
+    assert executor._make_submission_file_text(command, "uid") == sbatch_script(res, command, folder)
+    array = SlurmExecutor(folder, executor.max_num_timeout)  # as SlurmExecutor does for an array
+    array.update_parameters(**executor.parameters)
+    array.parameters["map_count"] = 5
+    text = sbatch_script(res, command, folder, array_size=5, max_parallel=2)
+    assert array._make_submission_file_text(command, "uid") == text
+    assert "#SBATCH --array=0-4%2\n" in text and "%A_%a_%t_log.out" in text
+    assert not (tmp_path / "runs").exists()
+
+
+NO_TORCH = """\
+import runpy, sys, time
+sys.argv = sys.argv[1:]
+start, code = time.perf_counter(), 0
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+except SystemExit as exit:
+    code = exit.code
+heavy = sorted(m for m in ("torch", "numpy") if m in sys.modules)
+print(f"CHECK code={code} heavy={heavy} seconds={time.perf_counter() - start:.3f}", file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("extra", [["--help"], ["--dry-run", "--cluster", "slurm"], ["--dry-run", "--cluster", "local"],
+                                   ["--dry-run", "--cluster", "slurm", "--sweep", "optim.lr=1e-3,3e-4"]])
+def test_help_and_dry_run_do_not_import_torch(tmp_path: Path, config: Path, extra: list[str]) -> None:
+    result = run_script(["-c", NO_TORCH, SUBMIT, "--config", str(config), "--folder", str(tmp_path / "r"), *extra])
+    check = re.search(r"CHECK code=(\S+) heavy=(\[.*\]) seconds=(\S+)", result.stderr)
+    assert check, result.stderr
+    assert check[1] in ("0", "None") and check[2] == "[]", result.stderr
+    print(f"{extra}: {check[3]} s in-process")
+
+
+BAD_INPUTS = {
+    "unknown config key": (["train.epoch=3"], "train.epoch: unknown key"),
+    "bad type": (["train.epochs=abc"], "train.epochs: expected int"),
+    "missing config file": (["--config", "{tmp}/missing.yaml"], "not found"),
+    "task module missing": (["task.target=no_such_pkg.mod:Task"], "no module named 'no_such_pkg.mod'"),
+    "task class missing": (["task.target=tests.tasks:NoSuchTask"], "defines no 'NoSuchTask'"),
+    "nodes 0": (["--nodes", "0"], "--nodes 0: must be >= 1"),
+    "nodes not a number": (["--nodes", "two"], "argument --nodes: invalid int value"),
+    "negative gpus": (["--gpus-per-node", "-1"], "--gpus-per-node -1"),
+    "tasks per node vs gpus": (["--gpus-per-node", "2", "--tasks-per-node", "3"], "one task per GPU"),
+    "bad time": (["--time", "1h"], "--time '1h': not a Slurm time"),
+    "signal lead >= time": (["--time", "2", "--signal-lead", "120"], "must be shorter than --time"),
+    "signal lead too short": (["--signal-lead", "5"], "--signal-lead 5"),
+    "bad mem": (["--mem", "lots"], "--mem 'lots'"),
+    "bad exclude": (["--exclude", "n[1-"], "--exclude"),
+    "bad sweep syntax": (["--sweep", "optim.lr"], "--sweep 'optim.lr': expected dotted.key=v1,v2"),
+    "bad sweep value": (["--sweep", "optim.lr=0.1,-1"], "--sweep task 1 (optim.lr=-1): optim.lr: must be > 0"),
+    "sweep key twice": (["--sweep", "optim.lr=1,2", "--sweep", "optim.lr=3"], "swept twice"),
+    "unknown cluster": (["--cluster", "k8s"], "argument --cluster: invalid choice: 'k8s'"),
+    "local on 2 nodes": (["--nodes", "2"], "--cluster local runs on this machine only"),
+    "max parallel 0": (["--max-parallel", "0"], "--max-parallel 0"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+def test_bad_input_is_one_line_exit_2_nothing_created(tmp_path: Path, config: Path, case: str) -> None:
+    args, message = BAD_INPUTS[case]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    runs = tmp_path / "runs"
+    cluster = [] if "--cluster" in args else ["--cluster", "local"]  # never near a real sbatch
+    result = run_script([SUBMIT, "--config", str(config), "--folder", str(runs), *cluster, *args])
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("submit: error: "), result.stderr
+    assert message in lines[0]
+    assert result.stdout == ""
+    assert not runs.exists()
+
+
+def test_sweep_expansion(tmp_path: Path, config: Path) -> None:
+    parsed = parse_sweep(["optim.lr=1e-3,3e-4", "optim.betas=[0.9,0.95],[0.8, 0.9]", "data.batch_size=8"])
+    assert parsed == [("optim.lr", ["1e-3", "3e-4"]), ("optim.betas", ["[0.9,0.95]", "[0.8, 0.9]"]),
+                      ("data.batch_size", ["8"])]
+    combos = expand_sweep(parsed)
+    assert len(combos) == 4
+    assert combos[0] == ["optim.lr=1e-3", "optim.betas=[0.9,0.95]", "data.batch_size=8"]
+    assert combos[3] == ["optim.lr=3e-4", "optim.betas=[0.8, 0.9]", "data.batch_size=8"]
+    sub = build_submission(str(config), ["train.epochs=2"], ["optim.lr=1e-3,3e-4", "optim.name=adam,sgd"],
+                           str(tmp_path / "runs"))
+    assert [c.run.name for c in sub.configs] == ["blob_lr1e-3_nameadam", "blob_lr1e-3_namesgd",
+                                                 "blob_lr3e-4_nameadam", "blob_lr3e-4_namesgd"]
+    assert [(c.optim.lr, c.optim.name, c.train.epochs) for c in sub.configs] == [
+        (1e-3, "adam", 2), (1e-3, "sgd", 2), (3e-4, "adam", 2), (3e-4, "sgd", 2)]
+    assert {c.run.root for c in sub.configs} == {str(tmp_path / "runs")} and sub.name == "blob"
+    named = build_submission(str(config), [], ["run.name=a,b"])
+    assert [c.run.name for c in named.configs] == ["a", "b"]
+    clash = build_submission(str(config), [], ["optim.lr=0.1,0.1"])  # same suffix twice: numbered instead
+    assert [c.run.name for c in clash.configs] == ["blob_0", "blob_1"]
+    with pytest.raises(MgpuError, match="remove run.dir"):
+        build_submission(str(config), ["run.dir=/x"], ["optim.lr=1,2"])
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder",
+                         str(tmp_path / "runs"), "--sweep", "optim.lr=1e-3,3e-4", "--sweep", "data.batch_size=4,8,16",
+                         "--max-parallel", "2"])
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --array=0-5%2\n" in result.stdout and "#SBATCH --job-name=blob\n" in result.stdout
+    assert "# task 5: run.name=blob_lr3e-4_batch_size16 optim.lr=3e-4 data.batch_size=16" in result.stderr
+
+
+def test_task_target_check_does_not_import() -> None:
+    check_task_target("tests.tasks:BlobTask")
+    check_task_target("tests.tasks:SlowBlobTask")
+    with pytest.raises(MgpuError, match="defines no 'Blobs2'"):
+        check_task_target("tests.tasks:Blobs2")
+    with pytest.raises(MgpuError, match="no module named"):
+        check_task_target("tests.no_such_module:Task")
+
+
+def write_ledger(run_dir: Path, events: list[dict[str, Any]]) -> None:
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + '{"torn')
+
+
+def test_status(tmp_path: Path) -> None:
+    t0 = time.time() - 1000
+    ctx = {"job_id": "4242", "restart": 0}
+    events = [
+        {"time": t0, "event": "started", "launcher": "submitit-local", **ctx},
+        {"time": t0 + 10, "event": "checkpoint_saved", "step": 10, "reason": "periodic", **ctx},
+        {"time": t0 + 12, "event": "preempted", "step": 12, "reason": "signal", **ctx},
+        {"time": t0 + 100, "event": "started", "launcher": "submitit-local", **ctx, "restart": 1},
+        {"time": t0 + 100, "event": "resumed", "step": 10, "epoch": 0, **ctx, "restart": 1},
+        {"time": t0 + 140, "event": "checkpoint_saved", "step": 30, "epoch": 1, "reason": "epoch", **ctx,
+         "restart": 1},
+    ]
+    write_ledger(tmp_path / "runs" / "blob-4242", events)
+    from jobs.status import summarize
+
+    summary = summarize(events, now=t0 + 150)
+    assert summary["state"] == "running" and summary["restart"] == 1 and summary["step"] == 30
+    assert summary["checkpoint"]["step"] == 30 and summary["checkpoint"]["age_s"] == pytest.approx(10)
+    assert summary["steps_per_s"] == pytest.approx(0.5)  # 20 steps in 40 s since the resume
+    result = run_script([STATUS, "4242", "--folder", str(tmp_path / "runs")])
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "state       running" in out and "requeues    1 restart(s)" in out
+    assert "progress    step 30, epoch 1" in out and "checkpoint  step 30, 14m" in out and "0.5 steps/s" in out
+    write_ledger(tmp_path / "runs" / "sweep_a-77_0", events[:1])
+    write_ledger(tmp_path / "runs" / "sweep_b-77_1", [*events[:1], {"time": t0 + 5, "event": "finished", "step": 4,
+                                                                     "status": "completed", **ctx}])
+    result = run_script([STATUS, "77", "--folder", str(tmp_path / "runs")])
+    assert "sweep_a-77_0" in result.stdout and "finished (completed)" in result.stdout, result.stderr
+    result = run_script([STATUS, "999", "--folder", str(tmp_path / "runs")])
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "status: error:" in result.stderr
+
+
+def test_follow_reports_changes_until_done(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from jobs.submit import follow
+
+    class FakeJob:
+        job_id = "9"
+
+        def __init__(self) -> None:
+            self.polls = 0
+
+        @property
+        def state(self) -> str:
+            self.polls += 1
+            return "RUNNING" if self.polls < 3 else "FINISHED"
+
+        def done(self) -> bool:
+            return self.polls >= 3
+
+    run_dir = tmp_path / "blob-9"
+    write_ledger(run_dir, [{"time": time.time(), "event": "finished", "step": 5, "status": "completed",
+                            "job_id": "9", "restart": 0}])
+    assert follow([FakeJob()], [run_dir], "local", poll_s=0.01)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and "RUNNING: finished (completed), step 5" in out[0] and "FINISHED" in out[1]
+
+
+@pytest.mark.parametrize("name, tasks", [("train.sbatch", "--ntasks-per-node=4"),
+                                         ("train_torchrun.sbatch", "--ntasks-per-node=1")])
+def test_sbatch_templates(name: str, tasks: str) -> None:
+    path = ROOT / "slurm" / name
+    assert subprocess.run(["bash", "-n", str(path)], capture_output=True).returncode == 0
+    text = path.read_text()
+    sbatch = [line for line in text.splitlines() if line.startswith("#SBATCH")]
+    for required in ("--requeue", "--signal=USR2@120", "--open-mode=append", tasks, "--gpus-per-node="):
+        assert any(line.split()[1].startswith(required) for line in sbatch), required
+    assert any("%j" in line for line in sbatch if "--output=" in line)
+    assert "srun --kill-on-bad-exit=1" in text and 'cd "${SLURM_SUBMIT_DIR' in text
+    assert "jobs/train.py --config" in text
+    if "torchrun" in name:  # every per-node value is expanded inside srun's bash -c, not in the batch shell
+        body = text.split("bash -c '", 1)[1]
+        assert "$SLURM_NODEID" in body and "--signals-to-handle=" in body and "SIGUSR2" in body
+        assert "SLURM_NODEID" not in text.split("set -euo pipefail", 1)[1].split("bash -c '", 1)[0]
+    usage = subprocess.run(["bash", str(path)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin",
+                                                                                     "SLURM_SUBMIT_DIR": str(ROOT)})
+    assert usage.returncode == 2 and "usage: sbatch" in usage.stderr
+
+
+@pytest.mark.multiprocess
+def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
+    if importlib.util.find_spec("mgpu.job") is None or importlib.util.find_spec("mgpu.requeue") is None:
+        pytest.skip("mgpu.job (TrainJob) or mgpu.requeue, which it runs, does not exist yet")
+    runs = tmp_path / "runs"
+    result = run_script([SUBMIT, "--cluster", "local", "--gpus-per-node", "2", "--config", str(config),
+                         "--folder", str(runs), "--time", "10"], timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr
+    match = re.search(r"run directory\s+(\S+)", result.stdout)
+    assert match, result.stdout
+    run_dir = Path(match[1])
+    assert run_dir.parent == runs and run_dir.name.startswith("blob-")
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert events[0]["event"] == "started" and events[0]["world_size"] == 2
+    assert events[-1]["event"] == "finished"
+    assert "done" in result.stdout
