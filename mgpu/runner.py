@@ -9,8 +9,11 @@ group is formed, so a bad input fails in one line instead of waiting for ranks t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import logging
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -56,6 +59,13 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     root.propagate = False
 
 
+def _record_rank(run_dir: Path, env: ProcessEnv, device: str, backend: str) -> None:
+    """`logs/rank<N>.json`: who this rank was in this run (the launcher's view, for debugging and tests)."""
+    record = {**dataclasses.asdict(env), "device": device, "backend": backend, "hostname": socket.gethostname(),
+              "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}
+    (run_dir / "logs" / f"rank{env.rank}.json").write_text(json.dumps(record, indent=1))
+
+
 def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
                  env: ProcessEnv | None = None, stop: Any = None) -> tuple[Any, Ledger]:
     """Train on this rank until finished, early-stopped or stopped by a signal.
@@ -84,6 +94,7 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
         ctx = cleanup.enter_context(process_group(
             env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend))
+        _record_rank(run_dir, env, str(ctx.device), ctx.backend)
         if env.rank == 0:
             save_config(cfg, run_dir / "config.yaml")
         task = build_task(cfg.task.target, cfg.task.args)
