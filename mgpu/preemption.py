@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["REASONS", "StopRequest", "signal_number"]
+__all__ = ["REASONS", "StopAgreement", "StopRequest", "signal_number"]
 
 # Index in the agreement vector -> reason. "test" is the `stop_at_step` hook (a deterministic preemption).
 REASONS = ("requeue_signal", "sigterm", "test")
@@ -67,15 +67,53 @@ class StopRequest:
     def pending(self) -> bool:
         return any(self._flags)
 
-    def agree(self, device: torch.device) -> set[str]:
-        """The union of every rank's stop reasons; the same set on every rank (a collective)."""
-        flags = torch.tensor(self._flags, dtype=torch.int32, device=device)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return {reason for reason, flag in zip(REASONS, flags.tolist()) if flag}
+    def flags(self) -> list[int]:
+        return list(self._flags)
 
     def __enter__(self) -> "StopRequest":
         return self.install()
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+def _decode(flags: torch.Tensor) -> set[str]:
+    return {reason for reason, flag in zip(REASONS, flags.tolist()) if flag}
+
+
+class StopAgreement:
+    """The ranks' agreement on `StopRequest` flags, pipelined so that no step waits for it.
+
+    Each `poll()` returns what every rank had flagged at the previous poll (the reduction has long
+    finished by then) and starts the next one, so all ranks stop at the same step, one step after the
+    flag was shared. The reduction runs on a gloo side group with CPU tensors: with NCCL it never
+    synchronises the GPU stream. A world of one needs no collective and answers at once.
+    """
+
+    def __init__(self, stop: StopRequest) -> None:
+        self.stop = stop
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # Every rank constructs this at the same point: new_group is itself a collective.
+        self.group = dist.new_group(backend="gloo") if distributed else None
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def poll(self) -> set[str]:
+        flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
+        if self.group is None:
+            return _decode(flags)
+        agreed: set[str] = set()
+        if self._pending is not None:
+            work, previous = self._pending
+            work.wait()
+            agreed = _decode(previous)
+            self._pending = None
+        if agreed:
+            return agreed
+        self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
+        return set()
+
+    def drain(self) -> None:
+        """Wait for the reduction in flight (before the group is destroyed)."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None

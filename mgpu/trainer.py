@@ -29,7 +29,7 @@ from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
 from mgpu.optim import build_optimizer, build_scheduler
-from mgpu.preemption import StopRequest
+from mgpu.preemption import StopAgreement, StopRequest
 from mgpu.reporting import Reporter, format_metrics
 from mgpu.rng import seed_everything
 from mgpu.task import Task
@@ -114,6 +114,9 @@ class Trainer:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss_count = 0
         self._grad_norm = torch.zeros((), device=self.device)
+        self.agreement = StopAgreement(stop)
+        self.step_ends: list[float] = []
+        """perf_counter() at the end of each optimizer step of this run (benchmarks read it)."""
 
     # ------------------------------------------------------------------ setup
     def _check_batch_norm_batches(self) -> None:
@@ -212,14 +215,14 @@ class Trainer:
                 if p.step >= self.total_steps:
                     break
                 self._train_step(group)
+                self.step_ends.append(time.perf_counter())
                 p.step += 1
                 p.position = group[-1][0].end_position
                 p.samples_seen += sum(mb.global_count for mb, _ in group)
                 epoch_end = p.position >= self.plan.num_samples
                 if epoch_end:
                     p.epoch, p.position = p.epoch + 1, 0
-                every = cfg.log.every_steps
-                if (every and p.step % every == 0) or (not every and epoch_end) or p.step == self.total_steps:
+                if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
                     self._log_train()
                 if self._eval_due(epoch_end) and self._evaluate_and_track():
                     status = "early_stopped"
@@ -229,18 +232,19 @@ class Trainer:
                 if p.step >= self.total_steps:
                     break
                 if self.stop_at_step is not None and p.step == self.stop_at_step:
-                    self.stop.request("test")
-                if p.step % cfg.preemption.check_every_steps == 0:
-                    reasons = self.stop.agree(self.device)
-                    if reasons:
-                        log.info("stopping at step %d (%s; signals on this rank: %s)", p.step,
-                                 ", ".join(sorted(reasons)), [name for name, _ in self.stop.received])
-                        status = "stopped"
-                        break
+                    reasons = {"test"}  # deterministic, the same step on every rank: nothing to agree on
+                elif p.step % cfg.preemption.check_every_steps == 0:
+                    reasons = self.agreement.poll()
+                if reasons:
+                    log.info("stopping at step %d (%s; signals on this rank: %s)", p.step,
+                             ", ".join(sorted(reasons)), [name for name, _ in self.stop.received])
+                    status = "stopped"
+                    break
             if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
                 self._evaluate_and_track()
             path = self._save("preemption" if status == "stopped" else "final", wait=True)
         finally:
+            self.agreement.drain()
             self.reporter.close()
             if self.store is not None:
                 self.store.close()
@@ -271,8 +275,10 @@ class Trainer:
             self._loss_count += mb.real
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.clip_grad_norm
-        self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                         max_norm if max_norm is not None else math.inf)
+        if max_norm is not None or self._log_due(self.progress.step + 1):
+            # Without clipping the norm is only for the log line: not computed on other steps.
+            self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                             max_norm if max_norm is not None else math.inf)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -281,6 +287,10 @@ class Trainer:
         self._window_samples += total
 
     # ------------------------------------------------------------------ logging
+    def _log_due(self, step: int) -> bool:
+        every = self.cfg.log.every_steps
+        return bool(every and step % every == 0) or step == self.total_steps
+
     def _log_train(self) -> None:
         # The only host sync of the step path: once per log interval, not per step.
         totals = all_reduce(torch.stack([self._loss_sum, torch.tensor(float(self._loss_count),
