@@ -76,43 +76,51 @@ class _Invalid(Exception):
     """A checkpoint directory that fails verification; the message names the bad file."""
 
 
-def snapshot_to_cpu(obj: T) -> T:
-    """A copy of nested dicts, lists and tuples in which every tensor is a fresh CPU copy.
+def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> T:
+    """A copy of nested dicts, lists and tuples in which every tensor is a CPU copy.
 
     Training may go on changing the live tensors while a background thread writes the copy. A tensor
     reached twice (tied weights) is copied once; a dict keeps its type and attributes (a state_dict's
-    `_metadata`).
+    `_metadata`). `staging`: buffers kept from the previous snapshot, keyed by position, reused when
+    shape and dtype match: copying into memory that is already mapped avoids a page fault per 4 KiB,
+    which costs more than the copy itself for a large state. The caller must not reuse `staging`
+    while an earlier snapshot taken with it is still being written.
     """
     memo: dict[int, torch.Tensor] = {}
     devices: set[torch.device] = set()
 
-    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    def copy_tensor(tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         tensor = tensor.detach()
-        if tensor.is_cuda and tensor.layout == torch.strided:
-            # Pinned host memory makes the device-to-host copy fast and asynchronous; synchronised below.
-            out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        kept = staging.get(path) if staging is not None else None
+        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or tensor.layout != torch.strided:
+            if tensor.layout != torch.strided:
+                return tensor.to("cpu", copy=True)
+            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below.
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            if staging is not None:
+                staging[path] = kept
+        if tensor.is_cuda:
             devices.add(tensor.device)
-            return out.copy_(tensor, non_blocking=True)
-        return tensor.to("cpu", copy=True)
+        return kept.copy_(tensor, non_blocking=tensor.is_cuda)
 
-    def walk(value: Any) -> Any:
+    def walk(value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
             if id(value) not in memo:
-                memo[id(value)] = copy_tensor(value)
+                memo[id(value)] = copy_tensor(value, path)
             return memo[id(value)]
         if isinstance(value, dict):
             out = copy.copy(value)
             for key, item in value.items():
-                out[key] = walk(item)
+                out[key] = walk(item, (*path, key))
             return out
         if isinstance(value, list):
-            return [walk(item) for item in value]
+            return [walk(item, (*path, i)) for i, item in enumerate(value)]
         if isinstance(value, tuple):
-            items = [walk(item) for item in value]
+            items = [walk(item, (*path, i)) for i, item in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return copy.deepcopy(value)
 
-    result = walk(obj)
+    result = walk(obj, ())
     for device in devices:
         torch.cuda.synchronize(device)
     return result
@@ -247,6 +255,7 @@ class CheckpointStore:
         self._writer: Writer = writer or torch.save
         self._thread: threading.Thread | None = None
         self._outcome: SavedCheckpoint | BaseException | None = None
+        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}  # reused snapshot buffers (see save_async)
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], step: int, *, is_best: bool = False,
@@ -260,13 +269,14 @@ class CheckpointStore:
                    extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
         """Snapshot `state` to CPU memory now and write it in a background thread.
 
-        Blocks only for a save already in flight (and re-raises its error) and for the snapshot.
+        Blocks only for a save already in flight (and re-raises its error) and for the snapshot. The
+        snapshot's buffers are kept for the next one (one extra copy of the state stays in host memory).
         `on_done` is called from the writer thread with the result or the exception.
         """
         self.wait()
         extra = _checked_extra(state, step, extra)
         started = time.monotonic()
-        snapshot = snapshot_to_cpu(state)
+        snapshot = snapshot_to_cpu(state, self._staging)
         self._thread = threading.Thread(target=self._background, name=f"mgpu-checkpoint-{step}", daemon=False,
                                         args=(snapshot, step, is_best, extra, started, on_done))
         self._thread.start()

@@ -11,6 +11,9 @@
 4. every rank exits: code 0 when requeued or finished; under submitit a requeued job writes no
    result (the submitter keeps waiting), a cancelled or exhausted one raises so `job.result()`
    raises with the reason.
+5. when a rank fails instead (an exception, or a peer killed: see `_requeue_after_failure`), one
+   surviving rank asks the same question and requeues the job within the same budget, then the
+   error propagates and the step ends FAILED.
 
 This module imports no torch at import time: submitit unpickles `TrainJob` on the submitting side too.
 """
@@ -63,7 +66,14 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     # Our handlers stay installed until the process exits: a late signal must not reach submitit's
     # own handler (which would checkpoint inside the handler and requeue a second time).
     stop = StopRequest(cfg.preemption.signal).install()
-    result, ledger = run_training(cfg, config_path, stop_at_step, env, stop)
+    try:
+        result, ledger = run_training(cfg, config_path, stop_at_step, env, stop)
+    except MgpuError:
+        raise  # bad input (e.g. an unsafe config change on resume): the same on every run, never requeued
+    except Exception as error:
+        if in_slurm:
+            _requeue_after_failure(cfg, env, error, max_requeues)
+        raise
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
     if result.status != "stopped":
@@ -85,6 +95,58 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     # Only rank 0 carries the failure: a non-zero exit here would make srun kill rank 0 before it
     # records why (submitit's result file).
     raise SystemExit(0)
+
+
+def _requeue_after_failure(cfg: Config, env: ProcessEnv, error: BaseException, max_requeues: int) -> None:
+    """A rank failed: its own exception, or a peer's death seen as a collective error. Come back if the
+    budget allows, since nothing else will: srun ends the step (--kill-on-bad-exit), the batch script
+    fails, and Slurm never requeues a FAILED job by itself.
+
+    What srun does to the survivors when one task dies (measured, Slurm 22.05, KillWait=5): CONT+TERM
+    to every other task ~10 ms later, KILL after KillWait. A survivor's next collective fails at once
+    ("Connection closed by peer"; the TERM itself only sets the stop flag), which leaves it seconds
+    to ask Slurm and requeue while the job is still RUNNING (the batch shell waits for srun).
+
+    Exactly one rank acts, without talking to the others (their group is broken): the first to create
+    `<run dir>/.failure-<job id>-<restart>` (O_EXCL; the run directory is on the filesystem every
+    node shares, as the checkpoints are). It is rank 0 when rank 0 survives to fail first, else any
+    survivor. It asks `mgpu.requeue.decide` as after a stop, with no stop reason: RUNNING -> requeue
+    ("terminated") if the budget (MGPU_MAX_REQUEUES vs SLURM_RESTART_COUNT) remains; COMPLETING ->
+    cancelled (never resurrected) or already requeued by Slurm. A deterministic bug therefore runs at
+    most 1 + MGPU_MAX_REQUEUES times. The acting rank records `stop_decision` (with `error`, `rank`)
+    and `requeued` in the ledger, and `failed` too when it is not rank 0 (rank 0 records its own).
+    Never raises: the caller re-raises the original error, so the step still ends FAILED.
+    """
+    from mgpu.ledger import Ledger
+    from mgpu.requeue import decide, requeue
+    from mgpu.runner import resolve_run_dir
+
+    message = f"rank {env.rank} failed: {type(error).__name__}: {error}"
+    try:
+        run_dir = resolve_run_dir(cfg, env)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        claim = run_dir / f".failure-{env.job_id}-{env.restart_count}"
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            log.info("%s; another rank handles the requeue", message)
+            return
+        with os.fdopen(fd, "w") as file:
+            file.write(f"{message}\n")
+        ledger = Ledger(run_dir / "events.jsonl", env.job_id, env.restart_count)
+        if env.rank != 0:
+            ledger.write("failed", error=message, rank=env.rank)
+        decision = decide(set(), in_slurm=True, job_id=env.job_id, restarts=env.restart_count,
+                          max_requeues=max_requeues)
+        ledger.write("stop_decision", what=decision.event, requeue=decision.requeue,
+                     reason=f"after a failure: {decision.why}", error=message, rank=env.rank)
+        log.error("%s; %s", message, decision.why)
+        if decision.requeue:
+            outcome = requeue(env.job_id)
+            ledger.write("requeued", how=outcome.how, message=outcome.message, after="failure")
+            log.error("requeue after the failure: %s", outcome.message)
+    except Exception as inner:  # noqa: BLE001  (never hide the error that brought us here)
+        log.error("%s; could not requeue after it: %s: %s", message, type(inner).__name__, inner)
 
 
 def _refuse_over_budget(cfg: Config, env: ProcessEnv, max_requeues: int) -> None:

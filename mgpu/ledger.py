@@ -5,8 +5,10 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
 
     started          world_size, nodes, launcher, config_path, git_sha
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
+    first_step       step (the first step this run completed)
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
-    preempted        step, reasons (mgpu.preemption.REASONS agreed by all ranks), signals (seen by rank 0)
+    preempted        step, reasons (mgpu.preemption.REASONS agreed by all ranks), signals and signal_times
+                     (seen by rank 0)
     stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...), requeue, reason
     requeued         step, how ("self" | "slurm"), message
     evaluated        step, metrics

@@ -36,7 +36,7 @@ class StopRequest:
 
     requeue_signal: str = "USR2"
     received: list[tuple[str, float]] = field(default_factory=list)
-    """(signal name, monotonic time) in arrival order, on this rank."""
+    """(signal name, unix time) in arrival order, on this rank."""
     _flags: list[int] = field(default_factory=lambda: [0] * len(REASONS))
     _previous: dict[int, Any] = field(default_factory=dict)
 
@@ -55,7 +55,7 @@ class StopRequest:
         def handle(signum: int, frame: FrameType | None) -> None:
             # A flag and a timestamp, nothing else: the step boundary does the work.
             self._flags[index] = 1
-            self.received.append((signal.Signals(signum).name, time.monotonic()))
+            self.received.append((signal.Signals(signum).name, time.time()))
 
         return handle
 

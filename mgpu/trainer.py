@@ -81,7 +81,11 @@ class Trainer:
         seed_everything(cfg.train.seed)
         model = task.build_model()
         if cfg.train.sync_batchnorm and self.world > 1:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            if self.device.type == "cuda":
+                model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+            elif self.is_main:
+                # PyTorch's SyncBatchNorm has no CPU kernel; the same config must still run on a laptop.
+                log.warning("train.sync_batchnorm ignored: SyncBatchNorm needs GPUs; BatchNorm stays per rank")
         self.model: nn.Module = model.to(self.device)
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
@@ -217,6 +221,8 @@ class Trainer:
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
                 p.step += 1
+                if len(self.step_ends) == 1 and self.is_main:
+                    self.ledger.write("first_step", step=p.step)
                 p.position = group[-1][0].end_position
                 p.samples_seen += sum(mb.global_count for mb, _ in group)
                 epoch_end = p.position >= self.plan.num_samples
@@ -250,7 +256,8 @@ class Trainer:
                 self.store.close()
         if status == "stopped" and self.is_main:
             self.ledger.write("preempted", step=p.step, reasons=sorted(reasons),
-                              signals=[name for name, _ in self.stop.received])
+                              signals=[name for name, _ in self.stop.received],
+                              signal_times=[round(t, 3) for _, t in self.stop.received])
         metrics = getattr(self, "_last_metrics", {})
         return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics)
 
