@@ -111,7 +111,13 @@ def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int) ->
         print(f"# {cluster}: 1 node, {res.ntasks_per_node if cluster == 'local' else 1} process(es), "
               f"time limit {res.time} ({res.time_s} s), signal {res.requeue_signal} {res.signal_lead_s} s before; "
               f"logs in {folder}")
-    for line in [f"# dry run: nothing submitted; run root {sub.configs[0].run.root}", *_describe_tasks(sub)]:
+    from mgpu.config import dump_config
+
+    # The resolved config goes with the notes to stderr: stdout stays a script that `> job.sh` can keep.
+    resolved = [f"# resolved config{' of task 0' if len(sub.configs) > 1 else ''}:",
+                *(f"#   {line}" for line in dump_config(sub.configs[0]).splitlines())]
+    for line in [*resolved, f"# dry run: nothing submitted; run root {sub.configs[0].run.root}",
+                 *_describe_tasks(sub)]:
         print(line, file=sys.stderr)
 
 

@@ -116,6 +116,7 @@ def test_dry_run_prints_the_whole_sbatch_script(tmp_path: Path, config: Path) ->
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_script(runs / "submitit")
     assert "nothing submitted" in result.stderr
+    assert "# resolved config:" in result.stderr and "#   train:\n#     epochs: 2\n" in result.stderr
     assert not runs.exists()
     # preemption.signal from the config becomes sbatch's --signal and submitit's signal alike
     result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(runs),
