@@ -113,8 +113,9 @@ def read_meta(path: str | Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("paths", nargs="+", metavar="INPUT.txt OUTPUT.bin",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s [--vocab byte] INPUT.txt OUTPUT.bin | --from-stdlib OUTPUT.bin")
+    parser.add_argument("paths", nargs="+", metavar="PATH",
                         help="the text to tokenize and the token file to write (with --from-stdlib: OUTPUT.bin only)")
     parser.add_argument("--vocab", choices=sorted(VOCABS), default="byte", help="tokenization (default: byte)")
     parser.add_argument("--from-stdlib", action="store_true",

@@ -111,15 +111,16 @@ class TokenWindows(Dataset):
 
 
 class GptTask(Task):
-    def __init__(self, tokens: str = "runs/data/stdlib.bin", stdlib_if_missing: bool = False, block_size: int = 128,
+    def __init__(self, tokens: str | None = None, stdlib_tokens: str = "runs/data/stdlib.bin", block_size: int = 128,
                  n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.1) -> None:
+        """`tokens`: a file from jobs/make_tokens.py; None: the stdlib corpus, made at `stdlib_tokens` if missing."""
         if n_embd % n_head:
             raise TaskError(f"task.args: n_embd={n_embd} must be a multiple of n_head={n_head}")
-        self.path = Path(tokens)
+        self.path = Path(tokens if tokens is not None else stdlib_tokens)
         self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout = \
             block_size, n_layer, n_head, n_embd, dropout
         try:
-            if stdlib_if_missing and not self.path.is_file():
+            if tokens is None and not self.path.is_file():
                 make_stdlib_tokens(self.path)  # atomic renames: ranks doing it at once are safe
             self.meta = read_meta(self.path)
         except TokenError as error:
