@@ -20,7 +20,7 @@ from typing import Any, Iterator, Literal
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import CheckpointStore, LoadedCheckpoint
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config

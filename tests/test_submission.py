@@ -8,7 +8,6 @@ import json
 import re
 import shlex
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any

@@ -1,0 +1,203 @@
+"""The config's schema: one documented dataclass per section, and the keys that may change on resume.
+
+Loading, validation and overrides live in `mgpu.config`, which re-exports everything here.
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "EvalConfig", "LogConfig",
+    "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig", "TrainConfig",
+]
+
+
+@dataclass
+class TaskConfig:
+    """What to train."""
+
+    target: str = "jobs.tasks.mnist:MnistTask"
+    """Import path `package.module:ClassName` of the Task to train."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the Task's constructor (free-form)."""
+
+
+@dataclass
+class DataConfig:
+    """How batches are drawn."""
+
+    batch_size: int = 32
+    """Samples per rank per micro-step; the global batch is batch_size * world_size * train.grad_accum."""
+    eval_batch_size: int | None = None
+    """Samples per rank per evaluation step (null: batch_size)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (0: load in the training process)."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (the same order on every rank count for a given seed)."""
+
+
+@dataclass
+class OptimConfig:
+    """The optimizer."""
+
+    name: Literal["adam", "adamw", "sgd"] = "adamw"
+    """Which torch.optim optimizer."""
+    lr: float = 1e-3
+    """Peak learning rate (after warmup)."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for adamw)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam's two moment decay rates, each in [0, 1)."""
+    momentum: float = 0.9
+    """SGD momentum (sgd only)."""
+    zero: bool = False
+    """Shard the optimizer state across ranks (ZeroRedundancyOptimizer)."""
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning-rate schedule, in optimizer steps."""
+
+    name: Literal["constant", "cosine", "linear"] = "constant"
+    """Shape of the decay after warmup."""
+    warmup_steps: int = 0
+    """Steps of linear warmup from 0 to optim.lr."""
+    min_lr_ratio: float = 0.0
+    """Final learning rate as a fraction of optim.lr (cosine and linear)."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    epochs: int = 1
+    """Passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps, even before `epochs` are done (null: no limit)."""
+    grad_accum: int = 1
+    """Micro-steps (forward/backward) per optimizer step."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value (null: no clipping)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 on a GPU that supports it, fp32 on CPU."""
+    seed: int = 0
+    """Seed of every random generator (each rank derives its own from it)."""
+    sync_batchnorm: bool = False
+    """Convert BatchNorm layers to SyncBatchNorm (statistics over the global batch)."""
+    find_unused_parameters: bool = False
+    """DDP's find_unused_parameters: needed when some parameters get no gradient in a step."""
+    static_graph: bool = False
+    """DDP's static_graph: the set of used parameters is the same every step."""
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation, best-checkpoint tracking and early stopping."""
+
+    every_steps: int = 0
+    """Evaluate every this many optimizer steps (0: at the end of every epoch)."""
+    metric: str = "loss"
+    """Evaluation metric that decides the best checkpoint and early stopping."""
+    mode: Literal["min", "max"] = "min"
+    """Whether a lower or a higher `metric` is better."""
+    early_stopping_patience: int | None = None
+    """Evaluations without improvement before training stops (null: never stop early)."""
+    min_delta: float = 0.0
+    """Smallest change of `metric` that counts as an improvement."""
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints in the run directory."""
+
+    every_steps: int = 0
+    """Save every this many optimizer steps (0: at the end of every epoch only, plus preemption saves)."""
+    keep_last: int = 2
+    """Most recent checkpoints to keep."""
+    keep_best: bool = True
+    """Also keep the checkpoint with the best eval.metric."""
+    async_save: bool = True
+    """Write checkpoints in the background while training goes on."""
+
+
+@dataclass
+class LogConfig:
+    """Progress reporting."""
+
+    every_steps: int = 10
+    """Log training metrics every this many optimizer steps (0: at the end of every epoch only)."""
+    tensorboard: bool = True
+    """Write TensorBoard event files to the run directory."""
+    progress_bar: Literal["auto", "on", "off"] = "auto"
+    """auto: only when stdout is a terminal."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run's files go."""
+
+    name: str = "run"
+    """Name of the run; resuming uses the run directory of the same name."""
+    root: str = "runs"
+    """Run directories are created under it."""
+    dir: str | None = None
+    """Explicit run directory (overrides root/name)."""
+
+
+@dataclass
+class DistributedConfig:
+    """The process group."""
+
+    init_timeout_s: float = 1800.0
+    """Seconds to wait for every rank to join (and for any collective) before failing."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """auto: nccl with GPUs, gloo on CPU."""
+
+
+@dataclass
+class PreemptionConfig:
+    """Saving and requeueing before the scheduler stops the job."""
+
+    signal: str = "USR2"
+    """Signal that announces the end of the job (as in sbatch --signal=B:USR2@120); stored without 'SIG'."""
+    check_every_steps: int = 1
+    """Optimizer steps between the ranks' agreements on a stop flag (one small all-reduce each)."""
+
+
+@dataclass
+class Config:
+    """Everything a run needs to know, one section per concern."""
+
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """What to train."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """How batches are drawn."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The optimizer."""
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    """The learning-rate schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation and early stopping."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoints."""
+    log: LogConfig = field(default_factory=LogConfig)
+    """Progress reporting."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Where the run's files go."""
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """The process group."""
+    preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
+    """Saving and requeueing before the scheduler stops the job."""
+
+
+SAFE_TO_CHANGE: frozenset[str] = frozenset({
+    "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
+    "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "data.num_workers",
+    "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*",
+})
+"""Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""
