@@ -18,13 +18,14 @@ import hashlib
 import importlib
 import inspect
 import json
-import os
 import platform
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mgpu.fsutil import write_atomic  # noqa: E402
 
 STDLIB_MODULES = ("textwrap", "argparse", "json.decoder", "pathlib", "functools", "dataclasses", "enum", "logging")
 VOCABS = {"byte": 256}
@@ -41,20 +42,6 @@ def stdlib_corpus() -> bytes:
         source = inspect.getsource(importlib.import_module(name))
         parts.append(f"# ---- {name} ----\n{source}\n")
     return "".join(parts).encode("utf-8")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def sidecar_path(output: str | Path) -> Path:
@@ -75,8 +62,8 @@ def write_tokens(data: bytes, output: str | Path, source: str, vocab: str = "byt
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     # Sidecar first: whoever sees OUTPUT also finds its sidecar.
-    _write_atomic(sidecar_path(output), (json.dumps(meta, indent=2) + "\n").encode())
-    _write_atomic(output, tokens.tobytes())
+    write_atomic(sidecar_path(output), (json.dumps(meta, indent=2) + "\n").encode())
+    write_atomic(output, tokens.tobytes())
     return meta
 
 

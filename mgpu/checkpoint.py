@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
+from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
 __all__ = ["CheckpointError", "CheckpointStore", "LoadedCheckpoint", "SavedCheckpoint", "snapshot_to_cpu"]
@@ -133,21 +134,6 @@ def _one_line(text: object, limit: int = 500) -> str:
 
 def _tmp_name(label: str) -> str:
     return f"{_TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _fsync(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durably(path: Path, data: bytes) -> None:
-    with open(path, "wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
 
 
 def _sha256(path: Path) -> str:
@@ -312,19 +298,19 @@ class CheckpointStore:
                started: float) -> SavedCheckpoint:
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True, exist_ok=True)
-            _fsync(self.directory.parent, directory=True)
+            fsync_path(self.directory.parent, directory=True)
         self._remove_stale_tmp()  # frees the space a killed writer held before this one needs it
         name = f"step_{step:08d}"
         final = self.directory / name
         with _claimed(self.directory / _tmp_name(name)) as tmp:
             tmp.mkdir()
             self._writer(state, tmp / STATE_FILE)
-            _fsync(tmp / STATE_FILE)
+            fsync_path(tmp / STATE_FILE)
             size = (tmp / STATE_FILE).stat().st_size
             meta = {"step": step, "sha256": _sha256(tmp / STATE_FILE), "bytes": size, "created": time.time(),
                     "format": FORMAT, "extra": extra}
-            _write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
-            _fsync(tmp, directory=True)
+            write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+            fsync_path(tmp, directory=True)
             self._install(tmp, final)
         self._point(LATEST, name)
         if is_best:
@@ -353,13 +339,13 @@ class CheckpointStore:
                     except OSError:
                         os.rename(aside, final)
                         raise
-        _fsync(self.directory, directory=True)
+        fsync_path(self.directory, directory=True)
 
     def _point(self, pointer: str, name: str) -> None:
         with _claimed(self.directory / _tmp_name(pointer)) as tmp:
-            _write_durably(tmp, f"{name}\n".encode())
+            write_durably(tmp, f"{name}\n".encode())
             os.replace(tmp, self.directory / pointer)
-        _fsync(self.directory, directory=True)
+        fsync_path(self.directory, directory=True)
 
     def _prune(self) -> None:
         complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]

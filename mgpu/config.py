@@ -9,16 +9,13 @@ Nothing here imports torch: the submission path must start fast.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import difflib
 import functools
 import math
-import os
 import re
 import signal
-import tempfile
 import types
 from fnmatch import fnmatchcase
 from pathlib import Path
@@ -30,12 +27,13 @@ from mgpu.config_schema import (SAFE_TO_CHANGE, CheckpointConfig, Config, DataCo
                                 EvalConfig, LogConfig, OptimConfig, PreemptionConfig, RunConfig, ScheduleConfig,
                                 TaskConfig, TrainConfig)
 from mgpu.errors import MgpuError
+from mgpu.fsutil import write_atomic
 
 __all__ = [
     "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig",
     "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
-    "diff_configs", "dump_config", "is_safe_to_change", "load_config", "save_config",
+    "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config", "save_config",
 ]
 
 
@@ -297,31 +295,16 @@ def save_config(cfg: Config, path: str | Path) -> Path:
     """Write `cfg` as YAML to `path` atomically: readers see the old file or the new one, never a partial one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the config from collaborators
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(dump_config(cfg))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    with contextlib.suppress(OSError):  # persist the rename itself
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    write_atomic(path, dump_config(cfg).encode())
     return path
 
 
-def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten_config(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{'a': {'b': 1}}` -> `{'a.b': 1}`."""
     flat: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, f"{prefix}{key}."))
+            flat.update(flatten_config(value, f"{prefix}{key}."))
         else:
             flat[f"{prefix}{key}"] = value
     return flat
@@ -329,7 +312,7 @@ def _flatten(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 
 def diff_configs(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
     """`(dotted key, old value, new value)` for every leaf that differs; MISSING where one side lacks it."""
-    flat_old, flat_new = _flatten(old), _flatten(new)
+    flat_old, flat_new = flatten_config(old), flatten_config(new)
     keys = list(flat_old) + [key for key in flat_new if key not in flat_old]
     changes = []
     for key in keys:

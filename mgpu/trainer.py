@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import CheckpointStore, LoadedCheckpoint
-from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config
+from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
 from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
 from mgpu.errors import MgpuError
@@ -207,7 +207,7 @@ class Trainer:
         cfg, p = self.cfg, self.progress
         self._check_eval_metric()
         if self.is_main:
-            self.reporter.hparams(_flatten(self.config_dict), dump_config(cfg))
+            self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
                                f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position})")
         log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
@@ -435,13 +435,3 @@ class Trainer:
         if wait:
             barrier()  # no rank reports "stopped" before the checkpoint is durable
         return path
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat

@@ -1,0 +1,44 @@
+"""Durable file writes: fsync a file or directory, and replace a file atomically. No torch."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["fsync_path", "write_atomic", "write_durably"]
+
+
+def fsync_path(path: Path, directory: bool = False) -> None:
+    """fsync a file, or a directory (which makes the renames inside it durable)."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes) -> None:
+    """Write `data` to `path` and fsync it (no rename: the caller names a temporary path)."""
+    with open(path, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Replace `path` by `data`: readers see the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)  # mkstemp's 0600 would hide the file from collaborators
+        with os.fdopen(fd, "wb") as file:
+            file.write(data)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    with contextlib.suppress(OSError):  # persist the rename itself
+        fsync_path(path.parent, directory=True)
