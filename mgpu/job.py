@@ -55,6 +55,11 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     Raises SystemExit(0) on every rank once a requeue is under way, JobStopped when the job stays down.
     """
     from mgpu.preemption import StopRequest
+
+    # First of all, before torch is imported: our handlers stay installed until the process exits, so
+    # neither an early signal nor a late one reaches the default action or submitit's handler (which
+    # would checkpoint inside the handler and requeue a second time).
+    stop = StopRequest(cfg.preemption.signal).install()
     from mgpu.requeue import decide, requeue
     from mgpu.runner import run_training
 
@@ -63,9 +68,6 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     in_slurm = env.launcher == "slurm" or "SLURM_JOB_ID" in os.environ
     if in_slurm and env.restart_count > max_requeues:
         _refuse_over_budget(cfg, env, max_requeues)
-    # Our handlers stay installed until the process exits: a late signal must not reach submitit's
-    # own handler (which would checkpoint inside the handler and requeue a second time).
-    stop = StopRequest(cfg.preemption.signal).install()
     try:
         result, ledger = run_training(cfg, config_path, stop_at_step, env, stop)
     except MgpuError:

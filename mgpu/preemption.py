@@ -13,10 +13,13 @@ import signal
 import time
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported only by StopAgreement: StopRequest must be installable before the seconds it takes
+# to import torch, or a signal arriving in them would kill the process (or reach submitit's handler).
 
 __all__ = ["REASONS", "StopAgreement", "StopRequest", "signal_number"]
 
@@ -77,7 +80,7 @@ class StopRequest:
         self.uninstall()
 
 
-def _decode(flags: torch.Tensor) -> set[str]:
+def _decode(flags: "torch.Tensor") -> set[str]:
     return {reason for reason, flag in zip(REASONS, flags.tolist()) if flag}
 
 
@@ -91,6 +94,8 @@ class StopAgreement:
     """
 
     def __init__(self, stop: StopRequest) -> None:
+        import torch.distributed as dist
+
         self.stop = stop
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         # Every rank constructs this at the same point: new_group is itself a collective.
@@ -98,6 +103,9 @@ class StopAgreement:
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def poll(self) -> set[str]:
+        import torch
+        import torch.distributed as dist
+
         flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
         if self.group is None:
             return _decode(flags)

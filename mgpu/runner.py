@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
@@ -109,6 +110,10 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
                     ledger.write("resumed", step=p.step, epoch=p.epoch, position=p.position,
                                  **{"from": str(trainer.resumed_from)}, skipped=trainer.resume_skipped)
             result = trainer.fit()
+            # DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a
+            # gloo thread that waits for the GIL the destructor holds (an intermittent hang at exit).
+            del trainer, task
+            gc.collect()
         except BaseException as error:
             if env.rank == 0:
                 ledger.write("failed", error=f"{type(error).__name__}: {error}")

@@ -8,15 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
+from slurm_helpers import final_state, job, read_events, sacct, sbatch, wait_until
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
 
 pytestmark = pytest.mark.slurm
-
-# sacct only looks at jobs since this module was imported: ids of jobs from earlier cluster
-# incarnations may repeat, and `sacct -j ID` would return those old jobs too.
-SINCE = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
 
 # Logs every signal a task receives, one file per task: "<event> <SLURM_RESTART_COUNT>". Python, not
 # bash traps: bash lost one of several signals arriving within a millisecond (USR2, CONT, TERM at
@@ -38,52 +35,6 @@ log.write(f"start {run} {os.uname().nodename}\\n")
 while deadline is None or time.monotonic() < deadline:
     time.sleep(0.1)
 """
-
-
-def wait_until(what: str, predicate: Callable[[], object], timeout: float, interval: float = 0.5) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
-
-
-def sbatch(cluster: SlurmCluster, *args: str) -> str:
-    return cluster.run("sbatch", "--parsable", *args).stdout.strip().split(";")[0]
-
-
-def job(cluster: SlurmCluster, jobid: str) -> dict[str, str]:
-    """`scontrol show job` as a dict (empty once the job has left slurmctld's memory)."""
-    proc = cluster.run("scontrol", "show", "job", "-o", jobid, check=False)
-    return dict(tok.split("=", 1) for tok in proc.stdout.split() if "=" in tok) if proc.returncode == 0 else {}
-
-
-def sacct(cluster: SlurmCluster, jobid: str, *flags: str) -> list[dict[str, str]]:
-    """Allocation-level accounting rows of a job (with -D: one per run of a requeued job)."""
-    fields = ["JobID", "State", "Partition", "Start", "End"]
-    out = cluster.run("sacct", "-n", "-P", "-X", "-S", SINCE, *flags, "-j", jobid, "-o", ",".join(fields)).stdout
-    return [dict(zip(fields, line.split("|"))) for line in out.splitlines() if line]
-
-
-def final_state(cluster: SlurmCluster, jobid: str, timeout: float = 60) -> str:
-    done = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED"}
-
-    def state() -> str | None:
-        rows = sacct(cluster, jobid)
-        s = rows[-1]["State"].split()[0] if rows else ""
-        return s if s in done else None
-
-    return str(wait_until(f"job {jobid} to finish", state, timeout))
-
-
-def read_events(path: Path) -> list[tuple[str, str]]:
-    """(event, run) pairs of a signal log; missing file -> []."""
-    if not path.exists():
-        return []
-    return [tuple(line.split()[:2]) for line in path.read_text().splitlines() if line.strip()]  # type: ignore[misc]
 
 
 def test_nodes_idle_in_both_partitions(slurm_cluster: SlurmCluster) -> None:
