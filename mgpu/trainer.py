@@ -38,6 +38,7 @@ from mgpu.train_state import Progress, code_version, gather_state, restore_state
 __all__ = ["FitResult", "Trainer"]
 
 log = logging.getLogger("mgpu.train")
+AGREE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,7 @@ class Trainer:
         self._loss_count = 0
         self._grad_norm = torch.zeros((), device=self.device)
         self.agreement = StopAgreement(stop)
+        self._check_every = cfg.preemption.check_every_steps or 1
         self.step_ends: list[float] = []
         """perf_counter() at the end of each optimizer step of this run (benchmarks read it)."""
 
@@ -239,7 +241,7 @@ class Trainer:
                     break
                 if self.stop_at_step is not None and p.step == self.stop_at_step:
                     reasons = {"test"}  # deterministic, the same step on every rank: nothing to agree on
-                elif p.step % cfg.preemption.check_every_steps == 0:
+                elif p.step % self._check_every == 0:
                     reasons = self.agreement.poll()
                 if reasons:
                     log.info("stopping at step %d (%s; signals on this rank: %s)", p.step,
@@ -300,15 +302,21 @@ class Trainer:
 
     def _log_train(self) -> None:
         # The only host sync of the step path: once per log interval, not per step.
-        totals = all_reduce(torch.stack([self._loss_sum, torch.tensor(float(self._loss_count),
-                                                                      dtype=torch.float64, device=self.device)]))
         elapsed = time.perf_counter() - self._window_start
+        step_time = elapsed / max(self._window_steps, 1)
+        totals = all_reduce(torch.tensor([self._loss_sum.item(), float(self._loss_count), step_time],
+                                         dtype=torch.float64, device=self.device))
+        if self.cfg.preemption.check_every_steps is None and self._window_steps:
+            # Auto: agree about once a second, from the ranks' mean step time (all-reduced above, so
+            # every rank picks the same interval at the same step).
+            mean_step = totals[2].item() / self.world
+            self._check_every = max(1, int(AGREE_EVERY_S / max(mean_step, 1e-6)))
         metrics = {
             "loss": (totals[0] / totals[1].clamp(min=1)).item(),
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(self._grad_norm),
             "samples_per_s": self._window_samples / max(elapsed, 1e-9),
-            "step_time_s": elapsed / max(self._window_steps, 1),
+            "step_time_s": step_time,
         }
         tokens = self.task.tokens_per_sample()
         if tokens:
