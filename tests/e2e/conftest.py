@@ -55,6 +55,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if E2E in Path(str(item.fspath)).resolve().parents:
             item.add_marker(pytest.mark.slurm)
+    # Fast unit tests first, then multi-process ones, then the real cluster (a stable sort keeps each
+    # group in file order): a broken unit shows up in seconds, not after the e2e minutes.
+    def rank(item: pytest.Item) -> int:
+        return 2 if item.get_closest_marker("slurm") else 1 if item.get_closest_marker("multiprocess") else 0
+
+    items.sort(key=rank)
 
 
 def _unavailable(reason: str, details: str = "") -> None:

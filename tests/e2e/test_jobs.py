@@ -331,7 +331,9 @@ def test_five_preemptions_in_a_row_stay_bit_identical(slurm_cluster: SlurmCluste
                                                       slurm_policy: Callable[..., str],
                                                       references: dict[int, Reference], tmp_path: Path) -> None:
     slurm_policy()
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS, *SLOW)
+    # Agree on stops every step (the default is about once a second, i.e. every 5 of these 0.2 s steps):
+    # five runs of 2 steps + the stop latency must fit in the job's 30 steps. Numerically irrelevant.
+    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS, *SLOW, "preemption.check_every_steps=1")
     highs: list[str] = []
     try:
         for n in range(1, 6):
