@@ -68,13 +68,18 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     in_slurm = env.launcher == "slurm" or "SLURM_JOB_ID" in os.environ
     if in_slurm and env.restart_count > max_requeues:
         _refuse_over_budget(cfg, env, max_requeues)
-    try:
-        result, ledger = run_training(cfg, config_path, stop_at_step, env, stop)
-    except MgpuError:
-        raise  # bad input (e.g. an unsafe config change on resume): the same on every run, never requeued
-    except Exception as error:
-        if in_slurm:
+    handled: list[BaseException] = []
+
+    def after_failure(error: BaseException) -> None:
+        # Bad input (e.g. an unsafe config change on resume) is the same on every run: never requeued.
+        if in_slurm and isinstance(error, Exception) and not isinstance(error, MgpuError) and not handled:
+            handled.append(error)
             _requeue_after_failure(cfg, env, error, max_requeues)
+
+    try:
+        result, ledger = run_training(cfg, config_path, stop_at_step, env, stop, on_failure=after_failure)
+    except Exception as error:
+        after_failure(error)  # a failure before training started (e.g. the rendezvous); once only
         raise
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}

@@ -19,7 +19,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mgpu.config import Config, save_config
 from mgpu.environment import ProcessEnv, detect_environment
@@ -68,11 +68,14 @@ def _record_rank(run_dir: Path, env: ProcessEnv, device: str, backend: str) -> N
 
 
 def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
-                 env: ProcessEnv | None = None, stop: Any = None) -> tuple[Any, Ledger]:
+                 env: ProcessEnv | None = None, stop: Any = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> tuple[Any, Ledger]:
     """Train on this rank until finished, early-stopped or stopped by a signal.
 
     Returns (FitResult, the run's ledger). `stop`: an installed `StopRequest` (default: one installed
-    for the duration of the call). torch is imported here, not at module import.
+    for the duration of the call). `on_failure(error)`: called when training raises, while the process
+    group still exists: tearing it down can block on a dead peer until srun's KILL, so whatever must
+    happen after a failure (the requeue) happens first. torch is imported here, not at module import.
     """
     env = env or detect_environment()
     import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
@@ -117,6 +120,8 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
         except BaseException as error:
             if env.rank == 0:
                 ledger.write("failed", error=f"{type(error).__name__}: {error}")
+            if on_failure is not None:
+                on_failure(error)
             raise
         if env.rank == 0 and result.status != "stopped":
             ledger.write("finished", step=result.step, epoch=result.epoch, status=result.status,
