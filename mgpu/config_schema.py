@@ -163,10 +163,10 @@ class PreemptionConfig:
 
     signal: str = "USR2"
     """Signal that announces the end of the job (as in sbatch --signal=B:USR2@120); stored without 'SIG'."""
-    check_every_steps: int | None = 1
+    check_every_steps: int | None = None
     """Optimizer steps between the ranks' agreements on a stop flag (one small asynchronous all-reduce
-    each). None: every step until the first log line, then about once a second from the measured step
-    time (less overhead for very short steps; a stop then comes up to ~2 s after the signal)."""
+    each, read one step later: a stop comes at most this + 1 steps after the signal). None: every step
+    until the first log line, then the power of two of steps closest below one second."""
 
 
 @dataclass

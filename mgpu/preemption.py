@@ -1,8 +1,8 @@
 """Stop requests: signal handlers that only set a flag, and the ranks' agreement on when to stop.
 
 A requeue signal (USR2 by default; never USR1, which NCCL uses) or SIGTERM may reach one rank, all
-of them, or arrive at different steps on different ranks. The handlers only record it. At a step
-boundary every rank calls `StopRequest.agree()`, one all-reduce (MAX) of a few flags, so all ranks
+of them, or arrive at different steps on different ranks. The handlers only record it. At step
+boundaries that every rank picks alike, `StopAgreement` all-reduces (MAX) the few flags, so all ranks
 see the same answer at the same step, stop together and write one checkpoint. What happens next
 (requeue or not) is decided outside the loop, from Slurm's own view of the job (`mgpu.requeue`).
 """
@@ -35,7 +35,7 @@ def signal_number(name: str) -> int:
 
 @dataclass
 class StopRequest:
-    """Collects stop signals on this rank; `agree()` turns them into one decision for all ranks."""
+    """Collects stop signals on this rank; `StopAgreement` turns them into one decision for all ranks."""
 
     requeue_signal: str = "USR2"
     received: list[tuple[str, float]] = field(default_factory=list)
@@ -80,17 +80,21 @@ class StopRequest:
         self.uninstall()
 
 
-def _decode(flags: "torch.Tensor") -> set[str]:
-    return {reason for reason, flag in zip(REASONS, flags.tolist()) if flag}
+def _decode_list(flags: list[int]) -> set[str]:
+    return {reason for reason, flag in zip(REASONS, flags) if flag}
 
 
 class StopAgreement:
     """The ranks' agreement on `StopRequest` flags, pipelined so that no step waits for it.
 
-    Each `poll()` returns what every rank had flagged at the previous poll (the reduction has long
-    finished by then) and starts the next one, so all ranks stop at the same step, one step after the
-    flag was shared. The reduction runs on a gloo side group with CPU tensors: with NCCL it never
-    synchronises the GPU stream. A world of one needs no collective and answers at once.
+    `at_step(step, every)` starts an asynchronous MAX all-reduce of the flags at each step that is a
+    multiple of `every` and reads it one step later, when it has long finished: every rank stops at
+    the same step, at most `every + 1` steps after a flag was raised, for one small reduction per
+    `every` steps. With `every == 1` each step reads the previous step's reduction and starts the next.
+    When `every` changes, a reduction in flight is read at the first step after a multiple of the new
+    value; powers of two (see the trainer) keep the old multiples among the new ones.
+    The reduction runs on a gloo side group with CPU tensors: with NCCL it never synchronises the GPU
+    stream. A world of one needs no collective and answers at once.
     """
 
     def __init__(self, stop: StopRequest) -> None:
@@ -102,23 +106,33 @@ class StopAgreement:
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._pending: tuple[Any, torch.Tensor] | None = None
 
-    def poll(self) -> set[str]:
+    def at_step(self, step: int, every: int) -> set[str]:
+        """The agreed stop reasons at this step boundary (empty: go on). Call it at every step with the
+        same `every` on all ranks; a step where it has nothing to do costs two integer checks."""
+        if self.group is None:
+            return _decode_list(self.stop.flags())  # nobody to agree with: free at every step
+        agreed: set[str] = set()
+        if every == 1 or step % every == 1:
+            agreed = self._collect()
+        if not agreed and step % every == 0:
+            self._start()
+        return agreed
+
+    def _start(self) -> None:
         import torch
         import torch.distributed as dist
 
-        flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
-        if self.group is None:
-            return _decode(flags)
-        agreed: set[str] = set()
-        if self._pending is not None:
-            work, previous = self._pending
-            work.wait()
-            agreed = _decode(previous)
-            self._pending = None
-        if agreed:
-            return agreed
-        self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
-        return set()
+        if self._pending is None:
+            flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
+            self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
+
+    def _collect(self) -> set[str]:
+        if self._pending is None:
+            return set()
+        work, flags = self._pending
+        self._pending = None
+        work.wait()
+        return _decode_list(flags.tolist())
 
     def drain(self) -> None:
         """Wait for the reduction in flight (before the group is destroyed)."""

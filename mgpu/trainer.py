@@ -88,6 +88,7 @@ class Trainer:
                 # PyTorch's SyncBatchNorm has no CPU kernel; the same config must still run on a laptop.
                 log.warning("train.sync_batchnorm ignored: SyncBatchNorm needs GPUs; BatchNorm stays per rank")
         self.model: nn.Module = model.to(self.device)
+        self.precision = self._resolve_precision()  # once: asking CUDA every step would cost each step
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
         self.store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last) \
@@ -135,8 +136,7 @@ class Trainer:
                             f"and {self.world} ranks, some rank gets a one-sample batch at the end of each epoch, "
                             f"which BatchNorm cannot train on: change data.batch_size")
 
-    @property
-    def precision(self) -> torch.dtype:
+    def _resolve_precision(self) -> torch.dtype:
         wanted = self.cfg.train.precision
         if self.device.type != "cuda" or wanted == "fp32":
             return torch.float32
@@ -241,8 +241,8 @@ class Trainer:
                     break
                 if self.stop_at_step is not None and p.step == self.stop_at_step:
                     reasons = {"test"}  # deterministic, the same step on every rank: nothing to agree on
-                elif p.step % self._check_every == 0:
-                    reasons = self.agreement.poll()
+                else:
+                    reasons = self.agreement.at_step(p.step, self._check_every)
                 if reasons:
                     log.info("stopping at step %d (%s; signals on this rank: %s)", p.step,
                              ", ".join(sorted(reasons)), [name for name, _ in self.stop.received])
@@ -280,7 +280,7 @@ class Trainer:
                 # DDP averages gradients over ranks: scaling by world/total makes that average the exact
                 # mean over every real sample of the step, however unevenly the samples were split.
                 self.scaler.scale(real.sum() * (self.world / total)).backward()
-            self._loss_sum += real.detach().sum().double()
+            self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
             self._loss_count += mb.real
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.clip_grad_norm
@@ -308,9 +308,10 @@ class Trainer:
                                          dtype=torch.float64, device=self.device))
         if self.cfg.preemption.check_every_steps is None and self._window_steps:
             # Auto: agree about once a second, from the ranks' mean step time (all-reduced above, so
-            # every rank picks the same interval at the same step).
+            # every rank picks the same interval at the same step). A power of two: a jitter in the step
+            # time then rarely changes it, and when it does the old multiples stay multiples.
             mean_step = totals[2].item() / self.world
-            self._check_every = max(1, int(AGREE_EVERY_S / max(mean_step, 1e-6)))
+            self._check_every = 1 << int(math.log2(max(1.0, AGREE_EVERY_S / max(mean_step, 1e-6))))
         metrics = {
             "loss": (totals[0] / totals[1].clamp(min=1)).item(),
             "lr": self.scheduler.get_last_lr()[0],

@@ -1,0 +1,41 @@
+"""mgpu.preemption: flags from signals, and the ranks' agreement on a real 2-rank gloo group."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mgpu.preemption import StopRequest
+from tests.conftest import PYTHON, ROOT, base_env
+
+TORCHRUN = str(Path(PYTHON).parent / "torchrun")
+
+
+def test_a_signal_only_sets_a_flag_and_the_time() -> None:
+    with StopRequest("USR2") as stop:
+        assert not stop.pending
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert stop.flags() == [1, 0, 0] and [name for name, _ in stop.received] == ["SIGUSR2"]
+    assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # uninstalled: the previous handler is back
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("every, flag_at, stop_at", [
+    (1, 7, 8),     # every step: shared at the next boundary, read one step later
+    (5, 7, 11),    # started at step 10 (a multiple of 5), read at 11
+    (5, 10, 11),   # raised just before the start at 10
+    (5, 11, 16),   # just after it: the next start, 15, then 16
+])
+def test_every_rank_stops_at_the_same_step(every: int, flag_at: int, stop_at: int, tmp_path: Path) -> None:
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 32000)),
+           str(ROOT / "tests" / "agreement_steps.py"), str(every), str(flag_at), str(tmp_path)]
+    proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert results == [{"rank": r, "step": stop_at, "reasons": ["requeue_signal"]} for r in (0, 1)]
