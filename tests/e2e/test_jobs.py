@@ -331,13 +331,16 @@ def test_five_preemptions_in_a_row_stay_bit_identical(slurm_cluster: SlurmCluste
                                                       slurm_policy: Callable[..., str],
                                                       references: dict[int, Reference], tmp_path: Path) -> None:
     slurm_policy()
-    # Agree on stops every step (the default is about once a second, i.e. every 5 of these 0.2 s steps):
-    # five runs of 2 steps + the stop latency must fit in the job's 30 steps. Numerically irrelevant.
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS, *SLOW, "preemption.check_every_steps=1")
+    # Five runs must fit in the job's 30 steps. Each run makes 1 step before the preempting job is
+    # submitted, then as many as pass until Slurm's scheduler preempts (0.6-1.4 s measured) and the ranks
+    # agree. So: agreement every step, and 0.5 s steps (a sleep: numerically irrelevant, the reference
+    # sleeps 0.2 s), leaving ~4 steps per run; with 0.2 s steps 5 runs took up to 7 steps each.
+    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS, *SLOW, "task.args.step_s=0.5",
+                                "preemption.check_every_steps=1")
     highs: list[str] = []
     try:
         for n in range(1, 6):
-            wait_steps(run_dir, run=n, steps=2, timeout=60)
+            wait_steps(run_dir, run=n, steps=1, timeout=60)
             highs.append(preempt(slurm_cluster))
             wait_until(f"preemption {n} to be saved", lambda: len(events(run_dir, "preempted")) == n, timeout=30)
         assert final_state(slurm_cluster, jobid, timeout=120) == "COMPLETED"
