@@ -332,7 +332,7 @@ def test_five_preemptions_in_a_row_stay_bit_identical(slurm_cluster: SlurmCluste
                                                       references: dict[int, Reference], tmp_path: Path) -> None:
     slurm_policy()
     # Five runs must fit in the job's 30 steps. Each run makes 1 step before the preempting job is
-    # submitted, then as many as pass until Slurm's scheduler preempts (0.6-1.4 s measured) and the ranks
+    # submitted, then as many as pass until Slurm's scheduler preempts (about a second here) and the ranks
     # agree. So: agreement every step, and 0.5 s steps (a sleep: numerically irrelevant, the reference
     # sleeps 0.2 s), leaving ~4 steps per run; with 0.2 s steps 5 runs took up to 7 steps each.
     jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS, *SLOW, "task.args.step_s=0.5",
