@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     except MgpuError as error:
         exit_with(error, "check_env")
 
+    import torch
+
     from mgpu.distributed import all_reduce, process_group  # torch only after validation
 
     with process_group(env, timeout=timedelta(seconds=args.timeout_s)) as ctx:
@@ -40,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     expected = env.world_size * (env.world_size + 1) // 2
     record = {**env.__dict__, "nodes": list(env.nodes), "backend": ctx.backend, "device": str(ctx.device),
               "allreduce_sum": total, "expected_sum": expected, "hostname": socket.gethostname(),
-              "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}
+              "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid(),
+              "cpu_threads": torch.get_num_threads()}
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"rank{env.rank}.json").write_text(json.dumps(record, indent=1))

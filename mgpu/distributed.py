@@ -11,7 +11,7 @@ import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator, Literal, TypeVar
+from typing import Any, Callable, Iterator, Literal, Mapping, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ __all__ = [
     "all_reduce",
     "barrier",
     "broadcast_object",
+    "cpu_threads_per_rank",
     "get_rank",
     "get_world_size",
     "process_group",
@@ -69,6 +70,20 @@ def select_device(env: ProcessEnv, cuda_available: bool | None = None, visible_g
                     f"--ntasks-per-node)")
 
 
+def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | None = None,
+                         usable_cpus: int | None = None) -> int | None:
+    """Intra-op threads for each of `local_world_size` ranks sharing this machine's usable CPUs, or None
+    to keep torch's default: a world of one, or OMP_NUM_THREADS set by the user (or by srun's
+    templates). Without it every rank starts a thread per core and N ranks oversubscribe the cores
+    N-fold (measured: the 2-rank quick start took twice as long on 2 cores). Lightning does the same."""
+    environ = os.environ if environ is None else environ
+    if local_world_size <= 1 or environ.get("OMP_NUM_THREADS"):
+        return None
+    if usable_cpus is None:
+        usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, usable_cpus // local_world_size)
+
+
 def _init_method(env: ProcessEnv) -> str:
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     return f"tcp://{host}:{env.master_port}"
@@ -84,6 +99,9 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
     instead of hanging it.
     """
     env = detect_environment() if env is None else env
+    threads = cpu_threads_per_rank(env.local_world_size)
+    if threads is not None:
+        torch.set_num_threads(threads)
     device = select_device(env)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":

@@ -62,8 +62,11 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 def _record_rank(run_dir: Path, env: ProcessEnv, device: str, backend: str) -> None:
     """`logs/rank<N>.json`: who this rank was in this run (the launcher's view, for debugging and tests)."""
+    import torch
+
     record = {**dataclasses.asdict(env), "device": device, "backend": backend, "hostname": socket.gethostname(),
-              "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid()}
+              "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid(),
+              "cpu_threads": torch.get_num_threads()}
     (run_dir / "logs" / f"rank{env.rank}.json").write_text(json.dumps(record, indent=1))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu.distributed import all_reduce, broadcast_object, process_group, select_device
+from mgpu.distributed import all_reduce, broadcast_object, cpu_threads_per_rank, process_group, select_device
 from mgpu.environment import detect_environment
 from mgpu.errors import MgpuError
 from tests.conftest import PYTHON, ROOT, base_env, ensure_resolvable, run_processes
@@ -37,6 +38,17 @@ def test_select_device_rejects_local_rank_without_gpu() -> None:
 
 def test_select_device_cpu_without_cuda() -> None:
     assert select_device(detect_environment({}), cuda_available=False) == torch.device("cpu")
+
+
+@pytest.mark.parametrize("local_world, environ, cpus, expected", [
+    (1, {}, 16, None),                            # alone on the machine: torch's default
+    (2, {}, 2, 1), (4, {}, 16, 4), (3, {}, 8, 2),  # an equal share each
+    (8, {}, 4, 1),                                # more ranks than cores: one thread, never zero
+    (2, {"OMP_NUM_THREADS": "3"}, 16, None),     # the user's (or srun template's) choice stands
+    (2, {"OMP_NUM_THREADS": ""}, 16, 8),          # set but empty is unset
+])
+def test_cpu_threads_per_rank(local_world: int, environ: dict[str, str], cpus: int, expected: int | None) -> None:
+    assert cpu_threads_per_rank(local_world, environ, cpus) == expected
 
 
 def test_world_of_one_forms_and_tears_down_a_group() -> None:
@@ -78,6 +90,24 @@ def test_simulated_two_nodes_two_tasks(tmp_path: Path) -> None:
         assert (rec["master_addr"], rec["nodes"], rec["backend"]) == ("n1", ["n1", "n2"], "gloo")
         assert rec["allreduce_sum"] == 10
     assert len({rec["master_port"] for rec in records}) == 1
+
+
+@pytest.mark.multiprocess
+def test_ranks_sharing_a_machine_share_its_cores(tmp_path: Path) -> None:
+    """2 tasks on one node and no OMP_NUM_THREADS: each rank takes half the usable cores, not all."""
+    usable = len(os.sched_getaffinity(0))
+    job_id = str(random.randint(10**6, 10**7))
+    one_node = dict(SLURM_JOB_ID=job_id, SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_JOB_NODELIST="localhost",
+                    SLURM_STEP_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_STEP_NUM_NODES="1",
+                    SLURM_TASKS_PER_NODE="2", SLURM_STEP_TASKS_PER_NODE="2", SLURM_NTASKS_PER_NODE="2")
+    commands = []
+    for rank in range(2):
+        env = base_env(**srun_task(rank, rank, 0, **one_node))
+        del env["OMP_NUM_THREADS"]
+        commands.append(([PYTHON, CHECK, "--out", str(tmp_path), "--timeout-s", "60"], env))
+    results = run_processes(commands, timeout=120)
+    assert [r.returncode for r in results] == [0] * 2, [r.stdout for r in results]
+    assert [r["cpu_threads"] for r in _read_ranks(tmp_path, 2)] == [max(1, usable // 2)] * 2
 
 
 @pytest.mark.multiprocess
