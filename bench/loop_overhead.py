@@ -70,6 +70,7 @@ def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[s
     from mgpu.config import load_config
     from mgpu.ledger import Ledger
     from mgpu.preemption import StopRequest
+    from mgpu.rundir import RunDir
     from mgpu.task import build_task
     from mgpu.trainer import Trainer
 
@@ -78,8 +79,8 @@ def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[s
                              "schedule.name=constant", *overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         cfg.run.dir = run_dir
-        trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), ctx, Path(run_dir), Ledger(None),
-                          StopRequest())
+        trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), ctx, RunDir(Path(run_dir)),
+                          Ledger(None), StopRequest())
         trainer.fit()
     return trainer.step_ends
 

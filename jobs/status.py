@@ -1,7 +1,8 @@
 """Show a run's state: `python jobs/status.py RUN_DIR_OR_JOB_ID [--folder runs]`.
 
     python jobs/status.py runs/mnist-12345     # a run directory
-    python jobs/status.py 12345                # a Slurm job id: runs/*-12345 (array: runs/*-12345_*)
+    python jobs/status.py 12345                # a Slurm job id: the runs under runs/ that job trained
+                                               # (an array id: every task's run)
 
 Reads `<run dir>/events.jsonl` (see mgpu/ledger.py) and asks squeue/sacct where they exist.
 Exit codes: 0 shown, 2 no such run.
@@ -29,19 +30,30 @@ __all__ = ["describe", "find_run_dirs", "progress_line", "scheduler_state", "sum
 _SLURM_ID = re.compile(r"^\d+(_\d+)?$")
 
 
+def _job_ids(run_dir: Path) -> set[str]:
+    return {str(e.get("job_id")) for e in read_ledger(run_dir / "events.jsonl") if e.get("job_id")}
+
+
 def find_run_dirs(arg: str, folder: str | Path = "runs") -> list[Path]:
-    """A run directory as given, else the run directories of job `arg` under `folder`."""
+    """A run directory as given, else the run directories under `folder` whose ledger names job `arg`
+    (for an array id: every task's, in task order)."""
     path = Path(arg)
     if path.is_dir():
         return [path]
     root = Path(folder)
-    found = sorted(root.glob(f"*-{arg}"))
-    if not found and _SLURM_ID.match(arg) and "_" not in arg:
-        found = sorted(root.glob(f"*-{arg}_*"), key=lambda p: int(p.name.rsplit("_", 1)[1]))
+    found: list[tuple[int, Path]] = []
+    if _SLURM_ID.match(arg) and root.is_dir():
+        for run_dir in sorted(p for p in root.iterdir() if p.is_dir()):
+            # Runs made before run directories dropped the job id carry it in their name: <name>-<job id>.
+            legacy = run_dir.name.rsplit("-", 1)[-1] if "-" in run_dir.name else ""
+            ids = _job_ids(run_dir) | ({legacy} if _SLURM_ID.match(legacy) else set())
+            tasks = [int(i.rsplit("_", 1)[1]) for i in ids if "_" not in arg and i.startswith(f"{arg}_")]
+            if arg in ids or tasks:
+                found.append((min(tasks) if tasks and arg not in ids else -1, run_dir))
     if not found:
-        raise MgpuError(f"{arg!r}: neither a run directory nor a job id with a run directory "
-                        f"{root}/*-{arg} (pass --folder, the root the job was submitted with)")
-    return [p for p in found if p.is_dir()]
+        raise MgpuError(f"{arg!r}: neither a run directory nor a Slurm job id found in the ledgers under {root} "
+                        f"(pass --folder, the root the job was submitted with)")
+    return [run_dir for _, run_dir in sorted(found, key=lambda item: (item[0], str(item[1])))]
 
 
 def _age(seconds: float) -> str:

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import re
+import shlex
 import shutil
 import sys
 import time
@@ -27,8 +29,9 @@ if __name__ == "__main__":  # find task modules as the job will, from the workin
     sys.path[0:1] = [os.getcwd()] + ([str(ROOT)] if str(ROOT) != os.getcwd() else [])
 
 from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
-from mgpu.submission import (Resources, Submission, build_submission, run_dir_for, sbatch_script,  # noqa: E402
-                             slurm_parameters, submitit_command, submitit_folder)
+from mgpu.config import Config  # noqa: E402
+from mgpu.submission import (Resources, Submission, build_submission, check_resumable, run_dir_for,  # noqa: E402
+                             sbatch_script, slurm_parameters, submitit_command, submitit_folder)
 
 PROG = "submit"
 # Slurm states after which a job may still run again (submitit's list and the transient ones).
@@ -61,7 +64,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     j.add_argument("--folder", help="root of the run directories; sets run.root (default: run.root, i.e. runs)")
     j.add_argument("--signal-lead", type=int, default=120, metavar="S",
                    help="signal the job S seconds before its time limit, to checkpoint (default: 120)")
-    j.add_argument("--max-requeues", type=int, default=10, help="times the job requeues itself (default: 10)")
+    j.add_argument("--max-requeues", type=int, help="requeues after preemptions and time limits (default: no limit)")
+    j.add_argument("--max-failures", type=int, default=3,
+                   help="requeues after a failed step, per job (default: 3)")
+    j.add_argument("--new-run", action="store_true",
+                   help="start a new run (run.name gets a free -2, -3, ... suffix) instead of resuming run.name")
     j.add_argument("--cluster", choices=("auto", "slurm", "local", "debug"), default="auto",
                    help="auto: slurm if sbatch is on PATH, else local (processes here); debug: in-process")
     j.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2",
@@ -79,7 +86,17 @@ def _resources(args: argparse.Namespace, sub: Submission) -> Resources:
                      cpus_per_task=args.cpus_per_task, mem=args.mem, time=args.time, partition=args.partition,
                      account=args.account, qos=args.qos, constraint=args.constraint, exclude=args.exclude,
                      job_name=args.job_name or sub.name, signal_lead_s=args.signal_lead,
-                     max_requeues=args.max_requeues, requeue_signal=cfg.preemption.signal)
+                     max_requeues=args.max_requeues, max_failures=args.max_failures,
+                     requeue_signal=cfg.preemption.signal)
+
+
+def _new_run_name(cfg: Config) -> str:
+    """`run.name` with the first `-N` suffix (N >= 2) whose run directory does not exist yet."""
+    for n in itertools.count(2):
+        name = f"{cfg.run.name}-{n}"
+        if not (Path(cfg.run.root) / name).exists():
+            return name
+    raise AssertionError("unreachable")
 
 
 def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
@@ -89,12 +106,31 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
     if args.max_parallel < 1:
         raise MgpuError(f"--max-parallel {args.max_parallel}: must be >= 1")
     sub = build_submission(args.config, args.overrides, args.sweep, args.folder)
+    if args.new_run:
+        if sub.configs[0].run.dir:
+            raise MgpuError(f"--new-run: run.dir={sub.configs[0].run.dir!r} names one directory; remove run.dir")
+        args.overrides = [*args.overrides, f"run.name={_new_run_name(sub.configs[0])}"]
+        sub = build_submission(args.config, args.overrides, args.sweep, args.folder)
     res = _resources(args, sub)
     if cluster in ("local", "debug") and res.nodes > 1:
         raise MgpuError(f"--nodes {res.nodes}: --cluster {cluster} runs on this machine only; use --nodes 1")
     if cluster == "slurm" and not args.dry_run and not (shutil.which("sbatch") and shutil.which("srun")):
         raise MgpuError("--cluster slurm: sbatch/srun not found on PATH; submit from a login node or use --cluster local")
+    args.resume_steps = [check_resumable(cfg) for cfg in sub.configs]
     return cluster, sub, res
+
+
+def _resume_command(args: argparse.Namespace, argv: Sequence[str]) -> str:
+    """The exact command that resubmits this run (--new-run replaced by the run.name it chose)."""
+    kept = [arg for arg in argv if arg not in ("--new-run", "--dry-run")]
+    if args.new_run:
+        kept.append(next(o for o in reversed(args.overrides) if o.startswith("run.name=")))
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, sys.argv[0], *kept])}"
+
+
+def _resume_note(sub: Submission, steps: list[int | None]) -> list[str]:
+    return [f"# run {run_dir_for(cfg)}: " + ("new" if step is None else f"resumes from its checkpoint at step {step}")
+            for cfg, step in zip(sub.configs, steps)]
 
 
 def _describe_tasks(sub: Submission) -> list[str]:
@@ -103,10 +139,12 @@ def _describe_tasks(sub: Submission) -> list[str]:
     return [f"# task {i}: run.name={cfg.run.name} {' '.join(o)}" for i, (cfg, o) in enumerate(zip(sub.configs, sub.overrides))]
 
 
-def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int) -> None:
+def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int, resume: str,
+            steps: list[int | None]) -> None:
     folder = submitit_folder(sub.configs[0].run.root)
     if cluster == "slurm":
-        print(sbatch_script(res, submitit_command(folder), folder, len(sub.configs), max_parallel), end="")
+        print(sbatch_script(res, submitit_command(folder), folder, len(sub.configs), max_parallel,
+                            [run_dir_for(cfg) for cfg in sub.configs], resume), end="")
     else:
         print(f"# {cluster}: 1 node, {res.ntasks_per_node if cluster == 'local' else 1} process(es), "
               f"time limit {res.time} ({res.time_s} s), signal {res.requeue_signal} {res.signal_lead_s} s before; "
@@ -117,14 +155,17 @@ def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int) ->
     resolved = [f"# resolved config{' of task 0' if len(sub.configs) > 1 else ''}:",
                 *(f"#   {line}" for line in dump_config(sub.configs[0]).splitlines())]
     for line in [*resolved, f"# dry run: nothing submitted; run root {sub.configs[0].run.root}",
-                 *_describe_tasks(sub)]:
+                 *_resume_note(sub, steps), *_describe_tasks(sub)]:
         print(line, file=sys.stderr)
 
 
 @contextlib.contextmanager
-def _job_environ(res: Resources) -> Iterator[None]:
+def _job_environ(res: Resources, resume: str) -> Iterator[None]:
     """What the sbatch setup lines export, for the local executor (its controller copies os.environ)."""
-    values = {"MGPU_MAX_REQUEUES": str(res.max_requeues), "SUBMITIT_PREEMPT_SIGNAL": res.requeue_signal}
+    values = {"MGPU_MAX_FAILURES": str(res.max_failures), "SUBMITIT_PREEMPT_SIGNAL": res.requeue_signal,
+              "MGPU_RESUME_COMMAND": resume}
+    if res.max_requeues is not None:
+        values["MGPU_MAX_REQUEUES"] = str(res.max_requeues)
     saved = {key: os.environ.get(key) for key in values}
     os.environ.update(values)
     try:
@@ -137,7 +178,7 @@ def _job_environ(res: Resources) -> Iterator[None]:
                 os.environ[key] = value
 
 
-def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int) -> list[Any]:
+def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, resume: str) -> list[Any]:
     """Create the executor and submit one job per config (an array on Slurm); returns submitit jobs."""
     import submitit
 
@@ -145,22 +186,25 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int) -> 
 
     folder = submitit_folder(sub.configs[0].run.root)
     fns = [TrainJob(config, sub.config_path) for config in sub.dicts]
+    # submitit's own requeue counter: its handler never runs (mgpu's replaces it), so only a bound.
+    max_num_timeout = res.max_requeues if res.max_requeues is not None else 1_000_000
     if cluster == "slurm":
-        executor = submitit.SlurmExecutor(folder, max_num_timeout=res.max_requeues)
-        executor.update_parameters(**slurm_parameters(res, max_parallel))
+        executor = submitit.SlurmExecutor(folder, max_num_timeout=max_num_timeout)
+        executor.update_parameters(**slurm_parameters(res, max_parallel, [run_dir_for(c) for c in sub.configs],
+                                                      resume))
         return list(executor.submit_array(fns))
     if cluster == "debug":
         debug = submitit.DebugExecutor(folder)
         return [debug.submit(fn) for fn in fns]
-    local = submitit.LocalExecutor(folder, max_num_timeout=res.max_requeues)
+    local = submitit.LocalExecutor(folder, max_num_timeout=max_num_timeout)
     local.update_parameters(nodes=1, tasks_per_node=res.ntasks_per_node, gpus_per_node=res.gpus_per_node,
                             timeout_min=res.time_s / 60, signal_delay_s=res.signal_lead_s)
-    with _job_environ(res):
+    with _job_environ(res, resume):
         return [local.submit(fns[0])]  # the others start one after another (see main)
 
 
 def _print_job(job: Any, cfg: Any, cluster: str) -> Path:
-    run_dir = run_dir_for(cfg, str(job.job_id), cluster)
+    run_dir = run_dir_for(cfg)
     follow = f"python jobs/status.py {run_dir}" + (f"   (or: squeue -j {job.job_id})" if cluster == "slurm" else "")
     print(f"{cluster} job {job.job_id}\n  run directory  {run_dir}\n  stdout         {job.paths.stdout}\n"
           f"  stderr         {job.paths.stderr}\n  follow         {follow}", flush=True)
@@ -229,29 +273,34 @@ def _run_here(job: Any, run_dir: Path, cluster: str, poll_s: float) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     try:
         cluster, sub, res = _validate(args)
     except MgpuError as error:
         exit_with(error, PROG)
+    resume = _resume_command(args, argv)
     if args.dry_run:
-        dry_run(cluster, sub, res, args.max_parallel)
+        dry_run(cluster, sub, res, args.max_parallel, resume, args.resume_steps)
         return 0
+    for line in _resume_note(sub, args.resume_steps):
+        print(line.lstrip("# "), flush=True)
     if cluster == "debug" and res.ntasks_per_node > 1:
         print("submit: note: --cluster debug runs one rank in this process", file=sys.stderr)
     if cluster != "slurm":  # one job at a time on this machine, each waited for
         ok = True
         for i, cfg in enumerate(sub.configs):
             single = Submission([cfg], [sub.overrides[i]], sub.config_path, sub.name)
-            job = submit(cluster, single, res, args.max_parallel)[0]
+            job = submit(cluster, single, res, args.max_parallel, resume)[0]
             ok = _run_here(job, _print_job(job, cfg, cluster), cluster, min(args.poll_interval, 2.0)) and ok
         return 0 if ok else 1
-    jobs = submit(cluster, sub, res, args.max_parallel)
+    jobs = submit(cluster, sub, res, args.max_parallel, resume)
     run_dirs = [_print_job(job, cfg, cluster) for job, cfg in zip(jobs, sub.configs)]
     if len(jobs) > 1:
         array_id = str(jobs[0].job_id).split("_")[0]
         print(f"array {array_id}: {len(jobs)} tasks, at most {args.max_parallel} at once; "
               f"python jobs/status.py {array_id} --folder {sub.configs[0].run.root}   (or: squeue -j {array_id})")
+    print(f"to resume later (the same run): {resume}", flush=True)
     if args.wait:
         return 0 if follow(jobs, run_dirs, cluster, args.poll_interval) else 1
     return 0

@@ -12,6 +12,7 @@ import copy
 import ctypes
 import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -23,14 +24,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import torch
 
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
-__all__ = ["CheckpointError", "CheckpointStore", "LoadedCheckpoint", "SavedCheckpoint", "snapshot_to_cpu"]
+__all__ = ["CheckpointError", "CheckpointStore", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
+           "check_loadable", "snapshot_to_cpu"]
 
 FORMAT = 1
 STATE_FILE = "state.pt"
@@ -54,6 +56,50 @@ OnDone = Callable[["SavedCheckpoint | BaseException"], None]
 
 class CheckpointError(MgpuError):
     """No usable checkpoint, or a save that cannot be made."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The filesystem refused a save (disk full, quota, I/O error): the message names the errno and the path."""
+
+    def __init__(self, message: str, errno_code: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno_code
+
+
+def _describe_os_error(error: OSError, fallback: Path) -> str:
+    name = errno.errorcode.get(error.errno or 0, "")
+    what = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error",
+            errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}.get(error.errno or 0,
+                                                                                        error.strerror or str(error))
+    return f"{what} ({name or 'no errno'}) at {error.filename or fallback}"
+
+
+class _HashingFile(io.RawIOBase):
+    """A write-only file that hashes what passes through it, and keeps the first OSError of the file
+    below: torch's zip writer swallows it into 'unexpected pos', which names neither the errno nor the file."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__()
+        self.file, self.digest, self.error = file, hashlib.sha256(), None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            written = self.file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+        self.digest.update(memoryview(data)[:written])
+        return written
+
+    def flush(self) -> None:
+        try:
+            self.file.flush()
+        except OSError as error:
+            self.error = self.error or error
+            raise
 
 
 @dataclass(frozen=True)
@@ -125,6 +171,61 @@ def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None 
     for device in devices:
         torch.cuda.synchronize(device)
     return result
+
+
+def _skeleton(value: Any) -> Any:
+    """`value` with every tensor replaced by an empty one of its dtype: the pickled structure, no data."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(0, dtype=value.dtype)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = _skeleton(item)
+        return out
+    if isinstance(value, list):
+        return [_skeleton(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_skeleton(item) for item in value)
+    return value
+
+
+def _load_problem(value: Any) -> str | None:
+    """Why `torch.load(weights_only=True)` would not read `value` back (None: it would)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as error:  # noqa: BLE001  (any refusal is the answer)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines() if line.strip()]
+        telling = [line for line in lines if "Unsupported" in line or "GLOBAL" in line]
+        return _one_line((telling or lines or [type(error).__name__])[0], 200)
+    return None
+
+
+def _offender(value: Any, path: str) -> tuple[str, Any]:
+    """The innermost key of `value` (a skeleton) whose content alone cannot be loaded back."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+        and not hasattr(value, "_fields") else ()
+    for key, item in items:
+        if _load_problem({"x": item}) is not None:
+            return _offender(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]")
+    return path, value
+
+
+def check_loadable(state: dict[str, Any]) -> None:
+    """CheckpointError naming the key whose value a resume could not load (torch.load(weights_only=True)).
+
+    A custom object in a state_dict saves fine and fails only at the first resume, days later; this
+    finds it at the first save. Tensors are replaced by empty ones, so it costs no copy of the data."""
+    skeleton = _skeleton(state)
+    problem = _load_problem(skeleton)
+    if problem is None:
+        return
+    path, value = _offender(skeleton, "state")
+    raise CheckpointError(f"checkpoint {path} holds a {type(value).__name__}, which a resume cannot load with "
+                          f"torch.load(weights_only=True) ({problem}): keep state_dict() values to tensors, "
+                          f"numbers, strings, lists, tuples and dicts")
 
 
 def _one_line(text: object, limit: int = 500) -> str:
@@ -238,7 +339,7 @@ class CheckpointStore:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
-        self._writer: Writer = writer or torch.save
+        self._writer = writer  # None: torch.save through a hashing file (no second read for the sha256)
         self._thread: threading.Thread | None = None
         self._outcome: SavedCheckpoint | BaseException | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}  # reused snapshot buffers (see save_async)
@@ -246,8 +347,12 @@ class CheckpointStore:
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], step: int, *, is_best: bool = False,
              extra: dict[str, Any] | None = None) -> SavedCheckpoint:
-        """Write a checkpoint and return once it is durable (after any background save in flight)."""
-        self.wait()
+        """Write a checkpoint and return once it is durable, after any background save in flight.
+
+        Always a fresh attempt: a background save that failed before was reported through its
+        `on_done` and does not stop this one (the stop path must try, whatever happened earlier).
+        A refusal of the filesystem raises CheckpointWriteError naming the errno and the path."""
+        self.settle()
         extra = _checked_extra(state, step, extra)
         return self._write(state, step, is_best, extra, time.monotonic())
 
@@ -255,11 +360,11 @@ class CheckpointStore:
                    extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
         """Snapshot `state` to CPU memory now and write it in a background thread.
 
-        Blocks only for a save already in flight (and re-raises its error) and for the snapshot. The
-        snapshot's buffers are kept for the next one (one extra copy of the state stays in host memory).
-        `on_done` is called from the writer thread with the result or the exception.
+        Blocks only for a save already in flight and for the snapshot. The snapshot's buffers are kept
+        for the next one (one extra copy of the state stays in host memory). `on_done` is called from
+        the writer thread with the result or the exception; a failed save is not raised again later.
         """
-        self.wait()
+        self.settle()
         extra = _checked_extra(state, step, extra)
         started = time.monotonic()
         snapshot = snapshot_to_cpu(state, self._staging)
@@ -267,19 +372,24 @@ class CheckpointStore:
                                         args=(snapshot, step, is_best, extra, started, on_done))
         self._thread.start()
 
-    def wait(self) -> SavedCheckpoint | None:
-        """Block until the background save in flight (if any) is durable; re-raise its exception."""
+    def settle(self) -> SavedCheckpoint | BaseException | None:
+        """Block until the background save in flight (if any) ends; its result or its exception."""
         thread = self._thread
         if thread is None:
             return None
         thread.join()
         outcome, self._thread, self._outcome = self._outcome, None, None
+        return outcome
+
+    def wait(self) -> SavedCheckpoint | None:
+        """Block until the background save in flight (if any) is durable; re-raise its exception."""
+        outcome = self.settle()
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
     def close(self) -> None:
-        self.wait()  # idempotent: a second call finds nothing in flight
+        self.settle()  # idempotent: a second call finds nothing in flight; a failure was reported by on_done
 
     def _background(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                     started: float, on_done: OnDone | None) -> None:
@@ -296,6 +406,33 @@ class CheckpointStore:
 
     def _write(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                started: float) -> SavedCheckpoint:
+        where = self.directory / f"step_{step:08d}"
+        try:
+            return self._write_unchecked(state, step, is_best, extra, started)
+        except OSError as error:
+            raise CheckpointWriteError(f"checkpoint step {step} not written: {_describe_os_error(error, where)}",
+                                       error.errno) from error
+
+    def _write_state(self, state: dict[str, Any], path: Path) -> str:
+        """state.pt, fsynced; returns its sha256 (computed while writing with the default writer)."""
+        if self._writer is not None:
+            self._writer(state, path)
+            fsync_path(path)
+            return _sha256(path)
+        with open(path, "wb") as file:
+            hashing = _HashingFile(file)
+            try:
+                torch.save(state, hashing)
+            except RuntimeError as error:
+                if hashing.error is not None:
+                    raise hashing.error from error
+                raise
+            file.flush()
+            os.fsync(file.fileno())
+        return hashing.digest.hexdigest()
+
+    def _write_unchecked(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
+                         started: float) -> SavedCheckpoint:
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True, exist_ok=True)
             fsync_path(self.directory.parent, directory=True)
@@ -304,11 +441,10 @@ class CheckpointStore:
         final = self.directory / name
         with _claimed(self.directory / _tmp_name(name)) as tmp:
             tmp.mkdir()
-            self._writer(state, tmp / STATE_FILE)
-            fsync_path(tmp / STATE_FILE)
+            sha = self._write_state(state, tmp / STATE_FILE)
             size = (tmp / STATE_FILE).stat().st_size
-            meta = {"step": step, "sha256": _sha256(tmp / STATE_FILE), "bytes": size, "created": time.time(),
-                    "format": FORMAT, "extra": extra}
+            meta = {"step": step, "sha256": sha, "bytes": size, "created": time.time(), "format": FORMAT,
+                    "extra": extra}
             write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
             fsync_path(tmp, directory=True)
             self._install(tmp, final)

@@ -5,16 +5,19 @@
 
 1. signal handlers (installed before the process group forms) only set flags;
 2. the trainer's ranks agree at a step boundary, stop together and write one durable checkpoint;
-3. rank 0 asks Slurm what happened (`mgpu.requeue.decide`) and requeues the job itself when Slurm
-   will not (time limit; preemption with GraceTime > 0), never after a `scancel`, and not beyond
-   the requeue budget (`MGPU_MAX_REQUEUES`, counted with Slurm's own restart counter);
+3. rank 0, and only rank 0, asks Slurm what happened (`mgpu.requeue.decide`) and requeues the job
+   itself when Slurm will not (time limit; preemption with GraceTime > 0), never after a `scancel`,
+   and not beyond `MGPU_MAX_REQUEUES` stop requeues (default: no limit; see `mgpu.recovery.Limits`).
+   A run that made no progress at all is counted against the failure budget instead, so a job whose
+   time limit leaves no time to train does not requeue forever;
 4. every rank exits: code 0 when requeued or finished; under submitit a requeued job writes no
    result (the submitter keeps waiting), a cancelled or exhausted one raises so `job.result()`
-   raises with the reason.
-5. when a rank fails instead (an exception, or a peer killed: see `_requeue_after_failure`), one
-   surviving rank asks the same question and requeues the job within the same budget, then the
-   error propagates and the step ends FAILED.
+   raises with the reason, which ends with the exact command that resumes the run.
+5. when a rank fails instead, the batch script requeues the job after srun returns, within the
+   failure budget (`mgpu.recovery`); where the script does not (`MGPU_RECOVERY` unset), the first
+   surviving rank does it before its process group is torn down.
 
+Slurm is asked about a job only when it is this process's own (`mgpu.slurm_job.owns_slurm_job`).
 This module imports no torch at import time: submitit unpickles `TrainJob` on the submitting side too.
 """
 
@@ -22,30 +25,36 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+import shlex
+import sys
+from typing import TYPE_CHECKING, Any
 
 from mgpu.config import Config, config_from_dict
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
 
-__all__ = ["JobStopped", "TrainJob", "run_job"]
+if TYPE_CHECKING:
+    from mgpu.requeue import Budget
+    from mgpu.rundir import RunDir
+
+__all__ = ["JobStopped", "TrainJob", "resume_command", "run_job"]
 
 log = logging.getLogger("mgpu.job")
 STOPPED_EXIT_CODE = 3
-DEFAULT_MAX_REQUEUES = 10
 
 
 class JobStopped(Exception):
     """The job stopped on a signal and will not come back (cancelled, or out of requeues)."""
 
 
-def _max_requeues() -> int:
-    value = os.environ.get("MGPU_MAX_REQUEUES", str(DEFAULT_MAX_REQUEUES))
-    try:
-        return int(value)
-    except ValueError:
-        raise MgpuError(f"MGPU_MAX_REQUEUES={value!r} is not an integer: set it to the number of requeues "
-                        "allowed") from None
+def resume_command(env: ProcessEnv) -> str:
+    """The exact command that continues this run: what the submitter recorded, else this process's own."""
+    recorded = os.environ.get("MGPU_RESUME_COMMAND")
+    if recorded:
+        return recorded
+    if env.launcher == "torchrun":
+        return "the same torchrun command"
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join([os.path.basename(sys.executable), *sys.argv])}"
 
 
 def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
@@ -60,21 +69,33 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     # neither an early signal nor a late one reaches the default action or submitit's handler (which
     # would checkpoint inside the handler and requeue a second time).
     stop = StopRequest(cfg.preemption.signal).install()
-    from mgpu.requeue import decide, requeue
+    from mgpu.ledger import Ledger, read_ledger
+    from mgpu.recovery import Limits, failure_requeues, handle_failure
+    from mgpu.requeue import Budget, decide, requeue
+    from mgpu.rundir import RunDir
     from mgpu.runner import run_training
+    from mgpu.slurm_job import owns_slurm_job
 
     env = env or detect_environment()
-    max_requeues = _max_requeues()
-    in_slurm = env.launcher == "slurm" or "SLURM_JOB_ID" in os.environ
-    if in_slurm and env.restart_count > max_requeues:
-        _refuse_over_budget(cfg, env, max_requeues)
+    limits = Limits.from_environ()
+    run = RunDir.of(cfg.run)
+    job_id = env.job_id if owns_slurm_job() else None
+    failures = failure_requeues(read_ledger(run.ledger), job_id) if job_id else 0
+    # Slurm's restart counter counts every requeue; the failure requeues are the ledger's to count.
+    stop_requeues = Budget(max(0, env.restart_count - failures), limits.max_requeues)
+    if job_id and stop_requeues.limit is not None and stop_requeues.used > stop_requeues.limit:
+        _refuse_over_budget(run, env, stop_requeues)
     handled: list[BaseException] = []
 
     def after_failure(error: BaseException) -> None:
-        # Bad input (e.g. an unsafe config change on resume) is the same on every run: never requeued.
-        if in_slurm and isinstance(error, Exception) and not isinstance(error, MgpuError) and not handled:
+        # Bad input (e.g. an unsafe config change on resume) is the same on every run: never requeued;
+        # where the batch script handles failures after srun (MGPU_RECOVERY=batch), it alone does.
+        if (job_id and isinstance(error, Exception) and not isinstance(error, MgpuError) and not handled
+                and os.environ.get("MGPU_RECOVERY") != "batch"):
             handled.append(error)
-            _requeue_after_failure(cfg, env, error, max_requeues)
+            outcome = handle_failure(run, job_id, env.restart_count, limits,
+                                     f"rank {env.rank} failed: {type(error).__name__}: {error}", rank=env.rank)
+            log.error("rank %d failed: %s: %s; %s", env.rank, type(error).__name__, error, outcome)
 
     try:
         result, ledger = run_training(cfg, config_path, stop_at_step, env, stop, on_failure=after_failure)
@@ -85,88 +106,37 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
     if result.status != "stopped":
         return summary
-    decision = decide(set(result.reasons), in_slurm=in_slurm, job_id=env.job_id if in_slurm else None,
-                      restarts=env.restart_count, max_requeues=max_requeues)
-    if env.rank == 0:
-        ledger.write("stop_decision", step=result.step, what=decision.event, requeue=decision.requeue,
-                     reason=decision.why)
-        log.info("stopped at step %d: %s", result.step, decision.why)
-        if decision.requeue:
-            outcome = requeue(env.job_id)
-            ledger.write("requeued", step=result.step, how=outcome.how, message=outcome.message)
-            log.info("requeue: %s", outcome.message)
+    if env.rank != 0:
+        # Rank 0 alone asks Slurm and acts; a non-zero exit here would make srun kill it first.
+        raise SystemExit(0)
+    progressed = result.step > result.resumed_step
+    budget = stop_requeues if progressed else Budget(failures, limits.max_failures, "failure")
+    decision = decide(set(result.reasons), job_id, env.restart_count, budget)
+    why = decision.why if progressed else f"{decision.why} (this run made no progress)"
+    ledger.write("stop_decision", step=result.step, what=decision.event, requeue=decision.requeue, reason=why)
+    log.info("stopped at step %d: %s", result.step, why)
+    if decision.requeue:
+        outcome = requeue(job_id)  # type: ignore[arg-type]  (decide() requeues only a job of ours)
+        ledger.write("requeued", step=result.step, how=outcome.how, message=outcome.message,
+                     **({} if progressed else {"after": "no_progress"}))
+        log.info("requeue: %s", outcome.message)
     if decision.requeue or decision.event == "requeued_by_slurm":
         raise SystemExit(0)
-    if env.rank == 0:
-        raise JobStopped(f"stopped at step {result.step}: {decision.why}; checkpoint {summary['checkpoint']}")
-    # Only rank 0 carries the failure: a non-zero exit here would make srun kill rank 0 before it
-    # records why (submitit's result file).
-    raise SystemExit(0)
+    run.release(env.job_id)
+    raise JobStopped(f"stopped at step {result.step}: {why}; checkpoint {summary['checkpoint']}; to resume: "
+                     f"{resume_command(env)}")
 
 
-def _requeue_after_failure(cfg: Config, env: ProcessEnv, error: BaseException, max_requeues: int) -> None:
-    """A rank failed: its own exception, or a peer's death seen as a collective error. Come back if the
-    budget allows, since nothing else will: srun ends the step (--kill-on-bad-exit), the batch script
-    fails, and Slurm never requeues a FAILED job by itself.
-
-    What srun does to the survivors when one task dies (measured, Slurm 22.05, KillWait=5): CONT+TERM
-    to every other task ~10 ms later, KILL after KillWait. A survivor's next collective fails at once
-    ("Connection closed by peer"; the TERM itself only sets the stop flag), which leaves it seconds
-    to ask Slurm and requeue while the job is still RUNNING (the batch shell waits for srun).
-
-    Exactly one rank acts, without talking to the others (their group is broken): the first to create
-    `<run dir>/.failure-<job id>-<restart>` (O_EXCL; the run directory is on the filesystem every
-    node shares, as the checkpoints are). It is rank 0 when rank 0 survives to fail first, else any
-    survivor. It asks `mgpu.requeue.decide` as after a stop, with no stop reason: RUNNING -> requeue
-    ("terminated") if the budget (MGPU_MAX_REQUEUES vs SLURM_RESTART_COUNT) remains; COMPLETING ->
-    cancelled (never resurrected) or already requeued by Slurm. A deterministic bug therefore runs at
-    most 1 + MGPU_MAX_REQUEUES times. The acting rank records `stop_decision` (with `error`, `rank`)
-    and `requeued` in the ledger, and `failed` too when it is not rank 0 (rank 0 records its own).
-    Never raises: the caller re-raises the original error, so the step still ends FAILED.
-    """
-    from mgpu.ledger import Ledger
-    from mgpu.requeue import decide, requeue
-    from mgpu.runner import resolve_run_dir
-
-    message = f"rank {env.rank} failed: {type(error).__name__}: {error}"
-    try:
-        run_dir = resolve_run_dir(cfg, env)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        claim = run_dir / f".failure-{env.job_id}-{env.restart_count}"
-        try:
-            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            log.info("%s; another rank handles the requeue", message)
-            return
-        with os.fdopen(fd, "w") as file:
-            file.write(f"{message}\n")
-        ledger = Ledger(run_dir / "events.jsonl", env.job_id, env.restart_count)
-        if env.rank != 0:
-            ledger.write("failed", error=message, rank=env.rank)
-        decision = decide(set(), in_slurm=True, job_id=env.job_id, restarts=env.restart_count,
-                          max_requeues=max_requeues)
-        ledger.write("stop_decision", what=decision.event, requeue=decision.requeue,
-                     reason=f"after a failure: {decision.why}", error=message, rank=env.rank)
-        log.error("%s; %s", message, decision.why)
-        if decision.requeue:
-            outcome = requeue(env.job_id)
-            ledger.write("requeued", how=outcome.how, message=outcome.message, after="failure")
-            log.error("requeue after the failure: %s", outcome.message)
-    except Exception as inner:  # noqa: BLE001  (never hide the error that brought us here)
-        log.error("%s; could not requeue after it: %s: %s", message, type(inner).__name__, inner)
-
-
-def _refuse_over_budget(cfg: Config, env: ProcessEnv, max_requeues: int) -> None:
+def _refuse_over_budget(run: RunDir, env: ProcessEnv, budget: Budget) -> None:
     """Slurm brought the job back more often than allowed (e.g. preemptions with GraceTime 0): stop now."""
     from mgpu.ledger import Ledger
-    from mgpu.runner import resolve_run_dir
 
-    message = (f"requeue budget exhausted: this is restart {env.restart_count} of at most {max_requeues} "
-               f"(MGPU_MAX_REQUEUES); not training. Resubmit (or raise --max-requeues) to resume from the "
-               f"last checkpoint in {resolve_run_dir(cfg, env)}")
+    message = (f"requeue budget exhausted: this is restart {budget.used} of at most {budget.limit} "
+               f"(MGPU_MAX_REQUEUES); not training. The last checkpoint in {run.path} is kept; to resume: "
+               f"{resume_command(env)}")
     if env.rank != 0:
         raise SystemExit(0)
-    Ledger(resolve_run_dir(cfg, env) / "events.jsonl", env.job_id, env.restart_count).write("failed", error=message)
+    Ledger(run.ledger, env.job_id, env.restart_count).write("failed", error=message, retry=False)
     raise JobStopped(message)
 
 

@@ -7,6 +7,8 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
     first_step       step (the first step this run completed)
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
+    checkpoint_failed step, reason, error (one line naming the errno and the path), errno; training goes on
+                     and the next due save tries again (a stop's save that fails ends the run: `failed`)
     preempted        step, reasons (mgpu.preemption.REASONS agreed by all ranks), signals and signal_times
                      (seen by rank 0)
     stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...), requeue, reason
@@ -14,18 +16,21 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     evaluated        step, metrics
     early_stopped    step, metric, best
     finished         step, epoch, seconds
-    failed           step, error
+    failed           step, error, retry (false: bad input or a full disk, a requeue would fail the same way)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 __all__ = ["Ledger", "read_ledger"]
+
+log = logging.getLogger("mgpu.ledger")
 
 
 class Ledger:
@@ -34,6 +39,7 @@ class Ledger:
     def __init__(self, path: Path | None, job_id: str = "", restart: int = 0) -> None:
         self.path = path
         self.context = {"job_id": job_id, "restart": restart}
+        self._warned = False
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -44,10 +50,16 @@ class Ledger:
         line = json.dumps(record, default=str) + "\n"
         # One write of one line in append mode: concurrent runs never interleave within a line, and the
         # fsync makes a "checkpoint_saved" line as durable as the checkpoint it announces.
-        with open(self.path, "a", encoding="utf-8") as file:
-            file.write(line)
-            file.flush()
-            os.fsync(file.fileno())
+        try:
+            with open(self.path, "a", encoding="utf-8") as file:
+                file.write(line)
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as error:
+            # A full or failing disk must not stop training (the checkpoint path reports it); say it once.
+            if not self._warned:
+                self._warned = True
+                log.warning("ledger %s: cannot append (%s); events are lost until it can", self.path, error.strerror)
 
 
 def read_ledger(path: Path) -> list[dict[str, Any]]:

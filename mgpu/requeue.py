@@ -29,7 +29,7 @@ from typing import Callable, Literal
 
 from mgpu.errors import MgpuError
 
-__all__ = ["Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job", "requeue"]
+__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job", "requeue"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "terminated",
                 "not_slurm"]
@@ -113,20 +113,45 @@ def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
     return "terminated"  # SIGTERM from outside Slurm's scheduling (e.g. kill): come back, nothing was cancelled
 
 
-def decide(reasons: set[str], in_slurm: bool, job_id: str | None, restarts: int, max_requeues: int,
+@dataclass(frozen=True)
+class Budget:
+    """How many requeues of one kind this job has used, and how many it may (None: no limit)."""
+
+    used: int
+    limit: int | None
+    kind: Literal["requeue", "failure"] = "requeue"
+
+    @property
+    def spent(self) -> bool:
+        return self.limit is not None and self.used >= self.limit
+
+    @property
+    def noun(self) -> str:
+        return "requeues" if self.kind == "requeue" else "failure requeues"
+
+    def describe(self) -> str:
+        limit = " (no limit)" if self.limit is None else f" of {self.limit}"
+        return f"{self.noun[:-1]} {self.used + 1}{limit}"
+
+
+def decide(reasons: set[str], job_id: str | None, restarts_at_start: int, budget: Budget,
            run: Runner = _run) -> Decision:
-    """Whether this job should requeue itself after stopping for `reasons` (mgpu.preemption.REASONS)."""
-    if not in_slurm or job_id is None:
+    """Whether this job should requeue itself after stopping for `reasons` (mgpu.preemption.REASONS).
+
+    `job_id`: this process's own Slurm job (None: not a Slurm job, see mgpu.slurm_job);
+    `restarts_at_start`: SLURM_RESTART_COUNT of this run, to recognise a requeue Slurm already made.
+    """
+    if job_id is None:
         return Decision("not_slurm", False, "not a Slurm job: run the same command again to resume")
-    event = classify(reasons, query_job(job_id, run), restarts)
+    event = classify(reasons, query_job(job_id, run), restarts_at_start)
     if event == "requeued_by_slurm":
         return Decision(event, False, "Slurm is requeueing the job (preemption or an outside requeue)")
     if event == "cancelled":
         return Decision(event, False, "the job was cancelled; it stays cancelled")
-    if restarts >= max_requeues:
-        return Decision(event, False, f"{event}, but the requeue budget is spent ({restarts} of {max_requeues} "
-                                      "requeues used): resubmit to continue from the checkpoint")
-    return Decision(event, True, f"{event}: requeueing (requeue {restarts + 1} of {max_requeues})")
+    if budget.spent:
+        return Decision(event, False, f"{event}, but the {budget.kind} budget is spent ({budget.used} of "
+                                      f"{budget.limit} {budget.noun} used)")
+    return Decision(event, True, f"{event}: requeueing, {budget.describe()}")
 
 
 def requeue(job_id: str, run: Runner = _run) -> RequeueOutcome:

@@ -23,25 +23,17 @@ from typing import Any, Callable
 
 from mgpu.config import Config, save_config
 from mgpu.environment import ProcessEnv, detect_environment
+from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
+from mgpu.rundir import RunDir, RunInUse
 from mgpu.task import build_task, import_task_class
 
-__all__ = ["resolve_run_dir", "run_training", "setup_logging"]
+__all__ = ["run_training", "setup_logging"]
 
 log = logging.getLogger("mgpu.train")
 
 
-def resolve_run_dir(cfg: Config, env: ProcessEnv) -> Path:
-    """`run.dir`, else `<run.root>/<run.name>-<job id>` for a scheduler job (the id survives requeues),
-    else `<run.root>/<run.name>` (running the same command again resumes it)."""
-    if cfg.run.dir:
-        return Path(cfg.run.dir)
-    if env.launcher in ("slurm", "submitit-local") or "SLURM_JOB_ID" in os.environ:
-        return Path(cfg.run.root) / f"{cfg.run.name}-{env.job_id}"
-    return Path(cfg.run.root) / cfg.run.name
-
-
-def setup_logging(run_dir: Path, rank: int) -> None:
+def setup_logging(run: RunDir, rank: int) -> None:
     """Every rank logs to `<run>/logs/rank<N>.log`; rank 0 also to stdout (the batch log)."""
     root = logging.getLogger("mgpu")
     root.setLevel(logging.INFO)
@@ -49,8 +41,8 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         root.removeHandler(handler)
         handler.close()
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(run_dir / "logs" / f"rank{rank}.log")
+    run.logs.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(run.rank_log(rank))
     file_handler.setFormatter(formatter)
     root.addHandler(file_handler)
     if rank == 0:
@@ -58,16 +50,18 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         console.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
         root.addHandler(console)
     root.propagate = False
+    # A handler that cannot write (a full disk) must not print a traceback per log line.
+    logging.raiseExceptions = False
 
 
-def _record_rank(run_dir: Path, env: ProcessEnv, device: str, backend: str) -> None:
+def _record_rank(run: RunDir, env: ProcessEnv, device: str, backend: str) -> None:
     """`logs/rank<N>.json`: who this rank was in this run (the launcher's view, for debugging and tests)."""
     import torch
 
     record = {**dataclasses.asdict(env), "device": device, "backend": backend, "hostname": socket.gethostname(),
               "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid(),
               "cpu_threads": torch.get_num_threads()}
-    (run_dir / "logs" / f"rank{env.rank}.json").write_text(json.dumps(record, indent=1))
+    run.rank_record(env.rank).write_text(json.dumps(record, indent=1))
 
 
 def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
@@ -87,10 +81,14 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     from mgpu.preemption import StopRequest
     from mgpu.trainer import Trainer
 
-    run_dir = resolve_run_dir(cfg, env)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    setup_logging(run_dir, env.rank)
-    ledger = Ledger(run_dir / "events.jsonl" if env.rank == 0 else None, env.job_id, env.restart_count)
+    run = RunDir.of(cfg.run)
+    try:
+        run.logs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MgpuError(f"run directory {run.path}: cannot create it ({error.strerror}): set run.root (or "
+                        f"jobs/submit.py --folder) to a writable directory") from None
+    setup_logging(run, env.rank)
+    ledger = Ledger(run.ledger if env.rank == 0 else None, env.job_id, env.restart_count)
     started = time.time()
     # Signals are caught from here on: one arriving during the rendezvous or the resume is not lost.
     own_stop = stop is None
@@ -101,16 +99,17 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
         ctx = cleanup.enter_context(process_group(
             env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend))
-        _record_rank(run_dir, env, str(ctx.device), ctx.backend)
-        if env.rank == 0:
-            save_config(cfg, run_dir / "config.yaml")
+        _record_rank(run, env, str(ctx.device), ctx.backend)
+        _claim(run, env)
         task = build_task(cfg.task.target, cfg.task.args)
         try:
-            trainer = Trainer(cfg, task, ctx, run_dir, ledger, stop, stop_at_step)
+            trainer = Trainer(cfg, task, ctx, run, ledger, stop, stop_at_step)
             if env.rank == 0:
+                # Only now: a resume refused for an unsafe config change leaves the run's config.yaml as it was.
+                save_config(cfg, run.config)
                 ledger.write("started", world_size=env.world_size, nodes=list(env.nodes), launcher=env.launcher,
                              config_path=config_path, device=str(ctx.device), backend=ctx.backend,
-                             run_dir=str(run_dir), git_sha=trainer.version)
+                             run_dir=str(run.path), git_sha=trainer.version)
                 if trainer.resumed_from is not None:
                     p = trainer.progress
                     ledger.write("resumed", step=p.step, epoch=p.epoch, position=p.position,
@@ -122,12 +121,31 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
             gc.collect()
         except BaseException as error:
             if env.rank == 0:
-                ledger.write("failed", error=f"{type(error).__name__}: {error}")
+                # retry: whether a requeue can help; bad input or a full disk fails the same way again.
+                ledger.write("failed", error=f"{type(error).__name__}: {error}",
+                             retry=not isinstance(error, MgpuError))
             if on_failure is not None:
                 on_failure(error)
             raise
         if env.rank == 0 and result.status != "stopped":
             ledger.write("finished", step=result.step, epoch=result.epoch, status=result.status,
                          seconds=round(time.time() - started, 3), metrics=result.metrics)
-    log.info("%s at step %d (run directory %s)", result.status, result.step, run_dir)
+            run.release(env.job_id)
+    log.info("%s at step %d (run directory %s)", result.status, result.step, run.path)
     return result, ledger
+
+
+def _claim(run: RunDir, env: ProcessEnv) -> None:
+    """Rank 0 claims the run directory; every rank fails alike if another live job holds it."""
+    from mgpu.distributed import broadcast_object
+    from mgpu.slurm_job import owns_slurm_job
+
+    refusal = None
+    if env.rank == 0:
+        try:
+            run.claim(env.job_id, slurm=owns_slurm_job())
+        except MgpuError as error:
+            refusal = str(error)
+    refusal = broadcast_object(refusal)
+    if refusal is not None:
+        raise RunInUse(refusal)

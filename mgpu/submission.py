@@ -20,14 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mgpu.config import Config, ConfigError, config_to_dict, load_config
+from mgpu.config import Config, ConfigError, check_resume_compatible, config_to_dict, load_config
 from mgpu.errors import MgpuError
 from mgpu.hostlist import HostlistError, expand_hostlist
+from mgpu.rundir import RunDir
 
 __all__ = [
-    "MAX_ARRAY_SIZE", "Resources", "Submission", "build_submission", "check_task_target", "expand_sweep",
-    "parse_slurm_time", "parse_sweep", "run_dir_for", "sbatch_script", "setup_lines", "slurm_parameters",
-    "submitit_command", "submitit_folder",
+    "MAX_ARRAY_SIZE", "Resources", "Submission", "build_submission", "check_resumable", "check_task_target",
+    "expand_sweep", "parse_slurm_time", "parse_sweep", "run_dir_for", "sbatch_script", "setup_lines",
+    "slurm_parameters", "submitit_command", "submitit_folder", "teardown_lines",
 ]
 
 MAX_ARRAY_SIZE = 1000  # below Slurm's default MaxArraySize (1001)
@@ -67,7 +68,10 @@ class Resources:
     exclude: str | None = None
     job_name: str = "mgpu"
     signal_lead_s: int = 120
-    max_requeues: int = 10
+    max_requeues: int | None = None
+    """Requeues after a preemption or time limit (None: no limit; see mgpu.recovery.Limits)."""
+    max_failures: int = 3
+    """Requeues after a failure, per job."""
     requeue_signal: str = "USR2"
 
     def __post_init__(self) -> None:
@@ -94,8 +98,10 @@ class Resources:
         if self.signal_lead_s >= seconds:
             raise MgpuError(f"--signal-lead {self.signal_lead_s}: must be shorter than --time {self.time} "
                             f"({seconds} s); lower it or ask for more time")
-        if self.max_requeues < 0:
-            raise MgpuError(f"--max-requeues {self.max_requeues}: must be >= 0")
+        if self.max_requeues is not None and self.max_requeues < 0:
+            raise MgpuError(f"--max-requeues {self.max_requeues}: must be >= 0 (omit it for no limit)")
+        if self.max_failures < 0:
+            raise MgpuError(f"--max-failures {self.max_failures}: must be >= 0")
         if f"SIG{self.requeue_signal}" not in signal.Signals.__members__:
             raise MgpuError(f"preemption.signal {self.requeue_signal!r}: not a signal name (e.g. USR2)")
         for flag, value in (("--partition", self.partition), ("--account", self.account), ("--qos", self.qos),
@@ -125,24 +131,47 @@ class Resources:
         return self.gpus_per_node or self.tasks_per_node or 1
 
 
-def setup_lines(res: Resources) -> list[str]:
-    """Lines the batch script runs before srun: what the job reads from its environment."""
-    return [f"export MGPU_MAX_REQUEUES={res.max_requeues}",
-            # submitit's own handler in the job listens to this signal (its default, USR2, otherwise)
-            f"export SUBMITIT_PREEMPT_SIGNAL={res.requeue_signal}"]
+def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | None = None) -> list[str]:
+    """Lines the batch script runs before srun: what the job reads from its environment.
+
+    `run_dirs`: one per array task (index SLURM_ARRAY_TASK_ID), for the teardown's `mgpu.recovery`;
+    `resume`: the exact command that continues the run, quoted into every "resume" message.
+    """
+    lines = [f"export MGPU_MAX_FAILURES={res.max_failures}",
+             *([f"export MGPU_MAX_REQUEUES={res.max_requeues}"] if res.max_requeues is not None else []),
+             # submitit's own handler in the job listens to this signal (its default, USR2, otherwise)
+             f"export SUBMITIT_PREEMPT_SIGNAL={res.requeue_signal}"]
+    if resume:
+        lines.append(f"export MGPU_RESUME_COMMAND={shlex.quote(resume)}")
+    if len(run_dirs) == 1:
+        lines.append(f"export MGPU_RUN_DIR={shlex.quote(str(run_dirs[0]))}")
+    elif run_dirs:
+        lines += [f"MGPU_RUN_DIRS=({' '.join(shlex.quote(str(d)) for d in run_dirs)})",
+                  'export MGPU_RUN_DIR="${MGPU_RUN_DIRS[${SLURM_ARRAY_TASK_ID:-0}]}"']
+    if run_dirs:
+        lines.append("export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank")
+    return lines
 
 
-def slurm_parameters(res: Resources, max_parallel: int = 4) -> dict[str, Any]:
+def teardown_lines() -> list[str]:
+    """After srun: requeue a failed step within the failure budget (mgpu.recovery); keeps srun's exit code."""
+    return [f'{shlex.quote(sys.executable)} -m mgpu.recovery --exit-code $? --run-dir "$MGPU_RUN_DIR"']
+
+
+def slurm_parameters(res: Resources, max_parallel: int = 4, run_dirs: Sequence[Path] = (),
+                     resume: str | None = None) -> dict[str, Any]:
     """Parameters for `SlurmExecutor.update_parameters` (the names of submitit's `_make_sbatch_string`)."""
     params: dict[str, Any] = {
         "job_name": res.job_name, "nodes": res.nodes, "ntasks_per_node": res.ntasks_per_node,
         "time": res.time_min, "signal_delay_s": res.signal_lead_s, "array_parallelism": max_parallel,
-        "setup": setup_lines(res), "srun_args": ["--kill-on-bad-exit=1"],
+        "setup": setup_lines(res, run_dirs, resume), "srun_args": ["--kill-on-bad-exit=1"],
         # submitit adds --open-mode=append but not --requeue (it relies on the cluster's JobRequeue=1);
         # --mem goes through as Slurm spells it (submitit's own `mem` wants GB as a float).
         "additional_parameters": {"requeue": True, "signal": f"{res.requeue_signal}@{res.signal_lead_s}",
                                   **({"mem": res.mem} if res.mem else {})},
     }
+    if run_dirs:
+        params["teardown"] = teardown_lines()
     optional = {"gpus_per_node": res.gpus_per_node or None, "cpus_per_task": res.cpus_per_task,
                 "partition": res.partition, "account": res.account, "qos": res.qos,
                 "constraint": res.constraint, "exclude": res.exclude}
@@ -161,11 +190,11 @@ def submitit_command(folder: str | Path) -> str:
 
 
 def sbatch_script(res: Resources, command: str, folder: str | Path, array_size: int | None = None,
-                  max_parallel: int = 4) -> str:
+                  max_parallel: int = 4, run_dirs: Sequence[Path] = (), resume: str | None = None) -> str:
     """The exact sbatch file SlurmExecutor would submit, from submitit's own generator; submits nothing."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = slurm_parameters(res, max_parallel)
+    params = slurm_parameters(res, max_parallel, run_dirs, resume)
     if array_size is not None and array_size > 1:
         params["map_count"] = array_size  # what SlurmExecutor sets on its copy for an array
     return _make_sbatch_string(command=command, folder=Path(folder).expanduser().absolute(), **params)
@@ -321,10 +350,31 @@ def build_submission(config_path: str | None, overrides: Sequence[str], sweep: S
     return Submission(configs, combos, config_path, base.run.name)
 
 
-def run_dir_for(cfg: Config, job_id: str, cluster: str) -> Path:
-    """The run directory the job will use (as `mgpu.runner.resolve_run_dir` derives it)."""
-    if cfg.run.dir:
-        return Path(cfg.run.dir)
-    if cluster == "debug":  # in-process: a plain single process, no job id
-        return Path(cfg.run.root) / cfg.run.name
-    return Path(cfg.run.root) / f"{cfg.run.name}-{job_id}"
+def run_dir_for(cfg: Config) -> Path:
+    """The run directory the job will use (mgpu.rundir: the same for every launcher and every job id)."""
+    return RunDir.of(cfg.run).path
+
+
+def check_resumable(cfg: Config) -> int | None:
+    """Refuse (one line) a submission that could not use its run directory; the step it would resume from.
+
+    The run is in use by a live job, or its saved config differs from this one in keys that change
+    the run: either way the job would fail on its first node, so it is refused here. Returns the
+    step of the run's latest checkpoint (None: a new run)."""
+    run = RunDir.of(cfg.run)
+    run.check_free()
+    if run.config.is_file():
+        try:
+            saved = load_config(run.config)
+        except ConfigError:
+            saved = None  # an older schema: the job compares what it can, as saved in the checkpoint
+        if saved is not None:
+            try:
+                check_resume_compatible(saved, cfg)
+            except ConfigError as error:
+                raise ConfigError(f"{error} (run {run.path}; --new-run starts a new one)") from None
+    try:
+        latest = (run.checkpoints / "latest").read_text().strip()
+    except OSError:
+        return None
+    return int(latest[5:]) if re.fullmatch(r"step_\d{8,}", latest) else None

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
-from mgpu.checkpoint import CheckpointStore, LoadedCheckpoint
+from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, check_loadable
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
 from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
@@ -31,6 +31,7 @@ from mgpu.ledger import Ledger
 from mgpu.optim import build_optimizer, build_scheduler
 from mgpu.preemption import StopAgreement, StopRequest
 from mgpu.reporting import Reporter, format_metrics
+from mgpu.rundir import RunDir
 from mgpu.rng import seed_everything
 from mgpu.task import Task
 from mgpu.train_state import Progress, code_version, gather_state, restore_state
@@ -50,6 +51,8 @@ class FitResult:
     """Why a stopped run stopped (see mgpu.preemption.REASONS)."""
     checkpoint: Path | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    resumed_step: int = 0
+    """The step this run started from (0 for a new run)."""
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -63,9 +66,9 @@ def to_device(batch: Any, device: torch.device) -> Any:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, ctx: DistContext, run_dir: Path, ledger: Ledger,
+    def __init__(self, cfg: Config, task: Task, ctx: DistContext, run: RunDir, ledger: Ledger,
                  stop: StopRequest, stop_at_step: int | None = None) -> None:
-        self.cfg, self.task, self.ctx, self.run_dir = cfg, task, ctx, run_dir
+        self.cfg, self.task, self.ctx, self.run = cfg, task, ctx, run
         self.ledger, self.stop, self.stop_at_step = ledger, stop, stop_at_step
         self.rank, self.world = ctx.env.rank, ctx.env.world_size
         self.device = ctx.device
@@ -91,7 +94,7 @@ class Trainer:
         self.precision = self._resolve_precision()  # once: asking CUDA every step would cost each step
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
-        self.store = CheckpointStore(run_dir / "checkpoints", keep_last=cfg.checkpoint.keep_last) \
+        self.store = CheckpointStore(run.checkpoints, keep_last=cfg.checkpoint.keep_last) \
             if self.is_main else None
         self.progress, resumed = self._resume()
         self.total_steps = self._total_steps()
@@ -110,10 +113,12 @@ class Trainer:
         self.resume_step = self.progress.step if resumed is not None else 0
         self.resumed_from = resumed.path if resumed is not None else None
         self.resume_skipped = [(str(bad), reason) for bad, reason in resumed.skipped] if resumed else []
-        self.reporter = Reporter(self.is_main, run_dir / "tensorboard" if cfg.log.tensorboard else None,
+        self.reporter = Reporter(self.is_main, run.tensorboard if cfg.log.tensorboard else None,
                                  self.total_steps, self.resume_step, cfg.log.progress_bar)
         self.version = code_version()
         self._last_saved_step = self.resume_step if resumed is not None else -1
+        self._checked_loadable = False  # the first save of this process checks that a resume can read it
+        self._failed_save_step = -1  # rank 0: the step of the last save that failed
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._window_samples = 0
@@ -261,7 +266,7 @@ class Trainer:
                               signals=[name for name, _ in self.stop.received],
                               signal_times=[round(t, 3) for _, t in self.stop.received])
         metrics = getattr(self, "_last_metrics", {})
-        return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics)
+        return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics, self.resume_step)
 
     def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
         """One optimizer step over `grad_accum` micro-batches; the gradient all-reduce runs once, at the end."""
@@ -408,39 +413,73 @@ class Trainer:
         return (every > 0 and self.progress.step % every == 0) or (every == 0 and epoch_end)
 
     def _save(self, reason: str, is_best: bool = False, wait: bool = False) -> Path | None:
-        """Checkpoint the current step (a collective). `wait`: return only once it is durable on disk."""
+        """Checkpoint the current step (a collective). `wait`: return only once it is durable on disk.
+
+        A background save that fails is reported (log line + `checkpoint_failed` in the ledger) and the
+        next due save tries again; a synchronous one (the stop's, the final one) that fails raises the
+        same CheckpointError on every rank, naming the errno and the path."""
         p = self.progress
         if p.step == self._last_saved_step and not is_best:
-            if wait and self.store is not None:
-                self.store.wait()
-            barrier()
-            return self.store.latest_path() if self.store is not None else None
+            if not wait:
+                return None
+            # Saved at this step already, maybe in the background: only a failure of that save (it may
+            # have just ended) makes the stop write it again.
+            if self.store is not None:
+                self.store.settle()
+            failed = self._failed_save_step == p.step
+            if not (broadcast_object(failed) if self.world > 1 else failed):
+                return self.store.latest_path() if self.store is not None else None
         state = gather_state(self.model, self.optimizer, self.scheduler, self.scaler, p, self.config_dict,
                              self.version)
-        path = None
+        path, error = None, None
         if self.store is not None and state is not None:
-            extra = {"epoch": p.epoch, "reason": reason, "metrics": getattr(self, "_last_metrics", {})}
-            started = time.perf_counter()
-
-            def done(result: Any) -> None:
-                if isinstance(result, BaseException):
-                    self.ledger.write("failed", step=p.step, error=f"checkpoint save failed: {result}")
-                else:
-                    self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
-                                      blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
-                                      reason=reason)
-
-            if self.cfg.checkpoint.async_save and not wait:
-                blocked = 0.0
-                self.store.save_async(state, p.step, is_best=is_best, extra=extra, on_done=done)
-                blocked = time.perf_counter() - started
-            else:
-                self.store.wait()
-                saved = self.store.save(state, p.step, is_best=is_best, extra=extra)
-                blocked = time.perf_counter() - started
-                done(saved)
-                path = saved.path
+            try:
+                path = self._store_state(state, reason, is_best, wait)
+            except CheckpointError as failure:
+                error = f"{failure}; the newest checkpoint on disk is {self.store.latest_path() or 'none'}"
+        if self.world > 1 and (wait or self._checked_loadable is not True):
+            # Every rank learns the outcome together (a barrier otherwise): none is left waiting in a
+            # collective for a rank that gave up.
+            error = broadcast_object(error)
+        if error is not None:
+            raise CheckpointError(error)
+        self._checked_loadable = True
         self._last_saved_step = p.step
-        if wait:
-            barrier()  # no rank reports "stopped" before the checkpoint is durable
         return path
+
+    def _store_state(self, state: dict[str, Any], reason: str, is_best: bool, wait: bool) -> Path | None:
+        """Rank 0: hand the gathered state to the store, in the background unless `wait` (or configured off)."""
+        assert self.store is not None
+        p = self.progress
+        if not self._checked_loadable:
+            check_loadable(state)  # the first save of this process: a state a resume could not read fails now
+        extra = {"epoch": p.epoch, "reason": reason, "metrics": getattr(self, "_last_metrics", {})}
+        started = time.perf_counter()
+        blocked = 0.0
+
+        def done(result: Any) -> None:
+            if isinstance(result, BaseException):
+                self._failed_save_step = p.step
+                message = " ".join(str(result).split())
+                log.error("%s; training goes on, the next checkpoint will try again", message)
+                self.ledger.write("checkpoint_failed", step=p.step, reason=reason, error=message,
+                                  errno=getattr(result, "errno", None))
+            else:
+                self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
+                                  blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
+                                  reason=reason)
+
+        if self.cfg.checkpoint.async_save and not wait:
+            self.store.save_async(state, p.step, is_best=is_best, extra=extra, on_done=done)
+            blocked = time.perf_counter() - started
+            return None
+        try:
+            saved = self.store.save(state, p.step, is_best=is_best, extra=extra)
+        except CheckpointError as failure:
+            self._failed_save_step = p.step
+            self.ledger.write("checkpoint_failed", step=p.step, reason=reason, error=" ".join(str(failure).split()),
+                              errno=getattr(failure, "errno", None))
+            raise
+        blocked = time.perf_counter() - started
+        done(saved)
+        return saved.path

@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 
@@ -118,3 +118,40 @@ def base_env(**extra: str) -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
+    """`small_fs(kib)`: a real filesystem of that size (a tmpfs mount; needs root), for disk-full tests.
+    Skipped without root, except in CI, where a test that cannot run must fail."""
+    mounts: list[Path] = []
+
+    def make(kib: int) -> Path:
+        where = tmp_path / f"fs{len(mounts)}"
+        where.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            reason = f"cannot mount a small tmpfs ({proc.stderr.strip() or 'not root'})"
+            if os.environ.get("CI", "").lower() == "true":
+                pytest.fail(reason, pytrace=False)
+            pytest.skip(reason)
+        mounts.append(where)
+        return where
+
+    yield make
+    for where in reversed(mounts):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+def fill(directory: Path, name: str = "ballast") -> Path:
+    """Fill the filesystem of `directory` to the last byte with one file; returns it (delete to free)."""
+    path = directory / name
+    with open(path, "wb", buffering=0) as file:
+        for size in (65536, 1):
+            try:
+                while file.write(b"\0" * size):
+                    pass
+            except OSError:
+                pass
+    return path

@@ -80,3 +80,23 @@ class SlowBlobTask(BlobTask):
         return super().loss(model, batch)
 
 
+
+
+class DiskFillingBlobTask(BlobTask):
+    """BlobTask whose rank 0 fills the filesystem of `fill_dir` at its `fill_at`-th loss call and frees it
+    again at call `free_at` (0: never): checkpoints in between meet a real ENOSPC."""
+
+    def __init__(self, fill_dir: str = "", fill_at: int = 3, free_at: int = 0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fill_dir, self.fill_at, self.free_at, self.calls = Path(fill_dir), fill_at, free_at, 0
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        from tests.conftest import fill
+
+        self.calls += 1
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            if self.calls == self.fill_at:
+                fill(self.fill_dir)
+            elif self.calls == self.free_at:
+                (self.fill_dir / "ballast").unlink()
+        return super().loss(model, batch)

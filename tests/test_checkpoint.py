@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import random
+import re
 import select
 import signal
 import subprocess
@@ -17,11 +18,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import pytest
 import torch
 
-from mgpu.checkpoint import CheckpointError, CheckpointStore, SavedCheckpoint, snapshot_to_cpu
-from tests.conftest import PYTHON, ROOT, base_env
+from mgpu.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
+                             snapshot_to_cpu)
+from tests.conftest import PYTHON, ROOT, base_env, fill
 
 WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
 
@@ -370,3 +373,72 @@ def test_kill_during_save_never_loses_a_complete_checkpoint(tmp_path: Path) -> N
     assert failures == [], f"{len(failures)}/{trials} trials failed: {failures}"
     assert trials - phases["completed"] >= 1, f"no trial was killed before step 2 completed: {dict(phases)}"
     assert proc.returncode == 0, reader.seen
+
+
+# ----------------------------------------------------------------------------- full disks (real tmpfs)
+def _big_state(value: float) -> dict[str, Any]:
+    return {"w": torch.full((64 * 1024,), value)}  # 256 KiB of state.pt
+
+
+def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(small_fs: Callable[[int], Path]) -> None:
+    directory = small_fs(1024) / "ckpt"
+    store = CheckpointStore(directory, keep_last=1)
+    store.save(_big_state(1.0), 1)
+    ballast = fill(directory.parent)
+    with pytest.raises(CheckpointWriteError, match=r"checkpoint step 2 not written: disk full \(ENOSPC\) at "
+                                                   rf"{directory}") as raised:
+        store.save(_big_state(2.0), 2)
+    assert raised.value.errno == 28 and "\n" not in str(raised.value)
+    assert _tmp_entries(directory) == []  # the partial write was removed: its space is free again
+    latest = store.latest()
+    assert latest is not None and latest.step == 1 and not latest.skipped
+    ballast.unlink()
+    assert store.save(_big_state(2.0), 2).step == 2
+
+
+def test_a_failed_background_save_does_not_fail_the_next_one(small_fs: Callable[[int], Path]) -> None:
+    directory = small_fs(1024) / "ckpt"
+    store = CheckpointStore(directory)
+    store.save(_big_state(1.0), 1)
+    ballast = fill(directory.parent)
+    results: list[SavedCheckpoint | BaseException] = []
+    store.save_async(_big_state(2.0), 2, on_done=results.append)
+    assert isinstance(store.settle(), CheckpointWriteError)
+    assert len(results) == 1 and "ENOSPC" in str(results[0])  # reported once, through on_done
+    ballast.unlink()
+    # The stop path's save: a fresh attempt, not the stale error of the failed one.
+    assert store.save(_big_state(3.0), 3).step == 3
+    store.save_async(_big_state(4.0), 4)
+    store.close()
+    assert store.list_steps() == [3, 4]
+
+
+def test_the_sha256_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Re-reading a large state.pt for its hash would happen inside the stop's time window.
+    monkeypatch.setattr("mgpu.checkpoint._sha256", lambda path: pytest.fail("state.pt read back to hash it"))
+    saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
+    meta = json.loads((saved.path / "meta.json").read_text())
+    assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+
+
+# ----------------------------------------------------------------------- states a resume cannot load
+def _optimizer_state(**group_extra: Any) -> dict[str, Any]:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    optimizer.param_groups[0].update(group_extra)
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": [{"python": (3, (1, 2), None)}]}
+
+
+def test_a_loadable_state_passes() -> None:
+    check_loadable(_optimizer_state())
+    check_loadable(_state())
+
+
+@pytest.mark.parametrize("state, key, kind", [
+    (_optimizer_state(schedule=NotAllowed()), "state.optimizer.param_groups[0].schedule", "NotAllowed"),
+    ({"model": {"w": torch.ones(1)}, "extra": [1, {"obj": NotAllowed()}]}, "state.extra[1].obj", "NotAllowed"),
+    (_optimizer_state(lr=np.float64(0.1)), "state.optimizer.param_groups[0].lr", "float64"),  # a numpy scalar
+])
+def test_an_unloadable_value_is_named_at_save_time(state: dict[str, Any], key: str, kind: str) -> None:
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(key)} holds a {kind}, which a resume cannot"):
+        check_loadable(state)

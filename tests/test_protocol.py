@@ -115,6 +115,9 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
                                SLURM_STEP_NODELIST="localhost", SLURM_JOB_NUM_NODES="1", SLURM_STEP_NUM_NODES="1",
                                SLURM_TASKS_PER_NODE="1", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NTASKS_PER_NODE="1",
                                SLURM_JOB_ID=str(random.randint(10**6, 10**7))))
+    # As slurmstepd would set it: the task's pid. This test process is the task's parent here, which
+    # makes the variables this job's own for mgpu.slurm_job (a foreign SLURM_JOB_ID is never acted on).
+    env["SLURM_TASK_PID"] = str(os.getpid())
     env.update(extra)
     return env
 
@@ -139,3 +142,16 @@ def test_missing_scontrol_after_a_stop_is_a_clear_error(tmp_path: Path) -> None:
     errors = result.stderr.strip().splitlines()
     assert len(errors) == 1 and "scontrol not found on PATH" in errors[0]
     assert CheckpointStore(tmp_path / "checkpoints").latest().step == 2  # the checkpoint is kept
+
+
+def test_a_foreign_slurm_job_id_is_never_asked_about(tmp_path: Path) -> None:
+    # SLURM_JOB_ID left in a shell from another job (no slurmstepd above us, a task pid that is not ours):
+    # the stop must not query or requeue that job. No scontrol on PATH: asking would fail loudly.
+    env = slurm_env(tmp_path, PATH=str(Path(PYTHON).parent), SLURM_TASK_PID="1")
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask",
+                             "data.batch_size=8", "--stop-at-step=2"], env=env, cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert "not a Slurm job" in result.stderr and "scontrol" not in result.stderr
+    (decision,) = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "stop_decision"]
+    assert (decision["what"], decision["requeue"]) == ("not_slurm", False)

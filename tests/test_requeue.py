@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from mgpu.requeue import JobView, RequeueError, classify, decide, parse_job_view, requeue
+from mgpu.requeue import Budget, JobView, RequeueError, classify, decide, parse_job_view, requeue
 
 RUNNING = JobView("RUNNING", "None", 0, None)
 CASES = [
@@ -55,13 +55,14 @@ def test_decide(show: str, restarts: int, budget: int, requeue_wanted: bool, wor
                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
     calls, run = fake_scontrol(show)
-    decision = decide({"requeue_signal"} if "RUNNING" in show else {"sigterm"}, True, "7", restarts, budget, run)
+    decision = decide({"requeue_signal"} if "RUNNING" in show else {"sigterm"}, "7", restarts,
+                      Budget(restarts, budget), run)
     assert decision.requeue is requeue_wanted and words in decision.why
     assert calls == [["show", "job", "-o", "7"]]
 
 
 def test_not_slurm_never_requeues() -> None:
-    decision = decide({"sigterm"}, False, None, 0, 3)
+    decision = decide({"sigterm"}, None, 0, Budget(0, 3))
     assert decision.event == "not_slurm" and not decision.requeue and "same command" in decision.why
 
 
@@ -83,9 +84,23 @@ def test_missing_scontrol_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> N
     with pytest.raises(RequeueError, match="scontrol not found on PATH.*resubmit"):
         requeue("7")
     with pytest.raises(RequeueError, match="scontrol not found"):
-        decide({"sigterm"}, True, "7", 0, 3)
+        decide({"sigterm"}, "7", 0, Budget(0, 3))
 
 
 def test_parse_job_view() -> None:
     view = parse_job_view(SHOW.format(state="RUNNING", reason="None", restarts=2, preempt="None"))
     assert view == JobView("RUNNING", "None", 2, None)
+
+
+@pytest.mark.parametrize("budget, spent, words", [
+    (Budget(0, None), False, "requeueing, requeue 1 (no limit)"),
+    (Budget(999, None), False, "requeueing, requeue 1000 (no limit)"),
+    (Budget(2, 3, "failure"), False, "requeueing, failure requeue 3 of 3"),
+    (Budget(3, 3, "failure"), True, "failure budget is spent (3 of 3 failure requeues used)"),
+    (Budget(0, 0), True, "requeue budget is spent (0 of 0 requeues used)"),
+])
+def test_budget_kinds(budget: Budget, spent: bool, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
+    _, run = fake_scontrol(SHOW.format(state="RUNNING", reason="None", restarts=0, preempt="None"))
+    decision = decide({"requeue_signal"}, "7", 0, budget, run)
+    assert budget.spent is spent and decision.requeue is not spent and words in decision.why

@@ -67,9 +67,12 @@ def test_resources_parameters() -> None:
     assert slurm_parameters(Resources(gpus_per_node=0))["ntasks_per_node"] == 1
 
 
-def expected_script(folder: Path, **lines: str) -> str:
+def expected_script(folder: Path, argv: list[str], **lines: str) -> str:
+    """The whole script; `argv`: submit.py's arguments, which the resume command repeats verbatim."""
     f = str(folder)
     q = shlex.quote
+    resume = f"cd {q(str(ROOT))} && {shlex.join([PYTHON, SUBMIT, *argv])}"
+    run_dir = folder.parent / "blob"
     return f"""#!/bin/bash
 
 # Parameters
@@ -93,14 +96,21 @@ def expected_script(folder: Path, **lines: str) -> str:
 #SBATCH --wckey=submitit
 
 # setup
+export MGPU_MAX_FAILURES=3
 export MGPU_MAX_REQUEUES=5
 export SUBMITIT_PREEMPT_SIGNAL={lines.get('signal', 'USR2')}
+export MGPU_RESUME_COMMAND={q(resume)}
+export MGPU_RUN_DIR={q(str(run_dir))}
+export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank
 
 # command
 export SUBMITIT_EXECUTOR=slurm
 srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.err')} --kill-on-bad-exit=1 \
 {q(PYTHON)} -u -m submitit.core._submit {q(f)}
-"""
+
+
+# teardown
+{q(PYTHON)} -m mgpu.recovery --exit-code $? --run-dir "$MGPU_RUN_DIR\""""
 
 
 RESOURCE_FLAGS = ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "8", "--mem", "64G", "--time", "04:00:00",
@@ -110,17 +120,18 @@ RESOURCE_FLAGS = ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "8"
 
 def test_dry_run_prints_the_whole_sbatch_script(tmp_path: Path, config: Path) -> None:
     runs = tmp_path / "runs"
-    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(runs),
-                         *RESOURCE_FLAGS, "train.epochs=2"])
+    argv = ["--cluster", "slurm", "--config", str(config), "--folder", str(runs), *RESOURCE_FLAGS, "train.epochs=2"]
+    result = run_script([SUBMIT, "--dry-run", *argv])
     assert result.returncode == 0, result.stderr
-    assert result.stdout == expected_script(runs / "submitit")
+    assert result.stdout == expected_script(runs / "submitit", argv)
     assert "nothing submitted" in result.stderr
     assert "# resolved config:" in result.stderr and "#   train:\n#     epochs: 2\n" in result.stderr
     assert not runs.exists()
     # preemption.signal from the config becomes sbatch's --signal and submitit's signal alike
-    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(runs),
-                         *RESOURCE_FLAGS, "preemption.signal=SIGXCPU"])
-    assert result.stdout == expected_script(runs / "submitit", signal="XCPU"), result.stderr
+    argv = ["--cluster", "slurm", "--config", str(config), "--folder", str(runs), *RESOURCE_FLAGS,
+            "preemption.signal=SIGXCPU"]
+    result = run_script([SUBMIT, "--dry-run", *argv])
+    assert result.stdout == expected_script(runs / "submitit", argv, signal="XCPU"), result.stderr
 
 
 def test_dry_run_is_what_submitit_submits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -338,8 +349,16 @@ def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     match = re.search(r"run directory\s+(\S+)", result.stdout)
     assert match, result.stdout
     run_dir = Path(match[1])
-    assert run_dir.parent == runs and run_dir.name.startswith("blob-")
+    assert run_dir == runs / "blob"  # the run's name, not the local job's id: the same command resumes it
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert events[0]["event"] == "started" and events[0]["world_size"] == 2
     assert events[-1]["event"] == "finished"
     assert "done" in result.stdout
+    again = run_script([SUBMIT, "--cluster", "local", "--gpus-per-node", "2", "--config", str(config),
+                        "--folder", str(runs), "--time", "10"], timeout=600)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert f"run {run_dir}: resumes from its checkpoint at step {events[-1]['step']}" in again.stdout
+    later = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()][len(events):]
+    assert [e["event"] for e in later if e["event"] in ("started", "resumed", "finished")] == \
+        ["started", "resumed", "finished"]
+    assert later[-1]["step"] == events[-1]["step"]

@@ -1,0 +1,105 @@
+"""Whose Slurm job is this, the requeue limits, and the batch script's decision after a failed step.
+
+Pure tables (a fake /proc, plain dicts, a real ledger in a temp directory); the requeue itself runs
+against the real cluster in tests/e2e."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from mgpu.errors import MgpuError
+from mgpu.ledger import Ledger
+from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure
+from mgpu.rundir import RunDir
+from mgpu.slurm_job import ancestors, owns_slurm_job
+
+# pid -> (parent, command): slurmstepd 100 started task 200 (python), whose child 300 is a torchrun worker;
+# a login shell 10 started 20 (python), and a container whose slurmstepd is invisible: 7 -> 8.
+PROC = {1: (0, "init"), 100: (1, "slurmstepd"), 200: (100, "python"), 300: (200, "python"),
+        10: (1, "bash"), 20: (10, "python"), 7: (1, "conmon"), 8: (7, "python")}
+
+
+def read(pid: int) -> tuple[int, str] | None:
+    return PROC.get(pid)
+
+
+@pytest.mark.parametrize("environ, pid, owned", [
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "200"}, 200, True),   # the srun task itself
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "200"}, 300, True),   # torchrun's worker, a child of the task
+    ({"SLURM_JOB_ID": "5"}, 300, True),                            # no SLURM_TASK_PID, but under slurmstepd
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "200"}, 20, False),   # the variables copied into a login shell
+    ({"SLURM_JOB_ID": "5"}, 20, False),
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "8"}, 8, True),       # a PID namespace: the task pid is ours
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "9999"}, 8, False),   # ... or not
+    ({"SLURM_TASK_PID": "200"}, 200, False),                       # no job at all
+    ({"SLURM_JOB_ID": "", "SLURM_TASK_PID": "200"}, 200, False),
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "x"}, 300, True),     # garbage pid: the slurmstepd ancestor decides
+    ({"SLURM_JOB_ID": "5", "SLURM_TASK_PID": "1"}, 20, False),     # init is everybody's ancestor
+])
+def test_owns_slurm_job(environ: dict[str, str], pid: int, owned: bool) -> None:
+    assert owns_slurm_job(environ, pid, read) is owned
+
+
+def test_ancestors_are_bounded_on_a_cycle() -> None:
+    cycle = {5: (6, "a"), 6: (5, "b")}
+    assert len(ancestors(5, cycle.get, limit=10)) == 10
+
+
+@pytest.mark.parametrize("environ, limits", [
+    ({}, Limits(None, DEFAULT_MAX_FAILURES)),
+    ({"MGPU_MAX_REQUEUES": "0"}, Limits(0, 3)),
+    ({"MGPU_MAX_REQUEUES": "250", "MGPU_MAX_FAILURES": "0"}, Limits(250, 0)),
+    ({"MGPU_MAX_REQUEUES": "unlimited", "MGPU_MAX_FAILURES": ""}, Limits(None, 3)),
+    ({"MGPU_MAX_REQUEUES": " 7 "}, Limits(7, 3)),
+])
+def test_limits(environ: dict[str, str], limits: Limits) -> None:
+    assert Limits.from_environ(environ) == limits
+
+
+@pytest.mark.parametrize("environ", [{"MGPU_MAX_REQUEUES": "-1"}, {"MGPU_MAX_FAILURES": "3.5"},
+                                     {"MGPU_MAX_REQUEUES": "ten"}])
+def test_bad_limits_are_one_line(environ: dict[str, str]) -> None:
+    with pytest.raises(MgpuError, match=f"{next(iter(environ))}=.*integer >= 0"):
+        Limits.from_environ(environ)
+
+
+def test_failure_requeues_count_only_this_jobs_failures() -> None:
+    events = [{"event": "requeued", "job_id": "7", "after": "failure"},
+              {"event": "requeued", "job_id": "7"},                       # a preemption's self-requeue
+              {"event": "requeued", "job_id": "7", "after": "no_progress"},
+              {"event": "requeued", "job_id": "8", "after": "failure"},   # an earlier job of the same run
+              {"event": "failed", "job_id": "7"}]
+    assert failure_requeues(events, "7") == 2
+    assert failure_requeues(events, "9") == 0
+
+
+def ledger_events(run: RunDir) -> list[dict]:
+    return [json.loads(line) for line in run.ledger.read_text().splitlines()]
+
+
+def test_a_stop_the_ranks_decided_is_left_alone(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 2).write("stop_decision", what="cancelled", requeue=False, reason="cancelled")
+    outcome = handle_failure(run, "7", 2, Limits(), "the training step exited with code 1")
+    assert outcome.startswith("nothing to do: the run recorded stop_decision"), outcome
+    assert [e["event"] for e in ledger_events(run)] == ["stop_decision"]  # nothing asked of Slurm, nothing added
+
+
+def test_a_deterministic_failure_is_not_requeued(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("failed", error="CheckpointWriteError: disk full", retry=False)
+    assert "nothing to do: the run recorded failed" in handle_failure(run, "7", 0, Limits(), "exit 1")
+    # The same job's next run (restart 1) failing for another reason is a new case: it gets decided.
+    assert handle_failure(run, "7", 0, Limits(), "exit 1") == "another process handles this failure"
+
+
+def test_only_one_caller_handles_a_failure(tmp_path: Path) -> None:
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("stop_decision", what="cancelled", requeue=False)
+    first = handle_failure(run, "7", 0, Limits(), "rank 1 failed", rank=1)
+    second = handle_failure(run, "7", 0, Limits(), "exit 1")
+    assert first.startswith("nothing to do") and second == "another process handles this failure"
+    assert run.failure_claim("7", 0).read_text() == "rank 1 failed\n"
