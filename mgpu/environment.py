@@ -4,11 +4,14 @@ Each launcher is a small `ClusterEnvironment`: `detect(environ)` says whether th
 started by it, `resolve(environ)` returns a validated `ProcessEnv`. `detect_environment()` tries them
 in `DETECT_ORDER`:
 
-1. `TorchElasticEnvironment` (torchrun): first, because torchrun inside an srun step (one task per
-   node) leaves the step's SLURM_* variables in its workers, and only torchrun's describe a worker.
+1. `TorchElasticEnvironment` (torchrun, known by TORCHELASTIC_RUN_ID): first, because torchrun inside
+   an srun step (one task per node) leaves the step's SLURM_* variables in its workers, and only
+   torchrun's describe a worker.
 2. `SubmititLocalEnvironment`: submitit's local executor (tasks are processes on this machine).
-3. `SlurmEnvironment`: a task started by srun (or the batch shell of a one-task job).
-4. `SingleProcessEnvironment`: anything else, e.g. `python jobs/train.py` on a laptop.
+3. `SlurmEnvironment`: a task started by srun, or the batch / salloc shell of a one-task job.
+   RANK/LOCAL_RANK/WORLD_SIZE exported by hand are not read there (WORLD_SIZE must agree).
+4. `EnvVarEnvironment`: RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set by another launcher, outside Slurm.
+5. `SingleProcessEnvironment`: anything else, e.g. `python jobs/train.py` on a laptop.
 
 Everything here is pure (a mapping in, a dataclass out) and nothing imports torch, so a bad
 environment fails in milliseconds with one line naming the variable and the fix, before any
@@ -30,6 +33,7 @@ from mgpu.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 __all__ = [
     "DETECT_ORDER",
     "ClusterEnvironment",
+    "EnvVarEnvironment",
     "ProcessEnv",
     "SingleProcessEnvironment",
     "SlurmEnvironment",
@@ -137,7 +141,7 @@ class ClusterEnvironment(ABC):
 
 
 class SlurmEnvironment(ClusterEnvironment):
-    """A task of a Slurm job step (srun), one task per GPU."""
+    """A task of a Slurm job step (srun), one task per GPU; or the job's own shell (sbatch, salloc)."""
 
     name = "slurm"
     # Step-scoped variables win over job-scoped ones: a step may run on part of the allocation
@@ -147,64 +151,90 @@ class SlurmEnvironment(ClusterEnvironment):
     NUM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
     TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
     GPUS = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
+    SRUN_FIX = "launch every task with srun (see slurm/train.sbatch)"
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
-        return "SLURM_JOB_ID" in environ and "SLURM_PROCID" in environ
+        # Not only tasks (SLURM_PROCID): salloc's shell has the job but no task, and must not pass for a
+        # world of one on a multi-task allocation.
+        return "SLURM_JOB_ID" in environ
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str]) -> ProcessEnv:
-        srun_fix = "launch every task with srun (see slurm/train.sbatch)"
-        in_step = _first(environ, ("SLURM_STEP_ID", "SLURM_STEPID")) is not None
-        world_size = _int(environ, *cls.WORLD_SIZE, fix=srun_fix, default=1)
-        if not in_step and world_size > 1:
-            raise MgpuError(
-                f"running in the batch shell of a {world_size}-task Slurm job, not in a task: {srun_fix}"
-            )
-        rank = _int(environ, "SLURM_PROCID", fix=srun_fix)
-        local_rank = _int(environ, "SLURM_LOCALID", fix=srun_fix, default=0 if world_size == 1 else None)
-        node_rank = _int(environ, "SLURM_NODEID", fix=srun_fix, default=0 if world_size == 1 else None)
-
+        fix = cls.SRUN_FIX
         nodelist = _first(environ, cls.NODELIST)
         if nodelist is None:
-            raise MgpuError(f"SLURM_JOB_NODELIST is not set: {srun_fix}")
+            raise MgpuError(f"SLURM_JOB_NODELIST is not set: {fix}")
         try:
             nodes = tuple(expand_hostlist(nodelist[1]))
         except HostlistError as error:
             raise MgpuError(f"{nodelist[0]}: {error}") from None
-        num_nodes = _int(environ, *cls.NUM_NODES, fix=srun_fix, default=len(nodes))
+        if _first(environ, ("SLURM_STEP_ID", "SLURM_STEPID")) is None:
+            return cls._job_shell(environ, nodes)
+        # Every check that can fail on one rank must fail on all: the job-wide ones come first, and none
+        # reads a variable that differs between nodes.
+        world = _first(environ, cls.WORLD_SIZE)
+        world_size = _int(environ, *cls.WORLD_SIZE, fix=fix, default=1)
+        exported = environ.get("WORLD_SIZE")
+        if exported is not None and exported != str(world_size):
+            step = f" ({world[0]}={world[1]})" if world else ""
+            raise MgpuError(f"WORLD_SIZE={exported} but the Slurm step has {world_size} tasks{step}: "
+                            "unset RANK/LOCAL_RANK/WORLD_SIZE (mgpu reads Slurm's variables)")
+        num_var = _first(environ, cls.NUM_NODES)
+        num_nodes = _int(environ, *cls.NUM_NODES, fix=fix, default=len(nodes))
         if num_nodes != len(nodes):
             raise MgpuError(f"{nodelist[0]}={nodelist[1]!r} names {len(nodes)} nodes but "
-                            f"{cls.NUM_NODES[0]}={num_nodes}: the job's variables contradict each other")
-
-        tasks_var = _first(environ, cls.TASKS_PER_NODE)
-        try:
-            tasks_per_node = expand_tasks_per_node(tasks_var[1]) if tasks_var else [world_size]
-        except HostlistError as error:
-            raise MgpuError(f"{tasks_var[0]}: {error}") from None  # type: ignore[index]
-        tasks_name = tasks_var[0] if tasks_var else cls.TASKS_PER_NODE[1]
+                            f"{num_var[0]}={num_nodes}: the job's variables contradict each other")  # type: ignore[index]
+        tasks_per_node, tasks_name = cls._tasks_per_node(environ, world_size, num_nodes)
         if len(tasks_per_node) != num_nodes or sum(tasks_per_node) != world_size:
             raise MgpuError(
                 f"{tasks_name}={','.join(map(str, tasks_per_node))} does not give {world_size} tasks on "
                 f"{num_nodes} nodes: submit with --ntasks-per-node and --nodes that multiply to --ntasks"
             )
-        if not 0 <= node_rank < num_nodes:
-            raise MgpuError(f"SLURM_NODEID={node_rank} but the step has {num_nodes} nodes: {srun_fix}")
-        local_world_size = tasks_per_node[node_rank]
-        if not 0 <= rank < world_size:
-            raise MgpuError(f"SLURM_PROCID={rank} but the step has {world_size} tasks: {srun_fix}")
-        if not 0 <= local_rank < local_world_size:
-            raise MgpuError(f"SLURM_LOCALID={local_rank} but node {node_rank} runs {local_world_size} tasks")
-
-        gpus_per_node = cls._gpus(environ, local_world_size)
-        job_id = cls.job_id(environ)
-        restart_count = _int(environ, "SLURM_RESTART_COUNT", fix="unset it", default=0)
+        gpus_per_node = cls._gpus(environ, tasks_per_node, tasks_name)
         master_addr, master_port = _master(environ, nodes[0], environ["SLURM_JOB_ID"])
         if num_nodes > 1 and master_addr in _LOOPBACK_NAMES:
             raise MgpuError(f"MASTER_ADDR={master_addr} on a {num_nodes}-node job would give every node a world "
                             f"of its own: unset MASTER_ADDR (the first node, {nodes[0]}, is used)")
+
+        # RANK/LOCAL_RANK exported by hand are not read: in the batch script they would be rank 0 on
+        # every task, and rank 0 itself could not tell, so refusing would split the ranks.
+        rank = _int(environ, "SLURM_PROCID", fix=fix)
+        local_rank = _int(environ, "SLURM_LOCALID", fix=fix, default=0 if world_size == 1 else None)
+        node_rank = _int(environ, "SLURM_NODEID", fix=fix, default=0 if world_size == 1 else None)
+        if not 0 <= node_rank < num_nodes:
+            raise MgpuError(f"SLURM_NODEID={node_rank} but the step has {num_nodes} nodes: {fix}")
+        local_world_size = tasks_per_node[node_rank]
+        if not 0 <= rank < world_size:
+            raise MgpuError(f"SLURM_PROCID={rank} but the step has {world_size} tasks: {fix}")
+        if not 0 <= local_rank < local_world_size:
+            raise MgpuError(f"SLURM_LOCALID={local_rank} but node {node_rank} runs {local_world_size} tasks")
         return ProcessEnv(cls.name, rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
-                          nodes, job_id, restart_count, master_addr, master_port, gpus_per_node)
+                          nodes, cls.job_id(environ), cls._restarts(environ), master_addr, master_port,
+                          gpus_per_node)
+
+    @classmethod
+    def _job_shell(cls, environ: Mapping[str, str], nodes: tuple[str, ...]) -> ProcessEnv:
+        """The batch shell (sbatch) or salloc's shell: a world of one only in a one-task job."""
+        found = _first(environ, ("SLURM_NTASKS", "SLURM_TASKS_PER_NODE", "SLURM_JOB_NUM_NODES", "SLURM_NNODES"))
+        tasks = 1
+        if found is not None:
+            try:
+                tasks = sum(expand_tasks_per_node(found[1]))
+            except HostlistError as error:
+                raise MgpuError(f"{found[0]}: {error}") from None
+        # sbatch's shell is the job's first task (SLURM_PROCID=0) on its first node; salloc's is no task
+        # at all and runs where salloc was typed.
+        batch = "SLURM_PROCID" in environ
+        if tasks > 1:
+            where = "the batch shell" if batch else "salloc's shell"
+            raise MgpuError(f"running in {where} of a {tasks}-task Slurm job ({found[0]}={found[1]}), "  # type: ignore[index]
+                            f"not in a task: {cls.SRUN_FIX}")
+        host = nodes[0] if batch else environ.get("SLURM_SUBMIT_HOST") or socket.gethostname()
+        gpus_per_node = cls._gpus(environ, [1], "SLURM_NTASKS")
+        master_addr, master_port = _master(environ, host, environ["SLURM_JOB_ID"])
+        return ProcessEnv(cls.name, 0, 0, 1, 1, 0, 1, (host,), cls.job_id(environ), cls._restarts(environ),
+                          master_addr, master_port, gpus_per_node)
 
     @staticmethod
     def job_id(environ: Mapping[str, str]) -> str:
@@ -214,8 +244,26 @@ class SlurmEnvironment(ClusterEnvironment):
             return f"{array_job}_{array_task}"
         return environ["SLURM_JOB_ID"]
 
+    @staticmethod
+    def _restarts(environ: Mapping[str, str]) -> int:
+        return _int(environ, "SLURM_RESTART_COUNT", fix="unset it", default=0)
+
     @classmethod
-    def _gpus(cls, environ: Mapping[str, str], local_world_size: int) -> int | None:
+    def _tasks_per_node(cls, environ: Mapping[str, str], world_size: int, num_nodes: int
+                        ) -> tuple[list[int], str]:
+        found = _first(environ, cls.TASKS_PER_NODE)
+        if found is None:
+            if num_nodes > 1:
+                raise MgpuError(f"{cls.TASKS_PER_NODE[0]} is not set: {cls.SRUN_FIX}")
+            return [world_size], "SLURM_NTASKS"
+        try:
+            return expand_tasks_per_node(found[1]), found[0]
+        except HostlistError as error:
+            raise MgpuError(f"{found[0]}: {error}") from None
+
+    @classmethod
+    def _gpus(cls, environ: Mapping[str, str], tasks_per_node: list[int], tasks_name: str) -> int | None:
+        """This node's GPUs, checked against the task counts of every node, so that all ranks agree."""
         found = _first(environ, cls.GPUS)
         if found is None:
             return None
@@ -223,21 +271,32 @@ class SlurmEnvironment(ClusterEnvironment):
             gpus = _parse_gpu_count(found[1])
         except ValueError:
             raise MgpuError(f"{found[0]}={found[1]!r} is not a GPU count") from None
-        if gpus and gpus != local_world_size:
-            tasks = environ.get("SLURM_NTASKS_PER_NODE", str(local_world_size))
-            raise MgpuError(f"SLURM_NTASKS_PER_NODE={tasks} but {gpus} GPUs per node requested: "
+        per_task = environ.get("SLURM_GPUS_PER_TASK")
+        if per_task:
+            # --gpus-per-task: each node has as many GPUs as tasks, even where the nodes' counts differ.
+            if per_task.rsplit(":", 1)[-1] != "1":
+                raise MgpuError(f"SLURM_GPUS_PER_TASK={per_task}: submit with --gpus-per-task=1 (one task per GPU)")
+            return gpus
+        if gpus and any(tasks != gpus for tasks in tasks_per_node):
+            name, value = tasks_name, ",".join(map(str, tasks_per_node))
+            if all(str(tasks) == environ.get("SLURM_NTASKS_PER_NODE") for tasks in tasks_per_node):
+                name, value = "SLURM_NTASKS_PER_NODE", environ["SLURM_NTASKS_PER_NODE"]
+            raise MgpuError(f"{name}={value} but {gpus} GPUs per node requested: "
                             f"submit with --ntasks-per-node={gpus} (one task per GPU)")
         return gpus
 
 
 class TorchElasticEnvironment(ClusterEnvironment):
-    """A worker started by torchrun / torch.distributed.run (env:// variables)."""
+    """A worker started by torchrun / torch.distributed.run, alone or one agent per Slurm task."""
 
     name = "torchrun"
+    REQUIRED = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
     @staticmethod
     def detect(environ: Mapping[str, str]) -> bool:
-        return all(name in environ for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+        # TORCHELASTIC_RUN_ID, as torch's own is_torchelastic_launched(): RANK & co. alone are often
+        # exported by hand in Slurm scripts, where Slurm's variables must win.
+        return "TORCHELASTIC_RUN_ID" in environ and all(name in environ for name in TorchElasticEnvironment.REQUIRED)
 
     @classmethod
     def resolve(cls, environ: Mapping[str, str]) -> ProcessEnv:
@@ -246,19 +305,35 @@ class TorchElasticEnvironment(ClusterEnvironment):
         world_size = _int(environ, "WORLD_SIZE", fix=fix)
         local_rank = _int(environ, "LOCAL_RANK", fix=fix)
         local_world_size = _int(environ, "LOCAL_WORLD_SIZE", fix=fix, default=world_size)
-        if local_world_size < 1 or world_size % local_world_size:
-            raise MgpuError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}: "
-                            "start the same --nproc-per-node on every node")
-        num_nodes = world_size // local_world_size
-        node_rank = _int(environ, "GROUP_RANK", fix=fix, default=rank // local_world_size)
-        if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size:
+        role_world_size = _int(environ, "ROLE_WORLD_SIZE", fix=fix, default=world_size)
+        if role_world_size != world_size:
+            raise MgpuError(f"ROLE_WORLD_SIZE={role_world_size} but WORLD_SIZE={world_size}: "
+                            "mgpu runs every worker in one role, as torchrun does")
+        if "GROUP_WORLD_SIZE" in environ:
+            # torchrun's own node count and rank, never WORLD_SIZE / LOCAL_WORLD_SIZE: nodes may run
+            # different numbers of workers (1+2+3), and each would compute another count.
+            num_nodes = _int(environ, "GROUP_WORLD_SIZE", fix=fix)
+            node_rank = _int(environ, "GROUP_RANK", fix=fix)
+            if not 1 <= num_nodes <= world_size or not 0 <= node_rank < num_nodes:
+                raise MgpuError(f"GROUP_RANK={node_rank}/GROUP_WORLD_SIZE={num_nodes} outside WORLD_SIZE="
+                                f"{world_size}: the launcher's variables contradict each other")
+        else:
+            if local_world_size < 1 or world_size % local_world_size:
+                raise MgpuError(f"WORLD_SIZE={world_size} is not a multiple of LOCAL_WORLD_SIZE={local_world_size}: "
+                                "start the same --nproc-per-node on every node")
+            num_nodes = world_size // local_world_size
+            node_rank = _int(environ, "GROUP_RANK", fix=fix, default=rank // local_world_size)
+        if not 0 <= rank < world_size or not 0 <= local_rank < local_world_size <= world_size:
             raise MgpuError(f"RANK={rank}/LOCAL_RANK={local_rank} outside WORLD_SIZE={world_size}/"
                             f"LOCAL_WORLD_SIZE={local_world_size}: the launcher's variables contradict each other")
         if "MASTER_ADDR" not in environ:
             raise MgpuError(f"MASTER_ADDR is not set: {fix}")
         nodes: tuple[str, ...] = ()
-        if "SLURM_JOB_NODELIST" in environ:
-            nodes = tuple(expand_hostlist(environ.get("SLURM_STEP_NODELIST") or environ["SLURM_JOB_NODELIST"]))
+        slurm_nodes = _first(environ, SlurmEnvironment.NODELIST)
+        if slurm_nodes is not None:
+            # Slurm's hosts are torchrun's nodes only when there are as many (not with two agents on a host).
+            hosts = tuple(expand_hostlist(slurm_nodes[1]))
+            nodes = hosts if len(hosts) == num_nodes else ()
         elif num_nodes == 1:
             nodes = (socket.gethostname(),)
         in_slurm = "SLURM_JOB_ID" in environ
@@ -268,6 +343,16 @@ class TorchElasticEnvironment(ClusterEnvironment):
         master_addr, master_port = _master(environ, environ["MASTER_ADDR"], job_id)
         return ProcessEnv(cls.name, rank, local_rank, world_size, local_world_size, node_rank, num_nodes,
                           nodes, job_id, restart_count, master_addr, master_port)
+
+
+class EnvVarEnvironment(TorchElasticEnvironment):
+    """RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR set by another launcher, outside Slurm (env:// style)."""
+
+    name = "env"
+
+    @staticmethod
+    def detect(environ: Mapping[str, str]) -> bool:
+        return all(name in environ for name in TorchElasticEnvironment.REQUIRED)
 
 
 class SubmititLocalEnvironment(ClusterEnvironment):
@@ -314,6 +399,7 @@ DETECT_ORDER: tuple[type[ClusterEnvironment], ...] = (
     TorchElasticEnvironment,
     SubmititLocalEnvironment,
     SlurmEnvironment,
+    EnvVarEnvironment,
     SingleProcessEnvironment,
 )
 

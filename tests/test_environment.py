@@ -147,3 +147,76 @@ def test_every_rank_of_a_step_agrees_on_the_rendezvous() -> None:
     envs = [detect_environment(srun_task(r, r % 2, r // 2)) for r in range(4)]
     assert len({(e.master_addr, e.master_port) for e in envs}) == 1
     assert sorted(e.rank for e in envs) == [0, 1, 2, 3]
+
+
+# Issue 17: who am I on every launch users do (the shapes themselves, on captured environments, are in
+# tests/test_launch_shapes.py; these are the single rules, on hand-made ones).
+def test_contradiction_names_the_node_count_variable_actually_set() -> None:
+    environ = {k: v for k, v in srun_task(0, 0, 0, SLURM_JOB_NUM_NODES="3").items() if k != "SLURM_STEP_NUM_NODES"}
+    with pytest.raises(MgpuError, match="names 2 nodes but SLURM_JOB_NUM_NODES=3"):
+        detect_environment(environ)
+
+
+def test_hand_exported_ranks_inside_a_step_read_slurm() -> None:
+    # `export RANK=$SLURM_PROCID ...` in the batch script: every task inherits rank 0.
+    envs = [detect_environment(srun_task(r, r % 2, r // 2, RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")) for r in range(4)]
+    assert [(e.launcher, e.rank, e.local_rank, e.node_rank, e.local_world_size) for e in envs] == [
+        ("slurm", 0, 0, 0, 2), ("slurm", 1, 1, 0, 2), ("slurm", 2, 0, 1, 2), ("slurm", 3, 1, 1, 2)]
+
+
+def test_hand_exported_world_size_that_contradicts_the_step_is_refused() -> None:
+    with pytest.raises(MgpuError, match=r"WORLD_SIZE=8 but the Slurm step has 4 tasks \(SLURM_STEP_NUM_TASKS=4\): "
+                                        r"unset RANK/LOCAL_RANK/WORLD_SIZE"):
+        detect_environment(srun_task(1, 1, 0, RANK="1", LOCAL_RANK="1", WORLD_SIZE="8"))
+
+
+def test_hand_exported_ranks_outside_slurm_are_an_env_launch() -> None:
+    env = detect_environment({"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": "29500"})
+    assert (env.launcher, env.rank, env.world_size, env.num_nodes, env.master_port) == ("env", 1, 2, 1, 29500)
+
+
+def test_salloc_shell_of_several_tasks_is_refused() -> None:
+    environ = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2",
+               "SLURM_TASKS_PER_NODE": "2(x2)"}
+    with pytest.raises(MgpuError, match=r"running in salloc's shell of a 4-task Slurm job \(SLURM_NTASKS=4\)"):
+        detect_environment(environ)
+
+
+def test_batch_shell_without_a_task_count_is_refused_for_srun() -> None:
+    environ = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_NUM_NODES": "2"}
+    with pytest.raises(MgpuError, match=r"batch shell of a 2-task Slurm job \(SLURM_JOB_NUM_NODES=2\), not in a task: "
+                                        r"launch every task with srun"):
+        detect_environment(environ)
+
+
+def test_gpu_shape_is_decided_alike_on_every_node() -> None:
+    # srun -N2 -n3 --gres=gpu:2: both nodes have 2 GPUs, the second runs one task; no SLURM_NTASKS_PER_NODE.
+    uneven = dict(SLURM_NTASKS="3", SLURM_STEP_NUM_TASKS="3", SLURM_TASKS_PER_NODE="2,1",
+                  SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_GPUS_ON_NODE="2")
+    messages = set()
+    for rank, local, node in ((0, 0, 0), (1, 1, 0), (2, 0, 1)):
+        environ = {k: v for k, v in srun_task(rank, local, node, **uneven).items() if k != "SLURM_NTASKS_PER_NODE"}
+        with pytest.raises(MgpuError) as caught:
+            detect_environment(environ)
+        messages.add(str(caught.value))
+    assert messages == {"SLURM_STEP_TASKS_PER_NODE=2,1 but 2 GPUs per node requested: submit with "
+                        "--ntasks-per-node=2 (one task per GPU)"}
+
+
+def test_gpus_per_task_allows_uneven_nodes_but_only_one_gpu_each() -> None:
+    uneven = dict(SLURM_NTASKS="3", SLURM_STEP_NUM_TASKS="3", SLURM_STEP_TASKS_PER_NODE="2,1", SLURM_GPUS_PER_TASK="1")
+    assert detect_environment(srun_task(2, 0, 1, SLURM_GPUS_ON_NODE="1", **uneven)).gpus_per_node == 1
+    with pytest.raises(MgpuError, match="SLURM_GPUS_PER_TASK=2: submit with --gpus-per-task=1"):
+        detect_environment(srun_task(0, 0, 0, **{**uneven, "SLURM_GPUS_PER_TASK": "2", "SLURM_GPUS_ON_NODE": "4"}))
+
+
+@pytest.mark.parametrize("workers", [(1, 2, 3), (4, 2)])
+def test_torchrun_with_different_workers_per_node(workers: tuple[int, ...]) -> None:
+    world, first = sum(workers), [sum(workers[:i]) for i in range(len(workers))]
+    for node, count in enumerate(workers):
+        for local in range(count):
+            env = detect_environment(torchrun_worker(first[node] + local, local, WORLD_SIZE=str(world),
+                                                     LOCAL_WORLD_SIZE=str(count), GROUP_RANK=str(node),
+                                                     GROUP_WORLD_SIZE=str(len(workers)), ROLE_WORLD_SIZE=str(world)))
+            assert (env.num_nodes, env.node_rank, env.local_world_size) == (len(workers), node, count)
