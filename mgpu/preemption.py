@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 __all__ = ["REASONS", "StopAgreement", "StopRequest", "signal_number"]
 
-# Index in the agreement vector -> reason. "test" is the `stop_at_step` hook (a deterministic preemption).
-REASONS = ("requeue_signal", "sigterm", "test")
+# Index in the agreement vector -> reason. "test" is the `stop_at_step` hook (a deterministic preemption);
+# "interrupt" is Ctrl-C (SIGINT): a stop like SIGTERM, and a second Ctrl-C interrupts at once.
+REASONS = ("requeue_signal", "sigterm", "test", "interrupt")
 
 
 def signal_number(name: str) -> int:
@@ -44,8 +45,10 @@ class StopRequest:
     _previous: dict[int, Any] = field(default_factory=dict)
 
     def install(self) -> "StopRequest":
-        """Take over the requeue signal and SIGTERM (replacing e.g. submitit's handlers until `uninstall`)."""
-        for index, signum in enumerate((signal_number(self.requeue_signal), signal.SIGTERM)):
+        """Take over the requeue signal, SIGTERM and SIGINT (replacing e.g. submitit's handlers until
+        `uninstall`)."""
+        signals = {signal_number(self.requeue_signal): 0, signal.SIGTERM: 1, signal.SIGINT: REASONS.index("interrupt")}
+        for signum, index in signals.items():
             self._previous[signum] = signal.signal(signum, self._handler(index))
         return self
 
@@ -59,6 +62,8 @@ class StopRequest:
             # A flag and a timestamp, nothing else: the step boundary does the work.
             self._flags[index] = 1
             self.received.append((signal.Signals(signum).name, time.time()))
+            if signum == signal.SIGINT:
+                signal.signal(signal.SIGINT, signal.default_int_handler)  # the next Ctrl-C: KeyboardInterrupt
 
         return handle
 

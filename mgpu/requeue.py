@@ -31,8 +31,8 @@ from mgpu.errors import MgpuError
 
 __all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job", "requeue"]
 
-Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "terminated",
-                "not_slurm"]
+Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
+                "terminated", "not_slurm"]
 Runner = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
 
 
@@ -108,6 +108,8 @@ def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
         return "time_limit"
     if view.state in ("COMPLETING", "CANCELLED") and "requeue_signal" not in reasons:
         return "cancelled"
+    if "interrupt" in reasons and "requeue_signal" not in reasons:
+        return "interrupted"  # Ctrl-C on srun: the user stopped it
     if "requeue_signal" in reasons:
         return "user_signal"  # the --signal lead before the time limit, or `scancel --signal=USR2`
     return "terminated"  # SIGTERM from outside Slurm's scheduling (e.g. kill): come back, nothing was cancelled
@@ -146,8 +148,8 @@ def decide(reasons: set[str], job_id: str | None, restarts_at_start: int, budget
     event = classify(reasons, query_job(job_id, run), restarts_at_start)
     if event == "requeued_by_slurm":
         return Decision(event, False, "Slurm is requeueing the job (preemption or an outside requeue)")
-    if event == "cancelled":
-        return Decision(event, False, "the job was cancelled; it stays cancelled")
+    if event in ("cancelled", "interrupted"):
+        return Decision(event, False, f"the job was {event}; it stays down")
     if budget.spent:
         return Decision(event, False, f"{event}, but the {budget.kind} budget is spent ({budget.used} of "
                                       f"{budget.limit} {budget.noun} used)")

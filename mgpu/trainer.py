@@ -28,6 +28,7 @@ from mgpu.data import MicroBatch, ShardPlan, eval_shard
 from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
+from mgpu.loader import Batches, make_loader
 from mgpu.optim import build_optimizer, build_scheduler
 from mgpu.preemption import StopAgreement, StopRequest
 from mgpu.reporting import Reporter, format_metrics
@@ -189,21 +190,24 @@ class Trainer:
         return max(total, p.step)
 
     # ------------------------------------------------------------------ data
-    def _loader(self, dataset: Dataset, batch_sampler: Any) -> DataLoader:
-        # An own generator: creating a DataLoader iterator draws a worker base seed, and from the global
-        # RNG that draw would shift dropout's stream differently in a resumed run than in an unbroken one.
-        generator = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + self.progress.epoch * 1009
-                                                  + self.rank)
-        return DataLoader(dataset, batch_sampler=batch_sampler, num_workers=self.cfg.data.num_workers,
-                          collate_fn=self.task.collate_fn(), pin_memory=self.device.type == "cuda",
-                          generator=generator)
+    def _loader(self, dataset: Dataset, batches: list[list[int]], workers: int | None = None) -> DataLoader:
+        return make_loader(dataset, batches, num_workers=self.cfg.data.num_workers if workers is None else workers,
+                           seed=self.cfg.train.seed, epoch=self.progress.epoch, rank=self.rank,
+                           requeue_signal=self.cfg.preemption.signal, collate_fn=self.task.collate_fn(),
+                           pin_memory=self.device.type == "cuda")
+
+    def _batches(self, dataset: Dataset, indices: list[list[int]]) -> Batches:
+        return Batches(lambda start, workers: self._loader(dataset, indices[start:], workers), len(indices),
+                       self.cfg.data.num_workers, lambda: self.stop.pending, self.cfg.preemption.signal)
 
     def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
         """Groups of `grad_accum` micro-batches, epoch after epoch, from the current position."""
         while self.progress.epoch < self.cfg.train.epochs:
             micro = list(self.plan.micro_batches(self.progress.epoch, self.progress.position))
+            indices = [m.indices for m in micro]
+            batches = self._batches(self.train_set, indices)
             group: list[tuple[MicroBatch, Any]] = []
-            for index, (mb, batch) in enumerate(zip(micro, self._loader(self.train_set, [m.indices for m in micro]))):
+            for index, (mb, batch) in enumerate(zip(micro, batches)):
                 group.append((mb, batch))
                 if len(group) == self.cfg.train.grad_accum or index == len(micro) - 1:
                     yield group
@@ -347,7 +351,7 @@ class Trainer:
         """Fail now, not after the first epoch, if eval.metric is not one of the task's metrics."""
         if self.eval_set is None or len(self.eval_set) == 0:  # type: ignore[arg-type]
             return
-        batch = next(iter(self._loader(self.eval_set, [[0]])))
+        batch = next(iter(self._loader(self.eval_set, [[0]], workers=0)))
         self.model.eval()
         with torch.no_grad(), self._autocast():
             names = sorted(self.task.metrics(self.model, to_device(batch, self.device)))
@@ -368,7 +372,7 @@ class Trainer:
         # may run collectives (buffer broadcast) that would then never match up.
         self.model.eval()
         with torch.no_grad(), self._autocast():
-            for batch in self._loader(self.eval_set, batches) if batches else ():
+            for batch in self._batches(self.eval_set, batches):
                 values = self.task.metrics(self.model, to_device(batch, self.device))
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0) + value.detach().double().sum()

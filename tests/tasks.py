@@ -100,3 +100,50 @@ class DiskFillingBlobTask(BlobTask):
             elif self.calls == self.free_at:
                 (self.fill_dir / "ballast").unlink()
         return super().loss(model, batch)
+
+
+class NoisyBlobs(Blobs):
+    """Blobs with random per-sample augmentation drawn in __getitem__ (in a DataLoader worker when there are)."""
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x, y, index = super().__getitem__(i)
+        return x + 0.5 * torch.randn(8), y, index
+
+
+class AugmentedBlobTask(BlobTask):
+    """BlobTask trained on NoisyBlobs: resume is bit-identical only if each sample's noise is reproduced."""
+
+    def train_dataset(self) -> Dataset:
+        return NoisyBlobs(self.size, 0)
+
+
+class SignalingBlobTask(SlowBlobTask):
+    """SlowBlobTask whose rank 0 sends `signals` to its whole process group (every rank and DataLoader
+    worker, as slurmstepd signals every process of a step) at its `at`-th call of `where` ("loss" or
+    "metrics"); `eval_step_s` slows evaluation batches so a stop can land inside one."""
+
+    def __init__(self, signals: str = "TERM", at: int = 5, where: str = "loss", eval_step_s: float = 0.0,
+                 **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.signals, self.at, self.where, self.eval_step_s = signals.split("+"), at, where, eval_step_s
+        self.calls = {"loss": 0, "metrics": 0}
+
+    def _maybe_signal(self, where: str) -> None:
+        import os
+        import signal
+
+        self.calls[where] += 1
+        if where == self.where and self.calls[where] == self.at and (not dist.is_initialized() or dist.get_rank() == 0):
+            for name in self.signals:
+                os.killpg(os.getpgrp(), getattr(signal, f"SIG{name}"))
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        self._maybe_signal("loss")
+        return super().loss(model, batch)
+
+    def metrics(self, model: nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
+        import time
+
+        self._maybe_signal("metrics")
+        time.sleep(self.eval_step_s)
+        return super().metrics(model, batch)

@@ -68,3 +68,85 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     assert [e["retry"] for e in failed] == [False], failed  # a full disk is not requeued into the same wall
     latest = CheckpointStore(run_dir / "checkpoints").latest()  # the disk filled up during step 3's loss
     assert latest is not None and latest.step in (1, 2) and str(latest.path) == named[1]
+
+
+# ---------------------------------------------------------------------------- D1: DataLoader workers
+def start_step(run_dir: Path, world: int, *args: str) -> list[subprocess.Popen[str]]:
+    """`world` ranks in one process group, as slurmstepd runs a step's tasks: a signal to the group
+    reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent)."""
+    port, procs, group = str(random.randint(20000, 32000)), [], 0
+    for rank in range(world):
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([PYTHON, TRAIN, f"run.dir={run_dir}", *args], env=env, cwd=ROOT,
+                                      process_group=group, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True))
+        group = group or procs[0].pid
+    return procs
+
+
+def finish_step(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str]]:
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+WORKERS = ["task.target=tests.tasks:SignalingBlobTask", "task.args.step_s=0.05", "train.epochs=20",
+           "data.batch_size=4", "data.num_workers=2", "log.every_steps=1", "eval.every_steps=4",
+           "task.args.eval_size=40", "data.eval_batch_size=2", "preemption.check_every_steps=1"]
+
+
+@pytest.mark.parametrize("signals", ["TERM", "USR2", "INT", "USR2+TERM"])
+@pytest.mark.parametrize("where, at", [("loss", 6), ("metrics", 5)])  # mid-step; inside the 2nd evaluation
+def test_workers_survive_every_stop_signal(signals: str, where: str, at: int, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    procs = start_step(run_dir, 2, *WORKERS, f"task.args.signals={signals}", f"task.args.where={where}",
+                       f"task.args.at={at}", "task.args.eval_step_s=0.05")
+    results = finish_step(procs)
+    outputs = "\n".join(out for _, out in results)
+    assert "DataLoader worker" not in outputs, outputs[-3000:]
+    assert [rc for rc, _ in results] == [3, 0], outputs[-3000:]  # stopped: rank 0 says so, not a Slurm job
+    steps = [int(s) for s in re.findall(r"stopping at step (\d+)", (run_dir / "logs" / "rank0.log").read_text()
+                                        + (run_dir / "logs" / "rank1.log").read_text())]
+    assert len(steps) == 2 and steps[0] == steps[1], steps
+    latest = CheckpointStore(run_dir / "checkpoints").latest()
+    assert latest is not None and latest.step == steps[0]
+    (preempted,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "preempted"]
+    names = {"TERM": "sigterm", "USR2": "requeue_signal", "INT": "interrupt"}
+    assert set(preempted["reasons"]) == {names[s] for s in signals.split("+")}, preempted
+
+
+# ------------------------------------------------ D12: per-sample augmentation in workers, across a resume
+AUGMENTED = ["task.target=tests.tasks:AugmentedBlobTask", "train.epochs=2", "data.batch_size=3",
+             "data.num_workers=2", "log.every_steps=1", "checkpoint.keep_last=10"]
+
+
+@pytest.fixture(scope="module")
+def augmented_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("augmented")
+    result = torchrun(run_dir, *AUGMENTED)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return CheckpointStore(run_dir / "checkpoints").latest().state
+
+
+@pytest.mark.parametrize("stop_at", [2, 5])  # mid-epoch 0; mid-epoch 1 (7 steps per epoch)
+def test_augmentation_in_workers_resumes_bit_identically(stop_at: int, augmented_reference: dict,
+                                                         tmp_path: Path) -> None:
+    from tests.test_trainer import assert_identical
+
+    first = torchrun(tmp_path, *AUGMENTED, f"--stop-at-step={stop_at}")
+    assert "exitcode  : 3" in first.stdout, first.stdout[-3000:]
+    second = torchrun(tmp_path, *AUGMENTED)
+    assert second.returncode == 0, second.stdout[-3000:]
+    resumed = CheckpointStore(tmp_path / "checkpoints").latest().state
+    assert resumed["progress"]["step"] == augmented_reference["progress"]["step"]
+    assert_identical(resumed["model"], augmented_reference["model"], "model")
+    assert_identical(resumed["optimizer"], augmented_reference["optimizer"], "optimizer")

@@ -22,6 +22,8 @@ CASES = [
     ({"sigterm"}, JobView("CANCELLED", "None", 1, None), 1, "cancelled"),
     ({"sigterm"}, RUNNING, 0, "terminated"),
     ({"test"}, RUNNING, 0, "terminated"),
+    ({"interrupt"}, RUNNING, 0, "interrupted"),  # Ctrl-C on an interactive srun
+    ({"interrupt", "requeue_signal"}, RUNNING, 0, "user_signal"),
 ]
 
 

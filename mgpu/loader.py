@@ -1,0 +1,152 @@
+"""DataLoaders whose workers survive a stop, and whose randomness survives a resume.
+
+Slurm signals every process of a step (scancel, preemption, requeue, the time limit), DataLoader
+workers included. A worker killed by that SIGTERM makes torch raise in the training process wherever
+it happens to be (its SIGCHLD handler), inside `backward()` as likely as anywhere, and the stop
+checkpoint is never written. So:
+
+- workers ignore SIGTERM, SIGINT and the requeue signal (the training process alone decides when to
+  stop): the signals are blocked while a worker is forked and ignored before it unblocks them, so none
+  lands in between; workers still exit when the loader is done or the training process dies (torch's
+  watchdog), and any left at interpreter exit are SIGKILLed (multiprocessing would SIGTERM and wait for
+  them forever);
+- torch's SIGCHLD handler is removed: a worker that dies anyway (OOM killer) is found by the loader at
+  its next fetch, a step boundary, where `Batches` either re-raises it or, when a stop was already
+  requested, finishes the run's last steps loading in the training process;
+- a worker draws each sample's randomness from a seed of (seed, epoch, sample index): augmentation is
+  the same for a sample whichever worker, rank or run loads it, so a resumed run repeats the
+  uninterrupted one exactly. With `num_workers: 0` samples use the training process's own generators,
+  which the checkpoint saves.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import multiprocessing
+import signal
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from mgpu.preemption import signal_number
+from mgpu.rng import seed_everything
+
+__all__ = ["Batches", "SampleSeeded", "is_worker_death", "make_loader", "start"]
+
+log = logging.getLogger("mgpu.train")
+_torch_sigchld_removed = False
+_reaper_installed = False
+
+
+class SampleSeeded(Dataset):
+    """`dataset` whose items, in a worker process, are drawn under a seed of (seed, epoch, index)."""
+
+    def __init__(self, dataset: Dataset, seed: int, epoch: int) -> None:
+        self.dataset, self.seed, self.epoch = dataset, seed, epoch
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        if get_worker_info() is not None:
+            seed_everything((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + int(index))
+        return self.dataset[index]
+
+
+def _quiet_worker(signals: tuple[int, ...], worker_id: int) -> None:
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)  # a signal pending since the fork is discarded here
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def _stop_signals(requeue_signal: str) -> tuple[int, ...]:
+    return signal.SIGTERM, signal.SIGINT, signal_number(requeue_signal)
+
+
+def _reap_workers() -> None:
+    # At exit, multiprocessing SIGTERMs daemonic children and joins them: ours ignore SIGTERM.
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+
+
+def _drop_torch_sigchld() -> None:
+    """Remove torch's SIGCHLD handler (installed by the first worker iterator, once per process)."""
+    global _torch_sigchld_removed
+    handler = signal.getsignal(signal.SIGCHLD)
+    if not _torch_sigchld_removed and getattr(handler, "__module__", "") == "torch.utils.data._utils.signal_handling":
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        _torch_sigchld_removed = True
+
+
+def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]], *, num_workers: int, seed: int, epoch: int,
+                rank: int, requeue_signal: str, collate_fn: Callable[[list[Any]], Any] | None,
+                pin_memory: bool) -> DataLoader:
+    """A loader over the given index `batches` (already this rank's share of the epoch)."""
+    global _reaper_installed
+    # An own generator: creating an iterator draws a base seed, and from the global RNG that draw would
+    # shift dropout's stream differently in a resumed run than in an unbroken one.
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + rank)
+    extra: dict[str, Any] = {}
+    if num_workers > 0:
+        extra["worker_init_fn"] = functools.partial(_quiet_worker, _stop_signals(requeue_signal))
+        dataset = SampleSeeded(dataset, seed, epoch)
+        if not _reaper_installed:
+            atexit.register(_reap_workers)
+            _reaper_installed = True
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn,
+                      pin_memory=pin_memory, generator=generator, **extra)
+
+
+def is_worker_death(error: BaseException) -> bool:
+    """A DataLoader worker that exited or was killed (not an exception raised by the dataset's code)."""
+    return isinstance(error, RuntimeError) and "DataLoader worker" in str(error) and (
+        "exited unexpectedly" in str(error) or "killed by signal" in str(error))
+
+
+def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
+    """`iter(loader)`, its workers forked with the stop signals blocked (see `_quiet_worker`)."""
+    if not loader.num_workers:
+        return iter(loader)
+    signals = _stop_signals(requeue_signal)
+    # Only this thread's mask: the process still receives the signals (on another thread if need be).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    try:
+        iterator = iter(loader)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+    _drop_torch_sigchld()
+    return iterator
+
+
+class Batches:
+    """Iterate a loader; if a worker dies once a stop is requested, go on in-process from that batch.
+
+    `build(start, workers)` makes a loader over the batches from index `start`; `stopping()` says
+    whether a stop is requested on this rank (the ranks' agreement then ends the run a few steps later).
+    """
+
+    def __init__(self, build: Callable[[int, int], DataLoader], count: int, workers: int,
+                 stopping: Callable[[], bool], requeue_signal: str) -> None:
+        self.build, self.count, self.workers, self.stopping = build, count, workers, stopping
+        self.requeue_signal = requeue_signal
+
+    def __iter__(self) -> Iterator[Any]:
+        index, workers = 0, self.workers
+        while index < self.count:
+            iterator = start(self.build(index, workers), self.requeue_signal)
+            try:
+                for batch in iterator:
+                    index += 1
+                    yield batch
+                return
+            except RuntimeError as error:
+                if not (workers and is_worker_death(error) and self.stopping()):
+                    raise
+                log.warning("%s after a stop was requested: loading the rest in this process", error)
+                workers = 0
+            finally:
+                del iterator
