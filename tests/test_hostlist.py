@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 
 import pytest
 
-from mgpu.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+from mgpu.hostlist import MAX_HOSTS, MAX_RANGE, HostlistError, expand_hostlist, expand_tasks_per_node
 
 HOSTLISTS: list[tuple[str, list[str]]] = [
     ("n1", ["n1"]),
@@ -77,6 +78,46 @@ def test_expand_tasks_per_node(text: str, expected: list[int]) -> None:
 def test_bad_tasks_per_node_is_rejected(text: str) -> None:
     with pytest.raises(HostlistError):
         expand_tasks_per_node(text)
+
+
+# Each would need gigabytes (or int() of a 5000-digit number) if expanded: refused before anything is built.
+TOO_LARGE: list[tuple[str, str]] = [
+    ("n[0-99999999999]", "too many hosts in range"),
+    ("n[0-65536]", "too many hosts in range '0-65536'"),  # one more than Slurm allows in a range
+    ("n[1-" + "9" * 5000 + "]", "bad range"),
+    ("n[1-60000,1-60000]", f"more than {MAX_HOSTS} hosts"),
+    ("a[1-1000]b[1-1000]", f"more than {MAX_HOSTS} hosts"),
+    ("a[1-400]b[1-400]c[1-400]", f"more than {MAX_HOSTS} hosts"),
+    ("n[1-60000],m[1-60000]", f"more than {MAX_HOSTS} hosts"),
+]
+TOO_MANY_TASKS = ["1(x99999999999)", "2(x60000),2(x60000)", "9" * 5000, "1(x" + "9" * 5000 + ")"]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("text, message", TOO_LARGE)
+def test_huge_hostlist_is_refused_quickly(text: str, message: str) -> None:
+    with pytest.raises(HostlistError, match=re.escape(message)):
+        expand_hostlist(text)
+
+
+def test_largest_lists_still_expand() -> None:
+    assert len(expand_hostlist(f"n[1-{MAX_RANGE}]")) == MAX_RANGE
+    assert len(expand_hostlist("a[1-250]b[1-400]")) == MAX_HOSTS
+    assert len(expand_tasks_per_node(f"1(x{MAX_HOSTS})")) == MAX_HOSTS
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("text", TOO_MANY_TASKS)
+def test_huge_task_counts_are_refused_quickly(text: str) -> None:
+    with pytest.raises(HostlistError):
+        expand_tasks_per_node(text)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="Slurm's scontrol is not installed")
+def test_range_limit_matches_scontrol() -> None:
+    for text, ok in ((f"n[1-{MAX_RANGE}]", True), (f"n[1-{MAX_RANGE + 1}]", False)):
+        out = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30)
+        assert ("Too many hosts in range" not in out.stdout + out.stderr) == ok, text
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="Slurm's scontrol is not installed")
