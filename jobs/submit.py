@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
+import math
 import os
 import re
 import shutil
@@ -78,7 +80,7 @@ def _resources(args: argparse.Namespace, sub: Submission) -> Resources:
     return Resources(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
                      cpus_per_task=args.cpus_per_task, mem=args.mem, time=args.time, partition=args.partition,
                      account=args.account, qos=args.qos, constraint=args.constraint, exclude=args.exclude,
-                     job_name=args.job_name or sub.name, signal_lead_s=args.signal_lead,
+                     job_name=sub.name if args.job_name is None else args.job_name, signal_lead_s=args.signal_lead,
                      max_requeues=args.max_requeues, requeue_signal=cfg.preemption.signal)
 
 
@@ -88,6 +90,8 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
         cluster = "slurm" if shutil.which("sbatch") else "local"
     if args.max_parallel < 1:
         raise MgpuError(f"--max-parallel {args.max_parallel}: must be >= 1")
+    if not (math.isfinite(args.poll_interval) and args.poll_interval > 0):
+        raise MgpuError(f"--poll-interval {args.poll_interval}: must be a positive number of seconds")
     sub = build_submission(args.config, args.overrides, args.sweep, args.folder)
     res = _resources(args, sub)
     if cluster in ("local", "debug") and res.nodes > 1:
@@ -148,7 +152,17 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int) -> 
     if cluster == "slurm":
         executor = submitit.SlurmExecutor(folder, max_num_timeout=res.max_requeues)
         executor.update_parameters(**slurm_parameters(res, max_parallel))
-        return list(executor.submit_array(fns))
+        said = io.StringIO()  # submitit prints sbatch's complaint itself: keep it for our one line
+        try:
+            with contextlib.redirect_stderr(said):
+                jobs = list(executor.submit_array(fns))
+        except submitit.core.utils.FailedJobError as error:
+            why = "; ".join(line.strip().removeprefix("sbatch: error: ") for line in str(error).splitlines()
+                            if line.strip()) or "no reason given"
+            raise MgpuError(f"sbatch refused the job: {why}; nothing submitted (check --partition, --account, "
+                            "--qos and the resources)") from None
+        print(said.getvalue(), end="", file=sys.stderr)
+        return jobs
     if cluster == "debug":
         debug = submitit.DebugExecutor(folder)
         return [debug.submit(fn) for fn in fns]
@@ -246,7 +260,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             job = submit(cluster, single, res, args.max_parallel)[0]
             ok = _run_here(job, _print_job(job, cfg, cluster), cluster, min(args.poll_interval, 2.0)) and ok
         return 0 if ok else 1
-    jobs = submit(cluster, sub, res, args.max_parallel)
+    try:
+        jobs = submit(cluster, sub, res, args.max_parallel)
+    except MgpuError as error:
+        exit_with(error, PROG)
     run_dirs = [_print_job(job, cfg, cluster) for job, cfg in zip(jobs, sub.configs)]
     if len(jobs) > 1:
         array_id = str(jobs[0].job_id).split("_")[0]

@@ -33,7 +33,7 @@ __all__ = [
     "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
     "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig",
     "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
-    "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config", "save_config",
+    "control_problem", "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config", "save_config",
 ]
 
 
@@ -114,8 +114,20 @@ MAX_CONFIG_VALUES = 100_000
 _INT64 = 1 << 63
 
 
+def control_problem(value: str) -> str | None:
+    """What is wrong with `value` on one shell or #SBATCH line ('contains a newline', ...), or None."""
+    found = CONTROL.search(value)
+    if found is None:
+        return None
+    char = found.group()
+    if "\ud800" <= char <= "\udfff":
+        return "contains a byte that is not UTF-8"
+    return "contains a newline" if char in "\n\r\u2028\u2029" else f"contains a control character ({char!r})"
+
+
 def _path_rule(v: str) -> str | None:
-    return "must not contain control characters (a newline?)" if CONTROL.search(v) else None
+    problem = control_problem(v)
+    return f"must be one line without control characters ({problem})" if problem else None
 
 
 _RULES: dict[str, Callable[[Any], str | None]] = {
@@ -320,9 +332,8 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     """The Config in the YAML file at `path` (None: the defaults) with `overrides` applied."""
     data: Any = {}
     if path is not None:
-        if CONTROL.search(str(path)):
-            raise ConfigError(f"config file {str(path)!r}: the path contains a control character (a newline?); "
-                              f"rename the file")
+        if problem := control_problem(str(path)):
+            raise ConfigError(f"config file {str(path)!r}: the path {problem}; rename the file")
         path = Path(path)
         try:
             with open(path, "rb") as file:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import resource
 import shlex
 import subprocess
 import time
@@ -15,8 +17,9 @@ from typing import Any
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.submission import (Resources, build_submission, check_task_target, expand_sweep, parse_slurm_time,
-                             parse_sweep, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
+from mgpu.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
+                             parse_slurm_time, parse_sweep, sbatch_script, slurm_parameters, submitit_command,
+                             submitit_folder)
 from tests.conftest import PYTHON, ROOT, base_env
 
 SUBMIT = str(ROOT / "jobs" / "submit.py")
@@ -343,3 +346,165 @@ def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     assert events[0]["event"] == "started" and events[0]["world_size"] == 2
     assert events[-1]["event"] == "finished"
     assert "done" in result.stdout
+
+
+# Issue 10 (D5): a newline in any value that reaches an #SBATCH or shell line ended that line, and the
+# next line of the submitted script ran. Each must now fail in one line with nothing printed on stdout.
+INJECTIONS = {
+    "job name": (["--job-name", "x\ntouch {tmp}/pwned #"], "--job-name 'x\\ntouch"),
+    "run.name, YAML escape": (['run.name="x\\ntouch {tmp}/pwned #"'], "run.name: must be a directory name"),
+    "run.name, carriage return": (['run.name="x\\rtouch {tmp}/pwned"'], "run.name: must be a directory name"),
+    "run.name, line separator": (['run.name="x\\u2028y"'], "run.name: must be a directory name"),
+    "exclude": (["--exclude", "n1\ntouch {tmp}/pwned #"], "--exclude 'n1\\ntouch"),
+    "folder": (["--folder", "{tmp}/r\ntouch {tmp}/pwned #"], "--folder"),
+    "run.root": (['run.root="{tmp}/r\\ntouch {tmp}/pwned #"'], "run.root: must be one line"),
+    "mem, trailing newline": (["--mem", "64G\n"], "--mem '64G\\n'"),
+    "partition": (["--partition", "gpu\ntouch {tmp}/pwned"], "--partition"),
+    "account": (["--account", "a\nb"], "--account"),
+    "qos": (["--qos", "q\nb"], "--qos"),
+    "constraint": (["--constraint", "a100\nb"], "--constraint"),
+    "partition, shell characters": (["--partition", "gpu;touch"], "--partition 'gpu;touch': Slurm expects"),
+    "constraint, quote": (["--constraint", "a'b"], "--constraint"),
+    "sweep value": (["--sweep", "task.args.x=a,'b\n\ntouch {tmp}/pwned'"], "--sweep"),  # YAML keeps one newline
+}
+
+
+@pytest.mark.parametrize("case", list(INJECTIONS))
+def test_values_that_would_break_a_script_line_are_refused(tmp_path: Path, config: Path, case: str) -> None:
+    args, message = INJECTIONS[case]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    folder = [] if "--folder" in args else ["--folder", str(tmp_path / "runs")]
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), *folder, *args])
+    assert result.returncode == 2 and result.stdout == "", result.stdout  # before: the script, with the line
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("submit: error: ") and message in lines[0], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blob.yaml"]
+
+
+def fake_bin(tmp_path: Path, **scripts: str) -> str:
+    """A PATH whose first directory holds these stub commands (e.g. srun, sbatch)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
+def test_quoted_values_stay_inside_their_line(tmp_path: Path, config: Path) -> None:
+    """Quotes, $(), backticks, ; and spaces are legal in a job name or a folder: the script keeps them
+    quoted, bash parses it, and running it (srun stubbed) executes none of them."""
+    marker = tmp_path / "pwned"
+    folder = tmp_path / f"my runs $(touch {marker}) `touch {marker}`"
+    name = f"it's \"x\"; touch {marker}; $(touch {marker}) `touch {marker}`"
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(folder),
+                         "--job-name", name])
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "job.sh"
+    script.write_text(result.stdout)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if line.startswith("#SBATCH")] == [line for line in lines if "SBATCH" in line]
+    assert f"#SBATCH --job-name={shlex.quote(name)}" in lines
+    srun_args = tmp_path / "srun_args"
+    env = base_env(PATH=fake_bin(tmp_path, srun=f'printf "%s\\n" "$@" > {shlex.quote(str(srun_args))}'))
+    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert not marker.exists() and not folder.exists()
+    assert srun_args.read_text().splitlines()[-1] == str(folder / "submitit")  # one argument, as given
+
+
+BAD_RESOURCES: list[tuple[dict[str, Any], str]] = [
+    ({"nodes": 10**30}, "--nodes 1000000000000000000000000000000: at most 100000"),
+    ({"nodes": 100_001}, "--nodes 100001: at most 100000"),
+    ({"gpus_per_node": 513}, "--gpus-per-node 513: at most 512"),
+    ({"gpus_per_node": 0, "tasks_per_node": 10**9}, "--tasks-per-node 1000000000: at most 512"),
+    ({"cpus_per_task": 65536}, "--cpus-per-task 65536: must be in [1, 65535]"),
+    ({"cpus_per_task": 0}, "--cpus-per-task 0: must be in [1, 65535]"),
+    ({"mem": "1025T"}, "--mem '1025T': more than 1024T per node"),
+    ({"mem": "9" * 5000}, "--mem '999"),
+    ({"mem": "64 G"}, "--mem '64 G'"),
+    ({"mem": "64G\n"}, "--mem '64G\\n'"),
+    ({"time": "99999999999-00"}, "longer than Slurm's maximum, 35791393 minutes"),
+    ({"time": "35791394"}, "longer than Slurm's maximum"),
+    ({"time": "9" * 5000}, "longer than Slurm's maximum"),
+    ({"time": "UNLIMITED"}, "--time 'UNLIMITED': give a finite limit"),
+    ({"time": "infinite"}, "--time 'infinite': give a finite limit"),
+    ({"time": "0"}, "at least one minute"),
+    ({"signal_lead_s": -1}, "--signal-lead -1: must be in [10, 65535]"),
+    ({"signal_lead_s": 10**30}, "--signal-lead 1000000000000000000000000000000: must be in [10, 65535]"),
+    ({"partition": "gpu,"}, "--partition 'gpu,': Slurm expects"),
+    ({"partition": "a$(b)"}, "--partition 'a$(b)': Slurm expects"),
+    ({"account": "proj`x`"}, "--account"),
+    ({"qos": "high\x00"}, "--qos"),
+    ({"constraint": "a100;b"}, "--constraint 'a100;b': Slurm expects feature names"),
+    ({"job_name": "a\x1bb"}, "--job-name 'a\\x1bb': contains a control character"),
+    ({"job_name": "a\udcffb"}, "contains a byte that is not UTF-8"),
+    ({"job_name": "a\u2028b"}, "--job-name 'a\\u2028b': contains a newline"),
+    ({"job_name": " "}, "--job-name: must not be empty"),
+    ({"exclude": "n[0-65536]"}, "--exclude 'n[0-65536]': too many hosts in range"),  # bigger ones: test_bad_input
+    ({"exclude": "n1;n2"}, "--exclude 'n1;n2': use a Slurm node list"),
+    ({"exclude": "n1 n2"}, "--exclude 'n1 n2': use a Slurm node list"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kwargs, message", BAD_RESOURCES)
+def test_resources_refuse_absurd_values(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(MgpuError) as info:
+        Resources(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_resources_accept_the_extremes() -> None:
+    Resources(nodes=100_000, time="35791393", mem="1024T", cpus_per_task=65535, partition="a,b-1.x",
+              constraint="[rack1|rack2]*2&a100", exclude="gpu[001-004,010],gpu-b07", job_name="it's a $(job)")
+    Resources(gpus_per_node=0, tasks_per_node=512, time="24855-03:13:00", mem="0")
+    assert parse_slurm_time("24855-03:13:00") == 35791393 * 60
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def test_sweep_count_is_checked_before_the_product_is_built(tmp_path: Path, config: Path) -> None:
+    """10**10 combinations: counted, not built (building them filled the machine's memory)."""
+    sweep = [arg for i in range(10) for arg in ("--sweep", f"task.args.k{i}=" + ",".join(map(str, range(10))))]
+    result = subprocess.run([PYTHON, SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder",
+                             str(tmp_path / "runs"), *sweep], cwd=ROOT, env=base_env(), capture_output=True,
+                            text=True, timeout=30, preexec_fn=_limit_memory)
+    assert result.returncode == 2 and result.stderr == (
+        "submit: error: --sweep: 10000000000 combinations exceed 1000 array tasks; sweep fewer values\n"), result.stderr
+
+
+def test_run_root_checks(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    (tmp_path / "root" / "submitit").parent.mkdir()
+    (tmp_path / "root" / "submitit").write_text("")
+    check_run_root(str(tmp_path / "new" / "deeper"))  # creatable: fine, and nothing is created
+    assert not (tmp_path / "new").exists()
+    for root, message in [(tmp_path / "file", "exists and is not a directory"),
+                          (tmp_path / "file" / "runs", "is a file, not a directory"),
+                          (tmp_path / "root", "submitit exists and is not a directory"),
+                          (tmp_path / "100%", "no '%' or '\\'"), (tmp_path / "a\\b", "no '%' or '\\'"),
+                          (tmp_path / ("x" * 300), "File name too long"),
+                          (tmp_path / "a\nb", "contains a newline")]:
+        with pytest.raises(MgpuError, match=re.escape(message)):
+            check_run_root(str(root), "--folder")
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o555)
+        with pytest.raises(MgpuError, match="not writable"):
+            check_run_root(str(tmp_path / "ro" / "runs"))
+
+
+def test_sbatch_refusal_is_one_line(tmp_path: Path, config: Path) -> None:
+    """sbatch's own complaint (printed by submitit) becomes the one error line; exit 2."""
+    path = fake_bin(tmp_path, srun="exit 0", sbatch='echo "sbatch: error: invalid partition specified: nope" >&2\n'
+                    'echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2\nexit 1')
+    result = run_script([SUBMIT, "--cluster", "slurm", "--config", str(config), "--folder", str(tmp_path / "runs"),
+                         "--partition", "nope"], PATH=path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == ["submit: error: sbatch refused the job: invalid partition specified: nope; "
+                                          "Batch job submission failed: Invalid partition name specified; nothing "
+                                          "submitted (check --partition, --account, --qos and the resources)"]
+    assert "Traceback" not in result.stdout
