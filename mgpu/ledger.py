@@ -20,10 +20,13 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
+
+from mgpu.errors import MgpuError
 
 __all__ = ["Ledger", "read_ledger"]
 
@@ -50,14 +53,36 @@ class Ledger:
             os.fsync(file.fileno())
 
 
-def read_ledger(path: Path) -> list[dict[str, Any]]:
-    """All events of a ledger; a torn last line (a killed writer) is ignored."""
-    if not path.exists():
+def _well_formed(event: Any) -> bool:
+    """An object with a finite numeric `time` and a string `event`: what every reader may rely on."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    when = event.get("time")
+    return isinstance(when, (int, float)) and not isinstance(when, bool) and math.isfinite(when)
+
+
+def read_ledger(path: Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The well-formed events of a ledger, oldest first; a missing ledger has none.
+
+    Anything else is left out: a torn last line (a killed writer), and lines that are not JSON objects
+    with a finite numeric `time` and a string `event` (their 1-based numbers are appended to `skipped`).
+    MgpuError in one line when the file exists but cannot be read (a directory, no permission).
+    """
+    try:
+        text = path.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
         return []
+    except OSError as error:
+        raise MgpuError(f"{path}: cannot read the ledger: {error.strerror or error}") from None
     events = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+            event = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            event = None
+        if _well_formed(event):
+            events.append(event)
+        elif skipped is not None and line.strip() and not (number == len(lines) and not text.endswith("\n")):
+            skipped.append(number)
     return events

@@ -508,3 +508,51 @@ def test_sbatch_refusal_is_one_line(tmp_path: Path, config: Path) -> None:
                                           "Batch job submission failed: Invalid partition name specified; nothing "
                                           "submitted (check --partition, --account, --qos and the resources)"]
     assert "Traceback" not in result.stdout
+
+
+MALFORMED_LEDGER_LINES = [
+    "[1, 2]", '"started"', "3", "null", "{}", '{"event": "started"}', '{"time": 1}', '{"time": "1", "event": "x"}',
+    '{"time": true, "event": "x"}', '{"time": NaN, "event": "x"}', '{"time": Infinity, "event": "x"}',
+    '{"time": 1e999, "event": "x"}', '{"time": 1, "event": 5}', '{"time": 1, "event": null}', "not json",
+    "[" * 100_000 + "]" * 100_000,  # deeper than json's recursion limit
+]
+# Well-formed (numeric time, string event) but with every other field of the wrong type.
+ODD_EVENTS = [
+    {"time": 100, "event": "started", "restart": "abc", "launcher": ["x"], "job_id": {"a": 1}},
+    {"time": 101, "event": "resumed", "restart": 1.5, "step": "7"},
+    {"time": 102, "event": "checkpoint_saved", "step": None, "restart": [1], "reason": 3, "path": None},
+    {"time": 103, "event": "evaluated", "step": 10, "epoch": [1], "total_steps": "x", "restart": None},
+    {"time": 1e300, "event": "failed", "error": {"x": 1}},
+]
+
+
+def test_read_ledger_keeps_only_well_formed_events(tmp_path: Path) -> None:
+    from mgpu.ledger import read_ledger
+
+    good = [{"time": 1.5, "event": "started", "job_id": "1", "restart": 0}, {"time": 2, "event": "finished"}]
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps(good[0]), *MALFORMED_LEDGER_LINES, json.dumps(good[1])]
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe{garbage}\n" + b'{"time": 3, "ev')
+    skipped: list[int] = []
+    assert read_ledger(path, skipped) == good
+    assert skipped == list(range(2, 2 + len(MALFORMED_LEDGER_LINES))) + [len(lines) + 1]  # not the torn last line
+    assert read_ledger(tmp_path / "missing.jsonl") == []
+    with pytest.raises(MgpuError, match="cannot read the ledger: Is a directory"):
+        read_ledger(tmp_path)
+
+
+def test_status_survives_a_malformed_ledger(tmp_path: Path) -> None:
+    from jobs.status import describe, summarize
+
+    run_dir = tmp_path / "runs" / "odd-5"
+    run_dir.mkdir(parents=True)
+    text = "\n".join([*MALFORMED_LEDGER_LINES, *(json.dumps(e) for e in ODD_EVENTS)]) + "\n"
+    (run_dir / "events.jsonl").write_text(text)
+    summary = summarize(ODD_EVENTS, now=200)
+    assert summary["restart"] == 0 and summary["step"] == 10 and summary["state"].startswith("failed")
+    assert describe(run_dir, now=200)[0] == f"run         {run_dir}"
+    result = run_script([STATUS, "5", "--folder", str(tmp_path / "runs")])
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "state       failed: {'x': 1}" in result.stdout and "progress    step 10, epoch [1]" in result.stdout
+    assert result.stderr.splitlines() == [f"status: note: {run_dir / 'events.jsonl'}: skipped "
+                                          f"{len(MALFORMED_LEDGER_LINES)} malformed line(s) (line 1, 2, 3, 4, 5, ...)"]
