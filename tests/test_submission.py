@@ -3,6 +3,7 @@ jobs/status.py, the sbatch templates, and a local two-process run."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -328,6 +329,62 @@ def test_sbatch_templates(name: str, tasks: str) -> None:
     usage = subprocess.run(["bash", str(path)], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin",
                                                                                      "SLURM_SUBMIT_DIR": str(ROOT)})
     assert usage.returncode == 2 and "usage: sbatch" in usage.stderr
+
+
+TEMPLATE_BAD_INPUTS: dict[str, tuple[list[str], dict[str, str], str]] = {
+    "config path with a newline": (["{config}\ntouch {tmp}/pwned"], {}, "contains a control character"),
+    "override with a newline": (["{config}", "train.epochs=1\nx"], {}, "argument $'train.epochs=1\\nx'"),
+    "override with an escape": (["{config}", "run.name=\x1b[2J"], {}, "contains a control character"),
+    "missing config": (["{tmp}/nope.yaml"], {}, "config file '{tmp}/nope.yaml' not found"),
+    "override first": (["train.epochs=3"], {}, "the first argument is the config"),
+    "PYTHON not a command": (["{config}"], {"PYTHON": "{tmp}/no python"}, "PYTHON='{tmp}/no python': no such command"),
+    "MGPU_MAX_REQUEUES not a number": (["{config}"], {"MGPU_MAX_REQUEUES": "3;touch x"}, "MGPU_MAX_REQUEUES='3;touch x'"),
+    "MGPU_MAX_REQUEUES negative": (["{config}"], {"MGPU_MAX_REQUEUES": "-1"}, "MGPU_MAX_REQUEUES='-1'"),
+    "OMP_NUM_THREADS zero": (["{config}"], {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
+    "OMP_NUM_THREADS text": (["{config}"], {"OMP_NUM_THREADS": "all"}, "OMP_NUM_THREADS='all'"),
+    "SLURM_CPUS_PER_TASK text": (["{config}"], {"SLURM_CPUS_PER_TASK": "8 --x"}, "SLURM_CPUS_PER_TASK='8 --x'"),
+    "SHUTDOWN_TIMEOUT text": (["{config}"], {"SHUTDOWN_TIMEOUT": "1e3"}, "SHUTDOWN_TIMEOUT='1e3'"),
+    "SHUTDOWN_TIMEOUT zero": (["{config}"], {"SHUTDOWN_TIMEOUT": "0"}, "SHUTDOWN_TIMEOUT='0'"),
+    "SHUTDOWN_TIMEOUT huge": (["{config}"], {"SHUTDOWN_TIMEOUT": "9" * 30}, "SHUTDOWN_TIMEOUT="),
+}
+
+
+def run_template(name: str, tmp_path: Path, args: list[str], env: dict[str, str]
+                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The template run by bash as sbatch would, srun stubbed to record its arguments."""
+    recorded = tmp_path / "srun_args"
+    path = fake_bin(tmp_path, srun=f'printf "%s\\n" "$@" > {shlex.quote(str(recorded))}')
+    full = base_env(**{"PATH": path, "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+                       "PYTHON": PYTHON, **env})
+    if "OMP_NUM_THREADS" not in env:
+        del full["OMP_NUM_THREADS"]
+    result = subprocess.run(["bash", str(ROOT / "slurm" / name), *args], env=full, capture_output=True, text=True,
+                            timeout=30)
+    return result, recorded
+
+
+@pytest.mark.parametrize("name, case", [(name, case) for case, (_, env, _) in TEMPLATE_BAD_INPUTS.items()
+                                        for name in ("train.sbatch", "train_torchrun.sbatch")
+                                        if "SHUTDOWN_TIMEOUT" not in env or "torchrun" in name])
+def test_sbatch_templates_refuse_bad_input(tmp_path: Path, config: Path, name: str, case: str) -> None:
+    args, env, message = TEMPLATE_BAD_INPUTS[case]
+    fill = {"{config}": str(config), "{tmp}": str(tmp_path)}
+    sub = lambda text: functools.reduce(lambda t, kv: t.replace(*kv), fill.items(), text)  # noqa: E731
+    result, recorded = run_template(name, tmp_path, [sub(a) for a in args], {k: sub(v) for k, v in env.items()})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith(f"{name}: error: ")
+    assert sub(message) in result.stderr
+    assert not recorded.exists() and not (tmp_path / "pwned").exists()  # srun never ran
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "train_torchrun.sbatch"])
+def test_sbatch_templates_pass_good_input_to_srun(tmp_path: Path, config: Path, name: str) -> None:
+    result, recorded = run_template(name, tmp_path, [str(config), "train.epochs=2", "run.name=it's"],
+                                    {"SLURM_CPUS_PER_TASK": "4"})
+    assert result.returncode == 0, result.stderr
+    srun_args = recorded.read_text().splitlines()
+    assert srun_args[0] == "--kill-on-bad-exit=1" and "--cpus-per-task=4" in srun_args
+    assert srun_args[-2:] == ["train.epochs=2", "run.name=it's"]
 
 
 @pytest.mark.multiprocess
