@@ -270,7 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"array {array_id}: {len(jobs)} tasks, at most {args.max_parallel} at once; "
               f"python jobs/status.py {array_id} --folder {sub.configs[0].run.root}   (or: squeue -j {array_id})")
     if args.wait:
-        return 0 if follow(jobs, run_dirs, cluster, args.poll_interval) else 1
+        try:
+            return 0 if follow(jobs, run_dirs, cluster, args.poll_interval) else 1
+        except MgpuError as error:  # e.g. a ledger that cannot be read; the jobs run on regardless
+            exit_with(error, PROG)
     return 0
 
 

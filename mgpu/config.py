@@ -27,7 +27,7 @@ from mgpu.config_schema import (SAFE_TO_CHANGE, CheckpointConfig, Config, DataCo
                                 EvalConfig, LogConfig, OptimConfig, PreemptionConfig, RunConfig, ScheduleConfig,
                                 TaskConfig, TrainConfig)
 from mgpu.errors import MgpuError
-from mgpu.fsutil import write_atomic
+from mgpu.fsutil import read_bounded, write_atomic
 
 __all__ = [
     "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
@@ -336,11 +336,12 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
             raise ConfigError(f"config file {str(path)!r}: the path {problem}; rename the file")
         path = Path(path)
         try:
-            with open(path, "rb") as file:
-                raw = file.read(MAX_CONFIG_BYTES + 1)  # read(), not stat(): /dev/zero has no size either
+            raw, is_pipe = read_bounded(path, MAX_CONFIG_BYTES)
             if len(raw) > MAX_CONFIG_BYTES:
                 raise ConfigError(f"config file '{path}': larger than {MAX_CONFIG_BYTES >> 20} MiB; a config "
                                   f"holds settings, pass data by path (e.g. in task.args)")
+            if is_pipe and not raw:
+                raise ConfigError(f"config file '{path}': a pipe with nothing to read (no writer); give a file")
             text = raw.decode("utf-8")
         except FileNotFoundError:
             where = "" if path.is_absolute() else f" (looked for {path.absolute()})"

@@ -27,8 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from mgpu.errors import MgpuError
+from mgpu.fsutil import read_bounded
 
-__all__ = ["Ledger", "read_ledger"]
+__all__ = ["MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
+
+MAX_LEDGER_BYTES = 256 << 20  # a few hundred bytes an event: a million events
 
 
 class Ledger:
@@ -69,11 +72,14 @@ def read_ledger(path: Path, skipped: list[int] | None = None) -> list[dict[str, 
     MgpuError in one line when the file exists but cannot be read (a directory, no permission).
     """
     try:
-        text = path.read_bytes().decode("utf-8", errors="replace")
+        raw, _ = read_bounded(path, MAX_LEDGER_BYTES)
     except FileNotFoundError:
         return []
     except OSError as error:
         raise MgpuError(f"{path}: cannot read the ledger: {error.strerror or error}") from None
+    if len(raw) > MAX_LEDGER_BYTES:
+        raise MgpuError(f"{path}: larger than {MAX_LEDGER_BYTES >> 20} MiB, no ledger of a run; is it the right file?")
+    text = raw.decode("utf-8", errors="replace")
     events = []
     lines = text.splitlines()
     for number, line in enumerate(lines, 1):
