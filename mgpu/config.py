@@ -30,10 +30,11 @@ from mgpu.errors import MgpuError
 from mgpu.fsutil import read_bounded, write_atomic
 
 __all__ = [
-    "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
-    "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig",
-    "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
-    "control_problem", "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config", "save_config",
+    "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "DistributedConfig", "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig",
+    "TaskConfig", "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
+    "control_problem", "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config",
+    "save_config",
 ]
 
 
@@ -145,7 +146,8 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
         "not starting with '.' or '-'"),
     "run.root": lambda v: _path_rule(v) if v else "must not be empty", "run.dir": _path_rule,
     # timedelta overflows near 1e14 s; no rendezvous should wait longer than a week
-    "distributed.init_timeout_s": lambda v: None if 0 < v <= MAX_INIT_TIMEOUT_S else f"must be in (0, {MAX_INIT_TIMEOUT_S}]",
+    "distributed.init_timeout_s": lambda v: None if 0 < v <= MAX_INIT_TIMEOUT_S else (
+        f"must be in (0, {MAX_INIT_TIMEOUT_S}]"),
     "preemption.check_every_steps": _ge(1),
 }
 
@@ -314,7 +316,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ConfigError(f"override {_shown(item)}: expected dotted.key=value, e.g. train.epochs=3 or optim.lr=3e-4")
+            raise ConfigError(f"override {_shown(item)}: expected dotted.key=value, e.g. train.epochs=3 or "
+                              "optim.lr=3e-4")
         value = _parse_yaml(text, f"override {_shown(item)}", lines=False)
         node = result
         for depth, part in enumerate(parts[:-1]):

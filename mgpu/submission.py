@@ -140,7 +140,8 @@ class Resources:
             if mem_mb is None:
                 raise MgpuError(f"--mem {self.mem!r}: use Slurm's <number>[K|M|G|T] per node, e.g. 64G")
             if mem_mb > MAX_MEM_MB:
-                raise MgpuError(f"--mem {self.mem!r}: more than 1024T per node; use Slurm's <number>[K|M|G|T], e.g. 64G")
+                raise MgpuError(f"--mem {self.mem!r}: more than 1024T per node; use Slurm's <number>[K|M|G|T], "
+                                "e.g. 64G")
         seconds = parse_slurm_time(self.time)
         if seconds < 60:
             raise MgpuError(f"--time {self.time!r}: Slurm's limit must be at least one minute")

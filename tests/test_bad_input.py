@@ -14,7 +14,7 @@ To add a case, append a `Case` to `CASES`: `argv` starts with the script (`submi
 directory, `Link(target)`: a symlink); `env` is added to a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 138, status 17, train 33 (188 in all); plus
+Cases by entry point (see `test_case_counts`): submit 139, status 17, train 33 (189 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -120,10 +120,12 @@ CASES: list[Case] = [
     _submit("gpus negative", "--gpus-per-node", "-1", expect="--gpus-per-node -1: must be >= 0"),
     _submit("gpus 10**20", "--gpus-per-node", str(10**20), expect="--gpus-per-node 100000000000000000000: at most 512"),
     _submit("tasks 0", "--gpus-per-node", "0", "--tasks-per-node", "0", expect="--tasks-per-node 0: must be >= 1"),
-    _submit("tasks huge", "--gpus-per-node", "0", "--tasks-per-node", "100000", expect="--tasks-per-node 100000: at most 512"),
+    _submit("tasks huge", "--gpus-per-node", "0", "--tasks-per-node", "100000",
+            expect="--tasks-per-node 100000: at most 512"),
     _submit("tasks vs gpus", "--gpus-per-node", "2", "--tasks-per-node", "3", expect="--tasks-per-node 3: with GPUs"),
     _submit("cpus 0", "--cpus-per-task", "0", expect="--cpus-per-task 0: must be in [1, 65535]"),
-    _submit("cpus 10**12", "--cpus-per-task", str(10**12), expect="--cpus-per-task 1000000000000: must be in [1, 65535]"),
+    _submit("cpus 10**12", "--cpus-per-task", str(10**12),
+            expect="--cpus-per-task 1000000000000: must be in [1, 65535]"),
     _submit("mem words", "--mem", "lots", expect="--mem 'lots': use Slurm's <number>[K|M|G|T]"),
     _submit("mem negative", "--mem=-1G", expect="--mem '-1G'"),
     _submit("mem 10**30 T", "--mem", f"{10**30}T", expect="--mem '1000000000000000000000000000000T'"),
@@ -133,7 +135,8 @@ CASES: list[Case] = [
     _submit("time 0", "--time", "0", expect="--time '0': Slurm's limit must be at least one minute"),
     _submit("time UNLIMITED", "--time", "UNLIMITED", expect="--time 'UNLIMITED': give a finite limit"),
     _submit("time infinite", "--time", "infinite", expect="--time 'infinite': give a finite limit"),
-    _submit("time 99999999999 days", "--time", "99999999999-00", expect="longer than Slurm's maximum, 35791393 minutes"),
+    _submit("time 99999999999 days", "--time", "99999999999-00",
+            expect="longer than Slurm's maximum, 35791393 minutes"),
     _submit("time one minute too long", "--time", "35791394", expect="--time '35791394': longer than Slurm's maximum"),
     _submit("time 5000 digits", "--time", "9" * 5000, expect="longer than Slurm's maximum"),
     _submit("time 1h", "--time", "1h", expect="--time '1h': not a Slurm time"),
@@ -161,7 +164,8 @@ CASES: list[Case] = [
     _submit("qos control character", "--qos", "q\x1b", expect="--qos"),
     _submit("constraint with ;", "--constraint", "a100;b", expect="--constraint 'a100;b': Slurm expects feature names"),
     _submit("constraint with quote", "--constraint", "a'b", expect="--constraint"),
-    _submit("exclude 10**11 hosts", "--exclude", "n[0-99999999999]", expect="--exclude 'n[0-99999999999]': too many hosts"),
+    _submit("exclude 10**11 hosts", "--exclude", "n[0-99999999999]",
+            expect="--exclude 'n[0-99999999999]': too many hosts"),
     _submit("exclude a million hosts", "--exclude", "a[1-1000]b[1-1000]", expect="more than 100000 hosts"),
     _submit("exclude unbalanced", "--exclude", "n[1-", expect="--exclude 'n[1-'"),
     _submit("exclude injects a line", "--exclude", "n1\ntouch {tmp}/pwned #", expect="--exclude 'n1\\ntouch"),
@@ -187,6 +191,9 @@ CASES: list[Case] = [
          expect="no '%' or '\\'"),
     Case("folder name too long", ["submit", "--dry-run", "--cluster", "slurm", "--config", "blob.yaml", "--folder",
                                   "x" * 300], expect="File name too long"),
+    Case("folder not writable", ["submit", "--dry-run", "--cluster", "slurm", "--config", "blob.yaml", "--folder",
+                                 "/proc/sys/mgpu-runs"],
+         expect="cannot create directories in /proc/sys (not writable)"),
     Case("folder in /proc", ["submit", "--dry-run", "--cluster", "slurm", "--config", "blob.yaml", "--folder",
                              "/proc/self/status/runs"], expect="is a file, not a directory"),
     # ------------------------------------------------------------------ submit: cluster and flags
@@ -204,33 +211,42 @@ CASES: list[Case] = [
     _submit_raw("debug: bad override", "--cluster", "debug", "--config", "blob.yaml", "--folder", "runs",
                 "train.epochs=0", expect="train.epochs: must be >= 1"),
     # ------------------------------------------------------------------ submit: config files
-    _submit_raw("config missing", "--dry-run", "--config", "nope.yaml", "--folder", "runs", expect="config file 'nope.yaml' not found"),
-    _submit_raw("config empty path", "--dry-run", "--config", "", "--folder", "runs", expect="config file '.' cannot be read"),
+    _submit_raw("config missing", "--dry-run", "--config", "nope.yaml", "--folder", "runs",
+                expect="config file 'nope.yaml' not found"),
+    _submit_raw("config empty path", "--dry-run", "--config", "", "--folder", "runs",
+                expect="config file '.' cannot be read"),
     _submit_raw("config is a directory", "--dry-run", "--config", "d", "--folder", "runs", files={"d": None},
                 expect="config file 'd' cannot be read"),
     _submit_raw("config binary", "--dry-run", "--config", "b.png", "--folder", "runs",
-                files={"b.png": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"}, expect="config file 'b.png' cannot be read"),
-    _submit_raw("config NUL byte", "--dry-run", "--config", "n.yaml", "--folder", "runs", files={"n.yaml": "train:\x00\n"},
+                files={"b.png": b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"},
+                expect="config file 'b.png' cannot be read"),
+    _submit_raw("config NUL byte", "--dry-run", "--config", "n.yaml", "--folder", "runs",
+                files={"n.yaml": "train:\x00\n"},
                 expect="n.yaml: invalid YAML"),
     _submit_raw("config 2 MiB", "--dry-run", "--config", "big.yaml", "--folder", "runs",
                 files={"big.yaml": "task:\n  args:\n    x: '" + "x" * (2 << 20) + "'\n"}, expect="larger than 1 MiB"),
-    _submit_raw("config /dev/zero", "--dry-run", "--config", "/dev/zero", "--folder", "runs", expect="larger than 1 MiB"),
+    _submit_raw("config /dev/zero", "--dry-run", "--config", "/dev/zero", "--folder", "runs",
+                expect="larger than 1 MiB"),
     _submit_raw("config /proc/self/mem", "--dry-run", "--config", "/proc/self/mem", "--folder", "runs",
                 expect="config file '/proc/self/mem' cannot be read"),
-    _submit_raw("config billion laughs", "--dry-run", "--config", "l.yaml", "--folder", "runs", files={"l.yaml": LAUGHS},
+    _submit_raw("config billion laughs", "--dry-run", "--config", "l.yaml", "--folder", "runs",
+                files={"l.yaml": LAUGHS},
                 expect="l.yaml: more than 100000 values"),
     _submit_raw("config refers to itself", "--dry-run", "--config", "s.yaml", "--folder", "runs",
                 files={"s.yaml": "task:\n  args:\n    a: &a [*a]\n"}, expect="refers to itself"),
     _submit_raw("config nested 5000 deep", "--dry-run", "--config", "d.yaml", "--folder", "runs",
-                files={"d.yaml": "task:\n  args:\n    x: " + "[" * 5000 + "]" * 5000 + "\n"}, expect="nested too deeply"),
+                files={"d.yaml": "task:\n  args:\n    x: " + "[" * 5000 + "]" * 5000 + "\n"},
+                expect="nested too deeply"),
     _submit_raw("config a list", "--dry-run", "--config", "l.yaml", "--folder", "runs", files={"l.yaml": "- a\n- b\n"},
                 expect="the top level must be a mapping of sections"),
-    _submit_raw("config bad YAML", "--dry-run", "--config", "y.yaml", "--folder", "runs", files={"y.yaml": "train: [1\n"},
+    _submit_raw("config bad YAML", "--dry-run", "--config", "y.yaml", "--folder", "runs",
+                files={"y.yaml": "train: [1\n"},
                 expect="y.yaml:2: invalid YAML"),
     _submit_raw("config duplicate key", "--dry-run", "--config", "y.yaml", "--folder", "runs",
                 files={"y.yaml": "train: {}\ntrain: {}\n"}, expect="duplicate key 'train'"),
     _submit_raw("config python tag", "--dry-run", "--config", "y.yaml", "--folder", "runs",
-                files={"y.yaml": "run: !!python/object/apply:os.system ['touch pwned']\n"}, expect="y.yaml:1: invalid YAML"),
+                files={"y.yaml": "run: !!python/object/apply:os.system ['touch pwned']\n"},
+                expect="y.yaml:1: invalid YAML"),
     _submit_raw("config bad date", "--dry-run", "--config", "y.yaml", "--folder", "runs",
                 files={"y.yaml": "run: {name: 2024-13-01}\n"}, expect="invalid YAML value: month must be in 1..12"),
     _submit_raw("config path with a newline", "--dry-run", "--config", "a\nb.yaml", "--folder", "runs",
@@ -255,7 +271,8 @@ CASES: list[Case] = [
     _submit("override run.name slash", "run.name=a/b", expect="run.name: must be a directory name"),
     _submit("override run.name ..", "run.name=..", expect="not starting with '.' or '-'"),
     _submit("override run.name dash", "run.name=-rf", expect="run.name: must be a directory name"),
-    _submit("override run.name newline", 'run.name="x\\ntouch {tmp}/pwned #"', expect="run.name: must be a directory name"),
+    _submit("override run.name newline", 'run.name="x\\ntouch {tmp}/pwned #"',
+            expect="run.name: must be a directory name"),
     _submit("override run.name space", "run.name=a b", expect="run.name: must be a directory name"),
     _submit("override run.name 201 chars", "run.name=" + "x" * 201, expect="1-200 characters"),
     _submit("override run.root newline", 'run.root="/tmp/a\\nb"', expect="run.root: must be one line"),
@@ -266,7 +283,8 @@ CASES: list[Case] = [
     _submit("override key not UTF-8", b"tr\xffain.epochs=1", expect="unknown section"),
     _submit("override no key", "=3", expect="override '=3': expected dotted.key=value"),
     _submit("override unknown section", "trian.epochs=3", expect="trian: unknown section (did you mean 'train'?)"),
-    _submit("override task module missing", "task.target=no_such_pkg.mod:Task", expect="no module named 'no_such_pkg.mod'"),
+    _submit("override task module missing", "task.target=no_such_pkg.mod:Task",
+            expect="no module named 'no_such_pkg.mod'"),
     _submit("override task class missing", "task.target=tests.tasks:NoSuchTask", expect="defines no 'NoSuchTask'"),
     _submit("override task path-like", "task.target=../evil:X", expect="task.target: must look like"),
     _submit("override 5000 deep", "task.args.x=" + "[" * 5000, expect="nested too deeply"),
@@ -284,8 +302,10 @@ CASES: list[Case] = [
     _submit("sweep key twice", "--sweep", "optim.lr=1,2", "--sweep", "optim.lr=3", expect="optim.lr is swept twice"),
     _submit("sweep the signal", "--sweep", "preemption.signal=USR2,XCPU", expect="--sweep preemption.signal"),
     _submit("sweep with run.dir", "run.dir=/x", "--sweep", "optim.lr=1,2", expect="run.dir='/x': a sweep needs one"),
-    _submit("sweep bad value", "--sweep", "optim.lr=0.1,-1", expect="--sweep task 1 (optim.lr=-1): optim.lr: must be > 0"),
-    _submit("sweep unknown key", "--sweep", "optim.lrr=1,2", expect="optim.lrr: unknown key (did you mean 'optim.lr'?)"),
+    _submit("sweep bad value", "--sweep", "optim.lr=0.1,-1",
+            expect="--sweep task 1 (optim.lr=-1): optim.lr: must be > 0"),
+    _submit("sweep unknown key", "--sweep", "optim.lrr=1,2",
+            expect="optim.lrr: unknown key (did you mean 'optim.lr'?)"),
     _submit("sweep control character", "--sweep", "task.args.x=a,'b\n\nc'", expect="--sweep"),
     _submit("sweep run.name escapes", "--sweep", "run.name=a,../b", expect="run.name: must be a directory name"),
     # ------------------------------------------------------------------ status: targets and ledgers
@@ -310,7 +330,8 @@ CASES: list[Case] = [
     Case("status ledger is a directory", ["status", "runs/blob-5"], files={"runs/blob-5/events.jsonl": None},
          expect="events.jsonl: cannot read the ledger: Is a directory"),
     Case("status ledger unreadable", ["status", "runs/blob-5"],
-         files={"runs/blob-5/events.jsonl": Link("/proc/self/mem")}, expect="cannot read the ledger: Input/output error"),
+         files={"runs/blob-5/events.jsonl": Link("/proc/self/mem")},
+                                                 expect="cannot read the ledger: Input/output error"),
     Case("status ledger too big", ["status", "runs/blob-5"], files={"runs/blob-5/events.jsonl": Link("/dev/zero")},
          expect="events.jsonl: larger than 256 MiB"),
     Case("status glob characters", ["status", "[", "--folder", "runs"], files={"runs": None},
@@ -331,7 +352,8 @@ CASES: list[Case] = [
     _train("train run.dir newline", 'run.dir="a\\nb"', expect="run.dir: must be one line"),
     _train("train timeout 1e300", "distributed.init_timeout_s=1e300", expect="distributed.init_timeout_s: must be in"),
     _train("train 10**30 batch", f"data.batch_size={10**30}", expect="data.batch_size: must fit in 64 bits"),
-    _train("train billion laughs", "--config", "{tmp}/l.yaml", expect="more than 100000 values", files={"l.yaml": LAUGHS}),
+    _train("train billion laughs", "--config", "{tmp}/l.yaml",
+           expect="more than 100000 values", files={"l.yaml": LAUGHS}),
     # ------------------------------------------------------------------ train: garbage in the launcher's variables
     # (mgpu/environment.py and mgpu/job.py decide these; each imports torch first, hence few.)
     _env("env MGPU_MAX_REQUEUES text", {"MGPU_MAX_REQUEUES": "ten"}, "MGPU_MAX_REQUEUES='ten' is not an integer"),
@@ -362,7 +384,8 @@ CASES: list[Case] = [
 
 # Ledgers with malformed lines: status shows the rest, exit 0, one note on stderr naming the lines.
 ODD_LEDGERS: dict[str, tuple[bytes, str]] = {
-    "not objects": (b'[1]\n"x"\n3\nnull\n{"time": 1, "event": "started"}\n', "skipped 4 malformed line(s) (line 1, 2, 3, 4)"),
+    "not objects": (b'[1]\n"x"\n3\nnull\n{"time": 1, "event": "started"}\n',
+                    "skipped 4 malformed line(s) (line 1, 2, 3, 4)"),
     "missing fields": (b'{"event": "started"}\n{"time": 1}\n{"time": 2, "event": "started"}\n', "(line 1, 2)"),
     "wrong types": (b'{"time": "1", "event": "x"}\n{"time": true, "event": "x"}\n{"time": 1, "event": 5}\n'
                     b'{"time": NaN, "event": "x"}\n{"time": 1e999, "event": "x"}\n', "skipped 5 malformed line(s)"),
@@ -474,11 +497,12 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 138, "status": 17, "train": 33}, counts
+    assert counts == {"submit": 139, "status": 17, "train": 33}, counts
 
 
-@pytest.mark.parametrize("case", [pytest.param(case, id=case.id, marks=[pytest.mark.xfail(reason=case.xfail, strict=True)]
-                                               if case.xfail else []) for case in CASES])
+@pytest.mark.parametrize("case", [
+    pytest.param(case, id=case.id, marks=[pytest.mark.xfail(reason=case.xfail, strict=True)] if case.xfail else [])
+    for case in CASES])
 def test_bad_input(case: Case, outcomes: dict[str, Outcome]) -> None:
     result = outcomes[case.id]
     prog = _prog(case)
@@ -503,7 +527,8 @@ def test_status_skips_malformed_ledger_lines(name: str, tmp_path: Path) -> None:
     assert result.returncode == 0 and "Traceback" not in result.stdout + result.stderr, where
     assert result.stdout.startswith("run         runs/blob-5\n"), where
     lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("status: note: runs/blob-5/events.jsonl: skipped ") and note in lines[0]
+    assert len(lines) == 1 and note in lines[0], where
+    assert lines[0].startswith("status: note: runs/blob-5/events.jsonl: skipped "), where
     assert result.changed == []
 
 
