@@ -155,12 +155,15 @@ class Resources:
             raise MgpuError(f"--max-requeues {self.max_requeues}: must be >= 0")
         if f"SIG{self.requeue_signal}" not in signal.Signals.__members__:
             raise MgpuError(f"preemption.signal {self.requeue_signal!r}: not a signal name (e.g. USR2)")
-        for flag, value, pattern in (("--partition", self.partition, _SLURM_NAMES), ("--account", self.account,
-                                     _SLURM_NAMES), ("--qos", self.qos, _SLURM_NAMES),
+        for flag, value, pattern in (("--partition", self.partition, _SLURM_NAMES),
+                                     ("--account", self.account, _SLURM_NAMES),
+                                     ("--qos", self.qos, _SLURM_NAMES),
                                      ("--constraint", self.constraint, _CONSTRAINT)):
-            if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+            if value is None:
+                continue
+            if not value.strip() or any(c.isspace() for c in value):
                 raise MgpuError(f"{flag} {value!r}: must be a non-empty word without spaces")
-            if value is not None and not pattern.fullmatch(value):
+            if not pattern.fullmatch(value):
                 allowed = "letters, digits and _ . + @ : - (a comma-separated list)" if pattern is _SLURM_NAMES \
                     else "feature names joined by & | , * [ ] ( ) ! (e.g. 'a100&ib')"
                 raise MgpuError(f"{flag} {value!r}: Slurm expects {allowed}")
@@ -266,7 +269,7 @@ def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
         key, sep, text = item.partition("=")
         key = key.strip()
         values = _split_values(text)
-        if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key, re.ASCII) or not all(values):
+        if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key) or not all(values):
             raise MgpuError(f"--sweep {item!r}: expected dotted.key=v1,v2,... (e.g. optim.lr=1e-3,3e-4)")
         _check_line("--sweep", item)
         if any(key == seen for seen, _ in parsed):
