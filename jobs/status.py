@@ -4,8 +4,9 @@
     python jobs/status.py 12345                # a Slurm job id: the runs under runs/ that job trained
                                                # (an array id: every task's run)
 
-Reads `<run dir>/events.jsonl` (see mgpu/ledger.py) and asks squeue/sacct where they exist.
-Exit codes: 0 shown, 2 no such run.
+Reads `<run dir>/events.jsonl` (see mgpu/ledger.py) and asks squeue/sacct where they exist; ledger
+lines that are not well-formed events are skipped with a note on stderr.
+Exit codes: 0 shown, 2 no such run (or bad arguments, or an unreadable ledger).
 """
 
 from __future__ import annotations
@@ -17,17 +18,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mgpu.config import control_problem  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 from mgpu.ledger import read_ledger  # noqa: E402
 
 __all__ = ["describe", "find_run_dirs", "progress_line", "scheduler_state", "summarize"]
 
-_SLURM_ID = re.compile(r"^\d+(_\d+)?$")
+_SLURM_ID = re.compile(r"\d+(_\d+)?\Z")  # \Z, not $: "123\n" is no job id
+PROG = "status"
 
 
 def _job_ids(run_dir: Path) -> set[str]:
@@ -56,6 +59,11 @@ def find_run_dirs(arg: str, folder: str | Path = "runs") -> list[Path]:
     return [run_dir for _, run_dir in sorted(found, key=lambda item: (item[0], str(item[1])))]
 
 
+def _int(value: Any) -> int:
+    """A ledger field read as a count: 0 for anything that is not an int (a malformed line)."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
 def _age(seconds: float) -> str:
     seconds = max(0, int(seconds))
     if seconds < 60:
@@ -71,7 +79,7 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
     if not events:
         return {"state": "not started", "events": 0}
     last = events[-1]
-    restart = max(int(e.get("restart") or 0) for e in events)
+    restart = max(_int(e.get("restart")) for e in events)
     summary: dict[str, Any] = {
         "events": len(events), "job_id": last.get("job_id"), "restart": restart,
         "requeues": sum(e["event"] == "requeued" for e in events),
@@ -101,10 +109,10 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         summary["checkpoint"] = {"step": saves[-1].get("step"), "age_s": now - saves[-1]["time"],
                                  "reason": saves[-1].get("reason"), "path": saves[-1].get("path")}
     # Throughput over the current run (since the last start/resume): steps between two ledger events.
-    current = [e for e in events if int(e.get("restart") or 0) == restart]
+    current = [e for e in events if _int(e.get("restart")) == restart]
     start = next((e for e in reversed(current) if e["event"] in ("started", "resumed")), None)
     if start is not None and stepped:
-        begin_step = start.get("step", 0) if start["event"] == "resumed" else 0
+        begin_step = _int(start.get("step")) if start["event"] == "resumed" else 0
         end = stepped[-1]
         if end["time"] > start["time"] and end["step"] > begin_step:
             summary["steps_per_s"] = (end["step"] - begin_step) / (end["time"] - start["time"])
@@ -174,18 +182,50 @@ def describe(run_dir: Path, now: float | None = None) -> list[str]:
     return lines
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other input error
+        exit_with(MgpuError(message), PROG)
+
+
+def _check_target(target: str, folder: str) -> None:
+    """MgpuError for a target find_run_dirs cannot look up: empty, a control character, a path that is not
+    a directory (a glob with '/' in it would raise), or a --folder that is not a directory."""
+    for flag, value in (("RUN_DIR_OR_JOB_ID", target), ("--folder", folder)):
+        if not value:
+            raise MgpuError(f"{flag} '': give a run directory or a job id")
+        if problem := control_problem(value):
+            raise MgpuError(f"{flag} {value!r}: {problem}")
+    if Path(target).is_dir():
+        return
+    if "/" in target or target in (".", ".."):
+        raise MgpuError(f"{target!r}: no such run directory (or pass a job id and --folder)")
+    if not Path(folder).is_dir():
+        raise MgpuError(f"--folder {folder!r}: no such directory (pass --folder, the run root the job was "
+                        "submitted with)")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="jobs/status.py", description=__doc__.splitlines()[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("target", metavar="RUN_DIR_OR_JOB_ID")
     parser.add_argument("--folder", default="runs", help="root of the run directories (default: runs)")
     args = parser.parse_args(argv)
     try:
+        _check_target(args.target, args.folder)
         run_dirs = find_run_dirs(args.target, args.folder)
+        shown = []
+        for run_dir in run_dirs:
+            skipped: list[int] = []
+            read_ledger(run_dir / "events.jsonl", skipped)  # for the note; describe() reads it itself
+            shown.append((run_dir, describe(run_dir), skipped))
     except MgpuError as error:
-        exit_with(error, "status")
-    for i, run_dir in enumerate(run_dirs):
-        print(("\n" if i else "") + "\n".join(describe(run_dir)))
+        exit_with(error, PROG)
+    for i, (run_dir, lines, skipped) in enumerate(shown):
+        print(("\n" if i else "") + "\n".join(lines))
+        if skipped:
+            listed = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
+            print(f"{PROG}: note: {run_dir / 'events.jsonl'}: skipped {len(skipped)} malformed line(s) "
+                  f"(line {listed})", file=sys.stderr)
     return 0
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import itertools
+import math
 import os
 import re
 import shlex
@@ -85,7 +87,7 @@ def _resources(args: argparse.Namespace, sub: Submission) -> Resources:
     return Resources(nodes=args.nodes, gpus_per_node=args.gpus_per_node, tasks_per_node=args.tasks_per_node,
                      cpus_per_task=args.cpus_per_task, mem=args.mem, time=args.time, partition=args.partition,
                      account=args.account, qos=args.qos, constraint=args.constraint, exclude=args.exclude,
-                     job_name=args.job_name or sub.name, signal_lead_s=args.signal_lead,
+                     job_name=sub.name if args.job_name is None else args.job_name, signal_lead_s=args.signal_lead,
                      max_requeues=args.max_requeues, max_failures=args.max_failures,
                      requeue_signal=cfg.preemption.signal)
 
@@ -105,6 +107,8 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
         cluster = "slurm" if shutil.which("sbatch") else "local"
     if args.max_parallel < 1:
         raise MgpuError(f"--max-parallel {args.max_parallel}: must be >= 1")
+    if not (math.isfinite(args.poll_interval) and args.poll_interval > 0):
+        raise MgpuError(f"--poll-interval {args.poll_interval}: must be a positive number of seconds")
     sub = build_submission(args.config, args.overrides, args.sweep, args.folder)
     if args.new_run:
         if sub.configs[0].run.dir:
@@ -192,7 +196,17 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, res
         executor = submitit.SlurmExecutor(folder, max_num_timeout=max_num_timeout)
         executor.update_parameters(**slurm_parameters(res, max_parallel, [run_dir_for(c) for c in sub.configs],
                                                       resume))
-        return list(executor.submit_array(fns))
+        said = io.StringIO()  # submitit prints sbatch's complaint itself: keep it for our one line
+        try:
+            with contextlib.redirect_stderr(said):
+                jobs = list(executor.submit_array(fns))
+        except submitit.core.utils.FailedJobError as error:
+            why = "; ".join(line.strip().removeprefix("sbatch: error: ") for line in str(error).splitlines()
+                            if line.strip()) or "no reason given"
+            raise MgpuError(f"sbatch refused the job: {why}; nothing submitted (check --partition, --account, "
+                            "--qos and the resources)") from None
+        print(said.getvalue(), end="", file=sys.stderr)
+        return jobs
     if cluster == "debug":
         debug = submitit.DebugExecutor(folder)
         return [debug.submit(fn) for fn in fns]
@@ -294,7 +308,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             job = submit(cluster, single, res, args.max_parallel, resume)[0]
             ok = _run_here(job, _print_job(job, cfg, cluster), cluster, min(args.poll_interval, 2.0)) and ok
         return 0 if ok else 1
-    jobs = submit(cluster, sub, res, args.max_parallel, resume)
+    try:
+        jobs = submit(cluster, sub, res, args.max_parallel, resume)
+    except MgpuError as error:
+        exit_with(error, PROG)
     run_dirs = [_print_job(job, cfg, cluster) for job, cfg in zip(jobs, sub.configs)]
     if len(jobs) > 1:
         array_id = str(jobs[0].job_id).split("_")[0]
@@ -302,7 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"python jobs/status.py {array_id} --folder {sub.configs[0].run.root}   (or: squeue -j {array_id})")
     print(f"to resume later (the same run): {resume}", flush=True)
     if args.wait:
-        return 0 if follow(jobs, run_dirs, cluster, args.poll_interval) else 1
+        try:
+            return 0 if follow(jobs, run_dirs, cluster, args.poll_interval) else 1
+        except MgpuError as error:  # e.g. a ledger that cannot be read; the jobs run on regardless
+            exit_with(error, PROG)
     return 0
 
 

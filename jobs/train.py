@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -21,16 +22,26 @@ from mgpu.config import load_config  # noqa: E402  (no torch: validation is fast
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 
 STOPPED_EXIT_CODE = 3
+PROG = "train"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other input error
+        exit_with(MgpuError(message), PROG)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(prog="jobs/train.py", description=__doc__.splitlines()[0],
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", help="YAML config (default: the built-in defaults, the MNIST-style example)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.epochs=3")
     parser.add_argument("--stop-at-step", type=int, metavar="K",
                         help="testing: stop after step K as if preempted (checkpoint, exit code 3)")
-    return parser.parse_args(argv)
+    # intermixed, as jobs/submit.py: `--config X a=1 --stop-at-step 3 b=2` keeps both overrides
+    args = parser.parse_intermixed_args(argv)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        parser.error(f"--stop-at-step {args.stop_at_step}: must be >= 1 (a step number)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 
         run_job(cfg, config_path=args.config, stop_at_step=args.stop_at_step)
     except MgpuError as error:
-        exit_with(error, "train")
+        exit_with(error, PROG)
     except JobStopped as stopped:
         print(f"train: {stopped}", file=sys.stderr, flush=True)
         return STOPPED_EXIT_CODE

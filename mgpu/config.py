@@ -27,13 +27,14 @@ from mgpu.config_schema import (SAFE_TO_CHANGE, CheckpointConfig, Config, DataCo
                                 EvalConfig, LogConfig, OptimConfig, PreemptionConfig, RunConfig, ScheduleConfig,
                                 TaskConfig, TrainConfig)
 from mgpu.errors import MgpuError
-from mgpu.fsutil import write_atomic
+from mgpu.fsutil import read_bounded, write_atomic
 
 __all__ = [
-    "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig", "DistributedConfig",
-    "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig",
-    "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
-    "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config", "save_config",
+    "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
+    "DistributedConfig", "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig",
+    "TaskConfig", "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
+    "control_problem", "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config",
+    "save_config",
 ]
 
 
@@ -103,6 +104,33 @@ def _between(low: float, high: float, high_ok: bool) -> Callable[[Any], str | No
     return lambda v: None if low <= v <= high and (high_ok or v < high) else f"must be in [{low}, {high}{bracket}"
 
 
+# Control characters (C0, DEL, C1), Unicode line/paragraph separators and lone surrogates (undecodable
+# argv bytes): a newline in a value that reaches a shell or #SBATCH line ends that line.
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+# A directory name: not '.', '..' or hidden, no option-like leading '-', no separator, whitespace or control.
+_RUN_NAME = re.compile(r"(?![.-])[^\s/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]{1,200}")
+MAX_INIT_TIMEOUT_S = 7 * 24 * 3600
+MAX_CONFIG_BYTES = 1 << 20
+MAX_CONFIG_VALUES = 100_000
+_INT64 = 1 << 63
+
+
+def control_problem(value: str) -> str | None:
+    """What is wrong with `value` on one shell or #SBATCH line ('contains a newline', ...), or None."""
+    found = CONTROL.search(value)
+    if found is None:
+        return None
+    char = found.group()
+    if "\ud800" <= char <= "\udfff":
+        return "contains a byte that is not UTF-8"
+    return "contains a newline" if char in "\n\r\u2028\u2029" else f"contains a control character ({char!r})"
+
+
+def _path_rule(v: str) -> str | None:
+    problem = control_problem(v)
+    return f"must be one line without control characters ({problem})" if problem else None
+
+
 _RULES: dict[str, Callable[[Any], str | None]] = {
     "task.target": lambda v: None if _TARGET.fullmatch(v) else "must look like 'package.module:ClassName'",
     "data.batch_size": _ge(1), "data.eval_batch_size": _ge(1), "data.num_workers": _ge(0),
@@ -113,8 +141,14 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "train.seed": _between(0, 2**32, False), "eval.every_steps": _ge(0), "eval.early_stopping_patience": _ge(1),
     "eval.min_delta": _ge(0), "eval.metric": lambda v: None if v else "must not be empty",
     "checkpoint.every_steps": _ge(0), "checkpoint.keep_last": _ge(1), "log.every_steps": _ge(0),
-    "run.name": lambda v: None if v else "must not be empty", "run.root": lambda v: None if v else "must not be empty",
-    "distributed.init_timeout_s": _gt(0), "preemption.check_every_steps": _ge(1),
+    "run.name": lambda v: None if _RUN_NAME.fullmatch(v) else (
+        "must be a directory name: 1-200 characters, no '/', '\\', whitespace or control characters, "
+        "not starting with '.' or '-'"),
+    "run.root": lambda v: _path_rule(v) if v else "must not be empty", "run.dir": _path_rule,
+    # timedelta overflows near 1e14 s; no rendezvous should wait longer than a week
+    "distributed.init_timeout_s": lambda v: None if 0 < v <= MAX_INIT_TIMEOUT_S else (
+        f"must be in (0, {MAX_INIT_TIMEOUT_S}]"),
+    "preemption.check_every_steps": _ge(1),
 }
 
 
@@ -218,6 +252,8 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
                 raise _unknown(str(key), name)
             path = f"{name}.{key}"
             value = _coerce(path, hints[key], value)
+            if isinstance(value, int) and not isinstance(value, bool) and not -_INT64 <= value < _INT64:
+                raise ConfigError(f"{path}: must fit in 64 bits (|value| < 2**63), got {value}")
             if path == "preemption.signal":
                 value = _signal_name(value)
             problem = _RULES[path](value) if path in _RULES and value is not None else None
@@ -233,15 +269,44 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
+def _check_size(data: Any, where: str) -> None:
+    """ConfigError if `data` holds more than MAX_CONFIG_VALUES values with its aliases expanded (as
+    `dataclasses.asdict` and every dump expand them: a 'billion laughs' would hang there), or refers to itself."""
+    count, stack = 0, [data]
+    while stack:
+        node = stack.pop()
+        count += 1
+        if count > MAX_CONFIG_VALUES:
+            raise ConfigError(f"{where}: more than {MAX_CONFIG_VALUES} values (aliases expanded, or one refers "
+                              f"to itself); a config holds settings, not data")
+        if isinstance(node, dict):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+
+
 def _parse_yaml(text: str, where: str, lines: bool = True) -> Any:
     try:
-        return yaml.load(text, Loader=_Loader)
+        data = yaml.load(text, Loader=_Loader)
     except yaml.MarkedYAMLError as error:
         mark = error.problem_mark or error.context_mark
         line = f":{mark.line + 1}" if mark is not None and lines else ""
         raise ConfigError(" ".join(f"{where}{line}: invalid YAML: {error.problem or error.context}".split())) from None
     except yaml.YAMLError as error:
         raise ConfigError(" ".join(f"{where}: invalid YAML: {error}".split())) from None
+    except RecursionError:  # PyYAML's composer recurses once per nesting level
+        raise ConfigError(f"{where}: invalid YAML: nested too deeply") from None
+    except ValueError as error:  # an integer of more than 4300 digits, a date like 2024-13-01
+        reason = str(error).split(";")[0]  # not Python's advice to raise its digit limit
+        raise ConfigError(" ".join(f"{where}: invalid YAML value: {reason}".split())) from None
+    _check_size(data, where)
+    return data
+
+
+def _shown(text: str, limit: int = 80) -> str:
+    """`repr(text)`, cut to about `limit` characters: an error line stays readable."""
+    return repr(text) if len(text) <= limit else repr(text[:limit - 3]) + "..."
 
 
 def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -251,15 +316,16 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
         key, sep, text = item.partition("=")
         parts = key.strip().split(".")
         if not sep or not all(parts):
-            raise ConfigError(f"override {item!r}: expected dotted.key=value, e.g. train.epochs=3 or optim.lr=3e-4")
-        value = _parse_yaml(text, f"override {item!r}", lines=False)
+            raise ConfigError(f"override {_shown(item)}: expected dotted.key=value, e.g. train.epochs=3 or "
+                              "optim.lr=3e-4")
+        value = _parse_yaml(text, f"override {_shown(item)}", lines=False)
         node = result
         for depth, part in enumerate(parts[:-1]):
             child = node.get(part)
             if child is None:
                 child = node[part] = {}
             elif not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: {'.'.join(parts[:depth + 1])} is a value, not a section")
+                raise ConfigError(f"override {_shown(item)}: {'.'.join(parts[:depth + 1])} is a value, not a section")
             node = child
         node[parts[-1]] = value
     return result
@@ -269,9 +335,17 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Confi
     """The Config in the YAML file at `path` (None: the defaults) with `overrides` applied."""
     data: Any = {}
     if path is not None:
+        if problem := control_problem(str(path)):
+            raise ConfigError(f"config file {str(path)!r}: the path {problem}; rename the file")
         path = Path(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            raw, is_pipe = read_bounded(path, MAX_CONFIG_BYTES)
+            if len(raw) > MAX_CONFIG_BYTES:
+                raise ConfigError(f"config file '{path}': larger than {MAX_CONFIG_BYTES >> 20} MiB; a config "
+                                  f"holds settings, pass data by path (e.g. in task.args)")
+            if is_pipe and not raw:
+                raise ConfigError(f"config file '{path}': a pipe with nothing to read (no writer); give a file")
+            text = raw.decode("utf-8")
         except FileNotFoundError:
             where = "" if path.is_absolute() else f" (looked for {path.absolute()})"
             raise ConfigError(f"config file '{path}' not found{where}") from None

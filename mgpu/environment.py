@@ -332,7 +332,10 @@ class TorchElasticEnvironment(ClusterEnvironment):
         slurm_nodes = _first(environ, SlurmEnvironment.NODELIST)
         if slurm_nodes is not None:
             # Slurm's hosts are torchrun's nodes only when there are as many (not with two agents on a host).
-            hosts = tuple(expand_hostlist(slurm_nodes[1]))
+            try:
+                hosts = tuple(expand_hostlist(slurm_nodes[1]))
+            except HostlistError as error:
+                raise MgpuError(f"{slurm_nodes[0]}: {error}") from None
             nodes = hosts if len(hosts) == num_nodes else ()
         elif num_nodes == 1:
             nodes = (socket.gethostname(),)

@@ -1,13 +1,15 @@
-"""Durable file writes: fsync a file or directory, and replace a file atomically. No torch."""
+"""Durable file writes: fsync a file or directory, and replace a file atomically; a bounded read that
+never waits on a pipe nobody writes to. No torch."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import tempfile
 from pathlib import Path
 
-__all__ = ["fsync_path", "write_atomic", "write_durably"]
+__all__ = ["fsync_path", "read_bounded", "write_atomic", "write_durably"]
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:
@@ -42,3 +44,19 @@ def write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
         raise
     with contextlib.suppress(OSError):  # persist the rename itself
         fsync_path(path.parent, directory=True)
+
+
+def read_bounded(path: Path, limit: int) -> tuple[bytes, bool]:
+    """At most `limit` + 1 bytes of `path` (more than `limit`: too big), and whether it is a pipe.
+
+    Opened without blocking, so a named pipe with no writer reads as empty instead of hanging in open()
+    (a pipe with a writer, e.g. bash's `<(...)`, reads normally); /dev/zero stops at the limit.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        is_pipe = stat.S_ISFIFO(os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", closefd=False) as file:
+            return file.read(limit + 1), is_pipe
+    finally:
+        os.close(fd)

@@ -69,15 +69,16 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     # neither an early signal nor a late one reaches the default action or submitit's handler (which
     # would checkpoint inside the handler and requeue a second time).
     stop = StopRequest(cfg.preemption.signal).install()
-    from mgpu.ledger import Ledger, read_ledger
+    from mgpu.ledger import read_ledger
     from mgpu.recovery import Limits, failure_requeues, handle_failure
+
+    limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
     from mgpu.requeue import Budget, decide, requeue
     from mgpu.rundir import RunDir
     from mgpu.runner import run_training
     from mgpu.slurm_job import owns_slurm_job
 
     env = env or detect_environment()
-    limits = Limits.from_environ()
     run = RunDir.of(cfg.run)
     job_id = env.job_id if owns_slurm_job() else None
     failures = failure_requeues(read_ledger(run.ledger), job_id) if job_id else 0

@@ -23,12 +23,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Ledger", "read_ledger"]
+from mgpu.errors import MgpuError
+from mgpu.fsutil import read_bounded
+
+__all__ = ["MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
+
+MAX_LEDGER_BYTES = 256 << 20  # a few hundred bytes an event: a million events
 
 log = logging.getLogger("mgpu.ledger")
 
@@ -62,14 +68,39 @@ class Ledger:
                 log.warning("ledger %s: cannot append (%s); events are lost until it can", self.path, error.strerror)
 
 
-def read_ledger(path: Path) -> list[dict[str, Any]]:
-    """All events of a ledger; a torn last line (a killed writer) is ignored."""
-    if not path.exists():
+def _well_formed(event: Any) -> bool:
+    """An object with a finite numeric `time` and a string `event`: what every reader may rely on."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    when = event.get("time")
+    return isinstance(when, (int, float)) and not isinstance(when, bool) and math.isfinite(when)
+
+
+def read_ledger(path: Path, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The well-formed events of a ledger, oldest first; a missing ledger has none.
+
+    Anything else is left out: a torn last line (a killed writer), and lines that are not JSON objects
+    with a finite numeric `time` and a string `event` (their 1-based numbers are appended to `skipped`).
+    MgpuError in one line when the file exists but cannot be read (a directory, no permission).
+    """
+    try:
+        raw, _ = read_bounded(path, MAX_LEDGER_BYTES)
+    except FileNotFoundError:
         return []
+    except OSError as error:
+        raise MgpuError(f"{path}: cannot read the ledger: {error.strerror or error}") from None
+    if len(raw) > MAX_LEDGER_BYTES:
+        raise MgpuError(f"{path}: larger than {MAX_LEDGER_BYTES >> 20} MiB, no ledger of a run; is it the right file?")
+    text = raw.decode("utf-8", errors="replace")
     events = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+            event = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
+            event = None
+        if _well_formed(event):
+            events.append(event)
+        elif skipped is not None and line.strip() and not (number == len(lines) and not text.endswith("\n")):
+            skipped.append(number)
     return events

@@ -12,6 +12,7 @@ import ast
 import importlib.util
 import itertools
 import math
+import os
 import re
 import shlex
 import signal
@@ -20,34 +21,77 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mgpu.config import Config, ConfigError, check_resume_compatible, config_to_dict, load_config
+from mgpu.config import Config, ConfigError, check_resume_compatible, config_to_dict, control_problem, load_config
 from mgpu.errors import MgpuError
-from mgpu.hostlist import HostlistError, expand_hostlist
+from mgpu.hostlist import MAX_HOSTS, HostlistError, expand_hostlist
 from mgpu.rundir import RunDir
 
 __all__ = [
-    "MAX_ARRAY_SIZE", "Resources", "Submission", "build_submission", "check_resumable", "check_task_target",
-    "expand_sweep", "parse_slurm_time", "parse_sweep", "run_dir_for", "sbatch_script", "setup_lines",
-    "slurm_parameters", "submitit_command", "submitit_folder", "teardown_lines",
+    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_resumable",
+    "check_run_root", "check_task_target", "expand_sweep", "parse_slurm_time", "parse_sweep", "run_dir_for",
+    "sbatch_script", "setup_lines", "slurm_parameters", "submitit_command", "submitit_folder", "teardown_lines",
 ]
 
 MAX_ARRAY_SIZE = 1000  # below Slurm's default MaxArraySize (1001)
-_TIME = re.compile(r"^(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
-                   r"|(?P<h>\d+):(?P<hm>\d+):(?P<hs>\d+)|(?P<m>\d+)(?::(?P<ms>\d+))?)$")
-_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
+MAX_TIME_MIN = 35_791_393
+"""The longest `--time` Slurm (22.05) stores, in minutes (24855-03:13:00, just under 2**31 seconds):
+measured on the test cluster, a longer limit wraps around to a wrong one without an error."""
+MAX_TASKS_PER_NODE = 512  # Slurm's default MaxTasksPerNode
+MAX_CPUS_PER_TASK = 65535  # Slurm keeps it in 16 bits
+MAX_MEM_MB = 1 << 30  # 1 PiB per node: no node has it; Slurm accepts more, then cannot even print it
+_TIME = re.compile(r"(?:(?P<d>\d+)-(?P<dh>\d+)(?::(?P<dm>\d+)(?::(?P<ds>\d+))?)?"
+                   r"|(?P<h>\d+):(?P<hm>\d+):(?P<hs>\d+)|(?P<m>\d+)(?::(?P<ms>\d+))?)")
+_MEM = re.compile(r"(?P<n>\d+)(?P<unit>[KMGT]?)", re.IGNORECASE)
+# Every value below reaches an `#SBATCH --key=value` line (quoted by submitit, but a newline would still
+# end the line), so each is matched whole against what Slurm itself accepts there.
+_SLURM_NAMES = re.compile(r"[A-Za-z0-9_.+@:-]+(?:,[A-Za-z0-9_.+@:-]+)*")  # partition, account, qos lists
+_CONSTRAINT = re.compile(r"[A-Za-z0-9_.+@:&|,*!()\[\]-]+")  # features with & | , * [ ] ( ) !
+_NODELIST = re.compile(r"[A-Za-z0-9_.\[\],-]+")
+_UNLIMITED = {"INFINITE", "UNLIMITED"}
 
 
 def parse_slurm_time(text: str) -> int:
-    """Slurm's `--time` formats (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) -> seconds."""
-    match = _TIME.match(text.strip())
+    """Slurm's `--time` formats (`MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS`) -> seconds.
+
+    At most MAX_TIME_MIN minutes. Slurm's `INFINITE`/`UNLIMITED` (and `0`) are refused on purpose: the
+    job checkpoints and requeues itself --signal-lead seconds before its limit, so it needs one.
+    """
+    stripped = text.strip()
+    if stripped.upper() in _UNLIMITED:
+        raise MgpuError(f"--time {text!r}: give a finite limit (the job checkpoints --signal-lead seconds before "
+                        f"it), at most {MAX_TIME_MIN} minutes")
+    match = _TIME.fullmatch(stripped)
     if match is None:
         raise MgpuError(f"--time {text!r}: not a Slurm time; use MM, HH:MM:SS, D-HH:MM or D-HH (e.g. 04:00:00)")
-    g = {k: int(v) for k, v in match.groupdict().items() if v is not None}
-    if "d" in g:
-        return ((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0)
-    if "h" in g:
-        return (g["h"] * 60 + g["hm"]) * 60 + g["hs"]
-    return g["m"] * 60 + g.get("ms", 0)
+    parts = {k: v for k, v in match.groupdict().items() if v is not None}
+    if any(len(v) > 12 for v in parts.values()):  # int() of thousands of digits would raise, not compare
+        seconds = MAX_TIME_MIN * 60 + 60
+    else:
+        g = {k: int(v) for k, v in parts.items()}
+        if "d" in g:
+            seconds = ((g["d"] * 24 + g["dh"]) * 60 + g.get("dm", 0)) * 60 + g.get("ds", 0)
+        elif "h" in g:
+            seconds = (g["h"] * 60 + g["hm"]) * 60 + g["hs"]
+        else:
+            seconds = g["m"] * 60 + g.get("ms", 0)
+    if math.ceil(seconds / 60) > MAX_TIME_MIN:
+        raise MgpuError(f"--time {text!r}: longer than Slurm's maximum, {MAX_TIME_MIN} minutes (24855-03:13:00)")
+    return seconds
+
+
+def _mem_mb(text: str) -> int | None:
+    """`64G` -> 65536 (Slurm's default unit is M); None if it is not Slurm's <number>[K|M|G|T]."""
+    match = _MEM.fullmatch(text)
+    if match is None or len(match["n"]) > 18:
+        return None
+    shift = {"K": -10, "": 0, "M": 0, "G": 10, "T": 20}[match["unit"].upper()]
+    return int(match["n"]) << shift if shift >= 0 else int(match["n"]) >> -shift
+
+
+def _check_line(flag: str, value: str) -> None:
+    """MgpuError if `value` holds a control character: it would end the #SBATCH or shell line it is on."""
+    if problem := control_problem(value):
+        raise MgpuError(f"{flag} {value!r}: {problem}; give it on one line")
 
 
 @dataclass(frozen=True)
@@ -77,18 +121,31 @@ class Resources:
     def __post_init__(self) -> None:
         if self.nodes < 1:
             raise MgpuError(f"--nodes {self.nodes}: must be >= 1")
+        if self.nodes > MAX_HOSTS:
+            raise MgpuError(f"--nodes {self.nodes}: at most {MAX_HOSTS} (the longest node list mgpu expands)")
         if self.gpus_per_node < 0:
             raise MgpuError(f"--gpus-per-node {self.gpus_per_node}: must be >= 0 (0: CPU only)")
+        if self.gpus_per_node > MAX_TASKS_PER_NODE:
+            raise MgpuError(f"--gpus-per-node {self.gpus_per_node}: at most {MAX_TASKS_PER_NODE} "
+                            "(one task per GPU; Slurm's default MaxTasksPerNode)")
         if self.tasks_per_node is not None:
             if self.tasks_per_node < 1:
                 raise MgpuError(f"--tasks-per-node {self.tasks_per_node}: must be >= 1")
+            if self.tasks_per_node > MAX_TASKS_PER_NODE:
+                raise MgpuError(f"--tasks-per-node {self.tasks_per_node}: at most {MAX_TASKS_PER_NODE} "
+                                "(Slurm's default MaxTasksPerNode)")
             if self.gpus_per_node and self.tasks_per_node != self.gpus_per_node:
                 raise MgpuError(f"--tasks-per-node {self.tasks_per_node}: with GPUs there is one task per GPU; "
                                 f"omit it (it is --gpus-per-node, {self.gpus_per_node})")
-        if self.cpus_per_task is not None and self.cpus_per_task < 1:
-            raise MgpuError(f"--cpus-per-task {self.cpus_per_task}: must be >= 1")
-        if self.mem is not None and not _MEM.match(self.mem):
-            raise MgpuError(f"--mem {self.mem!r}: use Slurm's <number>[K|M|G|T] per node, e.g. 64G")
+        if self.cpus_per_task is not None and not 1 <= self.cpus_per_task <= MAX_CPUS_PER_TASK:
+            raise MgpuError(f"--cpus-per-task {self.cpus_per_task}: must be in [1, {MAX_CPUS_PER_TASK}]")
+        if self.mem is not None:
+            mem_mb = _mem_mb(self.mem)
+            if mem_mb is None:
+                raise MgpuError(f"--mem {self.mem!r}: use Slurm's <number>[K|M|G|T] per node, e.g. 64G")
+            if mem_mb > MAX_MEM_MB:
+                raise MgpuError(f"--mem {self.mem!r}: more than 1024T per node; use Slurm's <number>[K|M|G|T], "
+                                "e.g. 64G")
         seconds = parse_slurm_time(self.time)
         if seconds < 60:
             raise MgpuError(f"--time {self.time!r}: Slurm's limit must be at least one minute")
@@ -104,13 +161,26 @@ class Resources:
             raise MgpuError(f"--max-failures {self.max_failures}: must be >= 0")
         if f"SIG{self.requeue_signal}" not in signal.Signals.__members__:
             raise MgpuError(f"preemption.signal {self.requeue_signal!r}: not a signal name (e.g. USR2)")
-        for flag, value in (("--partition", self.partition), ("--account", self.account), ("--qos", self.qos),
-                            ("--constraint", self.constraint)):
-            if value is not None and (not value.strip() or any(c.isspace() for c in value)):
+        for flag, value, pattern in (("--partition", self.partition, _SLURM_NAMES),
+                                     ("--account", self.account, _SLURM_NAMES),
+                                     ("--qos", self.qos, _SLURM_NAMES),
+                                     ("--constraint", self.constraint, _CONSTRAINT)):
+            if value is None:
+                continue
+            if not value.strip() or any(c.isspace() for c in value):
                 raise MgpuError(f"{flag} {value!r}: must be a non-empty word without spaces")
+            if not pattern.fullmatch(value):
+                allowed = "letters, digits and _ . + @ : - (a comma-separated list)" if pattern is _SLURM_NAMES \
+                    else "feature names joined by & | , * [ ] ( ) ! (e.g. 'a100&ib')"
+                raise MgpuError(f"{flag} {value!r}: Slurm expects {allowed}")
+        _check_line("--job-name", self.job_name)
         if not self.job_name.strip():
             raise MgpuError("--job-name: must not be empty")
         if self.exclude is not None:
+            _check_line("--exclude", self.exclude)
+            if not _NODELIST.fullmatch(self.exclude):
+                raise MgpuError(f"--exclude {self.exclude!r}: use a Slurm node list (letters, digits, . _ - [ ] ,), "
+                                "e.g. gpu[01-03]")
             try:
                 expand_hostlist(self.exclude)
             except HostlistError as error:
@@ -230,6 +300,7 @@ def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
         values = _split_values(text)
         if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key) or not all(values):
             raise MgpuError(f"--sweep {item!r}: expected dotted.key=v1,v2,... (e.g. optim.lr=1e-3,3e-4)")
+        _check_line("--sweep", item)
         if any(key == seen for seen, _ in parsed):
             raise MgpuError(f"--sweep {item!r}: {key} is swept twice; give all its values in one --sweep")
         parsed.append((key, values))
@@ -310,6 +381,29 @@ class Submission:
         return [config_to_dict(cfg) for cfg in self.configs]
 
 
+def check_run_root(root: str, flag: str = "--folder") -> None:
+    """MgpuError unless `root` can hold the run directories: no character Slurm or submitit would expand in
+    a log file name (`%`, `\\`), not a file, and creatable (its nearest existing ancestor is a writable
+    directory). Reads the filesystem only: nothing is created."""
+    _check_line(flag, root)
+    if "%" in root or "\\" in root:
+        raise MgpuError(f"{flag} {root!r}: no '%' or '\\' (Slurm and submitit expand them in log file names); "
+                        "choose another directory")
+    path = Path(root)
+    try:
+        for target in (path, path / "submitit"):
+            if target.exists() and not target.is_dir():
+                raise MgpuError(f"{flag} {root!r}: {target} exists and is not a directory; choose another directory")
+        existing = next(p for p in (path, *path.parents) if p.exists())
+    except OSError as error:  # e.g. a name longer than the filesystem allows
+        raise MgpuError(f"{flag} {root!r}: {error.strerror}; choose another directory") from None
+    if not existing.is_dir():
+        raise MgpuError(f"{flag} {root!r}: {existing} is a file, not a directory; choose another directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise MgpuError(f"{flag} {root!r}: cannot create directories in {existing} (not writable); "
+                        "choose a writable directory")
+
+
 def _with_root(cfg: Config, root: str | None) -> Config:
     cfg.run.root = str(Path(root if root is not None else cfg.run.root).expanduser().absolute())
     return cfg
@@ -323,14 +417,19 @@ def build_submission(config_path: str | None, overrides: Sequence[str], sweep: S
     finds the same directory whatever its working directory.
     """
     base_overrides = list(overrides)
+    if root is not None and not root:
+        raise MgpuError("--folder '': give the directory for the runs (default: run.root)")
+    flag = "--folder" if root is not None else "run.root"
     base = _with_root(load_config(config_path, base_overrides), root)
+    check_run_root(base.run.root, flag)
     check_task_target(base.task.target)
     parsed = parse_sweep(sweep)
     if not parsed:
         return Submission([base], [[]], config_path, base.run.name)
+    count = math.prod(len(values) for _, values in parsed)  # before building the product: 10**10 would hang
+    if count > MAX_ARRAY_SIZE:
+        raise MgpuError(f"--sweep: {count} combinations exceed {MAX_ARRAY_SIZE} array tasks; sweep fewer values")
     combos = expand_sweep(parsed)
-    if len(combos) > MAX_ARRAY_SIZE:
-        raise MgpuError(f"--sweep: {len(combos)} combinations exceed {MAX_ARRAY_SIZE} array tasks; sweep fewer values")
     keys = [key for key, _ in parsed]
     if base.run.dir and "run.dir" not in keys:
         raise MgpuError(f"run.dir={base.run.dir!r}: a sweep needs one directory per task; remove run.dir")
@@ -344,6 +443,8 @@ def build_submission(config_path: str | None, overrides: Sequence[str], sweep: S
             raise ConfigError(f"--sweep task {i} ({', '.join(combo)}): {error}") from None
         if cfg.task.target != base.task.target:
             check_task_target(cfg.task.target)
+        if cfg.run.root != base.run.root:
+            check_run_root(cfg.run.root, "run.root")
         if cfg.preemption.signal != base.preemption.signal:
             raise MgpuError("--sweep preemption.signal: one array has one sbatch --signal; do not sweep it")
         configs.append(cfg)

@@ -180,6 +180,31 @@ BAD_OVERRIDES = [
     ("train.epochs", "train.epochs", "expected dotted.key=value"),
     ("train..epochs=1", "train..epochs", "expected dotted.key=value"),
     ("optim.betas=[0.9,", "optim.betas", "invalid YAML"),
+    # run.name is a directory name (and the default Slurm job name): nothing that leaves or breaks the line
+    ("run.name=a/b", "run.name", "must be a directory name"),
+    ("run.name=..", "run.name", "not starting with '.'"),
+    ("run.name=.hidden", "run.name", "must be a directory name"),
+    ("run.name=-rf", "run.name", "not starting with '.' or '-'"),
+    ("run.name='a b'", "run.name", "whitespace"),
+    ("run.name='a\tb'", "run.name", "control characters"),
+    (r'run.name="a\ntouch x"', "run.name", "must be a directory name"),  # YAML's escape: a real newline
+    (r'run.name="a\u2028b"', "run.name", "must be a directory name"),
+    ("run.name=a\\b", "run.name", "must be a directory name"),
+    ("run.name=" + "x" * 201, "run.name", "1-200 characters"),
+    ("run.name=''", "run.name", "must be a directory name"),
+    (r'run.root="/tmp/a\nb"', "run.root", "control characters"),
+    (r'run.dir="/tmp/a\rb"', "run.dir", "control characters"),
+    ("run.root=''", "run.root", "must not be empty"),
+    ("distributed.init_timeout_s=1e300", "distributed.init_timeout_s", "must be in (0, 604800]"),
+    ("distributed.init_timeout_s=604801", "distributed.init_timeout_s", "must be in (0, 604800]"),
+    ("distributed.init_timeout_s=0", "distributed.init_timeout_s", "must be in (0, 604800]"),
+    ("train.epochs=" + "9" * 30, "train.epochs", "must fit in 64 bits"),
+    ("train.max_steps=-" + "9" * 30, "train.max_steps", "must fit in 64 bits"),
+    ("task.args.n=" + "9" * 5000, "task.args.n", "Exceeds the limit (4300 digits)"),
+    ("task.args.x=" + "[" * 3000 + "]" * 3000, "task.args.x", "nested too deeply"),
+    ("run.name=2024-13-01", "run.name", "invalid YAML value: month must be in 1..12"),
+    ("data.batch_size=1e999", "data.batch_size", "expected int, got inf"),
+    ("optim.lr=1e999", "optim.lr", "expected float"),
 ]
 
 
@@ -189,6 +214,7 @@ def test_bad_overrides_fail_in_one_line(override: str, path: str, message: str) 
         load_config(None, [override])
     text = str(info.value)
     assert "\n" not in text and path in text and message in text, text
+    assert len(text) < 400, text  # a 5000-character override is shown cut
     assert isinstance(info.value, MgpuError)
 
 
@@ -208,6 +234,38 @@ def test_bad_files_fail_in_one_line(tmp_path: Path, text: str, message: str) -> 
     assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
 
 
+LAUGHS = "task:\n  args:\n    a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"    {b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcdefg", "bcdefgh"))
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("content, message", [
+    (LAUGHS, "more than 100000 values"),  # 10**8 once expanded: would hang in dataclasses.asdict
+    ("task:\n  args:\n    a: &a [*a]\n", "refers to itself"),
+    ("task:\n  args:\n    x: " + "[" * 3000 + "]" * 3000 + "\n", "nested too deeply"),
+    ("run:\n  name: 2024-13-01\n", "month must be in 1..12"),
+    ("task:\n  args:\n    blob: '" + "x" * (1 << 20) + "'\n", "larger than 1 MiB"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe", "cannot be read"),  # binary: not UTF-8
+    ("train:\n  epochs: 1\x00\n", "invalid YAML"),  # UTF-8 but a NUL byte
+])
+def test_hostile_files_fail_in_one_line(tmp_path: Path, content: str | bytes, message: str) -> None:
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    text = str(info.value)
+    assert "\n" not in text and message in text and len(text) < 400, text
+
+
+def test_paths_that_are_no_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot be read: .*Is a directory"):
+        load_config(tmp_path)
+    with pytest.raises(ConfigError, match="larger than 1 MiB"):
+        load_config("/dev/zero")  # endless: read in bounded time all the same
+    with pytest.raises(ConfigError, match="the path contains a newline; rename the file"):
+        load_config(tmp_path / "a\nb.yaml")
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^config file '.*nope\.yaml' not found$"):
         load_config(tmp_path / "nope.yaml")
@@ -219,7 +277,7 @@ def test_config_from_dict_rejects_a_non_mapping() -> None:
 
 
 def test_save_config_is_atomic_and_reads_back(tmp_path: Path) -> None:
-    cfg = load_config(None, ["optim.lr=3e-4", "task.args.n=5", "run.name=a b"])
+    cfg = load_config(None, ["optim.lr=3e-4", "task.args.n=5", "task.args.label=a b"])
     target = tmp_path / "run" / "config.yaml"
     target.parent.mkdir()
     target.write_text("old: contents\n")

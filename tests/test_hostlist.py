@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from mgpu.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+from mgpu.hostlist import MAX_HOSTS, MAX_RANGE, HostlistError, expand_hostlist, expand_tasks_per_node
 
 HOSTLISTS: list[tuple[str, list[str]]] = [
     ("n1", ["n1"]),
@@ -77,6 +80,64 @@ def test_expand_tasks_per_node(text: str, expected: list[int]) -> None:
 def test_bad_tasks_per_node_is_rejected(text: str) -> None:
     with pytest.raises(HostlistError):
         expand_tasks_per_node(text)
+
+
+# Each would need gigabytes (or int() of a 5000-digit number) if expanded: refused before anything is built.
+ROOT = Path(__file__).resolve().parent.parent
+TOO_LARGE: list[tuple[str, str]] = [
+    ("n[0-99999999999]", "too many hosts in range"),
+    ("n[0-65536]", "too many hosts in range '0-65536'"),  # one more than Slurm allows in a range
+    ("n[1-" + "9" * 5000 + "]", "bad range"),
+    ("n[1-60000,1-60000]", f"more than {MAX_HOSTS} hosts"),
+    ("a[1-1000]b[1-1000]", f"more than {MAX_HOSTS} hosts"),
+    ("a[1-400]b[1-400]c[1-400]", f"more than {MAX_HOSTS} hosts"),
+    ("n[1-60000],m[1-60000]", f"more than {MAX_HOSTS} hosts"),
+]
+TOO_MANY_TASKS = ["1(x99999999999)", "2(x60000),2(x60000)", "9" * 5000, "1(x" + "9" * 5000 + ")"]
+
+
+# Run in a child limited to 1 GiB of address space: a parser that did expand these would fill the
+# machine's memory within seconds, not merely fail.
+LIMITED = """\
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+from mgpu.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+try:
+    (expand_tasks_per_node if sys.argv[1] == "tasks" else expand_hostlist)(sys.argv[2])
+except HostlistError as error:
+    print(error)
+"""
+
+
+def expand_limited(kind: str, text: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", LIMITED, kind, text], capture_output=True, text=True, timeout=20,
+                            env=env)
+    assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("text, message", TOO_LARGE)
+def test_huge_hostlist_is_refused_quickly(text: str, message: str) -> None:
+    assert message in expand_limited("hosts", text)
+
+
+def test_largest_lists_still_expand() -> None:
+    assert len(expand_hostlist(f"n[1-{MAX_RANGE}]")) == MAX_RANGE
+    assert len(expand_hostlist("a[1-250]b[1-400]")) == MAX_HOSTS
+    assert len(expand_tasks_per_node(f"1(x{MAX_HOSTS})")) == MAX_HOSTS
+
+
+@pytest.mark.parametrize("text", TOO_MANY_TASKS)
+def test_huge_task_counts_are_refused_quickly(text: str) -> None:
+    assert "task count" in expand_limited("tasks", text)
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="Slurm's scontrol is not installed")
+def test_range_limit_matches_scontrol() -> None:
+    for text, ok in ((f"n[1-{MAX_RANGE}]", True), (f"n[1-{MAX_RANGE + 1}]", False)):
+        out = subprocess.run(["scontrol", "show", "hostnames", text], capture_output=True, text=True, timeout=30)
+        assert ("Too many hosts in range" not in out.stdout + out.stderr) == ok, text
 
 
 @pytest.mark.skipif(shutil.which("scontrol") is None, reason="Slurm's scontrol is not installed")

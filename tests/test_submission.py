@@ -3,9 +3,12 @@ jobs/status.py, the sbatch templates, and a local two-process run."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import os
 import re
+import resource
 import shlex
 import subprocess
 import time
@@ -15,8 +18,9 @@ from typing import Any
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.submission import (Resources, build_submission, check_task_target, expand_sweep, parse_slurm_time,
-                             parse_sweep, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
+from mgpu.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
+                             parse_slurm_time, parse_sweep, sbatch_script, slurm_parameters, submitit_command,
+                             submitit_folder)
 from tests.conftest import PYTHON, ROOT, base_env
 
 SUBMIT = str(ROOT / "jobs" / "submit.py")
@@ -338,6 +342,63 @@ def test_sbatch_templates(name: str, tasks: str) -> None:
     assert usage.returncode == 2 and "usage: sbatch" in usage.stderr
 
 
+TEMPLATE_BAD_INPUTS: dict[str, tuple[list[str], dict[str, str], str]] = {
+    "config path with a newline": (["{config}\ntouch {tmp}/pwned"], {}, "contains a control character"),
+    "override with a newline": (["{config}", "train.epochs=1\nx"], {}, "argument $'train.epochs=1\\nx'"),
+    "override with an escape": (["{config}", "run.name=\x1b[2J"], {}, "contains a control character"),
+    "missing config": (["{tmp}/nope.yaml"], {}, "config file '{tmp}/nope.yaml' not found"),
+    "override first": (["train.epochs=3"], {}, "the first argument is the config"),
+    "PYTHON not a command": (["{config}"], {"PYTHON": "{tmp}/no python"}, "PYTHON='{tmp}/no python': no such command"),
+    "MGPU_MAX_REQUEUES not a number": (["{config}"], {"MGPU_MAX_REQUEUES": "3;touch x"},
+                                       "MGPU_MAX_REQUEUES='3;touch x'"),
+    "MGPU_MAX_REQUEUES negative": (["{config}"], {"MGPU_MAX_REQUEUES": "-1"}, "MGPU_MAX_REQUEUES='-1'"),
+    "OMP_NUM_THREADS zero": (["{config}"], {"OMP_NUM_THREADS": "0"}, "OMP_NUM_THREADS='0'"),
+    "OMP_NUM_THREADS text": (["{config}"], {"OMP_NUM_THREADS": "all"}, "OMP_NUM_THREADS='all'"),
+    "SLURM_CPUS_PER_TASK text": (["{config}"], {"SLURM_CPUS_PER_TASK": "8 --x"}, "SLURM_CPUS_PER_TASK='8 --x'"),
+    "SHUTDOWN_TIMEOUT text": (["{config}"], {"SHUTDOWN_TIMEOUT": "1e3"}, "SHUTDOWN_TIMEOUT='1e3'"),
+    "SHUTDOWN_TIMEOUT zero": (["{config}"], {"SHUTDOWN_TIMEOUT": "0"}, "SHUTDOWN_TIMEOUT='0'"),
+    "SHUTDOWN_TIMEOUT huge": (["{config}"], {"SHUTDOWN_TIMEOUT": "9" * 30}, "SHUTDOWN_TIMEOUT="),
+}
+
+
+def run_template(name: str, tmp_path: Path, args: list[str], env: dict[str, str]
+                 ) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """The template run by bash as sbatch would, srun stubbed to record its arguments."""
+    recorded = tmp_path / "srun_args"
+    path = fake_bin(tmp_path, srun=f'printf "%s\\n" "$@" > {shlex.quote(str(recorded))}')
+    full = base_env(**{"PATH": path, "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+                       "PYTHON": PYTHON, **env})
+    if "OMP_NUM_THREADS" not in env:
+        del full["OMP_NUM_THREADS"]
+    result = subprocess.run(["bash", str(ROOT / "slurm" / name), *args], env=full, capture_output=True, text=True,
+                            timeout=30)
+    return result, recorded
+
+
+@pytest.mark.parametrize("name, case", [(name, case) for case, (_, env, _) in TEMPLATE_BAD_INPUTS.items()
+                                        for name in ("train.sbatch", "train_torchrun.sbatch")
+                                        if "SHUTDOWN_TIMEOUT" not in env or "torchrun" in name])
+def test_sbatch_templates_refuse_bad_input(tmp_path: Path, config: Path, name: str, case: str) -> None:
+    args, env, message = TEMPLATE_BAD_INPUTS[case]
+    fill = {"{config}": str(config), "{tmp}": str(tmp_path)}
+    sub = lambda text: functools.reduce(lambda t, kv: t.replace(*kv), fill.items(), text)  # noqa: E731
+    result, recorded = run_template(name, tmp_path, [sub(a) for a in args], {k: sub(v) for k, v in env.items()})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == [result.stderr.strip()] and result.stderr.startswith(f"{name}: error: ")
+    assert sub(message) in result.stderr
+    assert not recorded.exists() and not (tmp_path / "pwned").exists()  # srun never ran
+
+
+@pytest.mark.parametrize("name", ["train.sbatch", "train_torchrun.sbatch"])
+def test_sbatch_templates_pass_good_input_to_srun(tmp_path: Path, config: Path, name: str) -> None:
+    result, recorded = run_template(name, tmp_path, [str(config), "train.epochs=2", "run.name=it's"],
+                                    {"SLURM_CPUS_PER_TASK": "4"})
+    assert result.returncode == 0, result.stderr
+    srun_args = recorded.read_text().splitlines()
+    assert srun_args[0] == "--kill-on-bad-exit=1" and "--cpus-per-task=4" in srun_args
+    assert srun_args[-2:] == ["train.epochs=2", "run.name=it's"]
+
+
 @pytest.mark.multiprocess
 def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     if importlib.util.find_spec("mgpu.job") is None or importlib.util.find_spec("mgpu.requeue") is None:
@@ -362,3 +423,213 @@ def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     assert [e["event"] for e in later if e["event"] in ("started", "resumed", "finished")] == \
         ["started", "resumed", "finished"]
     assert later[-1]["step"] == events[-1]["step"]
+
+
+# Issue 10 (D5): a newline in any value that reaches an #SBATCH or shell line ended that line, and the
+# next line of the submitted script ran. Each must now fail in one line with nothing printed on stdout.
+INJECTIONS = {
+    "job name": (["--job-name", "x\ntouch {tmp}/pwned #"], "--job-name 'x\\ntouch"),
+    "run.name, YAML escape": (['run.name="x\\ntouch {tmp}/pwned #"'], "run.name: must be a directory name"),
+    "run.name, carriage return": (['run.name="x\\rtouch {tmp}/pwned"'], "run.name: must be a directory name"),
+    "run.name, line separator": (['run.name="x\\u2028y"'], "run.name: must be a directory name"),
+    "exclude": (["--exclude", "n1\ntouch {tmp}/pwned #"], "--exclude 'n1\\ntouch"),
+    "folder": (["--folder", "{tmp}/r\ntouch {tmp}/pwned #"], "--folder"),
+    "run.root": (['run.root="{tmp}/r\\ntouch {tmp}/pwned #"'], "run.root: must be one line"),
+    "mem, trailing newline": (["--mem", "64G\n"], "--mem '64G\\n'"),
+    "partition": (["--partition", "gpu\ntouch {tmp}/pwned"], "--partition"),
+    "account": (["--account", "a\nb"], "--account"),
+    "qos": (["--qos", "q\nb"], "--qos"),
+    "constraint": (["--constraint", "a100\nb"], "--constraint"),
+    "partition, shell characters": (["--partition", "gpu;touch"], "--partition 'gpu;touch': Slurm expects"),
+    "constraint, quote": (["--constraint", "a'b"], "--constraint"),
+    "sweep value": (["--sweep", "task.args.x=a,'b\n\ntouch {tmp}/pwned'"], "--sweep"),  # YAML keeps one newline
+}
+
+
+@pytest.mark.parametrize("case", list(INJECTIONS))
+def test_values_that_would_break_a_script_line_are_refused(tmp_path: Path, config: Path, case: str) -> None:
+    args, message = INJECTIONS[case]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    folder = [] if "--folder" in args else ["--folder", str(tmp_path / "runs")]
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), *folder, *args])
+    assert result.returncode == 2 and result.stdout == "", result.stdout  # before: the script, with the line
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("submit: error: ") and message in lines[0], result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["blob.yaml"]
+
+
+def fake_bin(tmp_path: Path, **scripts: str) -> str:
+    """A PATH whose first directory holds these stub commands (e.g. srun, sbatch)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, body in scripts.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    return f"{bin_dir}:/usr/bin:/bin"
+
+
+def test_quoted_values_stay_inside_their_line(tmp_path: Path, config: Path) -> None:
+    """Quotes, $(), backticks, ; and spaces are legal in a job name or a folder: the script keeps them
+    quoted, bash parses it, and running it (srun stubbed) executes none of them."""
+    marker = tmp_path / "pwned"
+    folder = tmp_path / f"my runs $(touch {marker}) `touch {marker}`"
+    name = f"it's \"x\"; touch {marker}; $(touch {marker}) `touch {marker}`"
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(folder),
+                         "--job-name", name])
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "job.sh"
+    script.write_text(result.stdout)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    lines = result.stdout.splitlines()
+    assert [line for line in lines if line.startswith("#SBATCH")] == [line for line in lines if "SBATCH" in line]
+    assert f"#SBATCH --job-name={shlex.quote(name)}" in lines
+    srun_args = tmp_path / "srun_args"
+    env = base_env(PATH=fake_bin(tmp_path, srun=f'printf "%s\\n" "$@" > {shlex.quote(str(srun_args))}'))
+    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert not marker.exists() and not folder.exists()
+    assert srun_args.read_text().splitlines()[-1] == str(folder / "submitit")  # one argument, as given
+
+
+BAD_RESOURCES: list[tuple[dict[str, Any], str]] = [
+    ({"nodes": 10**30}, "--nodes 1000000000000000000000000000000: at most 100000"),
+    ({"nodes": 100_001}, "--nodes 100001: at most 100000"),
+    ({"gpus_per_node": 513}, "--gpus-per-node 513: at most 512"),
+    ({"gpus_per_node": 0, "tasks_per_node": 10**9}, "--tasks-per-node 1000000000: at most 512"),
+    ({"cpus_per_task": 65536}, "--cpus-per-task 65536: must be in [1, 65535]"),
+    ({"cpus_per_task": 0}, "--cpus-per-task 0: must be in [1, 65535]"),
+    ({"mem": "1025T"}, "--mem '1025T': more than 1024T per node"),
+    ({"mem": "9" * 5000}, "--mem '999"),
+    ({"mem": "64 G"}, "--mem '64 G'"),
+    ({"mem": "64G\n"}, "--mem '64G\\n'"),
+    ({"time": "99999999999-00"}, "longer than Slurm's maximum, 35791393 minutes"),
+    ({"time": "35791394"}, "longer than Slurm's maximum"),
+    ({"time": "9" * 5000}, "longer than Slurm's maximum"),
+    ({"time": "UNLIMITED"}, "--time 'UNLIMITED': give a finite limit"),
+    ({"time": "infinite"}, "--time 'infinite': give a finite limit"),
+    ({"time": "0"}, "at least one minute"),
+    ({"signal_lead_s": -1}, "--signal-lead -1: must be in [10, 65535]"),
+    ({"signal_lead_s": 10**30}, "--signal-lead 1000000000000000000000000000000: must be in [10, 65535]"),
+    ({"partition": "gpu,"}, "--partition 'gpu,': Slurm expects"),
+    ({"partition": "a$(b)"}, "--partition 'a$(b)': Slurm expects"),
+    ({"account": "proj`x`"}, "--account"),
+    ({"qos": "high\x00"}, "--qos"),
+    ({"constraint": "a100;b"}, "--constraint 'a100;b': Slurm expects feature names"),
+    ({"job_name": "a\x1bb"}, "--job-name 'a\\x1bb': contains a control character"),
+    ({"job_name": "a\udcffb"}, "contains a byte that is not UTF-8"),
+    ({"job_name": "a\u2028b"}, "--job-name 'a\\u2028b': contains a newline"),
+    ({"job_name": " "}, "--job-name: must not be empty"),
+    ({"exclude": "n[0-65536]"}, "--exclude 'n[0-65536]': too many hosts in range"),  # bigger ones: test_bad_input
+    ({"exclude": "n1;n2"}, "--exclude 'n1;n2': use a Slurm node list"),
+    ({"exclude": "n1 n2"}, "--exclude 'n1 n2': use a Slurm node list"),
+]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kwargs, message", BAD_RESOURCES)
+def test_resources_refuse_absurd_values(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(MgpuError) as info:
+        Resources(**kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+def test_resources_accept_the_extremes() -> None:
+    Resources(nodes=100_000, time="35791393", mem="1024T", cpus_per_task=65535, partition="a,b-1.x",
+              constraint="[rack1|rack2]*2&a100", exclude="gpu[001-004,010],gpu-b07", job_name="it's a $(job)")
+    Resources(gpus_per_node=0, tasks_per_node=512, time="24855-03:13:00", mem="0")
+    assert parse_slurm_time("24855-03:13:00") == 35791393 * 60
+
+
+def _limit_memory() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+
+def test_sweep_count_is_checked_before_the_product_is_built(tmp_path: Path, config: Path) -> None:
+    """10**10 combinations: counted, not built (building them filled the machine's memory)."""
+    sweep = [arg for i in range(10) for arg in ("--sweep", f"task.args.k{i}=" + ",".join(map(str, range(10))))]
+    result = subprocess.run([PYTHON, SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder",
+                             str(tmp_path / "runs"), *sweep], cwd=ROOT, env=base_env(), capture_output=True,
+                            text=True, timeout=30, preexec_fn=_limit_memory)
+    assert result.returncode == 2 and result.stderr == (
+        "submit: error: --sweep: 10000000000 combinations exceed 1000 array tasks; sweep fewer values\n"), result.stderr
+
+
+def test_run_root_checks(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    (tmp_path / "root" / "submitit").parent.mkdir()
+    (tmp_path / "root" / "submitit").write_text("")
+    check_run_root(str(tmp_path / "new" / "deeper"))  # creatable: fine, and nothing is created
+    assert not (tmp_path / "new").exists()
+    for root, message in [(tmp_path / "file", "exists and is not a directory"),
+                          (tmp_path / "file" / "runs", "is a file, not a directory"),
+                          (tmp_path / "root", "submitit exists and is not a directory"),
+                          (tmp_path / "100%", "no '%' or '\\'"), (tmp_path / "a\\b", "no '%' or '\\'"),
+                          (tmp_path / ("x" * 300), "File name too long"),
+                          (tmp_path / "a\nb", "contains a newline")]:
+        with pytest.raises(MgpuError, match=re.escape(message)):
+            check_run_root(str(root), "--folder")
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "ro").mkdir(mode=0o555)
+        with pytest.raises(MgpuError, match="not writable"):
+            check_run_root(str(tmp_path / "ro" / "runs"))
+
+
+def test_sbatch_refusal_is_one_line(tmp_path: Path, config: Path) -> None:
+    """sbatch's own complaint (printed by submitit) becomes the one error line; exit 2."""
+    path = fake_bin(tmp_path, srun="exit 0", sbatch='echo "sbatch: error: invalid partition specified: nope" >&2\n'
+                    'echo "sbatch: error: Batch job submission failed: Invalid partition name specified" >&2\nexit 1')
+    result = run_script([SUBMIT, "--cluster", "slurm", "--config", str(config), "--folder", str(tmp_path / "runs"),
+                         "--partition", "nope"], PATH=path)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.splitlines() == ["submit: error: sbatch refused the job: invalid partition specified: nope; "
+                                          "Batch job submission failed: Invalid partition name specified; nothing "
+                                          "submitted (check --partition, --account, --qos and the resources)"]
+    assert "Traceback" not in result.stdout
+
+
+MALFORMED_LEDGER_LINES = [
+    "[1, 2]", '"started"', "3", "null", "{}", '{"event": "started"}', '{"time": 1}', '{"time": "1", "event": "x"}',
+    '{"time": true, "event": "x"}', '{"time": NaN, "event": "x"}', '{"time": Infinity, "event": "x"}',
+    '{"time": 1e999, "event": "x"}', '{"time": 1, "event": 5}', '{"time": 1, "event": null}', "not json",
+    "[" * 100_000 + "]" * 100_000,  # deeper than json's recursion limit
+]
+# Well-formed (numeric time, string event) but with every other field of the wrong type.
+ODD_EVENTS = [
+    {"time": 100, "event": "started", "restart": "abc", "launcher": ["x"], "job_id": {"a": 1}},
+    {"time": 101, "event": "resumed", "restart": 1.5, "step": "7"},
+    {"time": 102, "event": "checkpoint_saved", "step": None, "restart": [1], "reason": 3, "path": None},
+    {"time": 103, "event": "evaluated", "step": 10, "epoch": [1], "total_steps": "x", "restart": None},
+    {"time": 1e300, "event": "failed", "error": {"x": 1}},
+]
+
+
+def test_read_ledger_keeps_only_well_formed_events(tmp_path: Path) -> None:
+    from mgpu.ledger import read_ledger
+
+    good = [{"time": 1.5, "event": "started", "job_id": "1", "restart": 0}, {"time": 2, "event": "finished"}]
+    path = tmp_path / "events.jsonl"
+    lines = [json.dumps(good[0]), *MALFORMED_LEDGER_LINES, json.dumps(good[1])]
+    path.write_bytes(("\n".join(lines) + "\n").encode() + b"\xff\xfe{garbage}\n" + b'{"time": 3, "ev')
+    skipped: list[int] = []
+    assert read_ledger(path, skipped) == good
+    assert skipped == list(range(2, 2 + len(MALFORMED_LEDGER_LINES))) + [len(lines) + 1]  # not the torn last line
+    assert read_ledger(tmp_path / "missing.jsonl") == []
+    with pytest.raises(MgpuError, match="cannot read the ledger: Is a directory"):
+        read_ledger(tmp_path)
+
+
+def test_status_survives_a_malformed_ledger(tmp_path: Path) -> None:
+    from jobs.status import describe, summarize
+
+    run_dir = tmp_path / "runs" / "odd-5"
+    run_dir.mkdir(parents=True)
+    text = "\n".join([*MALFORMED_LEDGER_LINES, *(json.dumps(e) for e in ODD_EVENTS)]) + "\n"
+    (run_dir / "events.jsonl").write_text(text)
+    summary = summarize(ODD_EVENTS, now=200)
+    assert summary["restart"] == 0 and summary["step"] == 10 and summary["state"].startswith("failed")
+    assert describe(run_dir, now=200)[0] == f"run         {run_dir}"
+    result = run_script([STATUS, "5", "--folder", str(tmp_path / "runs")])
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "state       failed: {'x': 1}" in result.stdout and "progress    step 10, epoch [1]" in result.stdout
+    assert result.stderr.splitlines() == [f"status: note: {run_dir / 'events.jsonl'}: skipped "
+                                          f"{len(MALFORMED_LEDGER_LINES)} malformed line(s) (line 1, 2, 3, 4, 5, ...)"]
