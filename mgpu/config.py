@@ -261,7 +261,13 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
                 raise ConfigError(f"{path}: {problem}, got {value!r}")
             values[key] = value
         built[name] = cls(**values)
-    return Config(**built)
+    cfg = Config(**built)
+    if cfg.train.static_graph and cfg.train.grad_accum > 1:
+        # torch 2.13's reducer asserts (expect_autograd_hooks_) on a no_sync micro-step in the first step of a
+        # static graph: pytorch/pytorch#143580. Refused here rather than crashing on the first step.
+        raise ConfigError(f"train.static_graph: true with train.grad_accum={cfg.train.grad_accum} fails in torch's DDP "
+                          "(pytorch issue 143580): set train.static_graph=false or train.grad_accum=1")
+    return cfg
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

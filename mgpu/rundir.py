@@ -93,6 +93,9 @@ class RunDir:
 
     path: Path
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))  # a str from the command line is fine too
+
     @classmethod
     def of(cls, run: Any) -> "RunDir":
         """From a config's `run` section: `run.dir`, else `<run.root>/<run.name>`."""

@@ -19,12 +19,12 @@ from typing import Any, Iterator, Literal
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, check_loadable
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
+from mgpu.ddp import replay_bucket_rebuild, wrap
 from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
@@ -108,9 +108,7 @@ class Trainer:
             seed_everything(cfg.train.seed + self.rank)
         self.ddp: nn.Module = self.model
         if self.world > 1:
-            self.ddp = DDP(self.model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                           find_unused_parameters=cfg.train.find_unused_parameters,
-                           static_graph=cfg.train.static_graph)
+            self.ddp = wrap(self.model, self.device, cfg.train.find_unused_parameters, cfg.train.static_graph)
         self.resume_step = self.progress.step if resumed is not None else 0
         self.resumed_from = resumed.path if resumed is not None else None
         self.resume_skipped = [(str(bad), reason) for bad, reason in resumed.skipped] if resumed else []
@@ -229,6 +227,9 @@ class Trainer:
             for group in self._optimizer_steps():
                 if p.step >= self.total_steps:
                     break
+                if p.step == self.resume_step and p.step > 0 and self.world > 1:
+                    # Reduce the coming steps in the bucket layout the unbroken run had (see mgpu.ddp).
+                    replay_bucket_rebuild(self.ddp, p.step, lambda ddp: self._throwaway_pass(ddp, group[-1]))
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
                 p.step += 1
@@ -271,6 +272,13 @@ class Trainer:
                               signal_times=[round(t, 3) for _, t in self.stop.received])
         metrics = getattr(self, "_last_metrics", {})
         return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics, self.resume_step)
+
+    def _throwaway_pass(self, ddp: nn.Module, micro: tuple[MicroBatch, Any]) -> None:
+        """A synced micro-step's forward and backward, whose effects mgpu.ddp undoes."""
+        mb, batch = micro
+        with self._autocast():
+            losses = self.task.loss(ddp, to_device(batch, self.device))
+        losses[:mb.real].float().sum().backward()
 
     def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
         """One optimizer step over `grad_accum` micro-batches; the gradient all-reduce runs once, at the end."""

@@ -150,3 +150,34 @@ def test_augmentation_in_workers_resumes_bit_identically(stop_at: int, augmented
     assert resumed["progress"]["step"] == augmented_reference["progress"]["step"]
     assert_identical(resumed["model"], augmented_reference["model"], "model")
     assert_identical(resumed["optimizer"], augmented_reference["optimizer"], "optimizer")
+
+
+# --------------------------------------------------- D0: 4 ranks, default DDP settings, bit-identical resume
+# 40 samples, 2 per rank, 4 ranks, 2 micro-steps per step: 3 steps per epoch (the last one short), 6 in all.
+# Batch norm, dropout, warmup + cosine, clipping; DDP with its defaults (no find_unused_parameters).
+FOUR = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=2", "train.grad_accum=2",
+        "train.clip_grad_norm=1.0", "schedule.name=cosine", "schedule.warmup_steps=2", "log.every_steps=1",
+        "optim.lr=0.01", "checkpoint.keep_last=10", "log.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def four_rank_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    run_dir = tmp_path_factory.mktemp("four")
+    result = torchrun(run_dir, *FOUR, ranks=4, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return CheckpointStore(run_dir / "checkpoints").latest().state
+
+
+@pytest.mark.parametrize("stop_at", [1, 4])  # the step before DDP's bucket rebuild; mid-epoch 1
+def test_four_ranks_resume_bit_identically_with_default_ddp(stop_at: int, four_rank_reference: dict,
+                                                            tmp_path: Path) -> None:
+    from tests.test_trainer import assert_identical
+
+    first = torchrun(tmp_path, *FOUR, f"--stop-at-step={stop_at}", ranks=4, timeout=300)
+    assert "exitcode  : 3" in first.stdout, first.stdout[-3000:]
+    second = torchrun(tmp_path, *FOUR, ranks=4, timeout=300)
+    assert second.returncode == 0, second.stdout[-3000:]
+    resumed = CheckpointStore(tmp_path / "checkpoints").latest().state
+    assert resumed["progress"]["step"] == four_rank_reference["progress"]["step"] == 6
+    assert_identical(resumed["model"], four_rank_reference["model"], "model")
+    assert_identical(resumed["optimizer"], four_rank_reference["optimizer"], "optimizer")

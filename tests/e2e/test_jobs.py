@@ -260,7 +260,7 @@ def test_sbatch_template_places_every_rank(template: str, slurm_cluster: SlurmCl
         out = next(tmp_path.glob(f"*-{jobid}.out"))
         assert state == "COMPLETED", out.read_text()[-3000:]
         launcher = "slurm" if template == "train.sbatch" else "torchrun"
-        assert_placement(slurm_cluster, jobid, tmp_path / f"tpl-{jobid}", world=4, per_node=2, launcher=launcher)
+        assert_placement(slurm_cluster, jobid, tmp_path / "tpl", world=4, per_node=2, launcher=launcher)
     finally:
         cancel(slurm_cluster, jobid)
 
@@ -452,9 +452,9 @@ def test_killed_rank_ends_the_step_and_the_job_resumes(world: int, victim: int, 
         assert time.monotonic() - killed < KILL_WAIT_S + 10
         assert final_state(slurm_cluster, jobid, timeout=150) == "COMPLETED"
         assert runs(slurm_cluster, jobid) == ["REQUEUED", "COMPLETED"]
-        (decision,) = events(run_dir, "stop_decision")  # exactly one rank decided
+        (decision,) = events(run_dir, "stop_decision")  # exactly one decision: the batch script's, after srun
         assert (decision["what"], decision["requeue"]) == ("terminated", True), decision
-        assert decision["rank"] != victim and decision["restart"] == 0
+        assert "rank" not in decision and decision["restart"] == 0 and "after a failure" in decision["reason"]
         assert [(e["how"], e["restart"]) for e in events(run_dir, "requeued")] == [("self", 0)]
         saved_before = max(e["step"] for e in events(run_dir, "checkpoint_saved") if e["restart"] == 0)
         assert [e["step"] for e in events(run_dir, "resumed")] == [saved_before]
@@ -467,14 +467,16 @@ def test_killed_rank_ends_the_step_and_the_job_resumes(world: int, victim: int, 
 def test_a_bug_is_requeued_only_within_the_budget(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     config = ["task.target=tests.e2e.jobtasks:BuggyBlobTask", "task.args.fail_after=3", "train.epochs=3",
               "data.batch_size=2", "checkpoint.every_steps=1"]
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, "--max-requeues", "1", *config)
+    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, "--max-failures", "1", *config)
     try:
         wait_until("two runs to fail", lambda: len(events(run_dir, "stop_decision")) == 2, timeout=120)
         assert final_state(slurm_cluster, jobid, timeout=60) == "FAILED"
         decisions = events(run_dir, "stop_decision")
         assert [(d["restart"], d["requeue"]) for d in decisions] == [(0, True), (1, False)], decisions
-        assert "the requeue budget is spent (1 of 1 requeues used)" in decisions[1]["reason"]
-        assert all("bug in the training code" in d["error"] for d in decisions)
+        assert "the failure budget is spent (1 of 1 failure requeues used)" in decisions[1]["reason"]
+        assert all("the training step exited with code" in d["error"] for d in decisions)
+        failed = [e for e in events(run_dir, "failed") if "bug in the training code" in e["error"]]
+        assert [e["restart"] for e in failed] == [0, 1], failed
         assert [e["restart"] for e in events(run_dir, "requeued")] == [0]
         time.sleep(8)
         assert runs(slurm_cluster, jobid) == ["REQUEUED", "FAILED"], "requeued beyond the budget"
