@@ -6,6 +6,9 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     started          world_size, nodes, launcher, config_path, git_sha
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
     first_step       step (the first step this run completed)
+    progress         step, epoch, total_steps, metrics (the log line's: loss, lr, grad_norm, samples_per_s,
+                     step_time_s), fingerprint (hex float: a weighted sum of every parameter; equal
+                     weights give equal fingerprints); written at every log interval (log.every_steps)
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
     checkpoint_failed step, reason, error (one line naming the errno and the path), errno; training goes on
                      and the next due save tries again (a stop's save that fails ends the run: `failed`)

@@ -23,7 +23,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from mgpu.errors import MgpuError
 from mgpu.fsutil import write_atomic

@@ -18,7 +18,6 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Callable
 
 from mgpu.config import Config, save_config

@@ -25,7 +25,7 @@ from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, 
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
 from mgpu.ddp import replay_bucket_rebuild, wrap
-from mgpu.distributed import DistContext, all_reduce, barrier, broadcast_object
+from mgpu.distributed import DistContext, all_reduce, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
 from mgpu.loader import Batches, make_loader
@@ -124,6 +124,7 @@ class Trainer:
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         self._loss_count = 0
         self._grad_norm = torch.zeros((), device=self.device)
+        self._step_lr = self.optimizer.param_groups[0]["lr"]
         self.agreement = StopAgreement(stop)
         self._check_every = cfg.preemption.check_every_steps or 1
         self.step_ends: list[float] = []
@@ -308,6 +309,7 @@ class Trainer:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
+        self._step_lr = self.optimizer.param_groups[0]["lr"]  # this step's; after scheduler.step() it is the next's
         self.scheduler.step()
         self._window_steps += 1
         self._window_samples += total
@@ -331,7 +333,7 @@ class Trainer:
             self._check_every = 1 << int(math.log2(max(1.0, AGREE_EVERY_S / max(mean_step, 1e-6))))
         metrics = {
             "loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": self._step_lr,
             "grad_norm": float(self._grad_norm),
             "samples_per_s": self._window_samples / max(elapsed, 1e-9),
             "step_time_s": step_time,
@@ -342,11 +344,23 @@ class Trainer:
         p = self.progress
         self.reporter.scalars(p.step, metrics, "train")
         self.reporter.progress(p.step, p.epoch, metrics)
+        if self.is_main:
+            # The heartbeat status reads, and a fingerprint of the weights two runs can be compared by.
+            self.ledger.write("progress", step=p.step, epoch=p.epoch, total_steps=self.total_steps,
+                              metrics={k: round(v, 6) for k, v in metrics.items()},
+                              fingerprint=self._fingerprint())
         if not self.reporter.bar:
             self.reporter.line(f"step {p.step}/{self.total_steps} epoch {p.epoch}  {format_metrics(metrics)}")
         self._loss_sum.zero_()
         self._loss_count = 0
         self._window_start, self._window_steps, self._window_samples = time.perf_counter(), 0, 0
+
+    def _fingerprint(self) -> str:
+        """A cheap digest of the weights (float64 sums of every parameter, hex): equal runs print equal ones."""
+        with torch.no_grad():
+            sums = torch.stack([param.detach().double().sum() for param in self.model.parameters()])
+            total = (sums * torch.arange(1, len(sums) + 1, dtype=torch.float64, device=sums.device)).sum().item()
+        return float(total).hex()
 
     # ------------------------------------------------------------------ evaluation
     def _eval_due(self, epoch_end: bool) -> bool:

@@ -12,207 +12,22 @@ in partition `high` must preempt it. Steps sleep (SlowBlobTask) so that signals 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
-from slurm_helpers import DONE, final_state, hostnames, job, runs, sacct, sbatch, wait_until
+from job_helpers import (BLOB, SLOW, SLOW_STEPS, SLOW4, TWO_RANKS, FOUR_RANKS, ALL_CPUS, KILL_WAIT_S, submit, submit_one, preempt, cancel, job_output, events, wait_steps, mid_epoch, checkpoint_state, assert_same_training, assert_resumed_where_stopped, rank_record, assert_placement, Reference)
+from slurm_helpers import DONE, final_state, job, runs, wait_until
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.environment import derive_master_port
-from mgpu.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env
-from tests.test_trainer import assert_identical
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster
 
 pytestmark = pytest.mark.slurm
-
-SUBMIT = str(ROOT / "jobs" / "submit.py")
-TRAIN = str(ROOT / "jobs" / "train.py")
-TORCHRUN = str(Path(PYTHON).parent / "torchrun")
-
-# A quick job: 40 samples, 4 per rank; 2 epochs.
-BLOB = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=4", "log.every_steps=1"]
-# The job that gets interrupted: 0.2 s per step; 2 ranks x 2 samples -> 10 steps per epoch, 30 in all;
-# a checkpoint every 2 steps (what a killed rank resumes from). Dropout, batch norm, warmup + cosine.
-SLOW = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.2", "train.epochs=3", "data.batch_size=2",
-        "log.every_steps=1", "checkpoint.every_steps=2", "schedule.name=cosine", "schedule.warmup_steps=3",
-        "optim.lr=0.01"]
-SLOW_STEPS = 30
-STEPS_PER_EPOCH = 10
-# World size 4 (2 nodes x 2 ranks): 40 samples, 1 per rank -> 10 steps per epoch as well. No batch norm
-# (one sample per rank per step). find_unused_parameters: it stops DDP from rebuilding its gradient
-# buckets after the first step of each run. With the rebuild, the first step after a resume reduces in
-# the initial bucket layout where an uninterrupted run uses the rebuilt one, and with 3+ ranks gloo's
-# ring all-reduce then sums some elements in another order: a resumed world-4 run differs in the last
-# bits (seen with a plain --stop-at-step resume too; 2 ranks are immune, a + b == b + a). A trainer
-# matter, not the job protocol's: with it switched off, what is checked here is the protocol.
-SLOW4 = [*SLOW, "data.batch_size=1", "task.args.batch_norm=false", "train.find_unused_parameters=true"]
-TWO_RANKS = ["--nodes", "2", "--gpus-per-node", "1"]
-FOUR_RANKS = ["--nodes", "2", "--gpus-per-node", "2"]
-ALL_CPUS = ["--cpus-per-task", "4"]  # with 1 task per node: both nodes full, a `high` job must preempt
-KILL_WAIT_S = 5
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def submit(folder: Path, *args: str) -> tuple[list[str], list[Path]]:
-    """`jobs/submit.py --cluster slurm` into `folder`; the job ids and run directories it printed."""
-    cmd = [PYTHON, SUBMIT, "--cluster", "slurm", "--partition", "main", "--time", "10", "--folder", str(folder),
-           *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
-    ids = re.findall(r"^slurm job (\S+)$", proc.stdout, re.M)
-    dirs = [Path(p) for p in re.findall(r"^\s+run directory\s+(\S+)$", proc.stdout, re.M)]
-    assert ids and len(ids) == len(dirs), proc.stdout
-    return ids, dirs
-
-
-def submit_one(folder: Path, *args: str) -> tuple[str, Path]:
-    ids, dirs = submit(folder, *args)
-    assert len(ids) == 1
-    return ids[0], dirs[0]
-
-
-def preempt(cluster: SlurmCluster, node: str | None = None) -> str:
-    """A 1-CPU job in partition `high` (on `node`): Slurm must preempt what fills the node(s)."""
-    where = ["-w", node] if node else []
-    return sbatch(cluster, "-p", "high", "-N1", "-n1", *where, "-o", "/dev/null", "--wrap", "sleep 1")
-
-
-def cancel(cluster: SlurmCluster, *jobids: str) -> None:
-    for jobid in jobids:
-        if jobid:
-            cluster.run("scancel", jobid, check=False)
-
-
-def job_output(folder: Path, jobid: str) -> str:
-    """The tail of rank 0's submitit stdout and stderr (for assertion messages)."""
-    paths = [folder / "submitit" / f"{jobid}_0_log.{kind}" for kind in ("out", "err")]
-    return "\n".join(p.read_text()[-2000:] for p in paths if p.exists())
-
-
-def events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
-    found = read_ledger(run_dir / "events.jsonl")
-    return [e for e in found if name is None or e["event"] == name]
-
-
-def run_progress(run_dir: Path) -> tuple[int, list[int]]:
-    """(runs started, steps logged by the latest run) from rank 0's log, which every run appends to."""
-    path = run_dir / "logs" / "rank0.log"
-    text = path.read_text() if path.exists() else ""
-    parts = re.split(r"starts at step \d+", text)
-    return len(parts) - 1, [int(s) for s in re.findall(r"\bstep (\d+)/\d+", parts[-1])] if len(parts) > 1 else []
-
-
-def wait_steps(run_dir: Path, run: int, steps: int, timeout: float = 90,
-               when: Callable[[int], bool] = lambda step: True) -> int:
-    """Wait until run number `run` (1 = the first) has logged `steps` steps and its last step satisfies
-    `when`; returns that step."""
-    def ready() -> int | None:
-        started, logged = run_progress(run_dir)
-        if started == run and len(logged) >= steps and when(logged[-1]):
-            return logged[-1]
-        return None
-
-    return int(wait_until(f"run {run} of {run_dir.name} to log {steps} steps", ready, timeout, interval=0.1))
-
-
-def mid_epoch(step: int) -> bool:
-    """Far enough from the epoch's end that the stop (a few steps later at most) is mid-epoch too."""
-    return 1 <= step % STEPS_PER_EPOCH <= 4
-
-
-def checkpoint_state(run_dir: Path) -> dict[str, Any]:
-    loaded = CheckpointStore(run_dir / "checkpoints").latest()
-    assert loaded is not None, f"no checkpoint in {run_dir}"
-    return loaded.state
-
-
-def assert_same_training(run_dir: Path, reference: dict[str, Any]) -> None:
-    state = checkpoint_state(run_dir)
-    assert state["progress"]["step"] == reference["progress"]["step"] == SLOW_STEPS
-    assert_identical(state["model"], reference["model"], "model")
-    assert_identical(state["optimizer"], reference["optimizer"], "optimizer")
-    assert_identical(state["scheduler"], reference["scheduler"], "scheduler")
-
-
-def assert_resumed_where_stopped(run_dir: Path, stops: int) -> list[int]:
-    """`stops` preemption stops, each saved and resumed from at exactly that step; finished at the end."""
-    preempted = [e["step"] for e in events(run_dir, "preempted")]
-    resumed = [e["step"] for e in events(run_dir, "resumed")]
-    saved = {e["step"] for e in events(run_dir, "checkpoint_saved")}
-    assert len(preempted) == stops, events(run_dir)
-    assert resumed == preempted, f"resumed at {resumed}, stopped at {preempted}"
-    assert set(preempted) <= saved, f"stop steps {preempted} not all saved ({sorted(saved)})"
-    assert [e["restart"] for e in events(run_dir, "resumed")] == list(range(1, stops + 1))
-    finished = events(run_dir, "finished")
-    assert [(e["step"], e["restart"]) for e in finished] == [(SLOW_STEPS, stops)], finished
-    return preempted
-
-
-def rank_record(run_dir: Path, rank: int) -> dict[str, Any]:
-    return json.loads((run_dir / "logs" / f"rank{rank}.json").read_text())
-
-
-def assert_placement(cluster: SlurmCluster, jobid: str, run_dir: Path, world: int, per_node: int,
-                     launcher: str) -> None:
-    """Every rank's logs/rank<N>.json against Slurm's own view of the allocation."""
-    nodelist = sacct(cluster, jobid)[-1]["NodeList"]
-    nodes = hostnames(cluster, nodelist)
-    assert nodes == ["n1", "n2"], nodelist
-    pids = set()
-    for rank in range(world):
-        r = rank_record(run_dir, rank)
-        node_rank = rank // per_node  # Slurm's block distribution; torchrun's --node-rank=$SLURM_NODEID
-        want = {"launcher": launcher, "rank": rank, "local_rank": rank % per_node, "world_size": world,
-                "local_world_size": per_node, "node_rank": node_rank, "num_nodes": 2, "nodes": nodes,
-                "job_id": jobid, "restart_count": 0, "master_addr": nodes[0],
-                "master_port": derive_master_port(jobid), "slurmd_nodename": nodes[node_rank],
-                "hostname": nodes[node_rank], "backend": "gloo"}
-        assert {k: r[k] for k in want} == want, f"rank {rank}: {r}"
-        if launcher == "slurm":
-            assert r["gpus_per_node"] == per_node
-        pids.add((r["hostname"], r["pid"]))
-    assert len(pids) == world
-    started = events(run_dir, "started")
-    assert [(e["world_size"], e["nodes"], e["launcher"]) for e in started] == [(world, nodes, launcher)]
-    assert len(events(run_dir, "finished")) == 1
-
-
-# --------------------------------------------------------------------------- uninterrupted references
-class Reference:
-    """An uninterrupted torchrun run of SLOW (or SLOW4) on this machine, started in the background."""
-
-    def __init__(self, run_dir: Path, world: int, config: list[str]) -> None:
-        self.run_dir = run_dir
-        self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
-        port = str(29400 + os.getpid() % 500 + world)
-        self.proc = subprocess.Popen([TORCHRUN, "--nproc-per-node", str(world), "--master-port", port, TRAIN,
-                                      f"run.dir={run_dir}", *config], cwd=ROOT, env=base_env(), stdout=self.log,
-                                     stderr=subprocess.STDOUT)
-        self._state: dict[str, Any] | None = None
-
-    def state(self) -> dict[str, Any]:
-        if self._state is None:
-            rc = self.proc.wait(timeout=180)
-            self.log.close()
-            out = Path(self.log.name).read_text()
-            assert rc == 0, f"reference run failed:\n{out[-3000:]}"
-            self._state = checkpoint_state(self.run_dir)
-        return self._state
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-        self.log.close()
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,222 @@
+"""The fault matrix on the real test cluster: each scenario (tests/e2e/fault_matrix.py) is a 2-node job
+submitted with jobs/submit.py, stopped by a real Slurm event at a chosen moment, and followed to its end.
+
+Every scenario checks: the job ends or comes back as the README's table says (sacct's runs); a stop that
+gives a signal loses no step (each run resumes at the last step the previous one trained); the final
+checkpoint verifies and its weights, optimizer and schedule are bit-identical to an uninterrupted run;
+every wait is bounded. A job that stays down (scancel, or a disk that was full at its start) is
+resubmitted with the same command, which continues the same run. CI runs the seeded subset
+(`MGPU_FAULT_MATRIX` unset); `python tests/e2e/fault_matrix.py` runs them all and writes the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import pytest
+from fault_matrix import REPORT_ENV, SELECT_ENV, SIGNAL_KINDS, Scenario, all_scenarios, selected
+from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, checkpoint_state, events, job_output, preempt,
+                         rank_record, submit_one, wait_steps)
+from slurm_helpers import final_state, job, runs, wait_until
+
+from tests.conftest import fill
+from tests.test_trainer import assert_identical
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+# BlobTask's numerics (dropout, batch norm, warmup + cosine): 2 ranks x 2 samples, 10 steps an epoch, 30 in
+# all; a checkpoint every 2 steps (what a killed rank resumes from); an evaluation every 10 steps.
+MATRIX = ["task.target=tests.e2e.jobtasks:MatrixTask", "task.args.step_s=0.25", "task.args.later_step_s=0.25",
+          "task.args.eval_step_s=0.2", "train.epochs=3", "data.batch_size=2", "data.eval_batch_size=2",
+          "log.every_steps=1", "checkpoint.every_steps=2", "eval.every_steps=10", "schedule.name=cosine",
+          "schedule.warmup_steps=3", "optim.lr=0.01"]
+STEPS = 30
+FULL_FOR_S = 4.0
+# The time limit's signal comes at Slurm's 30 s check, 20-50 s into a `--time 1 --signal-lead 10` job:
+# a first run of 30 x 2 s steps always meets it; the run after the requeue is quick.
+TIME_LIMIT = ["--time", "1", "--signal-lead", "10", "task.args.step_s=2.0", "task.args.later_step_s=0.05"]
+ORDER = {s.id: i for i, s in enumerate(all_scenarios())}
+
+
+@pytest.fixture(scope="module")
+def reference(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
+    ref = Reference(tmp_path_factory.mktemp("matrix-reference") / "run", 2,
+                    [*MATRIX, "task.args.step_s=0", "task.args.later_step_s=0", "task.args.eval_step_s=0"])
+    try:
+        yield ref
+    finally:
+        ref.close()
+
+
+# ------------------------------------------------------------------------------------------ moments
+def _eval_started(markers: Path) -> bool:
+    """An evaluation of the first run is under way (call 1 is the start-up check of eval.metric)."""
+    path = markers / "eval"
+    return path.exists() and any(line.split() == ["0", str(n)] for line in path.read_text().splitlines()
+                                 for n in range(2, 100))
+
+
+def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, run_dir: Path, markers: Path) -> int:
+    """Wait for the scenario's moment; the run (1 = the job's first) it lands in."""
+    moment = scenario.moment
+    if moment == "rendezvous":
+        wait_until("the job to start", lambda: job(cluster, jobid).get("JobState") == "RUNNING", 90, 0.05)
+        return 1
+    if moment == "first-step-after-resume":
+        wait_steps(run_dir, run=1, steps=3)
+        cluster.run("scontrol", "requeue", jobid)
+        wait_steps(run_dir, run=2, steps=1, timeout=120)
+        return 2
+    if moment == "mid-step":
+        if scenario.kind != "time-limit":  # that one comes by itself
+            wait_steps(run_dir, run=1, steps=3)
+        return 1
+    if moment == "evaluation":
+        wait_until("an evaluation", lambda: _eval_started(markers), 120, 0.02)
+        return 1
+    assert moment == "checkpoint-write", moment
+    ckpt = run_dir / "checkpoints"
+    wait_until("a checkpoint write", lambda: ckpt.is_dir() and any(ckpt.glob(".tmp-step_*")), 120, 0.01)
+    return 1
+
+
+def _rank_pid(folder: Path, run_dir: Path, run: int) -> int:
+    """A training rank's pid (rank 1 once the ranks have recorded themselves in this run, else any task)."""
+    try:
+        record = rank_record(run_dir, 1)
+        if record["restart_count"] == run - 1:
+            return int(record["pid"])
+    except (OSError, ValueError, KeyError):
+        pass
+    for pid in sorted((int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()), reverse=True):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if comm.startswith("python") and b"submitit.core._submit" in cmdline and str(folder).encode() in b" ".join(cmdline):
+            return pid
+    raise AssertionError(f"no training process of {folder} found")
+
+
+def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, run_dir: Path, run: int,
+         highs: list[str]) -> None:
+    kind = scenario.kind
+    if kind.startswith("preempt"):
+        highs.append(preempt(cluster))
+    elif kind == "scancel":
+        cluster.run("scancel", jobid)
+    elif kind == "scancel-usr2":
+        cluster.run("scancel", "--signal=USR2", jobid)
+    elif kind == "outside-requeue":
+        cluster.run("scontrol", "requeue", jobid)
+    elif kind == "kill-rank":
+        os.kill(_rank_pid(folder, run_dir, run), signal.SIGKILL)
+    elif kind == "disk-full":
+        ballast = fill(folder)
+        threading.Timer(FULL_FOR_S, lambda: ballast.unlink(missing_ok=True)).start()
+    else:
+        assert kind == "time-limit", kind
+
+
+# ------------------------------------------------------------------------------------------- checks
+def run_logs(run_dir: Path) -> list[tuple[int, list[int]]]:
+    """(start step, steps logged) of every run, in order, from rank 0's log (every run appends to it)."""
+    text = (run_dir / "logs" / "rank0.log").read_text()
+    parts = re.split(r"starts at step (\d+)", text)
+    return [(int(parts[i]), [int(s) for s in re.findall(r"\bstep (\d+)/\d+", parts[i + 1])])
+            for i in range(1, len(parts), 2)]
+
+
+def steps_lost(run_dir: Path) -> list[int]:
+    """For each restart: the steps the previous run trained beyond where the next one started."""
+    logged = run_logs(run_dir)
+    return [max([start, *steps]) - nxt for (start, steps), (nxt, _) in zip(logged, logged[1:])]
+
+
+ALLOWED = {  # each kind: the states sacct may show for the runs before the last (which must be COMPLETED)
+    "preempt-grace0": {"PREEMPTED", "REQUEUED"}, "preempt-grace10": {"REQUEUED"}, "scancel": set(),
+    "scancel-usr2": {"REQUEUED"}, "time-limit": {"REQUEUED"}, "outside-requeue": {"REQUEUED"},
+    "kill-rank": {"REQUEUED"}, "disk-full": {"REQUEUED"},
+}
+
+
+@pytest.mark.parametrize("scenario", [pytest.param(s, id=s.id) for s in selected(os.environ.get(SELECT_ENV))])
+def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
+                        reference: Reference, small_fs: Callable[[int], Path], tmp_path: Path) -> None:
+    grace = 10 if scenario.kind == "preempt-grace10" else 0
+    slurm_policy(grace=grace, user_signal=True)
+    ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" else []
+    folder = small_fs(1024 if ballast else 96) if scenario.kind == "disk-full" else tmp_path / "runs"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    args = [*TWO_RANKS, *ALL_CPUS, *MATRIX, f"data.num_workers={scenario.workers}", f"task.args.marker_dir={markers}",
+            *ballast, *(TIME_LIMIT if scenario.kind == "time-limit" else [])]
+    started = time.monotonic()
+    row: dict[str, Any] = {"order": ORDER[scenario.id], "id": scenario.id, "outcome": "", "stops": [], "lost": "-",
+                           "identical": False, "seconds": 0.0, "passed": False}
+    jobids: list[str] = []
+    highs: list[str] = []
+    try:
+        jobid, run_dir = submit_one(folder, *args)
+        jobids.append(jobid)
+        run = land(scenario, slurm_cluster, jobid, run_dir, markers)
+        fire(scenario, slurm_cluster, jobid, folder, run_dir, run, highs)
+        state = final_state(slurm_cluster, jobid, timeout=240)
+        outcome = runs(slurm_cluster, jobid)
+        if state != "COMPLETED":
+            # The job stays down: scancel, or a full disk at its start. The same command continues the run.
+            assert (scenario.kind, state) in {("scancel", "CANCELLED"), ("disk-full", "FAILED")}, \
+                (outcome, job_output(folder, jobid))
+            if scenario.kind == "scancel":
+                (preempted,) = [e for e in events(run_dir, "preempted") if e["job_id"] == jobid] or [None]
+                if preempted is not None:  # a stop was agreed (not a cancel before the ranks had started)
+                    assert checkpoint_state(run_dir)["progress"]["step"] == preempted["step"]
+            wait_until("the disk to be free again", lambda: time.monotonic() - started > FULL_FOR_S + 1, 30)
+            again, same_dir = submit_one(folder, *args)
+            jobids.append(again)
+            assert same_dir == run_dir
+            assert final_state(slurm_cluster, again, timeout=240) == "COMPLETED", job_output(folder, again)
+            outcome += ["(resubmitted)", *runs(slurm_cluster, again)]
+        row["outcome"] = " → ".join(outcome)
+        assert outcome[-1] == "COMPLETED", outcome
+        before_last = [s for s in outcome[:-1] if s != "(resubmitted)"]
+        allowed = ALLOWED[scenario.kind] | ({"REQUEUED"} if scenario.moment == "first-step-after-resume" else set())
+        allowed |= {"CANCELLED"} if scenario.kind == "scancel" else {"FAILED"} if scenario.kind == "disk-full" else set()
+        assert set(before_last) <= allowed, outcome
+        row["stops"] = [e["step"] for e in events(run_dir, "preempted")]
+        lost = steps_lost(run_dir)
+        row["lost"] = max(lost, default=0)
+        if scenario.kind in SIGNAL_KINDS:
+            assert all(n == 0 for n in lost), f"steps lost at the restarts: {lost}"
+        elif scenario.kind == "kill-rank":
+            assert all(n <= 2 for n in lost), lost  # back to the last checkpoint, at most checkpoint.every_steps
+        state_now = checkpoint_state(run_dir)
+        assert state_now["progress"]["step"] == STEPS
+        ref = reference.state()
+        assert_identical({k: v for k, v in state_now["model"].items() if k != "ballast"}, ref["model"], "model")
+        assert_identical(state_now["optimizer"], ref["optimizer"], "optimizer")
+        assert_identical(state_now["scheduler"], ref["scheduler"], "scheduler")
+        row["identical"] = True
+        if scenario.kind == "disk-full":
+            failures = events(run_dir, "checkpoint_failed")
+            assert all("ENOSPC" in e["error"] for e in failures), failures
+        row["passed"] = True
+    finally:
+        row["seconds"] = round(time.monotonic() - started, 1)
+        cancel(slurm_cluster, *jobids, *highs)
+        report = os.environ.get(REPORT_ENV)
+        if report:
+            with open(report, "a") as file:
+                file.write(json.dumps(row) + "\n")
+
