@@ -59,7 +59,11 @@ class Task(ABC):
 
     @abstractmethod
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """Per-sample training losses, shape `[batch]`; the trainer averages them."""
+        """Per-sample training losses, shape `[batch]`; the trainer averages them.
+
+        On a run resumed on 3+ ranks it is called once more, before the first step, and its result thrown
+        away (mgpu.ddp: the pass that makes DDP reduce as the unbroken run did); keep it free of side
+        effects other than on the model's buffers and the random generators."""
 
     def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
         """Per-sample evaluation values, each shape `[batch]`; averaged over the whole eval set."""

@@ -228,8 +228,9 @@ class Trainer:
             for group in self._optimizer_steps():
                 if p.step >= self.total_steps:
                     break
-                if p.step == self.resume_step and p.step > 0 and self.world > 1:
-                    # Reduce the coming steps in the bucket layout the unbroken run had (see mgpu.ddp).
+                if p.step == self.resume_step and p.step > 0 and self.world > 2:
+                    # Reduce the coming steps in the bucket layout the unbroken run had (see mgpu.ddp); with 2
+                    # ranks every layout sums alike (a + b), and the task's loss is not called once more.
                     replay_bucket_rebuild(self.ddp, p.step, lambda ddp: self._throwaway_pass(ddp, group[-1]))
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
