@@ -82,7 +82,7 @@ def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[s
         trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), ctx, RunDir(Path(run_dir)),
                           Ledger(None), StopRequest())
         trainer.fit()
-    return trainer.step_ends
+    return list(trainer.step_ends)
 
 
 def step_time(ends: list[float]) -> float:

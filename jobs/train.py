@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -56,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     except JobStopped as stopped:
         print(f"train: {stopped}", file=sys.stderr, flush=True)
         return STOPPED_EXIT_CODE
+    except Exception as error:  # not the user's input: keep the traceback, then say what it means
+        from mgpu.job import failure_note
+
+        traceback.print_exc()
+        print(f"train: {failure_note(error, cfg)}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["passes_before_rebuild", "replay_bucket_rebuild", "wrap"]
+__all__ = ["passes_before_rebuild", "replay_bucket_rebuild", "sync_buffers", "wrap"]
 
 
 def wrap(model: nn.Module, device: torch.device, find_unused_parameters: bool, static_graph: bool
@@ -83,3 +83,15 @@ def replay_bucket_rebuild(ddp: DistributedDataParallel, synced_passes_done: int,
             submodule.training = mode
         ddp.require_forward_param_sync, ddp.require_backward_grad_sync = flags
     return passes
+
+
+def sync_buffers(module: nn.Module) -> None:
+    """Rank 0's buffers on every rank (a collective), as DDP's next forward would make them.
+
+    Between forwards each rank keeps its own BatchNorm statistics; an evaluation of the plain module
+    would then see different statistics on each rank, and other ones after a resume (every rank loads
+    rank 0's). Evaluating with rank 0's changes no training step: DDP broadcasts them at each forward."""
+    import torch.distributed as dist
+
+    for buffer in module.buffers():
+        dist.broadcast(buffer, src=0)

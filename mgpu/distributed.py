@@ -75,13 +75,16 @@ def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | Non
     """Intra-op threads for each of `local_world_size` ranks sharing this machine's usable CPUs, or None
     to keep torch's default: a world of one, or OMP_NUM_THREADS set by the user (or by srun's
     templates). Without it every rank starts a thread per core and N ranks oversubscribe the cores
-    N-fold (measured: the 2-rank quick start took twice as long on 2 cores). Lightning does the same."""
+    N-fold (measured: the 2-rank quick start took twice as long on 2 cores). Lightning does the same.
+    Where Slurm bound each task to its own CPUs (SLURM_CPU_BIND_TYPE, e.g. `mask_cpu:`), the usable CPUs
+    are this task's alone and are not divided again."""
     environ = os.environ if environ is None else environ
     if local_world_size <= 1 or environ.get("OMP_NUM_THREADS"):
         return None
     if usable_cpus is None:
         usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, usable_cpus // local_world_size)
+    bound = environ.get("SLURM_CPU_BIND_TYPE", "").strip(":,").lower() not in ("", "none")
+    return max(1, usable_cpus if bound else usable_cpus // local_world_size)
 
 
 def _init_method(env: ProcessEnv) -> str:
@@ -119,12 +122,28 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
         kwargs["store"] = dist.HashStore()  # a world of one needs no port at all
     else:
         kwargs["init_method"] = _init_method(env)
-    dist.init_process_group(**kwargs)
+    try:
+        dist.init_process_group(**kwargs)
+    except (dist.DistStoreError, dist.DistNetworkError) as error:
+        raise MgpuError(_rendezvous_failure(env, timeout, error)) from None
     try:
         yield DistContext(env=env, device=device, backend=backend)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _rendezvous_failure(env: ProcessEnv, timeout: timedelta, error: Exception) -> str:
+    """One line for a rendezvous that did not complete: who waited for whom, and where to look."""
+    where = f"{env.master_addr}:{env.master_port}"
+    seen = " ".join(str(error).split())[:160]
+    if env.rank == 0:
+        what = f"rank 0 waited {timeout.total_seconds():.0f} s at {where} for all {env.world_size} ranks ({seen})"
+    else:
+        what = f"rank {env.rank} could not reach rank 0 at {where} within {timeout.total_seconds():.0f} s ({seen})"
+    return (f"rendezvous failed: {what}: check that every task started (squeue, sacct), that "
+            f"{env.master_addr} resolves on every node and port {env.master_port} is free; "
+            f"distributed.init_timeout_s sets the wait")
 
 
 def get_rank() -> int:

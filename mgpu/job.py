@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from mgpu.requeue import Budget
     from mgpu.rundir import RunDir
 
-__all__ = ["JobStopped", "TrainJob", "resume_command", "run_job"]
+__all__ = ["JobStopped", "TrainJob", "failure_note", "resume_command", "run_job"]
 
 log = logging.getLogger("mgpu.job")
 STOPPED_EXIT_CODE = 3
@@ -55,6 +55,50 @@ def resume_command(env: ProcessEnv) -> str:
     if env.launcher == "torchrun":
         return "the same torchrun command"
     return f"cd {shlex.quote(os.getcwd())} && {shlex.join([os.path.basename(sys.executable), *sys.argv])}"
+
+
+def _task_frame(error: BaseException, target: str) -> str | None:
+    """`file:line in function` of the innermost traceback frame in the task's own module, if any."""
+    import importlib.util
+    import traceback
+
+    module = target.partition(":")[0]
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    origin = os.path.realpath(spec.origin) if spec and spec.origin else None
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if origin and os.path.realpath(f.filename) == origin]
+    if not frames:
+        return None
+    frame = frames[-1]
+    return f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"
+
+
+def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = None) -> str:
+    """The one line under a failure's traceback: where it came from, and what happens to the job now."""
+    from mgpu.ledger import read_ledger
+    from mgpu.recovery import Limits, failure_requeues
+    from mgpu.rundir import RunDir
+    from mgpu.slurm_job import owns_slurm_job
+
+    where = _task_frame(error, cfg.task.target)
+    what = (f"the task's code raised {type(error).__name__} at {where}" if where
+            else f"training failed with {type(error).__name__}")
+    try:
+        env = env or detect_environment()
+        run = RunDir.of(cfg.run)
+        if not owns_slurm_job():
+            return f"{what}; not a Slurm job, so nothing requeues it: fix it, then {resume_command(env)}"
+        limits = Limits.from_environ()
+        used = failure_requeues(read_ledger(run.ledger), env.job_id)
+    except MgpuError as inner:
+        return f"{what}; whether the job comes back is unknown ({inner})"
+    if used >= limits.max_failures:
+        return (f"{what}; the failure budget is spent ({used} of {limits.max_failures}): the job stays down; "
+                f"fix it, then {resume_command(env)}")
+    return (f"{what}; the job is requeued from its last checkpoint (failure requeue {used + 1} of "
+            f"{limits.max_failures}), unless it was cancelled")
 
 
 def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
@@ -149,4 +193,11 @@ class TrainJob:
         self.config_path = config_path
 
     def __call__(self) -> dict[str, Any]:
-        return run_job(config_from_dict(self.config), self.config_path)
+        cfg = config_from_dict(self.config)
+        try:
+            return run_job(cfg, self.config_path)
+        except (MgpuError, JobStopped, SystemExit):
+            raise
+        except Exception as error:
+            print(f"mgpu: {failure_note(error, cfg)}", file=sys.stderr, flush=True)
+            raise

@@ -96,8 +96,8 @@ class StopAgreement:
     multiple of `every` and reads it one step later, when it has long finished: every rank stops at
     the same step, at most `every + 1` steps after a flag was raised, for one small reduction per
     `every` steps. With `every == 1` each step reads the previous step's reduction and starts the next.
-    When `every` changes, a reduction in flight is read at the first step after a multiple of the new
-    value; powers of two (see the trainer) keep the old multiples among the new ones.
+    When `every` changes, a reduction in flight is still read at the step after it started.
+    `now()` agrees at once (blocking), for long stretches between steps such as an evaluation.
     The reduction runs on a gloo side group with CPU tensors: with NCCL it never synchronises the GPU
     stream. A world of one needs no collective and answers at once.
     """
@@ -110,6 +110,7 @@ class StopAgreement:
         # Every rank constructs this at the same point: new_group is itself a collective.
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._pending: tuple[Any, torch.Tensor] | None = None
+        self._pending_step = -1
 
     def at_step(self, step: int, every: int) -> set[str]:
         """The agreed stop reasons at this step boundary (empty: go on). Call it at every step with the
@@ -117,19 +118,37 @@ class StopAgreement:
         if self.group is None:
             return _decode_list(self.stop.flags())  # nobody to agree with: free at every step
         agreed: set[str] = set()
-        if every == 1 or step % every == 1:
+        # A reduction started at an earlier step is read at the first step after it, whatever `every` has
+        # become since: a stop comes at most `every + 1` steps after the flag even when the interval grows.
+        if self._pending is not None and self._pending_step < step:
             agreed = self._collect()
         if not agreed and step % every == 0:
-            self._start()
+            self._start(step)
         return agreed
 
-    def _start(self) -> None:
+    def now(self) -> set[str]:
+        """A blocking agreement, for points between steps that every rank reaches alike (e.g. every k-th
+        evaluation batch): a reduction in flight is read first, so the side group's order stays the same."""
+        if self.group is None:
+            return _decode_list(self.stop.flags())
+        import torch
+        import torch.distributed as dist
+
+        agreed = self._collect()
+        if agreed:
+            return agreed
+        flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
+        return _decode_list(flags.tolist())
+
+    def _start(self, step: int) -> None:
         import torch
         import torch.distributed as dist
 
         if self._pending is None:
             flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
             self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
+            self._pending_step = step
 
     def _collect(self) -> set[str]:
         if self._pending is None:

@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from mgpu.errors import MgpuError
+from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.requeue import Budget, decide, requeue
 from mgpu.rundir import RunDir
@@ -133,6 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     if args.exit_code == 0 or not owns_slurm_job():
+        return args.exit_code
+    if args.exit_code == USAGE_EXIT_CODE:
+        # jobs/train.py's exit for bad input or a full disk (mgpu.errors): the same again on a requeue. The
+        # ledger says so too, when it could be written; a full disk may have stopped that.
+        print(f"mgpu.recovery: the step exited {USAGE_EXIT_CODE} (bad input or a full disk, see its one-line "
+              "error): not requeued; fix it, then resubmit", file=sys.stderr, flush=True)
         return args.exit_code
     try:
         run = _run_dir(args)

@@ -32,7 +32,9 @@ def capture_rng_state() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        # This rank's own device only: a resume may see another number of devices (--gpus-per-task=1
+        # then all visible), and restoring by index would then fail or seed another GPU.
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -45,4 +47,12 @@ def restore_rng_state(state: dict[str, Any]) -> None:
                          numpy_state["pos"], numpy_state["has_gauss"], numpy_state["cached_gaussian"]))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state(_this_device_state(state["cuda"], torch.cuda.current_device()))
+
+
+def _this_device_state(saved: Any, device: int) -> Any:
+    """The saved CUDA generator state of this rank's device: one state (this format), or the per-visible-
+    device list older checkpoints hold, of which the rank's device was the one at its index (or the only one)."""
+    if isinstance(saved, (list, tuple)):
+        return saved[device] if device < len(saved) else saved[0]
+    return saved

@@ -14,10 +14,12 @@ import gc
 import json
 import logging
 import os
+import shutil
 import socket
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable
 
 from mgpu.config import Config, save_config
@@ -60,7 +62,10 @@ def _record_rank(run: RunDir, env: ProcessEnv, device: str, backend: str) -> Non
     record = {**dataclasses.asdict(env), "device": device, "backend": backend, "hostname": socket.gethostname(),
               "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid(),
               "cpu_threads": torch.get_num_threads()}
-    run.rank_record(env.rank).write_text(json.dumps(record, indent=1))
+    try:
+        run.rank_record(env.rank).write_text(json.dumps(record, indent=1))
+    except OSError as error:  # a full disk: the record is for debugging, training must not stop for it
+        log.warning("cannot write %s: %s", run.rank_record(env.rank), error.strerror)
 
 
 def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
@@ -75,18 +80,32 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     """
     env = env or detect_environment()
     import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
-
-    from mgpu.distributed import process_group
-    from mgpu.preemption import StopRequest
-    from mgpu.trainer import Trainer
-
     run = RunDir.of(cfg.run)
+    for path in (run.path, run.checkpoints, run.tensorboard):
+        if path.exists() and not path.is_dir():
+            raise MgpuError(f"{path} is a file, not a directory: move it away, or start another run (run.name=...)")
+    created = _first_missing(run.path)  # what this attempt creates, to remove again if it never trains
     try:
         run.logs.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise MgpuError(f"run directory {run.path}: cannot create it ({error.strerror}): set run.root (or "
                         f"jobs/submit.py --folder) to a writable directory") from None
     setup_logging(run, env.rank)
+    began: list[bool] = []
+    try:
+        return _train(cfg, config_path, stop_at_step, env, stop, on_failure, run, began)
+    except MgpuError:
+        if created is not None and not began:
+            _discard(run, env.rank, created)  # bad input found before any training: leave no trace of the attempt
+        raise
+
+
+def _train(cfg: Config, config_path: str | None, stop_at_step: int | None, env: ProcessEnv, stop: Any,
+           on_failure: Callable[[BaseException], None] | None, run: RunDir, began: list[bool]) -> tuple[Any, Ledger]:
+    from mgpu.distributed import process_group
+    from mgpu.preemption import StopRequest
+    from mgpu.trainer import Trainer
+
     ledger = Ledger(run.ledger if env.rank == 0 else None, env.job_id, env.restart_count)
     started = time.time()
     # Signals are caught from here on: one arriving during the rendezvous or the resume is not lost.
@@ -103,6 +122,7 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
         task = build_task(cfg.task.target, cfg.task.args)
         try:
             trainer = Trainer(cfg, task, ctx, run, ledger, stop, stop_at_step)
+            began.append(True)
             if env.rank == 0:
                 # Only now: a resume refused for an unsafe config change leaves the run's config.yaml as it was.
                 save_config(cfg, run.config)
@@ -132,6 +152,31 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
             run.release(env.job_id)
     log.info("%s at step %d (run directory %s)", result.status, result.step, run.path)
     return result, ledger
+
+
+def _first_missing(path: Path) -> Path | None:
+    """The outermost directory of `path` that does not exist yet (None: `path` exists)."""
+    missing = None
+    while not path.exists() and path != path.parent:
+        missing, path = path, path.parent
+    return missing
+
+
+def _discard(run: RunDir, rank: int, created: Path) -> None:
+    """Remove what this attempt created in a run directory it created itself, up to `created` (each rank its
+    own files, rank 0 the rest; the last to finish removes the emptied directories)."""
+    root = logging.getLogger("mgpu")
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    if rank == 0:
+        shutil.rmtree(run.path, ignore_errors=True)
+    for path in (run.rank_log(rank), run.rank_record(rank)):
+        path.unlink(missing_ok=True)
+    directories = [run.logs, run.path, *[p for p in run.path.parents if created in (p, *p.parents)]]
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            directory.rmdir()
 
 
 def _claim(run: RunDir, env: ProcessEnv) -> None:

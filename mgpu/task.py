@@ -27,11 +27,11 @@ from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from mgpu.errors import MgpuError
 
-__all__ = ["Task", "TaskError", "build_task", "import_task_class"]
+__all__ = ["Task", "TaskError", "build_task", "import_task_class", "sized_dataset"]
 
 
 class TaskError(MgpuError):
@@ -101,3 +101,25 @@ def build_task(target: str, args: Mapping[str, Any]) -> Task:
         return cls(**dict(args))
     except TypeError as error:
         raise TaskError(f"task.args for {target}: {error}") from None
+
+
+def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | None:
+    """`dataset` if mgpu can shard and resume it (map-style, len() > 0); TaskError in one line otherwise.
+
+    `what` names the method that returned it; `optional`: None is allowed (no evaluation)."""
+    if dataset is None and optional:
+        return None
+    name = type(dataset).__name__
+    if isinstance(dataset, IterableDataset):
+        raise TaskError(f"{what} returned an IterableDataset ({name}): mgpu shards and resumes by sample index, "
+                        "so give it __len__ and __getitem__ (a stream of tokens becomes windows of a token file, "
+                        "as in jobs/tasks/gpt.py)")
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise TaskError(f"{what} returned a {name}, which has no len(): return a map-style dataset "
+                        "(__len__ and __getitem__)") from None
+    if size == 0:
+        fix = "return None to train without evaluation" if optional else "check the data the task reads"
+        raise TaskError(f"{what} is empty ({name} of length 0): {fix}")
+    return dataset  # type: ignore[no-any-return]

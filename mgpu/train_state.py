@@ -36,6 +36,8 @@ class Progress:
     samples_seen: int = 0
     best_metric: float | None = None
     evals_without_improvement: int = 0
+    eval_pending: bool = False
+    """A stop came in the middle of this step's evaluation: the resumed run evaluates first."""
 
 
 def code_version(root: Path | None = None) -> str | None:

@@ -8,14 +8,16 @@ by values that were all-reduced first.
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import dataclasses
 import logging
 import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Iterator, Literal, Mapping
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from torch.utils.data import DataLoader, Dataset
 from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, check_loadable
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
-from mgpu.ddp import replay_bucket_rebuild, wrap
+from mgpu.ddp import replay_bucket_rebuild, sync_buffers, wrap
 from mgpu.distributed import DistContext, all_reduce, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
@@ -34,13 +36,14 @@ from mgpu.preemption import StopAgreement, StopRequest
 from mgpu.reporting import Reporter, format_metrics
 from mgpu.rundir import RunDir
 from mgpu.rng import seed_everything
-from mgpu.task import Task
+from mgpu.task import Task, sized_dataset
 from mgpu.train_state import Progress, code_version, gather_state, restore_state
 
 __all__ = ["FitResult", "Trainer"]
 
 log = logging.getLogger("mgpu.train")
 AGREE_EVERY_S = 1.0
+STEP_ENDS_KEPT = 100_000  # a week of 6 s steps; bounded so that a long run does not grow it forever
 
 
 @dataclass(frozen=True)
@@ -57,13 +60,27 @@ class FitResult:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` with every tensor in it on `device`: tensors, lists, tuples, namedtuples, dicts, dataclasses."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields positionally
+        return type(batch)(*(to_device(item, device) for item in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(item, device) for item in batch)
     if isinstance(batch, dict):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        return type(batch)((key, to_device(value, device)) for key, value in batch.items())
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
+                                             for f in dataclasses.fields(batch) if f.init})
     return batch
+
+
+class EvalInterrupted(Exception):
+    """The ranks agreed to stop in the middle of an evaluation."""
+
+    def __init__(self, reasons: set[str]) -> None:
+        super().__init__(", ".join(sorted(reasons)))
+        self.reasons = reasons
 
 
 class Trainer:
@@ -76,8 +93,10 @@ class Trainer:
         self.is_main = self.rank == 0
         self.config_dict = config_to_dict(cfg)
 
-        self.train_set: Dataset = task.train_dataset()
-        self.eval_set: Dataset | None = task.eval_dataset()
+        # Checked before anything is built: an empty or streaming dataset fails here in one line.
+        self.train_set: Dataset = sized_dataset(task.train_dataset(), f"{type(task).__name__}.train_dataset()")  # type: ignore[assignment]
+        self.eval_set: Dataset | None = sized_dataset(task.eval_dataset(), f"{type(task).__name__}.eval_dataset()",
+                                                      optional=True)
         self.plan = ShardPlan(len(self.train_set), cfg.data.batch_size, self.rank, self.world,  # type: ignore[arg-type]
                               cfg.train.seed, cfg.data.shuffle)
 
@@ -127,8 +146,9 @@ class Trainer:
         self._step_lr = self.optimizer.param_groups[0]["lr"]
         self.agreement = StopAgreement(stop)
         self._check_every = cfg.preemption.check_every_steps or 1
-        self.step_ends: list[float] = []
-        """perf_counter() at the end of each optimizer step of this run (benchmarks read it)."""
+        self.step_ends: collections.deque[float] = collections.deque(maxlen=STEP_ENDS_KEPT)
+        """perf_counter() at the end of each of this run's latest optimizer steps (benchmarks read it)."""
+        self._check_eval_metric()  # before the run counts as started: a broken metric leaves no trace
 
     # ------------------------------------------------------------------ setup
     def _check_batch_norm_batches(self) -> None:
@@ -143,11 +163,16 @@ class Trainer:
 
     def _resolve_precision(self) -> torch.dtype:
         wanted = self.cfg.train.precision
-        if self.device.type != "cuda" or wanted == "fp32":
+        if self.device.type != "cuda":
+            if wanted in ("fp16", "bf16") and self.is_main:
+                log.warning("train.precision=%s: this rank has no GPU; training runs in fp32", wanted)
+            return torch.float32
+        if wanted == "fp32":
             return torch.float32
         if wanted == "fp16":
             return torch.float16
-        if wanted == "bf16" or torch.cuda.is_bf16_supported():
+        # auto: bf16 only where the GPU has it (Ampere and later), not emulated, which is slower than fp32.
+        if wanted == "bf16" or torch.cuda.is_bf16_supported(including_emulation=False):
             return torch.bfloat16
         return torch.float32
 
@@ -167,7 +192,8 @@ class Trainer:
         path = broadcast_object(path)
         if path is None:
             return Progress(), None
-        loaded = found if self.store is not None else CheckpointStore.load_dir(Path(path))  # type: ignore[possibly-undefined]
+        # Rank 0 verified it (sha256); the others load the same file without hashing it again.
+        loaded = found if self.store is not None else CheckpointStore.load_dir(Path(path), verify=False)  # type: ignore[possibly-undefined]
         changes = check_resume_compatible(loaded.state["config"], self.config_dict)
         if self.is_main:
             for change in changes:
@@ -215,7 +241,6 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
         cfg, p = self.cfg, self.progress
-        self._check_eval_metric()
         if self.is_main:
             self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
@@ -225,7 +250,10 @@ class Trainer:
         reasons: set[str] = set()
         self.model.train()
         try:
-            for group in self._optimizer_steps():
+            if p.eval_pending:  # a stop interrupted this step's evaluation: it comes first
+                early, reasons = self._evaluate_or_stop()
+                status = "early_stopped" if early else "stopped" if reasons else status
+            for group in self._optimizer_steps() if status == "finished" else ():
                 if p.step >= self.total_steps:
                     break
                 if p.step == self.resume_step and p.step > 0 and self.world > 2:
@@ -235,7 +263,7 @@ class Trainer:
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
                 p.step += 1
-                if len(self.step_ends) == 1 and self.is_main:
+                if p.step == self.resume_step + 1 and self.is_main:
                     self.ledger.write("first_step", step=p.step)
                 p.position = group[-1][0].end_position
                 p.samples_seen += sum(mb.global_count for mb, _ in group)
@@ -244,9 +272,11 @@ class Trainer:
                     p.epoch, p.position = p.epoch + 1, 0
                 if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
                     self._log_train()
-                if self._eval_due(epoch_end) and self._evaluate_and_track():
-                    status = "early_stopped"
-                    break
+                if self._eval_due(epoch_end):
+                    early, reasons = self._evaluate_or_stop()
+                    if early or reasons:
+                        status = "early_stopped" if early else "stopped"
+                        break
                 if self._checkpoint_due(epoch_end):
                     self._save("epoch" if epoch_end else "periodic")
                 if p.step >= self.total_steps:
@@ -256,12 +286,14 @@ class Trainer:
                 else:
                     reasons = self.agreement.at_step(p.step, self._check_every)
                 if reasons:
-                    log.info("stopping at step %d (%s; signals on this rank: %s)", p.step,
-                             ", ".join(sorted(reasons)), [name for name, _ in self.stop.received])
                     status = "stopped"
                     break
             if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
-                self._evaluate_and_track()
+                early, reasons = self._evaluate_or_stop()
+                status = "stopped" if reasons else status
+            if status == "stopped":
+                log.info("stopping at step %d (%s; signals on this rank: %s)", p.step, ", ".join(sorted(reasons)),
+                         [name for name, _ in self.stop.received])
             path = self._save("preemption" if status == "stopped" else "final", wait=True)
         finally:
             self.agreement.drain()
@@ -371,31 +403,52 @@ class Trainer:
         return (every > 0 and self.progress.step % every == 0) or (every == 0 and epoch_end)
 
     def _check_eval_metric(self) -> None:
-        """Fail now, not after the first epoch, if eval.metric is not one of the task's metrics."""
-        if self.eval_set is None or len(self.eval_set) == 0:  # type: ignore[arg-type]
+        """Fail now, not after the first epoch, if eval.metric is not one of the task's metrics or the
+        metrics are not one value per sample (on a two-sample batch)."""
+        if self.eval_set is None:
             return
-        batch = next(iter(self._loader(self.eval_set, [[0]], workers=0)))
+        probe = list(range(min(2, len(self.eval_set))))  # type: ignore[arg-type]
+        batch = next(iter(self._loader(self.eval_set, [probe], workers=0)))
         self.model.eval()
         with torch.no_grad(), self._autocast():
-            names = sorted(self.task.metrics(self.model, to_device(batch, self.device)))
+            values = self.task.metrics(self.model, to_device(batch, self.device))
         self.model.train()
+        task = type(self.task).__name__
+        if not isinstance(values, Mapping) or not values:
+            raise MgpuError(f"{task}.metrics must return a dict of name -> per-sample tensor, got {values!r:.80}")
+        for name, value in values.items():
+            if not (isinstance(value, torch.Tensor) and value.shape == (len(probe),)):
+                shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise MgpuError(f"{task}.metrics must return one value per sample (shape [batch]) for every metric: "
+                                f"{name!r} is {shape} on a batch of {len(probe)} (a mean? use reduction='none')")
+        names = sorted(values)
         if self.cfg.eval.metric not in names:
             raise MgpuError(f"eval.metric={self.cfg.eval.metric!r} is not one of the task's metrics {names}: "
                             f"set eval.metric to one of them")
 
     def evaluate(self) -> dict[str, float]:
-        """Mean of each metric over the whole eval set: per-sample sums and counts, all-reduced."""
+        """Mean of each metric over the whole eval set: per-sample sums and counts, all-reduced.
+
+        Raises EvalInterrupted when the ranks agree to stop midway: a long evaluation must not hold a
+        stop past Slurm's KillWait. They agree every `check_every` batches among those every rank has."""
         assert self.eval_set is not None
-        indices = eval_shard(len(self.eval_set), self.rank, self.world)  # type: ignore[arg-type]
+        size = len(self.eval_set)  # type: ignore[arg-type]
+        indices = eval_shard(size, self.rank, self.world)
         batch_size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+        common = -(-(size // self.world) // batch_size)  # batches of the rank with the fewest samples
         sums: dict[str, torch.Tensor] = {}
         count = 0
+        if self.world > 1:
+            sync_buffers(self.model)  # every rank evaluates with rank 0's statistics (see mgpu.ddp)
         # The plain module, not DDP: ranks run different numbers of eval batches, and DDP's forward
         # may run collectives (buffer broadcast) that would then never match up.
         self.model.eval()
         with torch.no_grad(), self._autocast():
-            for batch in self._batches(self.eval_set, batches):
+            for index, batch in enumerate(self._batches(self.eval_set, batches)):
+                if 0 < index < common and index % self._check_every == 0 and (reasons := self.agreement.now()):
+                    self.model.train()
+                    raise EvalInterrupted(reasons)
                 values = self.task.metrics(self.model, to_device(batch, self.device))
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0) + value.detach().double().sum()
@@ -407,10 +460,19 @@ class Trainer:
                                         [torch.tensor(float(count), dtype=torch.float64, device=self.device)]))
         return {name: (totals[i] / totals[-1].clamp(min=1)).item() for i, name in enumerate(names)}
 
+    def _evaluate_or_stop(self) -> tuple[bool, set[str]]:
+        """(early stopping says stop, the ranks' stop reasons): a stop agreed midway leaves it pending."""
+        try:
+            return self._evaluate_and_track(), set()
+        except EvalInterrupted as interrupted:
+            self.progress.eval_pending = True
+            return False, interrupted.reasons
+
     def _evaluate_and_track(self) -> bool:
         """Evaluate, log, keep the best checkpoint; True when early stopping says stop."""
         cfg, p = self.cfg.eval, self.progress
         metrics = self.evaluate()
+        p.eval_pending = False
         self._last_eval, self._last_metrics = p.step, metrics
         value = metrics[cfg.metric]
         improved = p.best_metric is None or (

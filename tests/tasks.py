@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -123,9 +125,10 @@ class SignalingBlobTask(SlowBlobTask):
     "metrics"); `eval_step_s` slows evaluation batches so a stop can land inside one."""
 
     def __init__(self, signals: str = "TERM", at: int = 5, where: str = "loss", eval_step_s: float = 0.0,
-                 **kwargs) -> None:
+                 once_file: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
         self.signals, self.at, self.where, self.eval_step_s = signals.split("+"), at, where, eval_step_s
+        self.once_file = once_file  # when set: signal only if this file does not exist yet (then create it)
         self.calls = {"loss": 0, "metrics": 0}
 
     def _maybe_signal(self, where: str) -> None:
@@ -134,6 +137,10 @@ class SignalingBlobTask(SlowBlobTask):
 
         self.calls[where] += 1
         if where == self.where and self.calls[where] == self.at and (not dist.is_initialized() or dist.get_rank() == 0):
+            if self.once_file:
+                if os.path.exists(self.once_file):
+                    return
+                open(self.once_file, "w").close()
             for name in self.signals:
                 os.killpg(os.getpgrp(), getattr(signal, f"SIG{name}"))
 
@@ -145,5 +152,92 @@ class SignalingBlobTask(SlowBlobTask):
         import time
 
         self._maybe_signal("metrics")
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"metrics call {self.calls['metrics']}", flush=True)
         time.sleep(self.eval_step_s)
         return super().metrics(model, batch)
+
+
+# ---------------------------------------------------------------- tasks that break the contract (bad input)
+class EmptyTrainTask(BlobTask):
+    def train_dataset(self) -> Dataset:
+        return Blobs(0, 0)
+
+
+class EmptyEvalTask(BlobTask):
+    def eval_dataset(self) -> Dataset:
+        return Blobs(0, 1)
+
+
+class StreamTask(BlobTask):
+    def train_dataset(self) -> Dataset:
+        from torch.utils.data import IterableDataset
+
+        class Stream(IterableDataset):
+            def __iter__(self):
+                yield from Blobs(8, 0)
+
+        return Stream()
+
+
+class NoLenTask(BlobTask):
+    def train_dataset(self) -> Dataset:
+        class NoLen(Dataset):
+            def __getitem__(self, i: int):
+                return Blobs(8, 0)[i]
+
+        return NoLen()
+
+
+class ScalarMetricTask(BlobTask):
+    def metrics(self, model: nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
+        x, y, _ = batch
+        return {"loss": F.cross_entropy(model(x), y)}  # a mean: not one value per sample
+
+
+class Opaque:
+    """Not a tensor, number, string, list or dict: torch.load(weights_only=True) refuses it."""
+
+
+class UnloadableStateTask(BlobTask):
+    """A model whose state_dict holds an Opaque (via get_extra_state): it saves, a resume could not load it."""
+
+    def build_model(self) -> nn.Module:
+        class WithExtra(nn.Sequential):
+            def get_extra_state(self):
+                return {"tokenizer": Opaque()}
+
+            def set_extra_state(self, state):
+                pass
+
+        return WithExtra(*super().build_model())
+
+
+# ---------------------------------------------------------------- batches that are not tuples of tensors
+class NamedBatchTask(BlobTask):
+    """Batches as a namedtuple holding a dataclass: the trainer moves them to the device as they are."""
+
+    def collate_fn(self):
+        return collate_named
+
+    def loss(self, model: nn.Module, batch) -> torch.Tensor:
+        return F.cross_entropy(model(batch.inputs.x), batch.y, reduction="none")
+
+    def metrics(self, model: nn.Module, batch) -> dict[str, torch.Tensor]:
+        logits = model(batch.inputs.x)
+        return {"loss": F.cross_entropy(logits, batch.y, reduction="none"),
+                "accuracy": (logits.argmax(1) == batch.y).float()}
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor
+    ids: torch.Tensor
+
+
+Pair = collections.namedtuple("Pair", "inputs y")
+
+
+def collate_named(samples: list) -> Pair:
+    x, y, ids = (torch.stack([torch.as_tensor(s[i]) for s in samples]) for i in range(3))
+    return Pair(Inputs(x, ids), y)

@@ -14,7 +14,7 @@ To add a case, append a `Case` to `CASES`: `argv` starts with the script (`submi
 directory, `Link(target)`: a symlink); `env` is added to a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 139, status 17, train 36 (192 in all); plus
+Cases by entry point (see `test_case_counts`): submit 139, status 17, train 45 (201 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -354,6 +354,27 @@ CASES: list[Case] = [
     _train("train 10**30 batch", f"data.batch_size={10**30}", expect="data.batch_size: must fit in 64 bits"),
     _train("train static graph with accumulation", "train.static_graph=true", "train.grad_accum=2",
            expect="train.static_graph: true with train.grad_accum=2 fails in torch's DDP"),
+    # ------------------------------------------------------------------ train: tasks that break the contract
+    # (each found before training starts; the run directory this attempt created is removed again)
+    _train("train empty training set", "task.target=tests.tasks:EmptyTrainTask", "run.root={tmp}/runs",
+           expect="EmptyTrainTask.train_dataset() is empty"),
+    _train("train streaming dataset", "task.target=tests.tasks:StreamTask", "run.root={tmp}/runs",
+           expect="StreamTask.train_dataset() returned an IterableDataset"),
+    _train("train dataset without len", "task.target=tests.tasks:NoLenTask", "run.root={tmp}/runs",
+           expect="NoLenTask.train_dataset() returned a NoLen, which has no len()"),
+    _train("train empty eval set", "task.target=tests.tasks:EmptyEvalTask", "run.root={tmp}/runs",
+           expect="EmptyEvalTask.eval_dataset() is empty (Blobs of length 0): return None"),
+    _train("train scalar metric", "task.target=tests.tasks:ScalarMetricTask", "run.root={tmp}/runs",
+           expect="ScalarMetricTask.metrics must return one value per sample (shape [batch]) for every metric: 'loss'"),
+    _train("train peers never come", "task.target=tests.tasks:BlobTask", "run.root={tmp}/runs",
+           "distributed.init_timeout_s=2", env={**TORCHRUN, "MASTER_PORT": "29557"},
+           expect="rendezvous failed: rank 0 waited 2 s at 127.0.0.1:29557 for all 2 ranks"),
+    _train("train run.dir is a file", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/f", files={"f": "x"},
+           expect="/f is a file, not a directory"),
+    _train("train run.dir under a file", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/f/run", files={"f": "x"},
+           expect="cannot create it (Not a directory)"),
+    _train("train checkpoints is a file", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/run",
+           files={"run/checkpoints": "x"}, expect="run/checkpoints is a file, not a directory"),
     _train("train billion laughs", "--config", "{tmp}/l.yaml",
            expect="more than 100000 values", files={"l.yaml": LAUGHS}),
     # ------------------------------------------------------------------ train: garbage in the launcher's variables
@@ -502,7 +523,7 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 139, "status": 17, "train": 36}, counts
+    assert counts == {"submit": 139, "status": 17, "train": 45}, counts
 
 
 @pytest.mark.parametrize("case", [

@@ -72,3 +72,33 @@ def test_smallest_micro_batch(num: int, batch: int, world: int, smallest: int) -
     sizes = [len(mb.indices) for plan in plans for mb in plan.micro_batches(0)]
     assert min(sizes) == plans[0].smallest_micro_batch() == smallest
     assert ShardPlan(41, 3, 0, 2).smallest_micro_batch(start=9) == 1  # 32 left: the last 2 split 1 + 1
+
+
+# ------------------------------------------------------------------------- CUDA generator states (D9)
+def test_cuda_rng_state_is_this_devices_whatever_the_format() -> None:
+    # No GPU here: the pure part. A checkpoint of the older format holds one state per visible device
+    # (4 on the saving node); a resume that sees one device (--gpus-per-task=1) takes its own, index 0.
+    from mgpu.rng import _this_device_state
+
+    per_device = ["s0", "s1", "s2", "s3"]
+    assert _this_device_state(per_device, 2) == "s2"
+    assert _this_device_state(per_device, 0) == "s0"
+    assert _this_device_state(["s0"], 3) == "s0"  # saved with one visible device, restored on device 3
+    assert _this_device_state("mine", 5) == "mine"  # this format: the saving rank's own device only
+
+
+# --------------------------------------------------------------------------- batches on the device (D13)
+def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
+    import torch
+
+    from mgpu.trainer import to_device
+    from tests.tasks import Inputs, Pair
+
+    meta = torch.device("meta")  # a device other than the CPU that needs no GPU
+    batch = {"pair": Pair(Inputs(torch.ones(2), torch.arange(2)), torch.zeros(2)), "list": [torch.ones(1), 3],
+             "tuple": (torch.ones(1),), "name": "x"}
+    moved = to_device(batch, meta)
+    assert isinstance(moved["pair"], Pair) and isinstance(moved["pair"].inputs, Inputs)
+    tensors = [moved["pair"].inputs.x, moved["pair"].inputs.ids, moved["pair"].y, moved["list"][0], moved["tuple"][0]]
+    assert all(t.device == meta for t in tensors)
+    assert moved["list"][1] == 3 and moved["name"] == "x" and type(moved["tuple"]) is tuple

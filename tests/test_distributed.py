@@ -46,6 +46,9 @@ def test_select_device_cpu_without_cuda() -> None:
     (8, {}, 4, 1),                                # more ranks than cores: one thread, never zero
     (2, {"OMP_NUM_THREADS": "3"}, 16, None),     # the user's (or srun template's) choice stands
     (2, {"OMP_NUM_THREADS": ""}, 16, 8),          # set but empty is unset
+    # Slurm bound each task to its own CPUs (srun --cpu-bind, task/affinity): the mask is this task's alone.
+    (4, {"SLURM_CPU_BIND_TYPE": "mask_cpu:"}, 8, 8),
+    (4, {"SLURM_CPU_BIND_TYPE": "none"}, 16, 4),  # no binding: the node's CPUs are shared
 ])
 def test_cpu_threads_per_rank(local_world: int, environ: dict[str, str], cpus: int, expected: int | None) -> None:
     assert cpu_threads_per_rank(local_world, environ, cpus) == expected

@@ -35,15 +35,22 @@ def test_the_first_ctrl_c_is_a_stop_the_second_interrupts() -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("every, flag_at, stop_at", [
-    (1, 7, 8),     # every step: shared at the next boundary, read one step later
-    (5, 7, 11),    # started at step 10 (a multiple of 5), read at 11
-    (5, 10, 11),   # raised just before the start at 10
-    (5, 11, 16),   # just after it: the next start, 15, then 16
+@pytest.mark.parametrize("every, flag_at, stop_at, change", [
+    (1, 7, 8, ()),     # every step: shared at the next boundary, read one step later
+    (5, 7, 11, ()),    # started at step 10 (a multiple of 5), read at 11
+    (5, 10, 11, ()),   # raised just before the start at 10
+    (5, 11, 16, ()),   # just after it: the next start, 15, then 16
+    # The interval grows from 4 to 8 at step 13, while the reduction started at 12 is in flight: it is read
+    # at 13 (it used to wait for a step that is 1 past a multiple of 8, 17, with the start at 16 skipped,
+    # so a flag raised at 13 waited for the start at 24: 12 steps); the flag goes out at 16, read at 17.
+    (4, 13, 17, (8, 13)),
+    (8, 9, 13, (4, 9)),  # shrinking: the start at 12 (a multiple of 4), read at 13
 ])
-def test_every_rank_stops_at_the_same_step(every: int, flag_at: int, stop_at: int, tmp_path: Path) -> None:
+def test_every_rank_stops_at_the_same_step(every: int, flag_at: int, stop_at: int, change: tuple[int, ...],
+                                           tmp_path: Path) -> None:
     cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 32000)),
-           str(ROOT / "tests" / "agreement_steps.py"), str(every), str(flag_at), str(tmp_path)]
+           str(ROOT / "tests" / "agreement_steps.py"), str(every), str(flag_at), str(tmp_path),
+           *map(str, change)]
     proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]

@@ -155,3 +155,39 @@ def test_a_foreign_slurm_job_id_is_never_asked_about(tmp_path: Path) -> None:
     assert "not a Slurm job" in result.stderr and "scontrol" not in result.stderr
     (decision,) = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "stop_decision"]
     assert (decision["what"], decision["requeue"]) == ("not_slurm", False)
+
+
+def test_a_bug_in_the_task_keeps_its_traceback_under_one_line_that_says_what_now(tmp_path: Path) -> None:
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.e2e.jobtasks:BuggyBlobTask",
+                             "task.args.fail_after=2", "task.args.step_s=0", "log.tensorboard=false"],
+                            env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert "Traceback (most recent call last):" in lines and lines[-2].startswith("ValueError: bug in the training")
+    assert re.fullmatch(r"train: the task's code raised ValueError at tests/e2e/jobtasks\.py:\d+ in loss; not a Slurm "
+                        r"job, so nothing requeues it: fix it, then cd .* && \S*python\S* .*jobs/train\.py .*",
+                        lines[-1]), lines[-1]
+
+
+def test_a_slurm_jobs_bug_says_it_will_be_requeued(tmp_path: Path) -> None:
+    env = slurm_env(tmp_path, MGPU_MAX_FAILURES="2", MGPU_RECOVERY="batch")  # the batch script requeues it
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.e2e.jobtasks:BuggyBlobTask",
+                             "task.args.fail_after=2", "task.args.step_s=0", "log.tensorboard=false"],
+                            env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "the job is requeued from its last checkpoint (failure requeue 1 of 2), unless it was cancelled")
+
+
+def test_a_state_a_resume_could_not_load_fails_at_the_first_save(tmp_path: Path) -> None:
+    # Days of training would otherwise save it fine and fail only at the first resume.
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:UnloadableStateTask",
+                             "checkpoint.every_steps=2", "train.epochs=3", "log.every_steps=1", "log.tensorboard=false"],
+                            env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("train: error: checkpoint state.model._extra_state.tokenizer holds a Opaque, which a "
+                           "resume cannot load with torch.load(weights_only=True)"), line
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").glob("step_*"))
+    steps = [e["step"] for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "progress"]
+    assert max(steps) == 2  # it stopped at the first save, not after training on

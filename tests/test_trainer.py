@@ -160,11 +160,13 @@ def test_unsafe_config_change_on_resume_is_refused(tmp_path: Path) -> None:
     run = ["task.target=tests.tasks:BlobTask", "train.epochs=1", "data.batch_size=8"]
     assert train(tmp_path, *run).returncode == 0
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").iterdir())
+    config = (tmp_path / "config.yaml").read_text()
     result = train(tmp_path, *run, "optim.lr=0.5")
     assert result.returncode == 2
     errors = [line for line in result.stdout.splitlines() if "error" in line]
     assert len(errors) == 1 and "optim.lr" in errors[0], result.stdout
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").iterdir()) == before
+    assert (tmp_path / "config.yaml").read_text() == config  # the refused run did not overwrite it (D11)
 
 
 def test_tensorboard_curve_never_overlaps_across_a_resume(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 import time
@@ -125,6 +126,7 @@ def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, ru
     elif kind == "disk-full":
         ballast = fill(folder)
         threading.Timer(FULL_FOR_S, lambda: ballast.unlink(missing_ok=True)).start()
+        highs.append(str(ballast))  # (not a job: the test waits for it to be gone before resubmitting)
     else:
         assert kind == "time-limit", kind
 
@@ -157,7 +159,7 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     grace = 10 if scenario.kind == "preempt-grace10" else 0
     slurm_policy(grace=grace, user_signal=True)
     ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" else []
-    folder = small_fs(1024 if ballast else 96) if scenario.kind == "disk-full" else tmp_path / "runs"
+    folder = small_fs((1024 if ballast else 96) * 1024) if scenario.kind == "disk-full" else tmp_path / "runs"
     markers = tmp_path / "markers"
     markers.mkdir()
     args = [*TWO_RANKS, *ALL_CPUS, *MATRIX, f"data.num_workers={scenario.workers}", f"task.args.marker_dir={markers}",
@@ -167,6 +169,7 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
                            "identical": False, "seconds": 0.0, "passed": False}
     jobids: list[str] = []
     highs: list[str] = []
+    run_dir = folder / "run"
     try:
         jobid, run_dir = submit_one(folder, *args)
         jobids.append(jobid)
@@ -178,11 +181,12 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             # The job stays down: scancel, or a full disk at its start. The same command continues the run.
             assert (scenario.kind, state) in {("scancel", "CANCELLED"), ("disk-full", "FAILED")}, \
                 (outcome, job_output(folder, jobid))
+            print(f"job {jobid} ended {state}:\n{job_output(folder, jobid)}")
             if scenario.kind == "scancel":
-                (preempted,) = [e for e in events(run_dir, "preempted") if e["job_id"] == jobid] or [None]
-                if preempted is not None:  # a stop was agreed (not a cancel before the ranks had started)
-                    assert checkpoint_state(run_dir)["progress"]["step"] == preempted["step"]
-            wait_until("the disk to be free again", lambda: time.monotonic() - started > FULL_FOR_S + 1, 30)
+                stops = [e["step"] for e in events(run_dir, "preempted") if e["job_id"] == jobid]
+                if stops:  # a stop was agreed (not a cancel before the ranks had started)
+                    assert checkpoint_state(run_dir)["progress"]["step"] == stops[-1]
+            wait_until("the disk to be free again", lambda: not any(Path(h).exists() for h in highs if "/" in h), 30)
             again, same_dir = submit_one(folder, *args)
             jobids.append(again)
             assert same_dir == run_dir
@@ -213,8 +217,10 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             assert all("ENOSPC" in e["error"] for e in failures), failures
         row["passed"] = True
     finally:
+        if not row["passed"] and scenario.kind == "disk-full" and run_dir.exists():
+            shutil.copytree(run_dir, tmp_path / "run-copy", dirs_exist_ok=True)  # the tmpfs goes with the test
         row["seconds"] = round(time.monotonic() - started, 1)
-        cancel(slurm_cluster, *jobids, *highs)
+        cancel(slurm_cluster, *jobids, *(h for h in highs if "/" not in h))
         report = os.environ.get(REPORT_ENV)
         if report:
             with open(report, "a") as file:
