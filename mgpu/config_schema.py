@@ -91,6 +91,10 @@ class TrainConfig:
     """DDP's find_unused_parameters: needed when some parameters get no gradient in a step."""
     static_graph: bool = False
     """DDP's static_graph: the set of used parameters is the same every step."""
+    deterministic: bool = False
+    """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN deterministic and no autotuning,
+    CUBLAS_WORKSPACE_CONFIG=:4096:8): what a bit-identical resume needs on GPUs; slower. CPU runs are
+    deterministic without it."""
 
 
 @dataclass

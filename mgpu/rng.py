@@ -6,13 +6,14 @@ read them back (numpy's state array becomes a tensor).
 
 from __future__ import annotations
 
+import os
 import random
 from typing import Any
 
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state", "seed_everything"]
+__all__ = ["capture_rng_state", "restore_rng_state", "seed_everything", "use_deterministic_kernels"]
 
 
 def seed_everything(seed: int) -> None:
@@ -56,3 +57,15 @@ def _this_device_state(saved: Any, device: int) -> Any:
     if isinstance(saved, (list, tuple)):
         return saved[device] if device < len(saved) else saved[0]
     return saved
+
+
+def use_deterministic_kernels(enabled: bool) -> None:
+    """train.deterministic: the same kernels, in the same order, on every run; a kernel without a
+    deterministic version raises instead of running. Call before the first GPU matmul (cuBLAS reads its
+    workspace setting when it starts)."""
+    if not enabled:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False

@@ -35,7 +35,7 @@ from mgpu.optim import build_optimizer, build_scheduler
 from mgpu.preemption import StopAgreement, StopRequest
 from mgpu.reporting import Reporter, format_metrics
 from mgpu.rundir import RunDir
-from mgpu.rng import seed_everything
+from mgpu.rng import seed_everything, use_deterministic_kernels
 from mgpu.task import Task, sized_dataset
 from mgpu.train_state import Progress, code_version, gather_state, restore_state
 
@@ -102,6 +102,7 @@ class Trainer:
 
         # The same initial weights everywhere (DDP also broadcasts rank 0's), then per-rank streams
         # so dropout and augmentation differ between ranks.
+        use_deterministic_kernels(cfg.train.deterministic)
         seed_everything(cfg.train.seed)
         model = task.build_model()
         if cfg.train.sync_batchnorm and self.world > 1:

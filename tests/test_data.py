@@ -102,3 +102,16 @@ def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
     tensors = [moved["pair"].inputs.x, moved["pair"].inputs.ids, moved["pair"].y, moved["list"][0], moved["tuple"][0]]
     assert all(t.device == meta for t in tensors)
     assert moved["list"][1] == 3 and moved["name"] == "x" and type(moved["tuple"]) is tuple
+
+
+def test_deterministic_kernels_switch() -> None:
+    # In a child: the switch is process-wide. What it sets is what the GPU bit-identity needs (README).
+    import subprocess
+    import sys
+
+    code = ("import os, torch; from mgpu.rng import use_deterministic_kernels as d; d(False); "
+            "print(torch.are_deterministic_algorithms_enabled()); d(True); "
+            "print(torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, "
+            "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.split() == ["False", "True", "True", "False", ":4096:8"]

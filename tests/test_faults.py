@@ -4,6 +4,7 @@ fix it guards (see the issue's D0, D1, D3)."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
@@ -218,3 +219,22 @@ def test_a_stop_inside_a_long_evaluation_is_not_held_to_its_end(tmp_path: Path) 
     final, expected = (CheckpointStore(d / "checkpoints").latest().state for d in (run_dir, reference))
     assert_identical(final["model"], expected["model"], "model")
     assert final["progress"] == expected["progress"]
+
+
+# ---------------------------------------------------------------------- D4: only rank 0 asks Slurm
+def test_only_rank_0_asks_slurm_after_a_stop(tmp_path: Path) -> None:
+    # Workers of torchrun in a Slurm job of this test process (its pid as SLURM_TASK_PID, as slurmstepd sets
+    # it), and no scontrol on PATH: rank 0 must ask Slurm (and fails in one line, saying so); rank 1 must not.
+    job = {"SLURM_JOB_ID": str(random.randint(10**6, 10**7)), "SLURM_TASK_PID": str(os.getpid()),
+           "TORCHELASTIC_RUN_ID": "test", "PATH": str(Path(PYTHON).parent)}
+    port, procs = str(random.randint(20000, 32000)), []
+    for rank in range(2):
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **job)
+        procs.append(subprocess.Popen([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask",
+                                       "data.batch_size=4", "--stop-at-step=2"], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    (rc0, out0), (rc1, out1) = finish_step(procs)
+    assert rc0 == 2 and "scontrol not found on PATH" in out0, out0[-2000:]
+    assert rc1 == 0 and "scontrol" not in out1, out1[-2000:]
+    assert CheckpointStore(tmp_path / "checkpoints").latest().step == 2
