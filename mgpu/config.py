@@ -25,14 +25,14 @@ import yaml
 
 from mgpu.config_schema import (SAFE_TO_CHANGE, CheckpointConfig, Config, DataConfig, DistributedConfig,
                                 EvalConfig, LogConfig, OptimConfig, PreemptionConfig, RunConfig, ScheduleConfig,
-                                TaskConfig, TrainConfig)
+                                TaskConfig, TrainConfig, WatchdogConfig)
 from mgpu.errors import MgpuError
 from mgpu.fsutil import read_bounded, write_atomic
 
 __all__ = [
     "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "DistributedConfig", "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig",
-    "TaskConfig", "TrainConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
+    "TaskConfig", "TrainConfig", "WatchdogConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
     "control_problem", "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config",
     "save_config",
 ]
@@ -149,6 +149,9 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "distributed.init_timeout_s": lambda v: None if 0 < v <= MAX_INIT_TIMEOUT_S else (
         f"must be in (0, {MAX_INIT_TIMEOUT_S}]"),
     "preemption.check_every_steps": _ge(1),
+    "watchdog.step_multiple": _between(2, 10_000, True), "watchdog.floor_s": _between(1, 86_400, True),
+    "watchdog.first_step_s": _between(1, 604_800, True), "watchdog.checkpoint_s": _between(1, 604_800, True),
+    "watchdog.collective_timeout_s": _between(10, 604_800, True),
 }
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 __all__ = [
     "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "EvalConfig", "LogConfig",
-    "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig", "TrainConfig",
+    "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig", "TrainConfig", "WatchdogConfig",
 ]
 
 
@@ -174,6 +174,24 @@ class PreemptionConfig:
 
 
 @dataclass
+class WatchdogConfig:
+    """Hung ranks: found, explained and ended in minutes instead of a collective's timeout (mgpu.watchdog)."""
+
+    enabled: bool = True
+    """Run a watchdog thread on every rank."""
+    step_multiple: float = 10.0
+    """A rank is hung after this many median step times (evaluation batch times) without progress."""
+    floor_s: float = 60.0
+    """... but never sooner than this many seconds."""
+    first_step_s: float = 600.0
+    """Allowance before a run's first step (data loading, compilation) and its first evaluation batch."""
+    checkpoint_s: float = 600.0
+    """Allowance for gathering and writing one checkpoint."""
+    collective_timeout_s: float = 300.0
+    """The process group's timeout after the first step (the rendezvous keeps distributed.init_timeout_s)."""
+
+
+@dataclass
 class Config:
     """Everything a run needs to know, one section per concern."""
 
@@ -199,11 +217,13 @@ class Config:
     """The process group."""
     preemption: PreemptionConfig = field(default_factory=PreemptionConfig)
     """Saving and requeueing before the scheduler stops the job."""
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
+    """Hung ranks."""
 
 
 SAFE_TO_CHANGE: frozenset[str] = frozenset({
     "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
     "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "data.num_workers",
-    "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*",
+    "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
 })
 """Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""

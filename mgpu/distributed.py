@@ -31,6 +31,7 @@ __all__ = [
     "process_group",
     "rank_zero_only",
     "select_device",
+    "set_collective_timeout",
 ]
 
 # Long on purpose: on a busy cluster the last node of a job can start minutes after the first, and a
@@ -112,6 +113,8 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
     if backend == "nccl":
         # Tear the process down when a collective times out or a peer fails, instead of waiting forever.
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        # NCCL's flight recorder: the last 2000 collectives of each rank, dumped by mgpu's watchdog on a hang.
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     if dist.is_initialized():
         raise MgpuError("a default process group already exists in this process: form it only once")
     kwargs: dict[str, Any] = {"backend": backend, "rank": env.rank, "world_size": env.world_size,
@@ -144,6 +147,15 @@ def _rendezvous_failure(env: ProcessEnv, timeout: timedelta, error: Exception) -
     return (f"rendezvous failed: {what}: check that every task started (squeue, sacct), that "
             f"{env.master_addr} resolves on every node and port {env.master_port} is free; "
             f"distributed.init_timeout_s sets the wait")
+
+
+def set_collective_timeout(timeout: timedelta, *groups: Any) -> None:
+    """The timeout of every collective on the default group (and `groups`) from now on: once every rank has
+    trained a step, a collective that waits long means a hung peer, not a slow start (torchtitan does the
+    same after its first step)."""
+    for group in (None, *groups):
+        if group is not None or dist.is_initialized():
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def get_rank() -> int:

@@ -119,9 +119,12 @@ def _train(cfg: Config, config_path: str | None, stop_at_step: int | None, env: 
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend))
         _record_rank(run, env, str(ctx.device), ctx.backend)
         _claim(run, env)
+        watchdog = _start_watchdog(cfg, env, run, ctx.backend) if cfg.watchdog.enabled else None
+        if watchdog is not None:
+            cleanup.callback(watchdog.stop)  # before the group's teardown (the ExitStack unwinds in reverse)
         task = build_task(cfg.task.target, cfg.task.args)
         try:
-            trainer = Trainer(cfg, task, ctx, run, ledger, stop, stop_at_step)
+            trainer = Trainer(cfg, task, ctx, run, ledger, stop, stop_at_step, watchdog)
             began.append(True)
             if env.rank == 0:
                 # Only now: a resume refused for an unsafe config change leaves the run's config.yaml as it was.
@@ -152,6 +155,37 @@ def _train(cfg: Config, config_path: str | None, stop_at_step: int | None, env: 
             run.release(env.job_id)
     log.info("%s at step %d (run directory %s)", result.status, result.step, run.path)
     return result, ledger
+
+
+def _start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str) -> Any:
+    from mgpu.watchdog import Watchdog, report_hang
+
+    def on_hang(beats: Any, stuck: list[int], waited: float, detected: float) -> None:
+        if backend == "nccl":
+            _dump_nccl_trace(run, env.rank)
+        report_hang(run, env.job_id, env.restart_count, env.rank, beats, stuck, waited, watchdog.allowance(),
+                    detected)
+
+    def log_file() -> Any:
+        return next((h.stream for h in logging.getLogger("mgpu").handlers
+                     if isinstance(h, logging.FileHandler)), None)
+
+    w = cfg.watchdog
+    watchdog = Watchdog(env.rank, env.world_size, run.logs, step_multiple=w.step_multiple, floor_s=w.floor_s,
+                        first_step_s=w.first_step_s, checkpoint_s=w.checkpoint_s, on_hang=on_hang, log_file=log_file)
+    return watchdog.start()
+
+
+def _dump_nccl_trace(run: RunDir, rank: int) -> None:
+    """NCCL's flight recorder (enabled by mgpu.distributed: TORCH_NCCL_TRACE_BUFFER_SIZE): what every
+    collective in flight was doing, for torch's `torchfrtrace` analyser. Not run here (no GPU)."""
+    try:
+        import torch
+
+        trace = torch._C._distributed_c10d._dump_nccl_trace()  # noqa: SLF001
+        (run.logs / f"nccl-trace-rank{rank}.pkl").write_bytes(trace)
+    except Exception as error:  # noqa: BLE001  (evidence is best effort; the exit must still happen)
+        log.warning("NCCL flight recorder dump failed: %s", error)
 
 
 def _first_missing(path: Path) -> Path | None:

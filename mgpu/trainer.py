@@ -16,6 +16,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
@@ -27,7 +28,7 @@ from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, 
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
 from mgpu.ddp import replay_bucket_rebuild, sync_buffers, wrap
-from mgpu.distributed import DistContext, all_reduce, broadcast_object
+from mgpu.distributed import DistContext, all_reduce, broadcast_object, set_collective_timeout
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
 from mgpu.loader import Batches, make_loader
@@ -38,6 +39,7 @@ from mgpu.rundir import RunDir
 from mgpu.rng import seed_everything, use_deterministic_kernels
 from mgpu.task import Task, sized_dataset
 from mgpu.train_state import Progress, code_version, gather_state, restore_state
+from mgpu.watchdog import Watchdog
 
 __all__ = ["FitResult", "Trainer"]
 
@@ -75,6 +77,10 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def _no_beat(phase: str, step: int | None = None) -> None:
+    """Without a watchdog, progress is not recorded."""
+
+
 class EvalInterrupted(Exception):
     """The ranks agreed to stop in the middle of an evaluation."""
 
@@ -85,8 +91,10 @@ class EvalInterrupted(Exception):
 
 class Trainer:
     def __init__(self, cfg: Config, task: Task, ctx: DistContext, run: RunDir, ledger: Ledger,
-                 stop: StopRequest, stop_at_step: int | None = None) -> None:
+                 stop: StopRequest, stop_at_step: int | None = None, watchdog: Watchdog | None = None) -> None:
         self.cfg, self.task, self.ctx, self.run = cfg, task, ctx, run
+        self.beat = watchdog.beat if watchdog is not None else _no_beat
+        self._collective_timeout = timedelta(seconds=cfg.watchdog.collective_timeout_s) if watchdog else None
         self.ledger, self.stop, self.stop_at_step = ledger, stop, stop_at_step
         self.rank, self.world = ctx.env.rank, ctx.env.world_size
         self.device = ctx.device
@@ -129,6 +137,8 @@ class Trainer:
         self.ddp: nn.Module = self.model
         if self.world > 1:
             self.ddp = wrap(self.model, self.device, cfg.train.find_unused_parameters, cfg.train.static_graph)
+            if watchdog is not None:  # entering DDP's forward: from here on this rank waits for the others
+                self.ddp.register_forward_pre_hook(lambda module, args: self.beat("model"))
         self.resume_step = self.progress.step if resumed is not None else 0
         self.resumed_from = resumed.path if resumed is not None else None
         self.resume_skipped = [(str(bad), reason) for bad, reason in resumed.skipped] if resumed else []
@@ -250,6 +260,7 @@ class Trainer:
         status: Literal["finished", "stopped", "early_stopped"] = "finished"
         reasons: set[str] = set()
         self.model.train()
+        self.beat("data", p.step + 1)
         try:
             if p.eval_pending:  # a stop interrupted this step's evaluation: it comes first
                 early, reasons = self._evaluate_or_stop()
@@ -264,8 +275,8 @@ class Trainer:
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
                 p.step += 1
-                if p.step == self.resume_step + 1 and self.is_main:
-                    self.ledger.write("first_step", step=p.step)
+                if p.step == self.resume_step + 1:
+                    self._after_first_step()
                 p.position = group[-1][0].end_position
                 p.samples_seen += sum(mb.global_count for mb, _ in group)
                 epoch_end = p.position >= self.plan.num_samples
@@ -289,6 +300,7 @@ class Trainer:
                 if reasons:
                     status = "stopped"
                     break
+                self.beat("data", p.step + 1)  # the next step begins with fetching its batches
             if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
                 early, reasons = self._evaluate_or_stop()
                 status = "stopped" if reasons else status
@@ -308,6 +320,14 @@ class Trainer:
         metrics = getattr(self, "_last_metrics", {})
         return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics, self.resume_step)
 
+    def _after_first_step(self) -> None:
+        """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
+        then fails a collective in minutes, not in distributed.init_timeout_s)."""
+        if self.is_main:
+            self.ledger.write("first_step", step=self.progress.step)
+        if self._collective_timeout is not None and self.world > 1:
+            set_collective_timeout(self._collective_timeout, self.agreement.group)
+
     def _throwaway_pass(self, ddp: nn.Module, micro: tuple[MicroBatch, Any]) -> None:
         """A synced micro-step's forward and backward, whose effects mgpu.ddp undoes."""
         mb, batch = micro
@@ -323,6 +343,7 @@ class Trainer:
             # no_sync: the micro-steps before the last only accumulate locally; DDP reduces once.
             sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
             with sync:
+                self.beat("forward")
                 with self._autocast():
                     losses = self.task.loss(self.ddp, to_device(batch, self.device))
                 if losses.dim() != 1 or losses.shape[0] != len(mb.indices):
@@ -331,9 +352,11 @@ class Trainer:
                 real = losses[:mb.real].float()
                 # DDP averages gradients over ranks: scaling by world/total makes that average the exact
                 # mean over every real sample of the step, however unevenly the samples were split.
+                self.beat("backward")
                 self.scaler.scale(real.sum() * (self.world / total)).backward()
             self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
             self._loss_count += mb.real
+        self.beat("optimizer")
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.clip_grad_norm
         if max_norm is not None or self._log_due(self.progress.step + 1):
@@ -447,9 +470,12 @@ class Trainer:
         self.model.eval()
         with torch.no_grad(), self._autocast():
             for index, batch in enumerate(self._batches(self.eval_set, batches)):
-                if 0 < index < common and index % self._check_every == 0 and (reasons := self.agreement.now()):
-                    self.model.train()
-                    raise EvalInterrupted(reasons)
+                if 0 < index < common and index % self._check_every == 0:
+                    self.beat("agree")
+                    if reasons := self.agreement.now():
+                        self.model.train()
+                        raise EvalInterrupted(reasons)
+                self.beat("eval")
                 values = self.task.metrics(self.model, to_device(batch, self.device))
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0) + value.detach().double().sum()
@@ -519,14 +545,17 @@ class Trainer:
             failed = self._failed_save_step == p.step
             if not (broadcast_object(failed) if self.world > 1 else failed):
                 return self.store.latest_path() if self.store is not None else None
+        self.beat("checkpoint")
         state = gather_state(self.model, self.optimizer, self.scheduler, self.scaler, p, self.config_dict,
                              self.version)
         path, error = None, None
         if self.store is not None and state is not None:
+            self.beat("write")
             try:
                 path = self._store_state(state, reason, is_best, wait)
             except CheckpointError as failure:
                 error = f"{failure}; the newest checkpoint on disk is {self.store.latest_path() or 'none'}"
+        self.beat("checkpoint-wait")
         if self.world > 1 and (wait or self._checked_loadable is not True):
             # Every rank learns the outcome together (a barrier otherwise): none is left waiting in a
             # collective for a rank that gave up.

@@ -241,3 +241,48 @@ Pair = collections.namedtuple("Pair", "inputs y")
 def collate_named(samples: list) -> Pair:
     x, y, ids = (torch.stack([torch.as_tensor(s[i]) for s in samples]) for i in range(3))
     return Pair(Inputs(x, ids), y)
+
+
+class HangingBlobTask(SlowBlobTask):
+    """SlowBlobTask whose rank `rank` hangs at its `at`-th loss call: `sleep` (forever, inside loss),
+    `stop` (SIGSTOP to itself: a frozen process), or `save` (every later write into a checkpoint file
+    blocks forever, as on a dead filesystem). `hang_file`: only while that file is absent."""
+
+    def __init__(self, at: int = 5, rank: int = 1, mode: str = "sleep", hang_file: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at, self.rank, self.mode, self.hang_file, self.calls = at, rank, mode, hang_file, 0
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        import os
+        import signal
+        import time
+
+        self.calls += 1
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if self.calls == self.at and me == self.rank and not (self.hang_file and os.path.exists(self.hang_file)):
+            if self.hang_file:
+                open(self.hang_file, "w").close()
+            if self.mode == "sleep":
+                time.sleep(3600)
+            elif self.mode == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                import mgpu.checkpoint
+
+                mgpu.checkpoint._HashingFile.write = lambda *args: time.sleep(3600)
+        return super().loss(model, batch)
+
+
+class UnevenBlobTask(BlobTask):
+    """BlobTask whose rank `slow_rank` takes `slow_factor` times longer per loss call (`step_s` each)."""
+
+    def __init__(self, step_s: float = 0.1, slow_rank: int = 1, slow_factor: float = 3.0, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.step_s, self.slow_rank, self.slow_factor = step_s, slow_rank, slow_factor
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        import time
+
+        me = dist.get_rank() if dist.is_initialized() else 0
+        time.sleep(self.step_s * (self.slow_factor if me == self.slow_rank else 1.0))
+        return super().loss(model, batch)
