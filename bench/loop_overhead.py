@@ -73,15 +73,24 @@ def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[s
     from mgpu.rundir import RunDir
     from mgpu.task import build_task
     from mgpu.trainer import Trainer
+    from mgpu.watchdog import Watchdog
 
     cfg = load_config(None, ["task.target=bench.tasks:BenchTask", f"task.args.size={steps * batch * world}",
                              f"task.args.hidden={hidden}", f"data.batch_size={batch}", "train.epochs=1",
                              "schedule.name=constant", *overrides])
     with tempfile.TemporaryDirectory() as run_dir:
         cfg.run.dir = run_dir
-        trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), ctx, RunDir(Path(run_dir)),
-                          Ledger(None), StopRequest())
+        run = RunDir(Path(run_dir))
+        run.logs.mkdir()
+        w = cfg.watchdog
+        watchdog = Watchdog(ctx.env.rank, world, run.logs, step_multiple=w.step_multiple, floor_s=w.floor_s,
+                            first_step_s=w.first_step_s, checkpoint_s=w.checkpoint_s,
+                            on_hang=lambda *args: None).start() if w.enabled else None  # as mgpu.runner does
+        trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), ctx, run, Ledger(None), StopRequest(),
+                          watchdog=watchdog)
         trainer.fit()
+        if watchdog is not None:
+            watchdog.stop()
     return list(trainer.step_ends)
 
 

@@ -138,8 +138,8 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
         if (job_id and isinstance(error, Exception) and not isinstance(error, MgpuError) and not handled
                 and os.environ.get("MGPU_RECOVERY") != "batch"):
             handled.append(error)
-            outcome = handle_failure(run, job_id, env.restart_count, limits,
-                                     f"rank {env.rank} failed: {type(error).__name__}: {error}", rank=env.rank)
+            _, outcome = handle_failure(run, job_id, env.restart_count, limits,
+                                        f"rank {env.rank} failed: {type(error).__name__}: {error}", rank=env.rank)
             log.error("rank %d failed: %s: %s; %s", env.rank, type(error).__name__, error, outcome)
 
     try:

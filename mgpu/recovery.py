@@ -5,15 +5,17 @@ and the batch script goes on. Slurm never requeues a FAILED job by itself, so so
 it, and it cannot be a training rank: with NCCL the survivors sit in CUDA waits where no Python runs
 until srun's KILL. The batch script can: after srun returns it runs
 
-    python -m mgpu.recovery --exit-code $? --run-dir DIR            (jobs/submit.py's teardown line)
-    python -m mgpu.recovery --exit-code $? --config CFG [k=v ...]   (slurm/*.sbatch)
+    python -m mgpu.recovery --may-restart --exit-code $? --run-dir DIR            (jobs/submit.py's teardown)
+    python -m mgpu.recovery --may-restart --exit-code $? --config CFG [k=v ...]   (slurm/*.sbatch)
 
 and this module decides. A run that stopped cleanly has already decided (its `stop_decision` is in
 the ledger) and is left alone; a deterministic failure (bad input, a full disk: `failed` with
-`retry: false`) is not requeued into the same wall; anything else is requeued while the job is still
-RUNNING and the failure budget (`MGPU_MAX_FAILURES` per job, default 3) allows. Scripts without
-this line fall back on the first surviving rank doing the same (`mgpu.job`), deduplicated by the
-`.failure-<job>-<restart>` claim either way.
+`retry: false`, or exit code 2) is not requeued into the same wall. Otherwise, while the job is
+still RUNNING and the failure budget (`MGPU_MAX_FAILURES` per job, default 3) allows: after a hang the
+watchdog pinned on one node, that node is excluded and the job requeued; else the script starts the
+step again in the same allocation (it prints `restart`: no requeue hold), or, without
+`--may-restart`, the job is requeued. Scripts without this line fall back on the first surviving
+rank requeueing (`mgpu.job`), deduplicated by the `.failure-<job>-<restart>` claim either way.
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.requeue import Budget, decide, requeue
+from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion
+from mgpu.hostlist import expand_hostlist
+from mgpu.requeue import Budget, JobView, decide, query_job, requeue
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
@@ -67,53 +73,97 @@ class Limits:
 
 
 def failure_requeues(events: Sequence[Mapping[str, Any]], job_id: str) -> int:
-    """Requeues of `job_id` after a failure or a run without progress, as the ledger recorded them."""
-    return sum(1 for e in events if e.get("event") == "requeued" and e.get("job_id") == job_id
+    """Comebacks of `job_id` after a failure or a run without progress (requeued, or restarted in the same
+    allocation), as the ledger recorded them."""
+    return sum(1 for e in events if e.get("event") in ("requeued", "restarted") and e.get("job_id") == job_id
                and e.get("after") in FAILURE_KINDS)
 
 
-def _handled(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> Mapping[str, Any] | None:
-    """This run's own stop decision, or its non-retryable failure, if it recorded one."""
-    for event in reversed(events):
-        if event.get("job_id") != job_id or event.get("restart") != restart:
-            continue
+def _this_attempt(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> list[Mapping[str, Any]]:
+    """The events of the latest attempt of run `restart`: after its last in-allocation restart."""
+    mine = [e for e in events if e.get("job_id") == job_id and e.get("restart") == restart]
+    starts = [i for i, e in enumerate(mine) if e.get("event") == "restarted"]
+    return mine[starts[-1] + 1:] if starts else mine
+
+
+def _handled(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """This attempt's own stop decision, or its non-retryable failure, if it recorded one."""
+    for event in reversed(attempt):
         if event.get("event") == "stop_decision" or (event.get("event") == "failed" and event.get("retry") is False):
             return event
     return None
 
 
-def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, message: str,
-                   rank: int | None = None) -> str:
-    """Requeue job `job_id` after run `restart` failed with `message`, if it should; returns what was done.
+Action = Literal["restart", "requeued", "none"]
 
-    Exactly one caller acts: the first to create the run's failure claim. Never raises."""
+
+def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, message: str,
+                   rank: int | None = None, may_restart: bool = False) -> tuple[Action, str]:
+    """After run `restart` of job `job_id` failed with `message`: what to do, done. Never raises.
+
+    A hang the watchdog pinned on one node: exclude that node and requeue (a new allocation without it).
+    Otherwise, with `may_restart` (the batch script can start srun again), restart in this allocation:
+    no requeue hold, which is minutes on production clusters. Else requeue. All within the failure budget;
+    exactly one caller acts (the first to create the attempt's failure claim)."""
     try:
         run.path.mkdir(parents=True, exist_ok=True)
+        events = read_ledger(run.ledger)
+        attempt = _this_attempt(events, job_id, restart)
+        restarts_here = sum(1 for e in events if e.get("event") == "restarted" and e.get("job_id") == job_id
+                            and e.get("restart") == restart)
+        claim = run.failure_claim(job_id, restart).with_name(
+            run.failure_claim(job_id, restart).name + (f"-{restarts_here}" if restarts_here else ""))
         try:
-            fd = os.open(run.failure_claim(job_id, restart), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
         except FileExistsError:
-            return "another process handles this failure"
+            return "none", "another process handles this failure"
         with os.fdopen(fd, "w") as file:
             file.write(f"{message}\n")
-        events = read_ledger(run.ledger)
-        ledger = Ledger(run.ledger, job_id, restart)
-        handled = _handled(events, job_id, restart)
+        handled = _handled(attempt)
         if handled is not None:
-            return f"nothing to do: the run recorded {handled['event']} ({handled.get('reason') or handled.get('error')})"
+            return "none", (f"nothing to do: the run recorded {handled['event']} "
+                            f"({handled.get('reason') or handled.get('error')})")
+        ledger = Ledger(run.ledger, job_id, restart)
         who = {} if rank is None else {"rank": rank}
         if rank not in (None, 0):
             ledger.write("failed", error=message, **who)
+        hang = next((e for e in reversed(attempt) if e.get("event") == "hang"), None)
+        kind = "hang" if hang else "failure"
         budget = Budget(failure_requeues(events, job_id), limits.max_failures, "failure")
-        decision = decide(set(), job_id, restart, budget)
-        ledger.write("stop_decision", what=decision.event, requeue=decision.requeue,
-                     reason=f"after a failure: {decision.why}", error=message, **who)
-        if not decision.requeue:
-            return decision.why
+        view = query_job(job_id)
+        decision = decide(set(), job_id, restart, budget, run=lambda cmd: _replay(cmd, view))
+        bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
+        plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [],
+                              partition_nodes(view.partition), view.num_nodes) if bad and decision.requeue else None
+        if plan is not None and plan.nodes is None and "would leave" in plan.why:
+            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=f"after a hang: {plan.why}; "
+                         f"the job stays down: check {bad} (scontrol show node {bad}), then resubmit", error=message)
+            return "none", plan.why
+        action: Action = "restart" if decision.requeue and may_restart and not (plan and plan.nodes) else \
+            "requeued" if decision.requeue else "none"
+        why = f"after a {kind}: {decision.why}" + (f"; {plan.why}" if plan else "")
+        ledger.write("stop_decision", what=decision.event, requeue=decision.requeue, action=action, reason=why,
+                     error=message, **who)
+        if action == "restart":
+            ledger.write("restarted", after=kind, message="the step starts again in this allocation")
+            return action, "restarting the step in this allocation (no requeue hold)"
+        if action == "none":
+            return action, decision.why
         outcome = requeue(job_id)
-        ledger.write("requeued", how=outcome.how, message=outcome.message, after="failure")
-        return f"requeued after the failure: {outcome.message}"
+        ledger.write("requeued", how=outcome.how, message=outcome.message, after=kind)
+        if plan is not None and plan.nodes:
+            apply_exclusion(job_id, plan.nodes)  # pending now: Slurm takes it (not while running)
+            ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")
+        return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "")
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
-        return f"could not requeue after the failure: {type(inner).__name__}: {inner}"
+        return "none", f"could not requeue after the failure: {type(inner).__name__}: {inner}"
+
+
+def _replay(cmd: list[str], view: JobView) -> "subprocess.CompletedProcess[str]":
+    """Answer decide()'s `scontrol show job` with the view already read (one query, one answer)."""
+    fields = (f"JobState={view.state} Reason={view.reason} Restarts={view.restarts} "
+              f"PreemptTime={view.preempt_time or 'None'}")
+    return subprocess.CompletedProcess(cmd, 0, fields, "")
 
 
 def _run_dir(args: argparse.Namespace) -> RunDir:
@@ -130,10 +180,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
     parser.add_argument("--run-dir", help="the run directory")
     parser.add_argument("--config", help="or: the job's config and overrides, to find the run directory")
+    parser.add_argument("--may-restart", action="store_true",
+                        help="the script runs srun again when this prints 'restart' (and exits 0)")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_intermixed_args(argv)
     if args.exit_code == 0 or not owns_slurm_job():
         return args.exit_code
+    # `scontrol requeue` signals every process of the job, this one included; it must still set the
+    # exclusion (only possible once the job is pending) and write the ledger.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.exit_code == USAGE_EXIT_CODE:
         # jobs/train.py's exit for bad input or a full disk (mgpu.errors): the same again on a requeue. The
         # ledger says so too, when it could be written; a full disk may have stopped that.
@@ -150,8 +205,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     job_id = SlurmEnvironment.job_id(os.environ)
     restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    outcome = handle_failure(run, job_id, restart, limits, f"the training step exited with code {args.exit_code}")
+    action, outcome = handle_failure(run, job_id, restart, limits,
+                                     f"the training step exited with code {args.exit_code}", may_restart=args.may_restart)
     print(f"mgpu.recovery: job {job_id} run {restart}: {outcome}", file=sys.stderr, flush=True)
+    if action == "restart":
+        print("restart", flush=True)
+        return 0
     return args.exit_code
 
 

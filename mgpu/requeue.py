@@ -48,6 +48,10 @@ class JobView:
     reason: str
     restarts: int
     preempt_time: str | None
+    excluded: str = ""
+    """ExcNodeList, a Slurm node list ("" for none)."""
+    num_nodes: int = 1
+    partition: str = ""
 
 
 @dataclass(frozen=True)
@@ -81,9 +85,12 @@ def parse_job_view(text: str) -> JobView:
     """`scontrol show job -o` output -> JobView."""
     fields = dict(token.split("=", 1) for token in text.split() if "=" in token)
     preempt = fields.get("PreemptTime")
+    excluded = fields.get("ExcNodeList", "(null)")
     return JobView(state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", "None"),
                    restarts=int(fields.get("Restarts", "0")),
-                   preempt_time=None if preempt in (None, "None", "-", "Unknown") else preempt)
+                   preempt_time=None if preempt in (None, "None", "-", "Unknown") else preempt,
+                   excluded="" if excluded == "(null)" else excluded,
+                   num_nodes=int(fields.get("NumNodes", "1").split("-")[0] or 1), partition=fields.get("Partition", ""))
 
 
 def query_job(job_id: str, run: Runner = _run) -> JobView:

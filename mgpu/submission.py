@@ -224,8 +224,14 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
 
 
 def teardown_lines() -> list[str]:
-    """After srun: requeue a failed step within the failure budget (mgpu.recovery); keeps srun's exit code."""
-    return [f'{shlex.quote(sys.executable)} -m mgpu.recovery --exit-code $? --run-dir "$MGPU_RUN_DIR"']
+    """After srun (mgpu.recovery): start the step again in this allocation while recovery says `restart`
+    (the srun line is the script's own, read back from it), else end with srun's exit code."""
+    recovery = f'{shlex.quote(sys.executable)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR"'
+    return ["rc=$?",
+            f'while [ "$({recovery})" = restart ]; do',
+            """  rc=0; eval "$(grep -m 1 '^srun ' "$0")" || rc=$?""",
+            "done",
+            'exit "$rc"']
 
 
 def slurm_parameters(res: Resources, max_parallel: int = 4, run_dirs: Sequence[Path] = (),

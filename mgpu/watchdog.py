@@ -222,11 +222,12 @@ def report_hang(run: Any, job_id: str, restart: int, rank: int, beats: Sequence[
     os.close(fd)
     by_rank = {b.rank: b for b in beats}
     hosts = sorted({by_rank[r].host if r in by_rank else _recorded_host(run, r) for r in stuck} - {None})
-    completed = min((b.step - 1 for b in beats), default=None)  # a beat's step is the one in progress
+    frozen = [r for r in stuck if r not in by_rank or by_rank[r].written < detected]
+    live = [b for b in beats if b.rank not in frozen] or list(beats)  # a frozen rank's file is out of date
+    completed = min((b.step - 1 for b in live), default=None)  # a beat's step is the one in progress
     Ledger(run.ledger, job_id, restart).write(
         "hang", ranks=stuck, hosts=hosts, step=completed, phases={str(b.rank): b.phase for b in beats},
-        steps={str(b.rank): b.step for b in beats},
-        frozen=[r for r in stuck if r not in by_rank or by_rank[r].written < detected],
+        steps={str(b.rank): b.step for b in beats}, frozen=frozen,
         missing=[r for r in stuck if r not in by_rank], detected_by=rank,
         waited_s=round(waited, 1), allowance_s=round(allowance, 1))
     log.error("hung: rank(s) %s on %s hold the others up (phases %s)", stuck or "none identified", hosts or "?",

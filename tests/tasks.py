@@ -244,9 +244,9 @@ def collate_named(samples: list) -> Pair:
 
 
 class HangingBlobTask(SlowBlobTask):
-    """SlowBlobTask whose rank `rank` hangs at its `at`-th loss call: `sleep` (forever, inside loss),
+    """SlowBlobTask whose rank `rank` (-1: every rank) hangs at its `at`-th loss call: `sleep` (forever, inside loss),
     `stop` (SIGSTOP to itself: a frozen process), or `save` (every later write into a checkpoint file
-    blocks forever, as on a dead filesystem). `hang_file`: only while that file is absent."""
+    blocks forever, as on a dead filesystem). `hang_file`: once, marked by `<hang_file>.rank<N>`."""
 
     def __init__(self, at: int = 5, rank: int = 1, mode: str = "sleep", hang_file: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -259,9 +259,10 @@ class HangingBlobTask(SlowBlobTask):
 
         self.calls += 1
         me = dist.get_rank() if dist.is_initialized() else 0
-        if self.calls == self.at and me == self.rank and not (self.hang_file and os.path.exists(self.hang_file)):
-            if self.hang_file:
-                open(self.hang_file, "w").close()
+        marker = f"{self.hang_file}.rank{me}" if self.hang_file else ""
+        if self.calls == self.at and self.rank in (me, -1) and not (marker and os.path.exists(marker)):
+            if marker:
+                open(marker, "w").close()
             if self.mode == "sleep":
                 time.sleep(3600)
             elif self.mode == "stop":

@@ -83,17 +83,16 @@ def ledger_events(run: RunDir) -> list[dict]:
 def test_a_stop_the_ranks_decided_is_left_alone(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 2).write("stop_decision", what="cancelled", requeue=False, reason="cancelled")
-    outcome = handle_failure(run, "7", 2, Limits(), "the training step exited with code 1")
-    assert outcome.startswith("nothing to do: the run recorded stop_decision"), outcome
+    action, outcome = handle_failure(run, "7", 2, Limits(), "the training step exited with code 1")
+    assert action == "none" and outcome.startswith("nothing to do: the run recorded stop_decision"), outcome
     assert [e["event"] for e in ledger_events(run)] == ["stop_decision"]  # nothing asked of Slurm, nothing added
 
 
 def test_a_deterministic_failure_is_not_requeued(tmp_path: Path) -> None:
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("failed", error="CheckpointWriteError: disk full", retry=False)
-    assert "nothing to do: the run recorded failed" in handle_failure(run, "7", 0, Limits(), "exit 1")
-    # The same job's next run (restart 1) failing for another reason is a new case: it gets decided.
-    assert handle_failure(run, "7", 0, Limits(), "exit 1") == "another process handles this failure"
+    assert "nothing to do: the run recorded failed" in handle_failure(run, "7", 0, Limits(), "exit 1")[1]
+    assert handle_failure(run, "7", 0, Limits(), "exit 1") == ("none", "another process handles this failure")
 
 
 def test_only_one_caller_handles_a_failure(tmp_path: Path) -> None:
@@ -101,5 +100,34 @@ def test_only_one_caller_handles_a_failure(tmp_path: Path) -> None:
     Ledger(run.ledger, "7", 0).write("stop_decision", what="cancelled", requeue=False)
     first = handle_failure(run, "7", 0, Limits(), "rank 1 failed", rank=1)
     second = handle_failure(run, "7", 0, Limits(), "exit 1")
-    assert first.startswith("nothing to do") and second == "another process handles this failure"
+    assert first[1].startswith("nothing to do") and second == ("none", "another process handles this failure")
     assert run.failure_claim("7", 0).read_text() == "rank 1 failed\n"
+
+
+def test_an_attempt_restarted_in_place_is_a_new_attempt(tmp_path: Path) -> None:
+    # Run 0's first attempt stopped cleanly and decided; then the step was restarted in the allocation: the
+    # second attempt's failure is its own (its own claim, the first attempt's decision does not count).
+    run = RunDir(tmp_path)
+    ledger = Ledger(run.ledger, "7", 0)
+    ledger.write("stop_decision", what="terminated", requeue=True, action="restart")
+    ledger.write("restarted", after="failure")
+    ledger.write("failed", error="the second attempt's bug", retry=False)
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 1")
+    assert (action, outcome) == ("none", "nothing to do: the run recorded failed (the second attempt's bug)")
+    assert run.failure_claim("7", 0).with_name(".failure-7-0-1").exists()
+
+
+@pytest.mark.parametrize("bad, already, partition, needed, nodes, words", [
+    ("n2", [], ["n1", "n2", "n3"], 2, ("n2",), "excluding n2 (now excluded: n2)"),
+    ("n2", ["n9"], ["n1", "n2", "n3"], 1, ("n2", "n9"), "now excluded: n2, n9"),  # merged with the user's
+    ("n2", [], ["n1", "n2"], 2, None, "would leave 1 of the 2 nodes the job needs in its partition (n1)"),
+    ("n2", ["n1"], ["n1", "n2", "n3"], 2, None, "would leave 1 of the 2 nodes"),
+    ("n2", ["n2"], ["n1", "n2", "n3"], 1, None, "n2 was already excluded"),
+    ("n2", [], [], 4, ("n2",), "excluding n2"),  # partition unknown: trust Slurm to hold it if it cannot run
+])
+def test_plan_exclusion(bad: str, already: list[str], partition: list[str], needed: int,
+                        nodes: tuple[str, ...] | None, words: str) -> None:
+    from mgpu.exclusion import plan_exclusion
+
+    plan = plan_exclusion(bad, already, partition, needed)
+    assert plan.nodes == nodes and words in plan.why

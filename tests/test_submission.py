@@ -114,7 +114,11 @@ srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.
 
 
 # teardown
-{q(PYTHON)} -m mgpu.recovery --exit-code $? --run-dir "$MGPU_RUN_DIR\""""
+rc=$?
+while [ "$({q(PYTHON)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
+  rc=0; eval "$(grep -m 1 '^srun ' "$0")" || rc=$?
+done
+exit "$rc\""""
 
 
 RESOURCE_FLAGS = ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "8", "--mem", "64G", "--time", "04:00:00",

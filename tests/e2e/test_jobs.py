@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
 from job_helpers import (BLOB, SLOW, SLOW_STEPS, SLOW4, TWO_RANKS, FOUR_RANKS, ALL_CPUS, KILL_WAIT_S, submit, submit_one, preempt, cancel, job_output, events, wait_steps, mid_epoch, checkpoint_state, assert_same_training, assert_resumed_where_stopped, rank_record, assert_placement, Reference)
-from slurm_helpers import DONE, final_state, job, runs, wait_until
+from slurm_helpers import final_state, job, runs, wait_until
 
 from tests.conftest import PYTHON, ROOT, base_env
 
@@ -261,19 +261,23 @@ def test_killed_rank_ends_the_step_and_the_job_resumes(world: int, victim: int, 
         # The ranks run in this machine's pid namespace (slurmd only changes the UTS namespace).
         os.kill(rank_record(run_dir, victim)["pid"], 9)
         killed = time.monotonic()
-        # No hang: srun ends the step (TERM to the survivors, KILL after KillWait) and the run is over.
-        wait_until("the first run to end", lambda: (runs(slurm_cluster, jobid) or [""])[0] in DONE | {"REQUEUED"},
-                   timeout=KILL_WAIT_S + 15, interval=0.2)
+        # No hang: srun ends the step (TERM to the survivors, KILL after KillWait); the batch script starts
+        # it again in the same allocation (no requeue hold).
+        wait_until("the step to start again", lambda: events(run_dir, "restarted"), timeout=KILL_WAIT_S + 15,
+                   interval=0.2)
         assert time.monotonic() - killed < KILL_WAIT_S + 10
         assert final_state(slurm_cluster, jobid, timeout=150) == "COMPLETED"
-        assert runs(slurm_cluster, jobid) == ["REQUEUED", "COMPLETED"]
+        assert runs(slurm_cluster, jobid) == ["COMPLETED"]  # one allocation, two steps
         (decision,) = events(run_dir, "stop_decision")  # exactly one decision: the batch script's, after srun
-        assert (decision["what"], decision["requeue"]) == ("terminated", True), decision
+        assert (decision["what"], decision["requeue"], decision["action"]) == ("terminated", True, "restart"), decision
         assert "rank" not in decision and decision["restart"] == 0 and "after a failure" in decision["reason"]
-        assert [(e["how"], e["restart"]) for e in events(run_dir, "requeued")] == [("self", 0)]
-        saved_before = max(e["step"] for e in events(run_dir, "checkpoint_saved") if e["restart"] == 0)
+        assert [(e["after"], e["restart"]) for e in events(run_dir, "restarted")] == [("failure", 0)]
+        assert events(run_dir, "requeued") == []
+        everything = events(run_dir)
+        first_attempt = everything[:next(i for i, e in enumerate(everything) if e["event"] == "restarted")]
+        saved_before = max(e["step"] for e in first_attempt if e["event"] == "checkpoint_saved")
         assert [e["step"] for e in events(run_dir, "resumed")] == [saved_before]
-        assert [(e["step"], e["restart"]) for e in events(run_dir, "finished")] == [(SLOW_STEPS, 1)]
+        assert [(e["step"], e["restart"]) for e in events(run_dir, "finished")] == [(SLOW_STEPS, 0)]
         assert_same_training(run_dir, references[world].state())
     finally:
         cancel(slurm_cluster, jobid)
@@ -284,17 +288,18 @@ def test_a_bug_is_requeued_only_within_the_budget(slurm_cluster: SlurmCluster, t
               "data.batch_size=2", "checkpoint.every_steps=1"]
     jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, "--max-failures", "1", *config)
     try:
-        wait_until("two runs to fail", lambda: len(events(run_dir, "stop_decision")) == 2, timeout=120)
+        wait_until("two attempts to fail", lambda: len(events(run_dir, "stop_decision")) == 2, timeout=120)
         assert final_state(slurm_cluster, jobid, timeout=60) == "FAILED"
         decisions = events(run_dir, "stop_decision")
-        assert [(d["restart"], d["requeue"]) for d in decisions] == [(0, True), (1, False)], decisions
+        # The first failure starts the step again in the allocation; the second finds the budget spent.
+        assert [(d["requeue"], d.get("action")) for d in decisions] == [(True, "restart"), (False, "none")], decisions
         assert "the failure budget is spent (1 of 1 failure requeues used)" in decisions[1]["reason"]
         assert all("the training step exited with code" in d["error"] for d in decisions)
         failed = [e for e in events(run_dir, "failed") if "bug in the training code" in e["error"]]
-        assert [e["restart"] for e in failed] == [0, 1], failed
-        assert [e["restart"] for e in events(run_dir, "requeued")] == [0]
+        assert len(failed) == 2, failed
+        assert [e["after"] for e in events(run_dir, "restarted")] == ["failure"]
         time.sleep(8)
-        assert runs(slurm_cluster, jobid) == ["REQUEUED", "FAILED"], "requeued beyond the budget"
+        assert runs(slurm_cluster, jobid) == ["FAILED"], "started again beyond the budget"
     finally:
         cancel(slurm_cluster, jobid)
 
