@@ -65,8 +65,13 @@ def one(way: str, folder: Path) -> dict[str, float]:
         raise SystemExit(f"{way}: job {job} did not finish")
     stalled = min(p.stat().st_mtime for p in folder.glob("hung.rank*"))
     hang = next(e for e in events if e["event"] == "hang")
-    steps = {row[0]: row for row in _sacct(job, "JobID", "Start", "End") if row[0].startswith(f"{job}.")}
-    first_step_ends = sorted(_epoch(row[2]) for name, row in steps.items() if name.split(".")[-1].isdigit())
+    first_step_ends: list[float] = []
+    for _ in range(30):  # accounting lags the job by a moment
+        first_step_ends = sorted(_epoch(end) for name, _, end in _sacct(job, "JobID", "Start", "End")
+                                 if name.startswith(f"{job}.") and name.split(".")[-1].isdigit() and end[:1].isdigit())
+        if first_step_ends:
+            break
+        time.sleep(1)
     resumed = [e for e in events if e["event"] == "first_step"][-1]
     return {"detected_s": round(hang["time"] - stalled, 2), "exited_s": round(first_step_ends[0] - stalled, 2),
             "back_s": round(resumed["time"] - stalled, 2), "waited_s": hang["waited_s"]}

@@ -5,8 +5,10 @@
     srun python jobs/train.py --config ...                                 # one Slurm task per GPU
 
 Running the same command again resumes the run from its newest valid checkpoint.
-Exit codes: 0 finished (or stopped and requeued under Slurm), 2 bad input, 3 stopped by a signal and
-not requeued (the checkpoint is written: run the same command to resume). See mgpu/job.py.
+Exit codes: 0 finished (or stopped and requeued under Slurm), 1 a failure (its traceback, then one line
+saying what happens next), 2 bad input or a full disk, 3 stopped by a signal and not requeued (the
+checkpoint is written: run the same command to resume), 4 hung (the watchdog ended it; see
+mgpu/watchdog.py). See mgpu/job.py.
 """
 
 from __future__ import annotations
