@@ -24,7 +24,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, check_loadable
+from mgpu.checkpoint import LoadedCheckpoint
+from mgpu.checkpointer import Checkpointer
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
 from mgpu.ddp import replay_bucket_rebuild, sync_buffers, wrap
@@ -123,8 +124,8 @@ class Trainer:
         self.precision = self._resolve_precision()  # once: asking CUDA every step would cost each step
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
-        self.store = CheckpointStore(run.checkpoints, keep_last=cfg.checkpoint.keep_last) \
-            if self.is_main else None
+        self.checkpointer = Checkpointer(run, self.rank, self.world, ledger, keep_last=cfg.checkpoint.keep_last,
+                                         async_save=cfg.checkpoint.async_save, beat=self.beat)
         self.progress, resumed = self._resume()
         self.total_steps = self._total_steps()
         self._check_batch_norm_batches()
@@ -145,9 +146,6 @@ class Trainer:
         self.reporter = Reporter(self.is_main, run.tensorboard if cfg.log.tensorboard else None,
                                  self.total_steps, self.resume_step, cfg.log.progress_bar)
         self.version = code_version()
-        self._last_saved_step = self.resume_step if resumed is not None else -1
-        self._checked_loadable = False  # the first save of this process checks that a resume can read it
-        self._failed_save_step = -1  # rank 0: the step of the last save that failed
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._window_samples = 0
@@ -193,18 +191,10 @@ class Trainer:
         return torch.autocast(self.device.type, dtype=self.precision)
 
     def _resume(self) -> tuple[Progress, LoadedCheckpoint | None]:
-        """Rank 0 finds the newest valid checkpoint; every rank loads that same file."""
-        path = None
-        if self.store is not None:
-            found = self.store.latest()
-            for bad, reason in found.skipped if found else ():
-                log.warning("checkpoint %s rejected (%s); using an older one", bad, reason)
-            path = str(found.path) if found else None
-        path = broadcast_object(path)
-        if path is None:
+        """The newest valid checkpoint (see mgpu.checkpointer), checked against this run's config."""
+        loaded = self.checkpointer.find_latest()
+        if loaded is None:
             return Progress(), None
-        # Rank 0 verified it (sha256); the others load the same file without hashing it again.
-        loaded = found if self.store is not None else CheckpointStore.load_dir(Path(path), verify=False)  # type: ignore[possibly-undefined]
         changes = check_resume_compatible(loaded.state["config"], self.config_dict)
         if self.is_main:
             for change in changes:
@@ -311,8 +301,7 @@ class Trainer:
         finally:
             self.agreement.drain()
             self.reporter.close()
-            if self.store is not None:
-                self.store.close()
+            self.checkpointer.close()
         if status == "stopped" and self.is_main:
             self.ledger.write("preempted", step=p.step, reasons=sorted(reasons),
                               signals=[name for name, _ in self.stop.received],
@@ -529,76 +518,9 @@ class Trainer:
         return (every > 0 and self.progress.step % every == 0) or (every == 0 and epoch_end)
 
     def _save(self, reason: str, is_best: bool = False, wait: bool = False) -> Path | None:
-        """Checkpoint the current step (a collective). `wait`: return only once it is durable on disk.
-
-        A background save that fails is reported (log line + `checkpoint_failed` in the ledger) and the
-        next due save tries again; a synchronous one (the stop's, the final one) that fails raises the
-        same CheckpointError on every rank, naming the errno and the path."""
+        """Checkpoint the current step (a collective; see mgpu.checkpointer)."""
         p = self.progress
-        if p.step == self._last_saved_step and not is_best:
-            if not wait:
-                return None
-            # Saved at this step already, maybe in the background: only a failure of that save (it may
-            # have just ended) makes the stop write it again.
-            if self.store is not None:
-                self.store.settle()
-            failed = self._failed_save_step == p.step
-            if not (broadcast_object(failed) if self.world > 1 else failed):
-                return self.store.latest_path() if self.store is not None else None
-        self.beat("checkpoint")
-        state = gather_state(self.model, self.optimizer, self.scheduler, self.scaler, p, self.config_dict,
-                             self.version)
-        path, error = None, None
-        if self.store is not None and state is not None:
-            self.beat("write")
-            try:
-                path = self._store_state(state, reason, is_best, wait)
-            except CheckpointError as failure:
-                error = f"{failure}; the newest checkpoint on disk is {self.store.latest_path() or 'none'}"
-        self.beat("checkpoint-wait")
-        if self.world > 1 and (wait or self._checked_loadable is not True):
-            # Every rank learns the outcome together (a barrier otherwise): none is left waiting in a
-            # collective for a rank that gave up.
-            error = broadcast_object(error)
-        if error is not None:
-            raise CheckpointError(error)
-        self._checked_loadable = True
-        self._last_saved_step = p.step
-        return path
-
-    def _store_state(self, state: dict[str, Any], reason: str, is_best: bool, wait: bool) -> Path | None:
-        """Rank 0: hand the gathered state to the store, in the background unless `wait` (or configured off)."""
-        assert self.store is not None
-        p = self.progress
-        if not self._checked_loadable:
-            check_loadable(state)  # the first save of this process: a state a resume could not read fails now
-        extra = {"epoch": p.epoch, "reason": reason, "metrics": getattr(self, "_last_metrics", {})}
-        started = time.perf_counter()
-        blocked = 0.0
-
-        def done(result: Any) -> None:
-            if isinstance(result, BaseException):
-                self._failed_save_step = p.step
-                message = " ".join(str(result).split())
-                log.error("%s; training goes on, the next checkpoint will try again", message)
-                self.ledger.write("checkpoint_failed", step=p.step, reason=reason, error=message,
-                                  errno=getattr(result, "errno", None))
-            else:
-                self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
-                                  blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
-                                  reason=reason)
-
-        if self.cfg.checkpoint.async_save and not wait:
-            self.store.save_async(state, p.step, is_best=is_best, extra=extra, on_done=done)
-            blocked = time.perf_counter() - started
-            return None
-        try:
-            saved = self.store.save(state, p.step, is_best=is_best, extra=extra)
-        except CheckpointError as failure:
-            self._failed_save_step = p.step
-            self.ledger.write("checkpoint_failed", step=p.step, reason=reason, error=" ".join(str(failure).split()),
-                              errno=getattr(failure, "errno", None))
-            raise
-        blocked = time.perf_counter() - started
-        done(saved)
-        return saved.path
+        extra = {"epoch": p.epoch, "metrics": getattr(self, "_last_metrics", {})}
+        return self.checkpointer.save(lambda: gather_state(self.model, self.optimizer, self.scheduler, self.scaler, p,
+                                                           self.config_dict, self.version),
+                                      p.step, reason, is_best=is_best, wait=wait, extra=extra)
