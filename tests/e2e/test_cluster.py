@@ -17,21 +17,24 @@ pytestmark = pytest.mark.slurm
 
 # Logs every signal a task receives, one file per task: "<event> <SLURM_RESTART_COUNT>". Python, not
 # bash traps: bash lost one of several signals arriving within a millisecond (USR2, CONT, TERM at
-# GraceTime=0), while Python's handlers got every one. After SIGTERM it stays 1.5 s (the user
-# signal may come just after the TERM), then exits instead of waiting KillWait for SIGKILL.
+# GraceTime=0), while Python's handlers got every one. Each line is one os.write on an O_APPEND
+# descriptor: a buffered file object is not reentrant, and a handler running inside another's write
+# raised "reentrant call" and killed the logger before it logged the TERM (seen in CI). After SIGTERM
+# it stays 1.5 s (the user signal may come just after the TERM), then exits instead of waiting
+# KillWait for SIGKILL.
 SIGNAL_LOGGER = """\
 import os, signal, sys, time
-log = open(f"{sys.argv[1]}.{os.environ['SLURM_PROCID']}", "a", buffering=1)
+fd = os.open(f"{sys.argv[1]}.{os.environ['SLURM_PROCID']}", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 run = os.environ.get("SLURM_RESTART_COUNT", "0")
 deadline = None
 def handler(sig, frame):
     global deadline
-    log.write(f"{signal.Signals(sig).name[3:]} {run}\\n")
+    os.write(fd, f"{signal.Signals(sig).name[3:]} {run}\\n".encode())
     if sig == signal.SIGTERM and deadline is None:
         deadline = time.monotonic() + 1.5
 for s in (signal.SIGUSR2, signal.SIGTERM, signal.SIGCONT):
     signal.signal(s, handler)
-log.write(f"start {run} {os.uname().nodename}\\n")
+os.write(fd, f"start {run} {os.uname().nodename}\\n".encode())
 while deadline is None or time.monotonic() < deadline:
     time.sleep(0.1)
 """
