@@ -26,12 +26,18 @@ def test_a_signal_only_sets_a_flag_and_the_time() -> None:
 
 
 def test_the_first_ctrl_c_is_a_stop_the_second_interrupts() -> None:
-    with StopRequest("USR2") as stop:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert stop.flags() == [0, 0, 0, 1] and [name for name, _ in stop.received] == ["SIGINT"]
-        with pytest.raises(KeyboardInterrupt):
+    # Python's own handler, as in a terminal: a background job of a non-interactive shell starts with SIGINT
+    # ignored (SIG_IGN), which is then the handler that comes back.
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopRequest("USR2") as stop:
             os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+            assert stop.flags() == [0, 0, 0, 1] and [name for name, _ in stop.received] == ["SIGINT"]
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # uninstalled: the previous is back
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 @pytest.mark.multiprocess
