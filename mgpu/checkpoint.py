@@ -336,7 +336,8 @@ def _checked_extra(state: object, step: object, extra: dict[str, Any] | None) ->
 class CheckpointStore:
     """The checkpoints of one run in `directory`: the newest `keep_last`, plus the best and the latest."""
 
-    def __init__(self, directory: Path, keep_last: int = 2, *, writer: Writer | None = None) -> None:
+    def __init__(self, directory: Path, keep_last: int = 2, *, writer: Writer | None = None,
+                 keep_snapshot_buffers: bool = True) -> None:
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         self.directory = Path(directory)
@@ -345,6 +346,7 @@ class CheckpointStore:
         self._thread: threading.Thread | None = None
         self._outcome: SavedCheckpoint | BaseException | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}  # reused snapshot buffers (see save_async)
+        self._keep_staging = keep_snapshot_buffers
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], step: int, *, is_best: bool = False,
@@ -363,7 +365,8 @@ class CheckpointStore:
         """Snapshot `state` to CPU memory now and write it in a background thread.
 
         Blocks only for a save already in flight and for the snapshot. The snapshot's buffers are kept
-        for the next one (one extra copy of the state stays in host memory). `on_done` is called from
+        for the next one (one extra copy of the state stays in host memory until `close()`), or with
+        `keep_snapshot_buffers=False` freed once the write ends. `on_done` is called from
         the writer thread with the result or the exception; a failed save is not raised again later.
         """
         self.settle()
@@ -391,7 +394,9 @@ class CheckpointStore:
         return outcome
 
     def close(self) -> None:
+        """Wait for a background save in flight and free the snapshot buffers (a full copy of the state)."""
         self.settle()  # idempotent: a second call finds nothing in flight; a failure was reported by on_done
+        self._staging.clear()
 
     def _background(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                     started: float, on_done: OnDone | None) -> None:
@@ -399,6 +404,9 @@ class CheckpointStore:
             outcome: SavedCheckpoint | BaseException = self._write(state, step, is_best, extra, started)
         except BaseException as e:
             outcome = e
+        if not self._keep_staging:
+            self._staging.clear()  # no snapshot is taken while this thread runs (save_async settles first)
+        del state
         self._outcome = outcome
         if on_done is not None:
             try:

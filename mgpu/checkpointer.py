@@ -34,9 +34,11 @@ class Checkpointer:
     """The run's checkpoints, seen from one rank."""
 
     def __init__(self, run: RunDir, rank: int, world: int, ledger: Ledger, *, keep_last: int = 2,
-                 async_save: bool = True, beat: Callable[..., None] = _no_beat) -> None:
+                 async_save: bool = True, keep_snapshot_buffers: bool = True,
+                 beat: Callable[..., None] = _no_beat) -> None:
         self.rank, self.world, self.ledger, self.async_save, self.beat = rank, world, ledger, async_save, beat
-        self.store = CheckpointStore(run.checkpoints, keep_last=keep_last) if rank == 0 else None
+        self.store = CheckpointStore(run.checkpoints, keep_last=keep_last,
+                                     keep_snapshot_buffers=keep_snapshot_buffers) if rank == 0 else None
         self.last_saved_step = -1
         self._failed_step = -1  # rank 0: the step of the last save that failed
         self._checked_loadable = False
@@ -132,6 +134,6 @@ class Checkpointer:
         return saved.path
 
     def close(self) -> None:
-        """Wait for a background save in flight (its outcome was reported by then)."""
+        """Wait for a background save in flight (its outcome was reported by then); free its buffers."""
         if self.store is not None:
             self.store.close()

@@ -125,6 +125,10 @@ class CheckpointConfig:
     """Also keep the checkpoint with the best eval.metric."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
+    keep_snapshot_buffers: bool = True
+    """Keep the background save's host copy of the state between saves (one copy; pinned on GPUs) so the
+    next snapshot skips allocating it; false frees it once each write ends, so host memory holds that copy
+    only while a write is in flight. Freed at the end of training either way."""
 
 
 @dataclass
@@ -223,7 +227,7 @@ class Config:
 
 SAFE_TO_CHANGE: frozenset[str] = frozenset({
     "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
-    "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "data.num_workers",
-    "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
+    "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.keep_snapshot_buffers",
+    "data.num_workers", "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
 })
 """Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""

@@ -125,7 +125,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
         self.checkpointer = Checkpointer(run, self.rank, self.world, ledger, keep_last=cfg.checkpoint.keep_last,
-                                         async_save=cfg.checkpoint.async_save, beat=self.beat)
+                                         async_save=cfg.checkpoint.async_save,
+                                         keep_snapshot_buffers=cfg.checkpoint.keep_snapshot_buffers, beat=self.beat)
         self.progress, resumed = self._resume()
         self.total_steps = self._total_steps()
         self._check_batch_norm_batches()

@@ -255,6 +255,32 @@ def test_save_async_writes_a_snapshot(tmp_path: Path) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_snapshot_copy_is_freed_at_close_or_after_each_write(keep: bool, tmp_path: Path) -> None:
+    """D17: the background save's host copy of the state (pinned on GPUs) does not outlive training, and
+    with keep_snapshot_buffers=False not even its write."""
+    import gc
+    import weakref
+
+    snapshots: list[weakref.ref[torch.Tensor]] = []
+
+    def writer(state: dict[str, Any], path: Path) -> None:
+        snapshots.append(weakref.ref(state["model"]["w"]))
+        torch.save(state, path)
+
+    store = CheckpointStore(tmp_path, writer=writer, keep_snapshot_buffers=keep)
+    store.save_async(_state(1.0), 1)
+    store.save_async(_state(2.0), 2)  # the first copy is reused (kept) or was freed (not kept)
+    store.wait()
+    gc.collect()
+    assert (snapshots[0]() is not None) == keep and (snapshots[1]() is not None) == keep
+    if keep:
+        assert snapshots[0]() is snapshots[1]()  # one copy, reused: bounded at one state
+    store.close()
+    gc.collect()
+    assert snapshots[1]() is None  # closed: nothing of the state is kept
+
+
 def test_save_async_waits_for_the_save_in_flight(tmp_path: Path) -> None:
     writer = PausedWriter()
     store = CheckpointStore(tmp_path, writer=writer)
