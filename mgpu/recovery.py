@@ -41,7 +41,8 @@ __all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure
 
 log = logging.getLogger("mgpu.job")
 DEFAULT_MAX_FAILURES = 3
-FAILURE_KINDS = ("failure", "no_progress")
+FAILURE_KINDS = ("failure", "no_progress", "hang")
+"""What a comeback after counts against MGPU_MAX_FAILURES (a preemption or time limit does not)."""
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,10 @@ def test_failure_requeues_count_only_this_jobs_failures() -> None:
               {"event": "requeued", "job_id": "7"},                       # a preemption's self-requeue
               {"event": "requeued", "job_id": "7", "after": "no_progress"},
               {"event": "requeued", "job_id": "8", "after": "failure"},   # an earlier job of the same run
+              {"event": "restarted", "job_id": "7", "after": "hang"},     # a hang nobody was blamed for
+              {"event": "requeued", "job_id": "7", "after": "hang"},      # a hang pinned on a node
               {"event": "failed", "job_id": "7"}]
-    assert failure_requeues(events, "7") == 2
+    assert failure_requeues(events, "7") == 4  # a hang that keeps coming back ends within MGPU_MAX_FAILURES
     assert failure_requeues(events, "9") == 0
 
 
