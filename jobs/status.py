@@ -120,7 +120,25 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
     totals = [e["total_steps"] for e in events if isinstance(e.get("total_steps"), int)]
     if totals and "step" in summary:
         summary["total_steps"] = totals[-1]
+    hangs = [e for e in events if e["event"] == "hang"]
+    if hangs:
+        summary["hangs"] = {"count": len(hangs), "last": hangs[-1]}
+    excluded = [e for e in events if e["event"] == "node_excluded"]
+    if excluded:
+        nodes = excluded[-1].get("excluded")
+        summary["excluded"] = nodes if isinstance(nodes, list) else [excluded[-1].get("node")]
     return summary
+
+
+def hang_line(hang: dict[str, Any]) -> str:
+    """Who held the others up, where, and in which phase, from a `hang` event."""
+    ranks, hosts = (value if isinstance(value, list) else [] for value in (hang.get("ranks"), hang.get("hosts")))
+    phases = hang.get("phases") if isinstance(hang.get("phases"), dict) else {}
+    who = (f"rank(s) {', '.join(map(str, ranks))} on {', '.join(map(str, hosts)) or '?'}" if ranks
+           else "no rank identified")
+    where = ", ".join(f"{phases[str(r)]}" for r in ranks if str(r) in phases)
+    return (f"after step {hang.get('step')}: {who}" + (f" in {where}" if where else "")
+            + (f", found after {hang['waited_s']} s" if isinstance(hang.get("waited_s"), (int, float)) else ""))
 
 
 def progress_line(summary: dict[str, Any]) -> str:
@@ -178,6 +196,10 @@ def describe(run_dir: Path, now: float | None = None) -> list[str]:
         lines.append("checkpoint  none yet")
     if "steps_per_s" in summary:
         lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {_age(summary['throughput_window_s'])}")
+    if "hangs" in summary:
+        lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")
+    if "excluded" in summary:
+        lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
     lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
     return lines
 

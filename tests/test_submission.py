@@ -300,6 +300,23 @@ def test_status(tmp_path: Path) -> None:
     assert result.returncode == 2 and len(result.stderr.splitlines()) == 1 and "status: error:" in result.stderr
 
 
+def test_status_names_the_hung_rank_and_the_excluded_node(tmp_path: Path) -> None:
+    t0 = time.time() - 100
+    ctx = {"job_id": "4243", "restart": 0}
+    events = [
+        {"time": t0, "event": "started", "launcher": "slurm", **ctx},
+        {"time": t0 + 50, "event": "hang", "ranks": [1], "hosts": ["n2"], "step": 41, "waited_s": 63.2,
+         "phases": {"0": "model", "1": "backward"}, **ctx},
+        {"time": t0 + 51, "event": "requeued", "after": "hang", **ctx},
+        {"time": t0 + 51, "event": "node_excluded", "node": "n2", "excluded": ["n2", "n9"], **ctx},
+    ]
+    write_ledger(tmp_path / "runs" / "blob-4243", events)
+    result = run_script([STATUS, str(tmp_path / "runs" / "blob-4243")])
+    assert result.returncode == 0, result.stderr
+    assert "hangs       1; last after step 41: rank(s) 1 on n2 in backward, found after 63.2 s" in result.stdout
+    assert "excluded    n2, n9 (nodes a hang was pinned on)" in result.stdout
+
+
 def test_follow_reports_changes_until_done(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from jobs.submit import follow
 
