@@ -192,7 +192,9 @@ class WatchdogConfig:
     checkpoint_s: float = 600.0
     """Allowance for gathering and writing one checkpoint."""
     collective_timeout_s: float = 300.0
-    """The process group's timeout after the first step (the rendezvous keeps distributed.init_timeout_s)."""
+    """The process group's timeout after the first step (the rendezvous keeps distributed.init_timeout_s);
+    raised to outlast every allowance above (with the defaults: 650 s), so the watchdog, with its evidence,
+    ends a hang first. Without the watchdog the group keeps distributed.init_timeout_s."""
 
 
 @dataclass

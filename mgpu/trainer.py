@@ -95,7 +95,7 @@ class Trainer:
                  stop: StopRequest, stop_at_step: int | None = None, watchdog: Watchdog | None = None) -> None:
         self.cfg, self.task, self.ctx, self.run = cfg, task, ctx, run
         self.beat = watchdog.beat if watchdog is not None else _no_beat
-        self._collective_timeout = timedelta(seconds=cfg.watchdog.collective_timeout_s) if watchdog else None
+        self.watchdog = watchdog
         self.ledger, self.stop, self.stop_at_step = ledger, stop, stop_at_step
         self.rank, self.world = ctx.env.rank, ctx.env.world_size
         self.device = ctx.device
@@ -313,10 +313,12 @@ class Trainer:
     def _after_first_step(self) -> None:
         """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
         then fails a collective in minutes, not in distributed.init_timeout_s)."""
+        seconds = None
+        if self.watchdog is not None and self.world > 1:
+            seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
+            set_collective_timeout(timedelta(seconds=seconds), self.agreement.group)
         if self.is_main:
-            self.ledger.write("first_step", step=self.progress.step)
-        if self._collective_timeout is not None and self.world > 1:
-            set_collective_timeout(self._collective_timeout, self.agreement.group)
+            self.ledger.write("first_step", step=self.progress.step, collective_timeout_s=seconds)
 
     def _throwaway_pass(self, ddp: nn.Module, micro: tuple[MicroBatch, Any]) -> None:
         """A synced micro-step's forward and backward, whose effects mgpu.ddp undoes."""

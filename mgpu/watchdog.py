@@ -50,6 +50,7 @@ rank stuck in its own code before the model is behind those waiting in DDP; `agr
 agreement) waits for the others; rank 0 `write`s a checkpoint while the others wait (`checkpoint-wait`)."""
 WRITE_EVERY_S = 2.0
 STALE_AFTER_S = 4 * WRITE_EVERY_S
+LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
 
 
@@ -125,6 +126,17 @@ class Watchdog:
         if not times:
             return self.first_step_s
         return max(self.floor_s, self.step_multiple * statistics.median(times))
+
+    def collective_timeout(self, configured: float) -> float:
+        """The process group's timeout once training runs: `configured`, but longer than any allowance this
+        watchdog may apply (a checkpoint write, a first evaluation batch, the steps so far times
+        step_multiple) plus the time it takes to notice and leave evidence: a hang then ends through the
+        watchdog, with the stacks, the ledger's `hang` event and the node's exclusion, not through a
+        collective's timeout error, and a long but healthy save is never cut short by one."""
+        so_far = [*self._step_times, *([time.time() - self._step_started] if hasattr(self, "_step_started") else [])]
+        longest = max(self.first_step_s, self.checkpoint_s, self.floor_s,
+                      self.step_multiple * max(so_far, default=0.0))
+        return max(configured, longest + WRITE_EVERY_S + STALE_AFTER_S + EVIDENCE_S + LOOK_SLACK_S)
 
     # ------------------------------------------------------------------ the watchdog thread
     def start(self) -> "Watchdog":

@@ -275,15 +275,20 @@ class HangingBlobTask(SlowBlobTask):
 
 
 class UnevenBlobTask(BlobTask):
-    """BlobTask whose rank `slow_rank` takes `slow_factor` times longer per loss call (`step_s` each)."""
+    """BlobTask whose rank `slow_rank` takes `slow_factor` times longer per loss call (`step_s` each), and
+    `pause_s` longer still at its loss call number `pause_at` (0: never)."""
 
-    def __init__(self, step_s: float = 0.1, slow_rank: int = 1, slow_factor: float = 3.0, **kwargs) -> None:
+    def __init__(self, step_s: float = 0.1, slow_rank: int = 1, slow_factor: float = 3.0, pause_at: int = 0,
+                 pause_s: float = 0.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.step_s, self.slow_rank, self.slow_factor = step_s, slow_rank, slow_factor
+        self.pause_at, self.pause_s, self.calls = pause_at, pause_s, 0
 
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         import time
 
         me = dist.get_rank() if dist.is_initialized() else 0
-        time.sleep(self.step_s * (self.slow_factor if me == self.slow_rank else 1.0))
+        self.calls += 1
+        time.sleep(self.step_s * (self.slow_factor if me == self.slow_rank else 1.0)
+                   + (self.pause_s if me == self.slow_rank and self.calls == self.pause_at else 0.0))
         return super().loss(model, batch)

@@ -58,6 +58,20 @@ def test_the_allowance_is_learned_from_the_run(tmp_path: Path) -> None:
     assert dog.allowance() == 300  # no evaluation batch timed yet
 
 
+@pytest.mark.parametrize("configured, step_s, expected", [
+    (300, None, 650),     # the defaults: the largest allowance (600 s) and the time to notice and leave evidence
+    (2000, None, 2000),   # a longer one asked for is kept
+    (300, 100.0, 1050),   # 100 s steps: 10 x the step time, then the margin
+])
+def test_the_collective_timeout_outlasts_every_allowance(configured: float, step_s: float | None,
+                                                         expected: float) -> None:
+    dog = Watchdog(0, 2, Path("."), step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
+                   on_hang=lambda *args: None)
+    if step_s is not None:
+        dog._step_times.append(step_s)
+    assert dog.collective_timeout(configured) == pytest.approx(expected)
+
+
 # ------------------------------------------------------------------------- hung ranks, real gloo groups
 HANG = ["task.target=tests.tasks:HangingBlobTask", "task.args.step_s=0.05", "train.epochs=30", "data.batch_size=4",
         "log.every_steps=1", "watchdog.floor_s=2", "watchdog.step_multiple=5", "watchdog.first_step_s=30",
@@ -105,10 +119,16 @@ def test_a_hung_rank_is_found_named_and_ended(mode: str, rank: int, culprit_phas
 def test_a_slow_but_healthy_rank_is_not_hung(tmp_path: Path) -> None:
     # Rank 1 takes 15x as long per step (1.5 s) as rank 0 computes (0.1 s): rank 0 waits for it every step.
     # An allowance from rank 0's own compute (3 x 0.1 s, floor 1 s) would call rank 1 hung; the step time
-    # every rank measures includes the wait, so the allowance is 3 x 1.5 s.
+    # every rank measures includes the wait, so the allowance is 3 x 1.5 s. Once, rank 1 pauses 13 s more,
+    # within the 20 s floor: the 10 s collective timeout asked for would cut rank 0's wait short; it is
+    # raised above the watchdog's allowances (here 20 + 50 s), so the watchdog alone judges a hang.
     results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:UnevenBlobTask", "task.args.step_s=0.1",
-                                     "task.args.slow_factor=15", "train.epochs=2", "data.batch_size=4",
-                                     "log.every_steps=1", "watchdog.floor_s=1", "watchdog.step_multiple=3",
-                                     "watchdog.first_step_s=10", "log.tensorboard=false"))
+                                     "task.args.slow_factor=15", "task.args.pause_at=6", "task.args.pause_s=13",
+                                     "train.epochs=2", "data.batch_size=4", "log.every_steps=1", "watchdog.floor_s=20",
+                                     "watchdog.step_multiple=3", "watchdog.first_step_s=10", "watchdog.checkpoint_s=20",
+                                     "watchdog.collective_timeout_s=10", "log.tensorboard=false"))
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:]
-    assert not [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert not [e for e in events if e["event"] == "hang"]
+    (first,) = [e for e in events if e["event"] == "first_step"]
+    assert 70 <= first["collective_timeout_s"] < 100, first
