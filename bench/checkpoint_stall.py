@@ -39,7 +39,9 @@ def build_state(layers: int, width: int) -> tuple[dict, int]:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     params = sum(p.numel() for p in model.parameters())
-    return gather_state(model, optimizer, scheduler, scaler, Progress(step=1), {}, None), params  # type: ignore[return-value]
+    objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+               "progress": Progress(step=1), "config": {}}
+    return gather_state(objects, None), params  # type: ignore[return-value]
 
 
 def plain_save(state: dict, path: Path, fsync: bool) -> float:

@@ -1,6 +1,22 @@
 """mgpu: PyTorch DistributedDataParallel training as Slurm batch jobs that survive preemption.
 
-This package's top level imports nothing heavy: the submission path must not import torch.
+    import mgpu
+    with mgpu.Session("runs/my-run") as session: ...      # a training loop of your own (mgpu.session)
+    python jobs/submit.py --config X.yaml                 # or mgpu's trainer, from a Task (mgpu.task)
+
+This package's top level imports nothing heavy: the submission path must not import torch, and
+`Session` is imported on first use.
 """
 
+from typing import Any
+
 __version__ = "0.1.0"
+__all__ = ["Session"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Session":
+        from mgpu.session import Session
+
+        return Session
+    raise AttributeError(f"module 'mgpu' has no attribute {name!r}")

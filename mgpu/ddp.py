@@ -5,8 +5,9 @@ first synced backward (its second, with `static_graph`), rebuilds its buckets in
 became ready (a 1 MiB first bucket, then 25 MiB ones). With 3+ ranks an all-reduce sums each element
 in an order that depends on its offset in the bucket, so the step after a resume, reduced in the
 initial layout where the unbroken run used the rebuilt one, differs in the last bits (seen at 3 and 4
-gloo ranks on every model tried; 2 ranks are immune, a + b == b + a). `replay_bucket_rebuild` makes
-the resumed process record the same ready order with throw-away synced passes before its first step,
+gloo ranks on every model tried; 2 ranks are immune, a + b == b + a). ``ResumableDDP` makes
+the resumed process record the same ready order with throw-away synced passes before its first step
+(`replay_bucket_rebuild`: the model's forward on the first batch, a backward of the sum of its outputs),
 then puts back everything they touched: the first real forward rebuilds exactly as the unbroken run
 did. No flag for the user, nothing per step (Reducer::should_rebuild_buckets, reducer.cpp; the
 evidence is in tests/test_faults.py).
@@ -18,21 +19,76 @@ attributes, hooks) are not undone.
 
 from __future__ import annotations
 
+import dataclasses
 import random
-from typing import Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["passes_before_rebuild", "replay_bucket_rebuild", "sync_buffers", "wrap"]
+__all__ = ["ResumableDDP", "passes_before_rebuild", "replay_bucket_rebuild", "sync_buffers", "wrap"]
 
 
-def wrap(model: nn.Module, device: torch.device, find_unused_parameters: bool, static_graph: bool
-         ) -> DistributedDataParallel:
-    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
-                                   find_unused_parameters=find_unused_parameters, static_graph=static_graph)
+class ResumableDDP(DistributedDataParallel):
+    """DistributedDataParallel that, in a resumed process, reduces as the unbroken run's did.
+
+    `replay_passes`: the synced passes the saved run had done (its optimizer steps; 0 for a new run).
+    At the first forward with gradients enabled, the model's forward runs once more on the same inputs,
+    with a backward of the sum of its outputs, and everything that touched is put back
+    (`replay_bucket_rebuild`): the real forward then rebuilds the buckets exactly as the unbroken run
+    did. The ready order is the model's graph's; it does not depend on the loss (unless the loss uses
+    parameters outside the model's forward). Nothing happens on 1 or 2 ranks or for a new run.
+    """
+
+    def __init__(self, *args: Any, replay_passes: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.replay_after(replay_passes)
+
+    def replay_after(self, passes: int) -> None:
+        """The saved run had done `passes` synced passes: replay its bucket rebuild at the first forward."""
+        world = self.process_group.size() if self.process_group is not None else 1
+        # With 2 ranks every layout sums alike (a + b): no replay, the model's forward is not called again.
+        self._replay_passes = passes if world > 2 else 0
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._replay_passes and torch.is_grad_enabled():
+            passes, self._replay_passes = self._replay_passes, 0
+            replay_bucket_rebuild(self, passes, lambda ddp: _backward_of_outputs(
+                DistributedDataParallel.forward(ddp, *inputs, **kwargs)))
+        return super().forward(*inputs, **kwargs)
+
+
+def _backward_of_outputs(output: Any) -> None:
+    """Backward of the sum of every floating tensor in `output` (tensors, sequences, mappings, dataclasses)."""
+    tensors: list[torch.Tensor] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad and value.is_floating_point():
+                tensors.append(value.float().sum())
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                walk(item)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                walk(item)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for item in dataclasses.fields(value):
+                walk(getattr(value, item.name))
+
+    walk(output)
+    if tensors:
+        torch.stack(tensors).sum().backward()
+
+
+def wrap(model: nn.Module, device: torch.device, find_unused_parameters: bool = False, static_graph: bool = False,
+         replay_passes: int = 0) -> ResumableDDP:
+    """`model` (already on `device`) in DDP, replaying the bucket rebuild when `replay_passes` > 0."""
+    return ResumableDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                        find_unused_parameters=find_unused_parameters, static_graph=static_graph,
+                        replay_passes=replay_passes)
 
 
 def passes_before_rebuild(ddp: DistributedDataParallel) -> int:

@@ -25,36 +25,17 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 from mgpu.config import Config, config_from_dict
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
+from mgpu.outcome import JobStopped, Outcome, resume_command
 
-if TYPE_CHECKING:
-    from mgpu.requeue import Budget
-    from mgpu.rundir import RunDir
-
-__all__ = ["JobStopped", "TrainJob", "failure_note", "resume_command", "run_job"]
+__all__ = ["JobStopped", "TrainJob", "failure_note", "resume_command", "run_job", "run_training"]
 
 log = logging.getLogger("mgpu.job")
-STOPPED_EXIT_CODE = 3
-
-
-class JobStopped(Exception):
-    """The job stopped on a signal and will not come back (cancelled, or out of requeues)."""
-
-
-def resume_command(env: ProcessEnv) -> str:
-    """The exact command that continues this run: what the submitter recorded, else this process's own."""
-    recorded = os.environ.get("MGPU_RESUME_COMMAND")
-    if recorded:
-        return recorded
-    if env.launcher == "torchrun":
-        return "the same torchrun command"
-    return f"cd {shlex.quote(os.getcwd())} && {shlex.join([os.path.basename(sys.executable), *sys.argv])}"
 
 
 def _task_frame(error: BaseException, target: str) -> str | None:
@@ -109,80 +90,66 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     """
     from mgpu.preemption import StopRequest
 
-    # First of all, before torch is imported: our handlers stay installed until the process exits, so
+    # First of all, before torch is imported: these handlers stay installed until the process exits, so
     # neither an early signal nor a late one reaches the default action or submitit's handler (which
     # would checkpoint inside the handler and requeue a second time).
     stop = StopRequest(cfg.preemption.signal).install()
-    from mgpu.ledger import read_ledger
-    from mgpu.recovery import Limits, failure_requeues, handle_failure
-
-    limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
-    from mgpu.requeue import Budget, decide, requeue
-    from mgpu.rundir import RunDir
-    from mgpu.runner import run_training
-    from mgpu.slurm_job import owns_slurm_job
-
-    env = env or detect_environment()
-    run = RunDir.of(cfg.run)
-    job_id = env.job_id if owns_slurm_job() else None
-    failures = failure_requeues(read_ledger(run.ledger), job_id) if job_id else 0
-    # Slurm's restart counter counts every requeue; the failure requeues are the ledger's to count.
-    stop_requeues = Budget(max(0, env.restart_count - failures), limits.max_requeues)
-    if job_id and stop_requeues.limit is not None and stop_requeues.used > stop_requeues.limit:
-        _refuse_over_budget(run, env, stop_requeues)
-    handled: list[BaseException] = []
-
-    def after_failure(error: BaseException) -> None:
-        # Bad input (e.g. an unsafe config change on resume) is the same on every run: never requeued;
-        # where the batch script handles failures after srun (MGPU_RECOVERY=batch), it alone does.
-        if (job_id and isinstance(error, Exception) and not isinstance(error, MgpuError) and not handled
-                and os.environ.get("MGPU_RECOVERY") != "batch"):
-            handled.append(error)
-            _, outcome = handle_failure(run, job_id, env.restart_count, limits,
-                                        f"rank {env.rank} failed: {type(error).__name__}: {error}", rank=env.rank)
-            log.error("rank %d failed: %s: %s; %s", env.rank, type(error).__name__, error, outcome)
-
-    try:
-        result, ledger = run_training(cfg, config_path, stop_at_step, env, stop, on_failure=after_failure)
-    except Exception as error:
-        after_failure(error)  # a failure before training started (e.g. the rendezvous); once only
-        raise
+    result, outcome = run_training(cfg, config_path, stop_at_step, env, stop)
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
-    if result.status != "stopped":
-        return summary
-    if env.rank != 0:
-        # Rank 0 alone asks Slurm and acts; a non-zero exit here would make srun kill it first.
+    if outcome.kind in ("requeued", "other_rank"):
         raise SystemExit(0)
-    progressed = result.step > result.resumed_step
-    budget = stop_requeues if progressed else Budget(failures, limits.max_failures, "failure")
-    decision = decide(set(result.reasons), job_id, env.restart_count, budget)
-    why = decision.why if progressed else f"{decision.why} (this run made no progress)"
-    ledger.write("stop_decision", step=result.step, what=decision.event, requeue=decision.requeue, reason=why)
-    log.info("stopped at step %d: %s", result.step, why)
-    if decision.requeue:
-        outcome = requeue(job_id)  # type: ignore[arg-type]  (decide() requeues only a job of ours)
-        ledger.write("requeued", step=result.step, how=outcome.how, message=outcome.message,
-                     **({} if progressed else {"after": "no_progress"}))
-        log.info("requeue: %s", outcome.message)
-    if decision.requeue or decision.event == "requeued_by_slurm":
-        raise SystemExit(0)
-    run.release(env.job_id)
-    raise JobStopped(f"stopped at step {result.step}: {why}; checkpoint {summary['checkpoint']}; to resume: "
-                     f"{resume_command(env)}")
+    if outcome.kind == "stays_down":
+        raise JobStopped(outcome.message)
+    return summary
 
 
-def _refuse_over_budget(run: RunDir, env: ProcessEnv, budget: Budget) -> None:
-    """Slurm brought the job back more often than allowed (e.g. preemptions with GraceTime 0): stop now."""
-    from mgpu.ledger import Ledger
+def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
+                 env: ProcessEnv | None = None, stop: Any = None,
+                 on_failure: Callable[[BaseException], None] | None = None) -> tuple[Any, Outcome]:
+    """The trainer on a Session: (FitResult, what happens to the job). `stop`: an installed StopRequest
+    (default: one installed for the duration of the call). `on_failure(error)` runs when training raises,
+    while the process group still exists, before the session's own failure handling."""
+    from mgpu.preemption import StopRequest
 
-    message = (f"requeue budget exhausted: this is restart {budget.used} of at most {budget.limit} "
-               f"(MGPU_MAX_REQUEUES); not training. The last checkpoint in {run.path} is kept; to resume: "
-               f"{resume_command(env)}")
-    if env.rank != 0:
-        raise SystemExit(0)
-    Ledger(run.ledger, env.job_id, env.restart_count).write("failed", error=message, retry=False)
-    raise JobStopped(message)
+    if stop is None:  # installed for the duration of the call
+        with StopRequest(cfg.preemption.signal) as own:
+            return run_training(cfg, config_path, stop_at_step, env, own, on_failure)
+    import gc
+
+    from mgpu.recovery import Limits
+
+    Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
+    env = env or detect_environment()
+    from mgpu.config import save_config
+    from mgpu.session import Session
+    from mgpu.task import build_task, import_task_class
+
+    import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
+    session = Session(config=cfg, stop_at_step=stop_at_step, env=env, stop=stop)
+    try:
+        from mgpu.trainer import Trainer
+
+        trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), session)
+        if session.is_main:
+            # Only now: a resume refused for an unsafe config change leaves the run's config.yaml as it was.
+            save_config(cfg, session.run.config)
+        session.begin(config_path=config_path, git_sha=trainer.version)
+        result = trainer.fit()
+        # DDP's reducer must go while the group is alive (see Session): nothing of the trainer outlives it.
+        del trainer
+        gc.collect()
+    except BaseException as error:
+        session.fail(error) if on_failure is None else _fail_with(session, error, on_failure)
+        raise
+    outcome = session.finish(result.status, epoch=result.epoch, metrics=result.metrics)
+    log.info("%s at step %d (run directory %s)", result.status, result.step, session.run.path)
+    return result, outcome
+
+
+def _fail_with(session: Any, error: BaseException, on_failure: Callable[[BaseException], None]) -> None:
+    on_failure(error)  # while the group exists, as the session's own failure handling
+    session.fail(error)
 
 
 class TrainJob:

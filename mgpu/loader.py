@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from mgpu.preemption import signal_number
 from mgpu.rng import seed_everything
 
-__all__ = ["Batches", "SampleSeeded", "is_worker_death", "make_loader", "start"]
+__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "is_worker_death", "make_loader", "start"]
 
 log = logging.getLogger("mgpu.train")
 _torch_sigchld_removed = False
@@ -56,10 +56,12 @@ class SampleSeeded(Dataset):
         return self.dataset[index]
 
 
-def _quiet_worker(signals: tuple[int, ...], worker_id: int) -> None:
+def _quiet_worker(signals: tuple[int, ...], then: Callable[[int], None] | None, worker_id: int) -> None:
     for signum in signals:
         signal.signal(signum, signal.SIG_IGN)  # a signal pending since the fork is discarded here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+    if then is not None:
+        then(worker_id)  # the caller's own worker_init_fn
 
 
 def _stop_signals(requeue_signal: str) -> tuple[int, ...]:
@@ -84,15 +86,16 @@ def _drop_torch_sigchld() -> None:
 
 def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]], *, num_workers: int, seed: int, epoch: int,
                 rank: int, requeue_signal: str, collate_fn: Callable[[list[Any]], Any] | None,
-                pin_memory: bool) -> DataLoader:
+                pin_memory: bool = False, **options: Any) -> DataLoader:
     """A loader over the given index `batches` (already this rank's share of the epoch)."""
     global _reaper_installed
     # An own generator: creating an iterator draws a base seed, and from the global RNG that draw would
     # shift dropout's stream differently in a resumed run than in an unbroken one.
     generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + rank)
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(options)
     if num_workers > 0:
-        extra["worker_init_fn"] = functools.partial(_quiet_worker, _stop_signals(requeue_signal))
+        extra["worker_init_fn"] = functools.partial(_quiet_worker, _stop_signals(requeue_signal),
+                                                    extra.get("worker_init_fn"))
         dataset = SampleSeeded(dataset, seed, epoch)
         if not _reaper_installed:
             atexit.register(_reap_workers)
@@ -150,3 +153,83 @@ class Batches:
                 workers = 0
             finally:
                 del iterator
+
+
+class ResumableLoader:
+    """A DataLoader for a loop of your own: this rank's share of each epoch, resumable at the exact sample.
+
+    Every epoch is one permutation of the whole dataset (a function of seed and epoch only, see
+    mgpu.data); rank r takes the r-th slice of each global batch (`batch_size` samples per rank), and
+    `position` counts the global samples consumed, so a checkpoint taken between two batches resumes at
+    the next one on any number of ranks. Iterate it once per epoch (or `for epoch in loader.epochs(N)`);
+    `state_dict()` goes into the session's checkpoint with the model. Workers survive the step's signals
+    and seed each sample from (seed, epoch, sample), as the trainer's do. `dataloader_options` go to each
+    epoch's torch DataLoader (pin_memory, prefetch_factor, persistent_workers, ...; not the sampler,
+    shuffle or batch options: this loader owns the order).
+
+    The last global batch of an epoch may be short: it is split as evenly as possible, and a rank left
+    with nothing gets one sample again (weight 0 in the trainer; `last.real` says how many of a batch are
+    real). `drop_last=True` drops that batch instead.
+    """
+
+    def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False, num_workers: int = 0,
+                 collate_fn: Callable[[list[Any]], Any] | None = None, requeue_signal: str = "USR2",
+                 stopping: Callable[[], bool] = lambda: False, **dataloader_options: Any) -> None:
+        from mgpu.data import ShardPlan
+
+        for option in ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last", "generator"):
+            if option in dataloader_options:
+                raise ValueError(f"ResumableLoader owns the sample order: {option}= is not an option here")
+        self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
+        self.plan = ShardPlan(len(dataset), batch_size, rank, world_size, seed, shuffle)  # type: ignore[arg-type]
+        self.drop_last, self.requeue_signal, self.stopping = drop_last, requeue_signal, stopping
+        self.options = dataloader_options
+        self.epoch = 0
+        self.position = 0
+        """Global samples of `epoch` consumed so far (all ranks together)."""
+        self.last: Any = None
+        """The `mgpu.data.MicroBatch` of the batch yielded last: its indices, real samples, global count."""
+
+    def _micro_batches(self, start: int) -> list[Any]:
+        micro = list(self.plan.micro_batches(self.epoch, start))
+        if self.drop_last:
+            micro = [m for m in micro if m.global_count == self.plan.global_batch]
+        return micro
+
+    def __len__(self) -> int:
+        """Batches of a whole epoch on this rank (the same on every rank)."""
+        return len(self._micro_batches(0))
+
+    def __iter__(self) -> Iterator[Any]:
+        micro = self._micro_batches(self.position)
+        indices = [m.indices for m in micro]
+
+        def build(start: int, workers: int) -> DataLoader:
+            return make_loader(self.dataset, indices[start:], num_workers=workers, seed=self.plan.seed,
+                               epoch=self.epoch, rank=self.plan.rank, requeue_signal=self.requeue_signal,
+                               collate_fn=self.collate_fn, **self.options)
+
+        for mb, batch in zip(micro, Batches(build, len(micro), self.num_workers, self.stopping, self.requeue_signal)):
+            self.last, self.position = mb, mb.end_position
+            yield batch
+        # Only a loop that ran to the end of the epoch gets here (a `break` leaves the position as it is).
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def epochs(self, count: int) -> Iterator[int]:
+        """The epochs left of `count`, from where a resumed run stands; ends early once the ranks agreed
+        to stop (so `break` out of the batch loop is enough)."""
+        while self.epoch < count and not self.stopping():
+            yield self.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler's call: a new epoch starts at its first sample; the current one (a resumed
+        run's) continues where it stands."""
+        if epoch != self.epoch:
+            self.epoch, self.position = epoch, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -9,6 +9,7 @@ see the same answer at the same step, stop together and write one checkpoint. Wh
 
 from __future__ import annotations
 
+import math
 import signal
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ __all__ = ["REASONS", "StopAgreement", "StopRequest", "signal_number"]
 # Index in the agreement vector -> reason. "test" is the `stop_at_step` hook (a deterministic preemption);
 # "interrupt" is Ctrl-C (SIGINT): a stop like SIGTERM, and a second Ctrl-C interrupts at once.
 REASONS = ("requeue_signal", "sigterm", "test", "interrupt")
+AGREE_EVERY_S = 1.0
+"""How often the ranks agree on a stop when `preemption.check_every_steps` is null."""
 
 
 def signal_number(name: str) -> int:
@@ -97,24 +100,34 @@ class StopAgreement:
     the same step, at most `every + 1` steps after a flag was raised, for one small reduction per
     `every` steps. With `every == 1` each step reads the previous step's reduction and starts the next.
     When `every` changes, a reduction in flight is still read at the step after it started.
-    `now()` agrees at once (blocking), for long stretches between steps such as an evaluation.
-    The reduction runs on a gloo side group with CPU tensors: with NCCL it never synchronises the GPU
-    stream. A world of one needs no collective and answers at once.
+    `every=None` agrees about once a second: each reduction also carries the slowest rank's mean step
+    time since the last one, and every rank derives the same next interval from it at the same step (a
+    power of two: a jitter in the step time rarely changes it, and old multiples stay multiples).
+    `poll()` is the same pipelined agreement between steps (every evaluation batch); `now()` agrees at
+    once (blocking). The reduction runs on a gloo side group with CPU tensors: with NCCL it never
+    synchronises the GPU stream. A world of one needs no collective and answers at once.
     """
 
-    def __init__(self, stop: StopRequest) -> None:
+    def __init__(self, stop: StopRequest, seconds_between: float = AGREE_EVERY_S) -> None:
         import torch.distributed as dist
 
         self.stop = stop
+        self.seconds_between = seconds_between
+        self.auto_every = 1
+        """The interval `every=None` uses: 1 until the first reduction is read, then about a second of steps."""
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         # Every rank constructs this at the same point: new_group is itself a collective.
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._pending_step = -1
+        self._last_call: float | None = None
+        self._busy = 0.0  # seconds between this rank's calls since the last reduction started
+        self._calls = 0
 
-    def at_step(self, step: int, every: int) -> set[str]:
+    def at_step(self, step: int, every: int | None = None) -> set[str]:
         """The agreed stop reasons at this step boundary (empty: go on). Call it at every step with the
         same `every` on all ranks; a step where it has nothing to do costs two integer checks."""
+        self._tick()
         if self.group is None:
             return _decode_list(self.stop.flags())  # nobody to agree with: free at every step
         agreed: set[str] = set()
@@ -122,41 +135,59 @@ class StopAgreement:
         # become since: a stop comes at most `every + 1` steps after the flag even when the interval grows.
         if self._pending is not None and self._pending_step < step:
             agreed = self._collect()
-        if not agreed and step % every == 0:
+        if not agreed and step % (self.auto_every if every is None else every) == 0:
             self._start(step)
         return agreed
 
-    def now(self) -> set[str]:
-        """A blocking agreement, for points between steps that every rank reaches alike (e.g. every k-th
-        evaluation batch): a reduction in flight is read first, so the side group's order stays the same."""
+    def poll(self) -> set[str]:
+        """`at_step` between steps: reads the reduction in flight (whenever it started) and starts the
+        next. Every rank must call it at the same points (e.g. each evaluation batch all ranks have)."""
         if self.group is None:
             return _decode_list(self.stop.flags())
-        import torch
-        import torch.distributed as dist
+        agreed = self._collect()
+        if not agreed:
+            self._start(-1)  # the next at_step() or poll() reads it, whatever its step
+        return agreed
 
+    def now(self) -> set[str]:
+        """A blocking agreement, for points between steps that every rank reaches alike: a reduction in
+        flight is read first, so the side group's order stays the same."""
+        if self.group is None:
+            return _decode_list(self.stop.flags())
         agreed = self._collect()
         if agreed:
             return agreed
-        flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group)
-        return _decode_list(flags.tolist())
+        self._start(-1)
+        return self._collect()
+
+    def _tick(self) -> None:
+        now = time.perf_counter()
+        if self._last_call is not None:
+            self._busy += now - self._last_call
+            self._calls += 1
+        self._last_call = now
 
     def _start(self, step: int) -> None:
         import torch
         import torch.distributed as dist
 
         if self._pending is None:
-            flags = torch.tensor(self.stop.flags(), dtype=torch.int32)
-            self._pending = (dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flags)
+            step_time = self._busy / self._calls if self._calls else 0.0
+            self._busy, self._calls = 0.0, 0
+            vector = torch.tensor([*self.stop.flags(), step_time], dtype=torch.float64)
+            self._pending = (dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vector)
             self._pending_step = step
 
     def _collect(self) -> set[str]:
         if self._pending is None:
             return set()
-        work, flags = self._pending
+        work, vector = self._pending
         self._pending = None
         work.wait()
-        return _decode_list(flags.tolist())
+        values = vector.tolist()
+        if values[-1] > 0:  # the slowest rank's step time: the same number, at the same step, everywhere
+            self.auto_every = 1 << int(math.log2(max(1.0, self.seconds_between / values[-1])))
+        return _decode_list([int(v) for v in values[:-1]])
 
     def drain(self) -> None:
         """Wait for the reduction in flight (before the group is destroyed)."""

@@ -1,25 +1,24 @@
 """What a checkpoint holds, and putting it back: everything a resumed run needs to be bit-identical.
 
-model, optimizer, LR scheduler, grad scaler, progress (step, epoch, position inside the epoch in
-global samples, early-stopping state), the RNG states of every rank, the world size, the resolved
-config and the code version.
+The objects a loop names (the trainer's: model, optimizer, LR scheduler, grad scaler, progress (step,
+epoch, position inside the epoch in global samples, early-stopping state) and the resolved config),
+plus what every checkpoint holds: the RNG states of every rank, the world size and the code version.
 """
 
 from __future__ import annotations
 
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
-import torch
 import torch.distributed as dist
-from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mgpu.rng import capture_rng_state, restore_rng_state, seed_everything
 
-__all__ = ["Progress", "code_version", "gather_state", "restore_state"]
+__all__ = ["RESERVED", "Progress", "code_version", "gather_state", "restore_state"]
 
 FORMAT = 1
 
@@ -63,38 +62,55 @@ def _all_rank_rng_states() -> list[dict[str, Any]]:
     return states
 
 
-def gather_state(model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, scaler: Any,
-                 progress: Progress, config: dict[str, Any], version: str | None) -> dict[str, Any] | None:
-    """The checkpoint's content on rank 0 (None elsewhere). A collective: every rank must call it."""
+RESERVED = ("format", "rng", "world_size", "code_version")
+"""Keys the session adds to every checkpoint; a state of yours cannot use them."""
+
+
+def _unwrapped(value: Any) -> Any:
+    """The module inside DDP: its state loads into a plain module too (another world size, inference)."""
+    return value.module if isinstance(value, DistributedDataParallel) else value
+
+
+def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, Any] | None:
+    """The checkpoint's content on rank 0 (None elsewhere). A collective: every rank must call it.
+
+    `objects`: name -> anything with `state_dict()` (modules, optimizers, schedulers, scalers, loaders;
+    DDP is saved as its module), a dataclass (saved as a dict), or a plain value. Every rank's RNG
+    state is added, so a resumed rank draws what the saved one would have drawn next."""
     rng = _all_rank_rng_states()
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
-        optimizer.consolidate_state_dict(to=0)  # the shards meet on rank 0
+    for value in objects.values():
+        if isinstance(value, ZeroRedundancyOptimizer):
+            value.consolidate_state_dict(to=0)  # the shards meet on rank 0
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
-    return {
-        "format": FORMAT,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
-        "progress": asdict(progress),
-        "rng": rng,
-        "world_size": len(rng),
-        "config": config,
-        "code_version": version,
-    }
+    state: dict[str, Any] = {"format": FORMAT, "rng": rng, "world_size": len(rng), "code_version": version}
+    for name, value in objects.items():
+        value = _unwrapped(value)
+        if hasattr(value, "state_dict"):
+            state[name] = value.state_dict()
+        elif is_dataclass(value) and not isinstance(value, type):
+            state[name] = asdict(value)
+        else:
+            state[name] = value
+    return state
 
 
-def restore_state(state: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                  scaler: Any, rank: int, seed: int) -> Progress:
-    """Load a checkpoint into the live objects. A rank the saved run did not have gets a fresh seed."""
-    model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    scaler.load_state_dict(state["scaler"])
+def restore_state(state: Mapping[str, Any], objects: dict[str, Any], rank: int, seed: int) -> None:
+    """Load a checkpoint into the live objects of `objects`, and replace its plain values (and dataclasses)
+    with the saved ones, in place. Then this rank's RNG state; a rank the saved run did not have gets a
+    fresh seed. A name the checkpoint does not hold is left as it is."""
+    for name, value in objects.items():
+        if name not in state:
+            continue
+        target = _unwrapped(value)
+        if hasattr(target, "load_state_dict"):
+            target.load_state_dict(state[name])
+        elif is_dataclass(target) and not isinstance(target, type):
+            objects[name] = type(target)(**state[name])
+        else:
+            objects[name] = state[name]
     if rank < len(state["rng"]):
         restore_rng_state(state["rng"][rank])
     else:
         # World grew: no saved stream for this rank; derive one that no other rank or run uses.
-        seed_everything(seed + rank + 100_003 * (state["progress"]["step"] + 1))
-    return Progress(**state["progress"])
+        seed_everything(seed + rank + 100_003 * (int(state.get("progress", {}).get("step", 0)) + 1))

@@ -1,9 +1,10 @@
 """The DDP training loop, top to bottom: resume, step, log, evaluate, checkpoint, stop.
 
-One `Trainer` per rank, inside a formed process group. Every rank runs the same sequence of
-collectives in the same order: DDP's gradient all-reduce, the stop agreement, metric reductions
-and checkpoint gathers happen at the same steps everywhere, decided only by the step count and
-by values that were all-reduced first.
+One `Trainer` per rank, on a `mgpu.session.Session` (the process group, the stop agreement, the
+checkpoints and the requeue decision, as any loop of a user's own gets them). Every rank runs the
+same sequence of collectives in the same order: DDP's gradient all-reduce, the stop agreement, metric
+reductions and checkpoint gathers happen at the same steps everywhere, decided only by the step count
+and by values that were all-reduced first.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ import contextlib
 import dataclasses
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
@@ -25,27 +24,22 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import LoadedCheckpoint
-from mgpu.checkpointer import Checkpointer
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
-from mgpu.ddp import replay_bucket_rebuild, sync_buffers, wrap
-from mgpu.distributed import DistContext, all_reduce, broadcast_object, set_collective_timeout
+from mgpu.ddp import sync_buffers
+from mgpu.distributed import all_reduce, broadcast_object
 from mgpu.errors import MgpuError
-from mgpu.ledger import Ledger
 from mgpu.loader import Batches, make_loader
 from mgpu.optim import build_optimizer, build_scheduler
-from mgpu.preemption import StopAgreement, StopRequest
 from mgpu.reporting import Reporter, format_metrics
-from mgpu.rundir import RunDir
-from mgpu.rng import seed_everything, use_deterministic_kernels
+from mgpu.rng import seed_everything
+from mgpu.session import Session
 from mgpu.task import Task, sized_dataset
-from mgpu.train_state import Progress, code_version, gather_state, restore_state
-from mgpu.watchdog import Watchdog
+from mgpu.train_state import Progress
 
 __all__ = ["FitResult", "Trainer"]
 
 log = logging.getLogger("mgpu.train")
-AGREE_EVERY_S = 1.0
 STEP_ENDS_KEPT = 100_000  # a week of 6 s steps; bounded so that a long run does not grow it forever
 
 
@@ -78,27 +72,16 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def _no_beat(phase: str, step: int | None = None) -> None:
-    """Without a watchdog, progress is not recorded."""
-
-
 class EvalInterrupted(Exception):
     """The ranks agreed to stop in the middle of an evaluation."""
 
-    def __init__(self, reasons: set[str]) -> None:
-        super().__init__(", ".join(sorted(reasons)))
-        self.reasons = reasons
-
 
 class Trainer:
-    def __init__(self, cfg: Config, task: Task, ctx: DistContext, run: RunDir, ledger: Ledger,
-                 stop: StopRequest, stop_at_step: int | None = None, watchdog: Watchdog | None = None) -> None:
-        self.cfg, self.task, self.ctx, self.run = cfg, task, ctx, run
-        self.beat = watchdog.beat if watchdog is not None else _no_beat
-        self.watchdog = watchdog
-        self.ledger, self.stop, self.stop_at_step = ledger, stop, stop_at_step
-        self.rank, self.world = ctx.env.rank, ctx.env.world_size
-        self.device = ctx.device
+    def __init__(self, cfg: Config, task: Task, session: Session) -> None:
+        self.cfg, self.task, self.session, self.run = cfg, task, session, session.run
+        self.beat, self.ledger = session.beat, session.ledger
+        self.rank, self.world = session.rank, session.world_size
+        self.device = session.device
         self.is_main = self.rank == 0
         self.config_dict = config_to_dict(cfg)
 
@@ -111,7 +94,6 @@ class Trainer:
 
         # The same initial weights everywhere (DDP also broadcasts rank 0's), then per-rank streams
         # so dropout and augmentation differ between ranks.
-        use_deterministic_kernels(cfg.train.deterministic)
         seed_everything(cfg.train.seed)
         model = task.build_model()
         if cfg.train.sync_batchnorm and self.world > 1:
@@ -124,29 +106,24 @@ class Trainer:
         self.precision = self._resolve_precision()  # once: asking CUDA every step would cost each step
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
-        self.checkpointer = Checkpointer(run, self.rank, self.world, ledger, keep_last=cfg.checkpoint.keep_last,
-                                         async_save=cfg.checkpoint.async_save,
-                                         keep_snapshot_buffers=cfg.checkpoint.keep_snapshot_buffers, beat=self.beat)
         self.progress, resumed = self._resume()
         self.total_steps = self._total_steps()
         self._check_batch_norm_batches()
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.total_steps)
         if resumed is not None:
-            self.progress = restore_state(resumed.state, self.model, self.optimizer, self.scheduler, self.scaler,
-                                          self.rank, cfg.train.seed)
+            objects = self._objects()
+            session.restore(resumed, objects)
+            self.progress = objects["progress"]
         else:
             seed_everything(cfg.train.seed + self.rank)
-        self.ddp: nn.Module = self.model
-        if self.world > 1:
-            self.ddp = wrap(self.model, self.device, cfg.train.find_unused_parameters, cfg.train.static_graph)
-            if watchdog is not None:  # entering DDP's forward: from here on this rank waits for the others
-                self.ddp.register_forward_pre_hook(lambda module, args: self.beat("model"))
+        # DDP (several ranks); on a run resumed on 3+ ranks it reduces as the unbroken run did (mgpu.ddp).
+        self.ddp: nn.Module = session.wrap(self.model, find_unused_parameters=cfg.train.find_unused_parameters,
+                                           static_graph=cfg.train.static_graph)
         self.resume_step = self.progress.step if resumed is not None else 0
-        self.resumed_from = resumed.path if resumed is not None else None
-        self.resume_skipped = [(str(bad), reason) for bad, reason in resumed.skipped] if resumed else []
-        self.reporter = Reporter(self.is_main, run.tensorboard if cfg.log.tensorboard else None,
+        self.resumed_from = session.resumed_from
+        self.reporter = Reporter(self.is_main, self.run.tensorboard if cfg.log.tensorboard else None,
                                  self.total_steps, self.resume_step, cfg.log.progress_bar)
-        self.version = code_version()
+        self.version = session.version
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._window_samples = 0
@@ -154,8 +131,6 @@ class Trainer:
         self._loss_count = 0
         self._grad_norm = torch.zeros((), device=self.device)
         self._step_lr = self.optimizer.param_groups[0]["lr"]
-        self.agreement = StopAgreement(stop)
-        self._check_every = cfg.preemption.check_every_steps or 1
         self.step_ends: collections.deque[float] = collections.deque(maxlen=STEP_ENDS_KEPT)
         """perf_counter() at the end of each of this run's latest optimizer steps (benchmarks read it)."""
         self._check_eval_metric()  # before the run counts as started: a broken metric leaves no trace
@@ -191,9 +166,14 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision)
 
+    def _objects(self) -> dict[str, Any]:
+        """What a checkpoint of this run holds (mgpu.train_state adds every rank's RNG state)."""
+        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
+                "progress": self.progress, "config": self.config_dict}
+
     def _resume(self) -> tuple[Progress, LoadedCheckpoint | None]:
         """The newest valid checkpoint (see mgpu.checkpointer), checked against this run's config."""
-        loaded = self.checkpointer.find_latest()
+        loaded = self.session.latest()
         if loaded is None:
             return Progress(), None
         changes = check_resume_compatible(loaded.state["config"], self.config_dict)
@@ -225,7 +205,7 @@ class Trainer:
 
     def _batches(self, dataset: Dataset, indices: list[list[int]]) -> Batches:
         return Batches(lambda start, workers: self._loader(dataset, indices[start:], workers), len(indices),
-                       self.cfg.data.num_workers, lambda: self.stop.pending, self.cfg.preemption.signal)
+                       self.cfg.data.num_workers, self.session._stopping, self.cfg.preemption.signal)
 
     def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
         """Groups of `grad_accum` micro-batches, epoch after epoch, from the current position."""
@@ -242,90 +222,56 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
-        cfg, p = self.cfg, self.progress
+        cfg, p, session = self.cfg, self.progress, self.session
         if self.is_main:
             self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
                                f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position})")
-        log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
+        log.info("rank %d on %s starts at step %d", self.rank, self.device, p.step)
         status: Literal["finished", "stopped", "early_stopped"] = "finished"
-        reasons: set[str] = set()
         self.model.train()
         self.beat("data", p.step + 1)
         try:
             if p.eval_pending:  # a stop interrupted this step's evaluation: it comes first
-                early, reasons = self._evaluate_or_stop()
-                status = "early_stopped" if early else "stopped" if reasons else status
+                early, stopped = self._evaluate_or_stop()
+                status = "early_stopped" if early else "stopped" if stopped else status
             for group in self._optimizer_steps() if status == "finished" else ():
                 if p.step >= self.total_steps:
                     break
-                if p.step == self.resume_step and p.step > 0 and self.world > 2:
-                    # Reduce the coming steps in the bucket layout the unbroken run had (see mgpu.ddp); with 2
-                    # ranks every layout sums alike (a + b), and the task's loss is not called once more.
-                    replay_bucket_rebuild(self.ddp, p.step, lambda ddp: self._throwaway_pass(ddp, group[-1]))
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
                 p.step += 1
-                if p.step == self.resume_step + 1:
-                    self._after_first_step()
                 p.position = group[-1][0].end_position
                 p.samples_seen += sum(mb.global_count for mb, _ in group)
                 epoch_end = p.position >= self.plan.num_samples
                 if epoch_end:
                     p.epoch, p.position = p.epoch + 1, 0
+                last = p.step >= self.total_steps
+                stop = session.should_stop(p.step)  # every rank, every step: the same answer at the same step
                 if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
                     self._log_train()
+                if stop and not last:
+                    # The stop's checkpoint is this step's; an evaluation due now comes first after the resume.
+                    p.eval_pending = self._eval_due(epoch_end)
+                    status = "stopped"
+                    break
                 if self._eval_due(epoch_end):
-                    early, reasons = self._evaluate_or_stop()
-                    if early or reasons:
+                    early, stopped = self._evaluate_or_stop()
+                    if early or stopped:
                         status = "early_stopped" if early else "stopped"
                         break
                 if self._checkpoint_due(epoch_end):
                     self._save("epoch" if epoch_end else "periodic")
-                if p.step >= self.total_steps:
+                if last:
                     break
-                if self.stop_at_step is not None and p.step == self.stop_at_step:
-                    reasons = {"test"}  # deterministic, the same step on every rank: nothing to agree on
-                else:
-                    reasons = self.agreement.at_step(p.step, self._check_every)
-                if reasons:
-                    status = "stopped"
-                    break
-                self.beat("data", p.step + 1)  # the next step begins with fetching its batches
             if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
-                early, reasons = self._evaluate_or_stop()
-                status = "stopped" if reasons else status
-            if status == "stopped":
-                log.info("stopping at step %d (%s; signals on this rank: %s)", p.step, ", ".join(sorted(reasons)),
-                         [name for name, _ in self.stop.received])
+                _, stopped = self._evaluate_or_stop()
+                status = "stopped" if stopped else status
             path = self._save("preemption" if status == "stopped" else "final", wait=True)
         finally:
-            self.agreement.drain()
             self.reporter.close()
-            self.checkpointer.close()
-        if status == "stopped" and self.is_main:
-            self.ledger.write("preempted", step=p.step, reasons=sorted(reasons),
-                              signals=[name for name, _ in self.stop.received],
-                              signal_times=[round(t, 3) for _, t in self.stop.received])
         metrics = getattr(self, "_last_metrics", {})
-        return FitResult(status, p.step, p.epoch, frozenset(reasons), path, metrics, self.resume_step)
-
-    def _after_first_step(self) -> None:
-        """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
-        then fails a collective in minutes, not in distributed.init_timeout_s)."""
-        seconds = None
-        if self.watchdog is not None and self.world > 1:
-            seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
-            set_collective_timeout(timedelta(seconds=seconds), self.agreement.group)
-        if self.is_main:
-            self.ledger.write("first_step", step=self.progress.step, collective_timeout_s=seconds)
-
-    def _throwaway_pass(self, ddp: nn.Module, micro: tuple[MicroBatch, Any]) -> None:
-        """A synced micro-step's forward and backward, whose effects mgpu.ddp undoes."""
-        mb, batch = micro
-        with self._autocast():
-            losses = self.task.loss(ddp, to_device(batch, self.device))
-        losses[:mb.real].float().sum().backward()
+        return FitResult(status, p.step, p.epoch, frozenset(session.reasons), path, metrics, self.resume_step)
 
     def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
         """One optimizer step over `grad_accum` micro-batches; the gradient all-reduce runs once, at the end."""
@@ -374,12 +320,6 @@ class Trainer:
         step_time = elapsed / max(self._window_steps, 1)
         totals = all_reduce(torch.tensor([self._loss_sum.item(), float(self._loss_count), step_time],
                                          dtype=torch.float64, device=self.device))
-        if self.cfg.preemption.check_every_steps is None and self._window_steps:
-            # Auto: agree about once a second, from the ranks' mean step time (all-reduced above, so
-            # every rank picks the same interval at the same step). A power of two: a jitter in the step
-            # time then rarely changes it, and when it does the old multiples stay multiples.
-            mean_step = totals[2].item() / self.world
-            self._check_every = 1 << int(math.log2(max(1.0, AGREE_EVERY_S / max(mean_step, 1e-6))))
         metrics = {
             "loss": (totals[0] / totals[1].clamp(min=1)).item(),
             "lr": self._step_lr,
@@ -446,7 +386,7 @@ class Trainer:
         """Mean of each metric over the whole eval set: per-sample sums and counts, all-reduced.
 
         Raises EvalInterrupted when the ranks agree to stop midway: a long evaluation must not hold a
-        stop past Slurm's KillWait. They agree every `check_every` batches among those every rank has."""
+        stop past Slurm's KillWait. They agree at every batch that every rank has (pipelined: no wait)."""
         assert self.eval_set is not None
         size = len(self.eval_set)  # type: ignore[arg-type]
         indices = eval_shard(size, self.rank, self.world)
@@ -462,11 +402,10 @@ class Trainer:
         self.model.eval()
         with torch.no_grad(), self._autocast():
             for index, batch in enumerate(self._batches(self.eval_set, batches)):
-                if 0 < index < common and index % self._check_every == 0:
-                    self.beat("agree")
-                    if reasons := self.agreement.now():
-                        self.model.train()
-                        raise EvalInterrupted(reasons)
+                # Every batch that every rank has: the agreement read one batch after it starts, as in training.
+                if index < common and self.session.poll_stop():
+                    self.model.train()
+                    raise EvalInterrupted()
                 self.beat("eval")
                 values = self.task.metrics(self.model, to_device(batch, self.device))
                 for name, value in values.items():
@@ -479,13 +418,13 @@ class Trainer:
                                         [torch.tensor(float(count), dtype=torch.float64, device=self.device)]))
         return {name: (totals[i] / totals[-1].clamp(min=1)).item() for i, name in enumerate(names)}
 
-    def _evaluate_or_stop(self) -> tuple[bool, set[str]]:
-        """(early stopping says stop, the ranks' stop reasons): a stop agreed midway leaves it pending."""
+    def _evaluate_or_stop(self) -> tuple[bool, bool]:
+        """(early stopping says stop, the ranks agreed to stop midway: the evaluation is left pending)."""
         try:
-            return self._evaluate_and_track(), set()
-        except EvalInterrupted as interrupted:
+            return self._evaluate_and_track(), False
+        except EvalInterrupted:
             self.progress.eval_pending = True
-            return False, interrupted.reasons
+            return False, True
 
     def _evaluate_and_track(self) -> bool:
         """Evaluate, log, keep the best checkpoint; True when early stopping says stop."""
@@ -521,9 +460,7 @@ class Trainer:
         return (every > 0 and self.progress.step % every == 0) or (every == 0 and epoch_end)
 
     def _save(self, reason: str, is_best: bool = False, wait: bool = False) -> Path | None:
-        """Checkpoint the current step (a collective; see mgpu.checkpointer)."""
+        """Checkpoint the current step (a collective; see Session.save)."""
         p = self.progress
-        extra = {"epoch": p.epoch, "metrics": getattr(self, "_last_metrics", {})}
-        return self.checkpointer.save(lambda: gather_state(self.model, self.optimizer, self.scheduler, self.scaler, p,
-                                                           self.config_dict, self.version),
-                                      p.step, reason, is_best=is_best, wait=wait, extra=extra)
+        meta = {"epoch": p.epoch, "metrics": getattr(self, "_last_metrics", {})}
+        return self.session.save(self._objects, best=is_best, wait=wait, reason=reason, meta=meta)

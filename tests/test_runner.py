@@ -1,4 +1,4 @@
-"""mgpu.runner in-process, world of one: what happens around a failure while the group still exists."""
+"""mgpu.job.run_training in-process, world of one: what happens around a failure while the group still exists."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from mgpu.config import load_config
 from mgpu.environment import detect_environment
-from mgpu.runner import run_training
+from mgpu.job import run_training
 
 
 def test_on_failure_runs_before_the_process_group_is_torn_down(tmp_path: Path,

@@ -1,0 +1,104 @@
+"""How a run ends on one rank: finished, or stopped and then requeued or left down. No torch.
+
+After the ranks stopped together and wrote their checkpoint, rank 0, and only rank 0, asks Slurm what
+happened (`mgpu.requeue.decide`) and requeues the job itself when Slurm will not (time limit; preemption
+with GraceTime > 0), never after a `scancel`, and not beyond `MGPU_MAX_REQUEUES` stop requeues (default:
+no limit; see `mgpu.recovery.Limits`). A run that made no progress at all counts against the failure
+budget instead, so a job whose time limit leaves no time to train does not requeue forever. Slurm is
+asked about a job only when it is this process's own (`mgpu.slurm_job.owns_slurm_job`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+from mgpu.environment import ProcessEnv
+from mgpu.ledger import Ledger, read_ledger
+from mgpu.recovery import Limits, failure_requeues
+from mgpu.requeue import Budget, decide, requeue
+from mgpu.rundir import RunDir
+
+__all__ = ["JobStopped", "Outcome", "StopBudgets", "decide_after_stop", "resume_command"]
+
+log = logging.getLogger("mgpu.job")
+
+
+class JobStopped(Exception):
+    """The job stopped on a signal and will not come back (cancelled, or out of requeues)."""
+
+
+def resume_command(env: ProcessEnv) -> str:
+    """The exact command that continues this run: what the submitter recorded, else this process's own."""
+    recorded = os.environ.get("MGPU_RESUME_COMMAND")
+    if recorded:
+        return recorded
+    if env.launcher == "torchrun":
+        return "the same torchrun command"
+    return f"cd {shlex.quote(os.getcwd())} && {shlex.join([os.path.basename(sys.executable), *sys.argv])}"
+
+
+@dataclass(frozen=True)
+class StopBudgets:
+    """This job's budgets, read when the run starts: requeues after stops, and after failures."""
+
+    job_id: str | None
+    """The Slurm job this process may requeue (its own), or None."""
+    stops: Budget
+    failures_used: int
+    limits: Limits
+
+    @classmethod
+    def read(cls, run: RunDir, env: ProcessEnv, job_id: str | None, limits: Limits) -> "StopBudgets":
+        failures = failure_requeues(read_ledger(run.ledger), job_id) if job_id else 0
+        # Slurm's restart counter counts every requeue; the failure requeues are the ledger's to count.
+        return cls(job_id, Budget(max(0, env.restart_count - failures), limits.max_requeues), failures, limits)
+
+    def refuse_if_spent(self, run: RunDir, env: ProcessEnv) -> None:
+        """Slurm brought the job back more often than allowed (e.g. preemptions with GraceTime 0): stop now
+        (JobStopped on rank 0, SystemExit(0) on the others)."""
+        if not self.job_id or self.stops.limit is None or self.stops.used <= self.stops.limit:
+            return
+        message = (f"requeue budget exhausted: this is restart {self.stops.used} of at most {self.stops.limit} "
+                   f"(MGPU_MAX_REQUEUES); not training. The last checkpoint in {run.path} is kept; to resume: "
+                   f"{resume_command(env)}")
+        if env.rank != 0:
+            raise SystemExit(0)
+        Ledger(run.ledger, env.job_id, env.restart_count).write("failed", error=message, retry=False)
+        raise JobStopped(message)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happens to the job after this rank's run."""
+
+    kind: Literal["finished", "requeued", "stays_down", "other_rank"]
+    """finished: nothing to do; requeued: it comes back (by us or by Slurm); stays_down: it does not, see
+    `message`; other_rank: a stopped rank other than 0 (rank 0 decides and acts)."""
+    message: str = ""
+
+
+def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoint: str | None,
+                      budgets: StopBudgets, env: ProcessEnv, ledger: Ledger) -> Outcome:
+    """Rank 0, after the stop checkpoint: ask Slurm, requeue or not within the budgets, record it."""
+    if env.rank != 0:
+        return Outcome("other_rank")  # a non-zero exit here would make srun kill rank 0 before it acts
+    progressed = step > resumed_step
+    budget = budgets.stops if progressed else Budget(budgets.failures_used, budgets.limits.max_failures, "failure")
+    decision = decide(reasons, budgets.job_id, env.restart_count, budget)
+    why = decision.why if progressed else f"{decision.why} (this run made no progress)"
+    ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why)
+    log.info("stopped at step %d: %s", step, why)
+    if decision.requeue:
+        outcome = requeue(budgets.job_id)  # type: ignore[arg-type]  (decide() requeues only a job of ours)
+        ledger.write("requeued", step=step, how=outcome.how, message=outcome.message,
+                     **({} if progressed else {"after": "no_progress"}))
+        log.info("requeue: %s", outcome.message)
+    if decision.requeue or decision.event == "requeued_by_slurm":
+        return Outcome("requeued", why)
+    return Outcome("stays_down", f"stopped at step {step}: {why}; checkpoint {checkpoint}; to resume: "
+                                 f"{resume_command(env)}")

@@ -1,0 +1,440 @@
+"""One rank's part in a run, for any training loop: who am I, the process group, stopping together,
+checkpoints, and coming back. mgpu's trainer is built on it; a loop of your own uses it the same way:
+
+    with mgpu.Session("runs/my-run", seed=0) as session:      # any launcher: srun, submitit, torchrun, python
+        model = session.wrap(Net())                            # on this rank's device, in DDP
+        optimizer = torch.optim.AdamW(model.parameters())
+        loader = session.loader(train_set, batch_size=64, num_workers=2)
+        state = {"model": model, "optimizer": optimizer, "loader": loader, "best": None}
+        session.load(state)                                    # resume in place, if the run has a checkpoint
+        for epoch in loader.epochs(10):
+            for batch in loader:
+                ...forward, backward, optimizer.step()...
+                if session.should_stop():                      # every rank gets the same answer, same step
+                    break
+            session.save(state)
+    # leaving the block after a stop: `state` is saved, then the job requeues (exit 0) or stays down
+    # (exit 3, with the command that resumes); an exception: the failure is recorded, within the budget
+    # requeued, and raised.
+
+What a Session guarantees, and what it does not, is in README ("Your own loop").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import gc
+import logging
+import sys
+import time
+import weakref
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from mgpu.config import Config
+from mgpu.environment import ProcessEnv, detect_environment
+from mgpu.errors import MgpuError
+from mgpu.ledger import Ledger
+from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, resume_command
+from mgpu.preemption import StopRequest
+from mgpu.recovery import Limits, handle_failure
+from mgpu.rundir import RunDir
+from mgpu.runner import claim, discard, first_missing, record_rank, setup_logging, start_watchdog
+from mgpu.slurm_job import owns_slurm_job
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, Dataset
+
+    from mgpu.checkpoint import LoadedCheckpoint
+    from mgpu.loader import ResumableLoader
+
+__all__ = ["Session"]
+
+log = logging.getLogger("mgpu.train")
+STOPPED_EXIT_CODE = 3
+
+
+def _no_beat(phase: str, step: int | None = None) -> None:
+    """Without a watchdog, progress is not recorded."""
+
+
+class Session:
+    """This rank's run. Construct it first (it catches the stop signals from then on), use it as a
+    context manager or call `finish()` at the end. Every method marked *collective* must be called by
+    every rank at the same point.
+
+    `run_dir`: the run's directory (default `runs/run`, or the config's `run.*`): running the same
+    command again, or a requeued job, continues from its newest checkpoint. `seed`: every rank's
+    generators are seeded from it (rank r: seed + r). `config`: a `mgpu.Config` for everything else
+    (`distributed`, `preemption`, `checkpoint`, `watchdog`, `train.seed`, `train.deterministic`, `run`).
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
+                 stop_at_step: int | None = None, env: ProcessEnv | None = None, stop: StopRequest | None = None,
+                 recovery_by_batch_script: bool | None = None) -> None:
+        cfg = copy.deepcopy(config) if config is not None else Config()
+        if run_dir is not None:
+            cfg.run.dir = str(run_dir)
+        if seed is not None:
+            cfg.train.seed = seed
+        self.cfg = cfg
+        # First of all, before anything slow: from here on a signal is a stop request, never the default
+        # action or submitit's handler (which would checkpoint inside the handler and requeue a second time).
+        self.stop = stop if stop is not None else StopRequest(cfg.preemption.signal).install()
+        self._own_stop = stop is None
+        self._cleanup = contextlib.ExitStack()
+        self._cleanup.callback(self._uninstall_stop)
+        self._created: Path | None = None
+        self._began = False
+        try:
+            self._start(env, stop_at_step, recovery_by_batch_script)
+        except BaseException as error:
+            self._cleanup.close()
+            self._discard_if_unused(error)
+            raise
+
+    def _uninstall_stop(self) -> None:
+        if self._own_stop:
+            self.stop.uninstall()
+
+    def _start(self, env: ProcessEnv | None, stop_at_step: int | None, by_batch: bool | None) -> None:
+        cfg = self.cfg
+        self.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
+        self.env = env or detect_environment()
+        self.rank, self.world_size, self.local_rank = self.env.rank, self.env.world_size, self.env.local_rank
+        self.is_main = self.rank == 0
+        self.run = RunDir.of(cfg.run)
+        for path in (self.run.path, self.run.checkpoints, self.run.tensorboard):
+            if path.exists() and not path.is_dir():
+                raise MgpuError(f"{path} is a file, not a directory: move it away, or start another run "
+                                f"(run.name=...)")
+        self._created = first_missing(self.run.path)  # what this attempt creates, removed if it never trains
+        try:
+            self.run.logs.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise MgpuError(f"run directory {self.run.path}: cannot create it ({error.strerror}): set run.root "
+                            f"(or jobs/submit.py --folder) to a writable directory") from None
+        setup_logging(self.run, self.rank)
+        self.slurm_job = self.env.job_id if owns_slurm_job() else None
+        """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
+        self.budgets = StopBudgets.read(self.run, self.env, self.slurm_job, self.limits)
+        self.budgets.refuse_if_spent(self.run, self.env)
+        self._by_batch = by_batch
+        self.ledger = Ledger(self.run.ledger if self.is_main else None, self.env.job_id, self.env.restart_count)
+        self.started = time.time()
+
+        from mgpu.distributed import process_group
+        from mgpu.preemption import StopAgreement
+        from mgpu.rng import seed_everything, use_deterministic_kernels
+
+        ctx = self._cleanup.enter_context(process_group(
+            self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
+            backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend))
+        self._cleanup.callback(self._release_ddp)  # runs before the group's teardown (reverse order)
+        self.device: torch.device = ctx.device
+        self.backend = ctx.backend
+        record_rank(self.run, self.env, str(self.device), self.backend)
+        claim(self.run, self.env)
+        self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend) if cfg.watchdog.enabled else None
+        if self.watchdog is not None:
+            self._cleanup.callback(self.watchdog.stop)
+        self.beat: Callable[..., None] = self.watchdog.beat if self.watchdog is not None else _no_beat
+        self.agreement = StopAgreement(self.stop)
+        self._cleanup.callback(self.agreement.drain)
+        self._check_every = cfg.preemption.check_every_steps  # None: about once a second
+        self.stop_at_step = stop_at_step
+        use_deterministic_kernels(cfg.train.deterministic)
+        seed_everything(cfg.train.seed + self.rank)
+        self._checkpointer: Any = None
+        self._ddps: list[weakref.ref[Any]] = []
+        self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+        self.step = 0
+        """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
+        self.resume_step = 0
+        """The step this process started from (0 for a new run)."""
+        self.resumed_from: Path | None = None
+        self.resume_skipped: list[tuple[str, str]] = []
+        self.reasons: set[str] = set()
+        """The stop reasons the ranks agreed on (empty: no stop)."""
+        self._finished = False
+
+    # ------------------------------------------------------------------ the model and the data
+    def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
+        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
+        resumed on 3+ ranks its first forward runs once more, thrown away, so that it reduces exactly as
+        the unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works."""
+        from mgpu.ddp import wrap
+
+        model = model.to(self.device)
+        if self.world_size == 1:
+            return model
+        ddp = wrap(model, self.device, find_unused_parameters, static_graph)
+        ddp.replay_after(self.resume_step)
+        self._ddps.append(weakref.ref(ddp))
+        if self.watchdog is not None:  # entering DDP's forward: from here on this rank waits for the others
+            ddp.register_forward_pre_hook(lambda module, args: self.beat("model"))
+        return ddp
+
+    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
+               num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+               **dataloader_options: Any) -> ResumableLoader:
+        """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
+        number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader."""
+        from mgpu.loader import ResumableLoader
+
+        options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
+        return ResumableLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
+                               seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
+                               num_workers=num_workers, collate_fn=collate_fn,
+                               requeue_signal=self.cfg.preemption.signal, stopping=self._stopping, **options)
+
+    def eval_loader(self, dataset: Dataset, batch_size: int, *, num_workers: int = 0,
+                    collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_options: Any) -> DataLoader:
+        """This rank's share of an evaluation set: samples rank, rank + W, ... (each sample on exactly one
+        rank; counts differ by at most one). Reduce sums and counts across ranks with `all_reduce`."""
+        from mgpu.data import eval_shard
+        from mgpu.loader import make_loader
+
+        indices = eval_shard(len(dataset), self.rank, self.world_size)  # type: ignore[arg-type]
+        batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+        return make_loader(dataset, batches, num_workers=num_workers, seed=self.cfg.train.seed, epoch=0,
+                           rank=self.rank, requeue_signal=self.cfg.preemption.signal, collate_fn=collate_fn,
+                           **{"pin_memory": self.device.type == "cuda", **dataloader_options})
+
+    def all_reduce(self, value: Any, op: str = "sum") -> torch.Tensor:
+        """*Collective.* `value` (a tensor or a number) reduced over the ranks: sum, mean, max or min."""
+        from mgpu.distributed import all_reduce
+
+        return all_reduce(value, op, device=self.device)  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ stopping together
+    def should_stop(self, step: int | None = None) -> bool:
+        """*Collective*, once per optimizer step: True when the ranks agreed to stop at this step (a
+        signal reached any of them). Every rank gets the same answer at the same step; it costs nothing
+        measurable (an asynchronous all-reduce about once a second, read one step later). `step`: the
+        step just done, for a loop that counts its own (default: one more than the last call)."""
+        self.step = self.step + 1 if step is None else step
+        if self.step == self.resume_step + 1:
+            self._after_first_step()
+        if self.stop_at_step is not None and self.step == self.stop_at_step:
+            reasons = {"test"}  # a deterministic stop, the same step on every rank: nothing to agree on
+        else:
+            reasons = self.agreement.at_step(self.step, self._check_every)
+        if reasons:
+            self.reasons |= reasons
+            return True
+        self.beat("data", self.step + 1)  # the next step begins with fetching its batches
+        return False
+
+    def poll_stop(self) -> bool:
+        """*Collective*, between steps (e.g. every evaluation batch that every rank has): whether the ranks
+        agreed to stop, pipelined like `should_stop`. A long evaluation then does not hold a stop."""
+        self.beat("agree")
+        reasons = self.agreement.poll()
+        self.reasons |= reasons
+        return bool(reasons)
+
+    @property
+    def stopping(self) -> bool:
+        """The ranks agreed to stop (after `should_stop()` or `poll_stop()` said so)."""
+        return bool(self.reasons)
+
+    def _stopping(self) -> bool:
+        # For the loaders: a stop is requested on this rank, or agreed (a dead worker is then not a crash).
+        return bool(self.reasons) or self.stop.pending
+
+    def _after_first_step(self) -> None:
+        """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
+        then fails a collective in minutes, not in distributed.init_timeout_s)."""
+        from mgpu.distributed import set_collective_timeout
+
+        seconds = None
+        if self.watchdog is not None and self.world_size > 1:
+            seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
+            set_collective_timeout(timedelta(seconds=seconds), self.agreement.group)
+        self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def checkpointer(self) -> Any:
+        if self._checkpointer is None:
+            from mgpu.checkpointer import Checkpointer
+
+            c = self.cfg.checkpoint
+            self._checkpointer = Checkpointer(self.run, self.rank, self.world_size, self.ledger,
+                                              keep_last=c.keep_last, async_save=c.async_save,
+                                              keep_snapshot_buffers=c.keep_snapshot_buffers, beat=self.beat)
+            self._cleanup.callback(self._checkpointer.close)
+        return self._checkpointer
+
+    def latest(self) -> LoadedCheckpoint | None:
+        """*Collective.* The run's newest checkpoint that verifies (rank 0 checks it), loaded memory-mapped
+        on every rank; None for a new run. `restore()` puts it back."""
+        return self.checkpointer.find_latest()
+
+    def restore(self, loaded: LoadedCheckpoint, state: dict[str, Any]) -> None:
+        """Put `loaded` back into `state` (see `load`) and this rank's random generators."""
+        from mgpu.train_state import restore_state
+
+        restore_state(loaded.state, state, self.rank, self.cfg.train.seed)
+        self.step = self.resume_step = loaded.step
+        for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
+            if (ddp := ref()) is not None:
+                ddp.replay_after(loaded.step)
+        self.resumed_from = loaded.path
+        self.resume_skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
+        self._state = state
+
+    def load(self, state: dict[str, Any]) -> bool:
+        """*Collective.* Resume `state` in place from the newest checkpoint, if the run has one: objects with
+        `load_state_dict` (model, optimizer, scheduler, scaler, loader, ...) load theirs, other values are
+        replaced in the dict. Returns whether it resumed. `state` is also what a stop saves."""
+        loaded = self.latest()
+        if loaded is not None:
+            self.restore(loaded, state)
+        self._state = state
+        self.begin()
+        return loaded is not None
+
+    def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None, *, best: bool = False,
+             wait: bool = False, reason: str | None = None, meta: dict[str, Any] | None = None) -> Path | None:
+        """*Collective.* Checkpoint `state` (default: the one given to `load()`) at the current step: every
+        `state_dict()` in it, its plain values, and every rank's RNG state; atomic and verified, written
+        in the background unless `wait`. `best`: also the run's best checkpoint. Returns the path once
+        durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
+        again; a save with `wait` that fails raises the same one-line error on every rank."""
+        from mgpu.train_state import gather_state
+
+        state = self._state if state is None else state
+        if state is None:
+            raise MgpuError("Session.save(): nothing to save: pass the state (or load() it first)")
+        self._state = state
+        self.begin()
+        objects = state() if callable(state) else state
+        return self.checkpointer.save(lambda: gather_state(objects, self.version), self.step,
+                                      reason or ("best" if best else "periodic"), is_best=best, wait=wait,
+                                      extra=meta)
+
+    @property
+    def version(self) -> str | None:
+        """The git commit of mgpu's checkout (`+dirty` with local changes), saved in every checkpoint."""
+        if not hasattr(self, "_version"):
+            from mgpu.train_state import code_version
+
+            self._version = code_version()
+        return self._version
+
+    # ------------------------------------------------------------------ the run's life
+    def begin(self, **fields: Any) -> None:
+        """The run has started (`load()` and `save()` say so themselves): the ledger's `started` (and
+        `resumed`) events; from here on a failure leaves the run directory as it is."""
+        if self._began:
+            return
+        self._began = True
+        self.ledger.write("started", world_size=self.world_size, nodes=list(self.env.nodes),
+                          launcher=self.env.launcher, device=str(self.device), backend=self.backend,
+                          run_dir=str(self.run.path), **{"git_sha": self.version, **fields})
+        if self.resumed_from is not None:
+            self.ledger.write("resumed", step=self.step, **{"from": str(self.resumed_from)},
+                              skipped=self.resume_skipped)
+
+    def finish(self, status: str | None = None, **fields: Any) -> Outcome:
+        """End this rank's run: after a stop, save the state (if `save()` has not at this step) and decide,
+        on rank 0 alone, whether the job comes back (requeue) or stays down; otherwise record that it
+        finished. Then leave the process group. Returns what happens to the job; the context manager acts
+        on it (exit 0 when requeued, exit 3 with the resume command when it stays down)."""
+        if self._finished:
+            raise MgpuError("Session.finish() was called already")
+        try:
+            outcome = self._conclude(status, fields)
+        except BaseException as error:  # the stop's save failed: recorded like any failure, then raised
+            self.fail(error)
+            raise
+        self._finished = True
+        self._close()
+        return outcome
+
+    def _conclude(self, status: str | None, fields: dict[str, Any]) -> Outcome:
+        stopped = bool(self.reasons) if status is None else status == "stopped"
+        path = None
+        if self._state is not None:
+            path = self.save(reason="preemption" if stopped else "final", wait=True)
+        if not stopped:
+            self.ledger.write("finished", step=self.step, status=status or "finished",
+                              seconds=round(time.time() - self.started, 3), **fields)
+            if self.is_main:
+                self.run.release(self.env.job_id)
+            return Outcome("finished")
+        log.info("stopping at step %d (%s; signals on this rank: %s)", self.step, ", ".join(sorted(self.reasons)),
+                 [name for name, _ in self.stop.received])
+        self.ledger.write("preempted", step=self.step, reasons=sorted(self.reasons),
+                          signals=[name for name, _ in self.stop.received],
+                          signal_times=[round(t, 3) for _, t in self.stop.received])
+        outcome = decide_after_stop(set(self.reasons), self.step, self.resume_step, str(path) if path else None,
+                                    self.budgets, self.env, self.ledger)
+        if outcome.kind == "stays_down":
+            self.run.release(self.env.job_id)
+        return outcome
+
+    def fail(self, error: BaseException) -> None:
+        """Record a failure and, within the failure budget, requeue the job while the group still exists
+        (tearing it down can block on a dead peer until srun's KILL). Where the batch script decides after
+        srun returns (MGPU_RECOVERY=batch), it alone does. Bad input is never requeued."""
+        if self._finished:
+            return
+        self._finished = True
+        import os
+
+        if self.is_main:
+            # retry: whether a requeue can help; bad input or a full disk fails the same way again.
+            self.ledger.write("failed", error=f"{type(error).__name__}: {error}",
+                              retry=not isinstance(error, MgpuError))
+        by_batch = self._by_batch if self._by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
+        if self.slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
+            _, what = handle_failure(self.run, self.slurm_job, self.env.restart_count, self.limits,
+                                     f"rank {self.rank} failed: {type(error).__name__}: {error}", rank=self.rank)
+            log.error("rank %d failed: %s: %s; %s", self.rank, type(error).__name__, error, what)
+        self._close()
+        self._discard_if_unused(error)
+
+    def _close(self) -> None:
+        self._cleanup.close()
+
+    def _release_ddp(self) -> None:
+        # DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo
+        # thread that waits for the GIL the destructor holds (an intermittent hang at exit).
+        for ref in self._ddps:
+            ddp = ref()
+            if ddp is not None:
+                ddp.__dict__.pop("reducer", None)
+                ddp.__dict__.pop("logger", None)
+        gc.collect()
+
+    def _discard_if_unused(self, error: BaseException) -> None:
+        """Bad input found before the run began leaves no trace of this attempt."""
+        if isinstance(error, MgpuError) and not self._began and self._created is not None:
+            discard(self.run, self.rank, self._created)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        if error is not None:
+            if not self._finished:
+                self.fail(error)
+            return  # the exception goes on (its traceback is the user's)
+        if self._finished:
+            return
+        outcome = self.finish()
+        if outcome.kind in ("requeued", "other_rank"):
+            raise SystemExit(0)
+        if outcome.kind == "stays_down":
+            print(f"mgpu: {outcome.message}", file=sys.stderr, flush=True)
+            raise SystemExit(STOPPED_EXIT_CODE)
+
+
+__all__ += ["JobStopped", "resume_command"]
