@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from mgpu.rng import capture_rng_state, restore_rng_state, seed_everything
+from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 
 __all__ = ["Progress", "code_version", "gather_state", "restore_state"]
 
@@ -96,5 +96,6 @@ def restore_state(state: dict[str, Any], model: nn.Module, optimizer: torch.opti
         restore_rng_state(state["rng"][rank])
     else:
         # World grew: no saved stream for this rank; derive one that no other rank or run uses.
-        seed_everything(seed + rank + 100_003 * (state["progress"]["step"] + 1))
+        step = state["progress"]["step"]
+        seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))
     return Progress(**state["progress"])

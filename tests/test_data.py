@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mgpu.data import ShardPlan, epoch_permutation, eval_shard
@@ -115,3 +117,78 @@ def test_deterministic_kernels_switch() -> None:
             "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["False", "True", "True", "False", ":4096:8"]
+
+
+# --------------------------------------------------------------------------- seeds at every config seed (D12)
+class RandomCrop:
+    """A dataset whose items are random draws (augmentation): what a sample's seed decides."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[int, float]:
+        import torch
+
+        return index, torch.rand(()).item()
+
+
+def _draws(seed: int, batches: list[list[int]], workers: int) -> dict[int, float]:
+    from mgpu.loader import make_loader
+
+    loader = make_loader(RandomCrop(), batches, num_workers=workers, seed=seed, epoch=3, rank=0,  # type: ignore[arg-type]
+                         requeue_signal="USR2", collate_fn=lambda items: items, pin_memory=False)
+    return {index: value for batch in loader for index, value in batch}
+
+
+def test_workers_draw_per_sample_at_the_largest_seed() -> None:
+    # train.seed may be up to 2**32 - 1: its per-sample seeds once overflowed torch.manual_seed in every worker
+    # ("Overflow when unpacking long long") from train.seed 18447 on.
+    seed = 2**32 - 1
+    by_two = _draws(seed, [[0, 1, 2, 3], [4, 5, 6, 7]], workers=2)
+    by_one = _draws(seed, [[5, 2], [7, 0, 1], [3, 6, 4]], workers=1)
+    assert sorted(by_two) == list(range(8)) and by_two == by_one  # a sample's draw, whichever worker loads it
+    assert len(set(by_two.values())) == 8
+
+
+def test_seeds_fit_torch_stay_distinct_and_keep_the_streams_that_worked() -> None:
+    import torch
+
+    from mgpu.loader import loader_seed, sample_seed
+    from mgpu.rng import derived_seed, stream_seed
+
+    # Every seed torch accepts, at any config seed, epoch, sample index or rank.
+    for seed in (0, 18446, 18447, 2**32 - 1):
+        for epoch, index in ((0, 0), (7, 10**6), (10**7, 3 * 10**9)):
+            for value in (sample_seed(seed, epoch, index), loader_seed(seed, epoch, index)):
+                assert 0 <= value < 2**64
+                torch.Generator().manual_seed(value)
+    # Distinct per sample (the packing where it is exact, a 63-bit hash elsewhere).
+    assert len({sample_seed(2**32 - 1, e, i) for e in range(3) for i in range(2000)}) == 6000
+    assert len({sample_seed(9, 0, i) for i in (5, 1_000_000_007 + 5, 2 * 1_000_000_007 + 5)}) == 3
+    # Unchanged wherever the old packing worked: a run resumed across the upgrade stays bit-identical.
+    assert sample_seed(18446, 2, 7) == (18446 * 1_000_003 + 2) * 1_000_000_007 + 7
+    assert loader_seed(3, 2, 1) == 3 * 1_000_003 + 2 * 1009 + 1
+    order = torch.randperm(50, generator=torch.Generator().manual_seed(3 * 1_000_003 + 1)).tolist()
+    assert epoch_permutation(50, 3, 1) == order
+    assert epoch_permutation(50, 2**32 - 1, 10**7) != epoch_permutation(50, 2**32 - 1, 10**7 + 1)
+    assert derived_seed(5, True, "x") == 5 and derived_seed(5, False, "x", 1) == stream_seed("x", 1)
+    assert 0 <= derived_seed(2**64, True, "x") < 2**63 and stream_seed("x", 1) != stream_seed("x", 2)
+
+
+def test_a_rank_the_saved_run_did_not_have_gets_a_seed_at_any_config_seed(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from mgpu.train_state import restore_state
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # set by torch's first optimizer otherwise
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "scaler": scaler.state_dict(), "rng": [], "progress": {"step": 10**12}}
+    for rank in (0, 200_000):  # the world grew: no saved stream for this rank
+        progress = restore_state(state, model, optimizer, scheduler, scaler, rank, 2**32 - 1)
+        assert progress.step == 10**12
