@@ -468,3 +468,27 @@ def test_a_loadable_state_passes() -> None:
 def test_an_unloadable_value_is_named_at_save_time(state: dict[str, Any], key: str, kind: str) -> None:
     with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(key)} holds a {kind}, which a resume cannot"):
         check_loadable(state)
+
+
+# ------------------------------------------------------------------ one verification per job (D8)
+@pytest.mark.multiprocess
+def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_it(tmp_path: Path) -> None:
+    """3 real ranks (a gloo group under torchrun) resume: rank 0 alone reads the newest checkpoint through
+    sha256 (once); the others load the file it verified, memory-mapped, without hashing it: not 8 full
+    reads and copies per 8-GPU node."""
+    run = tmp_path / "run"
+    store = CheckpointStore(run / "checkpoints", keep_last=3)
+    store.save(_state(1.0), 1)
+    newest = store.save(_state(2.0), 2)
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    port = str(random.randint(20000, 32000))
+    cmd = [torchrun, "--nproc-per-node", "3", "--master-port", port, str(ROOT / "tests" / "resume_probe.py"),
+           str(run), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["step"] for r in ranks] == [2, 2, 2]
+    size = newest.path.joinpath("state.pt").stat().st_size
+    assert [r["sha256_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
+    assert all(r["loads"] == [{"mmap": True, "weights_only": True}] for r in ranks)  # each maps the one file
+    assert ranks[0]["load_dirs"] == [] and all(r["load_dirs"] == [{"verify": False}] for r in ranks[1:])
