@@ -89,6 +89,73 @@ def test_cuda_rng_state_is_this_devices_whatever_the_format() -> None:
     assert _this_device_state("mine", 5) == "mine"  # this format: the saving rank's own device only
 
 
+class FakeCuda:
+    """torch.cuda on a node whose rank owns device `current` of `visible`: a mock of CUDA (no GPU here).
+    A device's generator state is a one-element tensor holding its index."""
+
+    def __init__(self, current: int, visible: int) -> None:
+        self.current, self.visible = current, visible
+        self.set: list[tuple[int, int]] = []  # (state's device, device it was set on)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        for name in ("is_available", "is_initialized", "current_device", "device_count", "get_rng_state",
+                     "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return self.current
+
+    def device_count(self) -> int:
+        return self.visible
+
+    def get_rng_state(self, device: object = "cuda") -> object:
+        import torch
+
+        index = self.current if device in ("cuda", None) else torch.device(device).index  # type: ignore[arg-type]
+        return torch.tensor([index])
+
+    def get_rng_state_all(self) -> list[object]:
+        return [self.get_rng_state(f"cuda:{i}") for i in range(self.visible)]
+
+    def set_rng_state(self, state: object, device: object = "cuda") -> None:
+        import torch
+
+        index = self.current if device in ("cuda", None) else torch.device(device).index  # type: ignore[arg-type]
+        self.set.append((int(state[0]), index))  # type: ignore[index]
+
+    def set_rng_state_all(self, states: list[object]) -> None:
+        for index, state in enumerate(states):
+            self.set.append((int(state[0]), index))  # type: ignore[index]
+
+
+def test_only_this_ranks_cuda_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mgpu.rng import capture_rng_state, restore_rng_state
+
+    saving = FakeCuda(current=2, visible=4)  # --gpus-per-node=4: every GPU visible, local rank 2 owns cuda:2
+    saving.install(monkeypatch)
+    state = capture_rng_state()
+    assert isinstance(state["cuda"], torch.Tensor) and state["cuda"].tolist() == [2]  # its own, not all 4
+    resuming = FakeCuda(current=0, visible=1)  # --gpus-per-task=1: its one GPU is cuda:0
+    resuming.install(monkeypatch)
+    restore_rng_state(state)
+    assert resuming.set == [(2, 0)]  # the saved device's stream, set on this rank's device, and nothing else
+    older = dict(state, cuda=[torch.tensor([i]) for i in range(4)])  # the per-visible-device format
+    third = FakeCuda(current=3, visible=4)
+    third.install(monkeypatch)
+    restore_rng_state(older)
+    assert third.set == [(3, 3)]
+
+
 # --------------------------------------------------------------------------- batches on the device (D13)
 def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
     import torch
