@@ -202,8 +202,8 @@ class RandomCrop:
 def _draws(seed: int, batches: list[list[int]], workers: int) -> dict[int, float]:
     from mgpu.loader import make_loader
 
-    loader = make_loader(RandomCrop(), batches, num_workers=workers, seed=seed, epoch=3, rank=0,  # type: ignore[arg-type]
-                         requeue_signal="USR2", collate_fn=lambda items: items, pin_memory=False)
+    loader = make_loader(RandomCrop(), batches, num_workers=workers, seed=seed,  # type: ignore[arg-type]
+                         epoch=3, rank=0, requeue_signal="USR2", collate_fn=lambda items: items, pin_memory=False)
     return {index: value for batch in loader for index, value in batch}
 
 

@@ -136,6 +136,6 @@ def test_inconsistent_environment_fails_fast_with_one_line(tmp_path: Path) -> No
     elapsed = time.monotonic() - start
     assert result.returncode == 2
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1 and "SLURM_STEP_TASKS_PER_NODE=1,1 does not give 4 tasks on 2 nodes" in lines[0]
+    assert len(lines) == 1 and "SLURM_STEP_TASKS_PER_NODE=1(x2) does not give 4 tasks on 2 nodes" in lines[0]  # as Slurm wrote it
     assert elapsed < 5, f"took {elapsed:.1f}s"
     assert not list(tmp_path.iterdir())
