@@ -21,6 +21,7 @@ import secrets
 import shutil
 import threading
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +33,7 @@ from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
 __all__ = ["CheckpointError", "CheckpointStore", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
-           "check_loadable", "snapshot_to_cpu"]
+           "check_loadable", "release_pinned_cache", "snapshot_to_cpu"]
 
 FORMAT = 1
 STATE_FILE = "state.pt"
@@ -52,6 +53,35 @@ _ACTIVE_LOCK = threading.Lock()
 T = TypeVar("T")
 Writer = Callable[[dict[str, Any], Path], None]
 OnDone = Callable[["SavedCheckpoint | BaseException"], None]
+
+
+def release_pinned_cache() -> None:
+    """Give freed pinned (page-locked) host memory back to the system. Freeing the staging buffers only returns
+    their blocks to torch's host caching allocator, which keeps them for reuse: the process would hold a full
+    copy of the state anyway. Only once CUDA is initialised (nothing was pinned before); a torch without
+    the call keeps its cache. Costs a cudaFreeHost per block (it synchronises the device), once per free."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is None:
+        return
+    try:
+        release()
+    except RuntimeError as error:  # the memory stays cached; nothing else depends on it
+        log.warning("could not release the checkpoint's pinned host memory: %s", error)
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the local variables of every frame in `error`'s tracebacks (its causes' too); lines stay printable."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]  # type: ignore[list-item]
 
 
 class CheckpointError(MgpuError):
@@ -372,9 +402,11 @@ class CheckpointStore:
         self.settle()
         extra = _checked_extra(state, step, extra)
         started = time.monotonic()
-        snapshot = snapshot_to_cpu(state, self._staging)
+        # In a box the writer empties: the thread object's own reference to its arguments lasts until it ends.
+        snapshot = [snapshot_to_cpu(state, self._staging)]
         self._thread = threading.Thread(target=self._background, name=f"mgpu-checkpoint-{step}", daemon=False,
                                         args=(snapshot, step, is_best, extra, started, on_done))
+        del snapshot
         self._thread.start()
 
     def settle(self) -> SavedCheckpoint | BaseException | None:
@@ -396,17 +428,22 @@ class CheckpointStore:
     def close(self) -> None:
         """Wait for a background save in flight and free the snapshot buffers (a full copy of the state)."""
         self.settle()  # idempotent: a second call finds nothing in flight; a failure was reported by on_done
-        self._staging.clear()
+        if self._staging:
+            self._staging.clear()
+            release_pinned_cache()
 
-    def _background(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
+    def _background(self, box: list[dict[str, Any]], step: int, is_best: bool, extra: dict[str, Any],
                     started: float, on_done: OnDone | None) -> None:
+        state = box.pop()
         try:
             outcome: SavedCheckpoint | BaseException = self._write(state, step, is_best, extra, started)
         except BaseException as e:
+            _drop_locals(e)  # the frames of its traceback hold the snapshot, which must not outlive the write
             outcome = e
+        del state
         if not self._keep_staging:
             self._staging.clear()  # no snapshot is taken while this thread runs (save_async settles first)
-        del state
+            release_pinned_cache()
         self._outcome = outcome
         if on_done is not None:
             try:

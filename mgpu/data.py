@@ -19,6 +19,8 @@ from typing import Iterator
 
 import torch
 
+from mgpu.rng import derived_seed
+
 __all__ = ["MicroBatch", "ShardPlan", "epoch_permutation", "eval_shard"]
 
 
@@ -40,8 +42,9 @@ def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = T
     if not shuffle:
         return list(range(num_samples))
     generator = torch.Generator()
-    # Distinct, reproducible stream per epoch (DistributedSampler's seed + epoch, made collision-free).
-    generator.manual_seed(seed * 1_000_003 + epoch)
+    # Distinct, reproducible stream per epoch (DistributedSampler's seed + epoch, made collision-free); the
+    # packing of earlier versions wherever it is exact, so a checkpoint's position means the same samples.
+    generator.manual_seed(derived_seed(seed * 1_000_003 + epoch, 0 <= epoch < 1_000_003, "epoch", seed, epoch))
     return torch.randperm(num_samples, generator=generator).tolist()
 
 

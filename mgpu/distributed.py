@@ -77,15 +77,42 @@ def cpu_threads_per_rank(local_world_size: int, environ: Mapping[str, str] | Non
     to keep torch's default: a world of one, or OMP_NUM_THREADS set by the user (or by srun's
     templates). Without it every rank starts a thread per core and N ranks oversubscribe the cores
     N-fold (measured: the 2-rank quick start took twice as long on 2 cores). Lightning does the same.
-    Where Slurm bound each task to its own CPUs (SLURM_CPU_BIND_TYPE, e.g. `mask_cpu:`), the usable CPUs
-    are this task's alone and are not divided again."""
+    Where Slurm bound each task to its own CPUs, the usable CPUs (this process's affinity mask) are this
+    task's alone and are not divided again (see `_bound_to_this_task`)."""
     environ = os.environ if environ is None else environ
     if local_world_size <= 1 or environ.get("OMP_NUM_THREADS"):
         return None
     if usable_cpus is None:
         usable_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    bound = environ.get("SLURM_CPU_BIND_TYPE", "").strip(":,").lower() not in ("", "none")
-    return max(1, usable_cpus if bound else usable_cpus // local_world_size)
+    if _bound_to_this_task(environ, usable_cpus, local_world_size):
+        return max(1, usable_cpus)
+    return max(1, usable_cpus // local_world_size)
+
+
+def _bound_to_this_task(environ: Mapping[str, str], usable_cpus: int, local_world_size: int) -> bool:
+    """Whether this rank's affinity mask is its own Slurm task's: SLURM_CPU_BIND_TYPE says Slurm bound it
+    (`mask_cpu:`), or the mask is no larger than one task's share (SLURM_CPUS_PER_TASK, else
+    SLURM_CPUS_ON_NODE / the ranks here), which a mask shared by the node's tasks cannot be. Not for
+    torchrun's workers: they share their agent's mask (one Slurm task's). A mask merely smaller than the
+    machine proves nothing: a job's cgroup is smaller too, and all its tasks on the node share it."""
+    if "TORCHELASTIC_RUN_ID" in environ:
+        return False
+    if environ.get("SLURM_CPU_BIND_TYPE", "").strip(":,").lower() not in ("", "none"):
+        return True
+    share = _count(environ.get("SLURM_CPUS_PER_TASK"))
+    if share is None:
+        on_node = _count(environ.get("SLURM_CPUS_ON_NODE"))
+        share = on_node // local_world_size if on_node is not None else None
+    return share is not None and 0 < usable_cpus <= share
+
+
+def _count(value: str | None) -> int | None:
+    """A positive integer from a Slurm variable, or None (unset or garbage: then it says nothing)."""
+    try:
+        number = int(value) if value else None
+    except ValueError:
+        return None
+    return number if number is not None and number > 0 else None
 
 
 def _init_method(env: ProcessEnv) -> str:

@@ -150,7 +150,6 @@ class SlurmEnvironment(ClusterEnvironment):
     NODELIST = ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST")
     NUM_NODES = ("SLURM_STEP_NUM_NODES", "SLURM_JOB_NUM_NODES", "SLURM_NNODES")
     TASKS_PER_NODE = ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE")
-    GPUS = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE")
     SRUN_FIX = "launch every task with srun (see slurm/train.sbatch)"
 
     @staticmethod
@@ -185,13 +184,18 @@ class SlurmEnvironment(ClusterEnvironment):
         if num_nodes != len(nodes):
             raise MgpuError(f"{nodelist[0]}={nodelist[1]!r} names {len(nodes)} nodes but "
                             f"{num_var[0]}={num_nodes}: the job's variables contradict each other")  # type: ignore[index]
-        tasks_per_node, tasks_name = cls._tasks_per_node(environ, world_size, num_nodes)
+        tasks_per_node, tasks = cls._tasks_per_node(environ, world_size, num_nodes)
         if len(tasks_per_node) != num_nodes or sum(tasks_per_node) != world_size:
             raise MgpuError(
-                f"{tasks_name}={','.join(map(str, tasks_per_node))} does not give {world_size} tasks on "
+                f"{tasks} does not give {world_size} tasks on "
                 f"{num_nodes} nodes: submit with --ntasks-per-node and --nodes that multiply to --ntasks"
             )
-        gpus_per_node = cls._gpus(environ, tasks_per_node, tasks_name)
+        every_node, _, gpus_per_node = cls._gpu_shape(environ, num_nodes)
+        if every_node and any(count != every_node for count in tasks_per_node):
+            if all(str(count) == environ.get("SLURM_NTASKS_PER_NODE") for count in tasks_per_node):
+                tasks = f"SLURM_NTASKS_PER_NODE={environ['SLURM_NTASKS_PER_NODE']}"
+            raise MgpuError(f"{tasks} but {every_node} GPUs per node requested: "
+                            f"submit with --ntasks-per-node={every_node} (one task per GPU)")
         master_addr, master_port = _master(environ, nodes[0], environ["SLURM_JOB_ID"])
         if num_nodes > 1 and master_addr in _LOOPBACK_NAMES:
             raise MgpuError(f"MASTER_ADDR={master_addr} on a {num_nodes}-node job would give every node a world "
@@ -231,7 +235,13 @@ class SlurmEnvironment(ClusterEnvironment):
             raise MgpuError(f"running in {where} of a {tasks}-task Slurm job ({found[0]}={found[1]}), "  # type: ignore[index]
                             f"not in a task: {cls.SRUN_FIX}")
         host = nodes[0] if batch else environ.get("SLURM_SUBMIT_HOST") or socket.gethostname()
-        gpus_per_node = cls._gpus(environ, [1], "SLURM_NTASKS")
+        every_node, gpu_source, gpus_per_node = cls._gpu_shape(environ, 1)
+        if every_node and every_node != 1:
+            where = "the batch shell" if batch else "salloc's shell"
+            count = f" ({found[0]}={found[1]})" if found else ""
+            raise MgpuError(f"running in {where} of a 1-task Slurm job{count} with {every_node} GPUs ({gpu_source}): "
+                            f"submit with --ntasks-per-node={every_node} and launch the tasks with srun (one task per "
+                            f"GPU, see slurm/train.sbatch)")
         master_addr, master_port = _master(environ, host, environ["SLURM_JOB_ID"])
         return ProcessEnv(cls.name, 0, 0, 1, 1, 0, 1, (host,), cls.job_id(environ), cls._restarts(environ),
                           master_addr, master_port, gpus_per_node)
@@ -251,39 +261,56 @@ class SlurmEnvironment(ClusterEnvironment):
     @classmethod
     def _tasks_per_node(cls, environ: Mapping[str, str], world_size: int, num_nodes: int
                         ) -> tuple[list[int], str]:
+        """Every node's task count, and where it came from as Slurm wrote it (`SLURM_..._TASKS_PER_NODE=2(x2)`)."""
         found = _first(environ, cls.TASKS_PER_NODE)
         if found is None:
             if num_nodes > 1:
                 raise MgpuError(f"{cls.TASKS_PER_NODE[0]} is not set: {cls.SRUN_FIX}")
-            return [world_size], "SLURM_NTASKS"
+            world = _first(environ, cls.WORLD_SIZE)  # one node: it runs the whole step
+            return [world_size], f"{world[0]}={world[1]}" if world else f"{world_size} task (no task count is set)"
         try:
-            return expand_tasks_per_node(found[1]), found[0]
+            return expand_tasks_per_node(found[1]), f"{found[0]}={found[1]}"
         except HostlistError as error:
             raise MgpuError(f"{found[0]}: {error}") from None
 
-    @classmethod
-    def _gpus(cls, environ: Mapping[str, str], tasks_per_node: list[int], tasks_name: str) -> int | None:
-        """This node's GPUs, checked against the task counts of every node, so that all ranks agree."""
-        found = _first(environ, cls.GPUS)
-        if found is None:
+    @staticmethod
+    def _gpu_count(environ: Mapping[str, str], name: str) -> int | None:
+        value = environ.get(name)
+        if not value:
             return None
         try:
-            gpus = _parse_gpu_count(found[1])
+            return _parse_gpu_count(value)
         except ValueError:
-            raise MgpuError(f"{found[0]}={found[1]!r} is not a GPU count") from None
+            raise MgpuError(f"{name}={value!r} is not a GPU count") from None
+
+    @classmethod
+    def _gpu_shape(cls, environ: Mapping[str, str], num_nodes: int) -> tuple[int | None, str, int | None]:
+        """(the GPUs every node of the step has, the variable that says so, this node's GPUs).
+
+        Read from job-wide variables only, so every rank decides the job's shape alike: SLURM_GPUS_ON_NODE is
+        this node's count and differs between nodes under `--gpus=N` or `--gpus-per-task`. The first is None
+        where each task has its own GPU (--gpus-per-task=1) or Slurm gave none."""
+        here = cls._gpu_count(environ, "SLURM_GPUS_ON_NODE")
         per_task = environ.get("SLURM_GPUS_PER_TASK")
         if per_task:
             # --gpus-per-task: each node has as many GPUs as tasks, even where the nodes' counts differ.
             if per_task.rsplit(":", 1)[-1] != "1":
                 raise MgpuError(f"SLURM_GPUS_PER_TASK={per_task}: submit with --gpus-per-task=1 (one task per GPU)")
-            return gpus
-        if gpus and any(tasks != gpus for tasks in tasks_per_node):
-            name, value = tasks_name, ",".join(map(str, tasks_per_node))
-            if all(str(tasks) == environ.get("SLURM_NTASKS_PER_NODE") for tasks in tasks_per_node):
-                name, value = "SLURM_NTASKS_PER_NODE", environ["SLURM_NTASKS_PER_NODE"]
-            raise MgpuError(f"{name}={value} but {gpus} GPUs per node requested: "
-                            f"submit with --ntasks-per-node={gpus} (one task per GPU)")
-        return gpus
+            return None, "", here
+        per_node, total = cls._gpu_count(environ, "SLURM_GPUS_PER_NODE"), cls._gpu_count(environ, "SLURM_GPUS")
+        if per_node is not None:  # --gpus-per-node
+            every, source = per_node, f"SLURM_GPUS_PER_NODE={environ['SLURM_GPUS_PER_NODE']}"
+        elif total is not None and num_nodes > 1:  # --gpus=N: Slurm spreads them, maybe 2 + 1
+            raise MgpuError(f"SLURM_GPUS={environ['SLURM_GPUS']} (--gpus) leaves how many GPUs each of the {num_nodes} "
+                            f"nodes gets to Slurm: submit with --gpus-per-node=N and --ntasks-per-node=N (one task "
+                            f"per GPU), or --gpus-per-task=1")
+        elif here is not None:  # --gres=gpu:N gives every node N; or the step's one node
+            every, source = here, f"SLURM_GPUS_ON_NODE={environ['SLURM_GPUS_ON_NODE']}"
+        elif total is not None:
+            every, source = total, f"SLURM_GPUS={environ['SLURM_GPUS']}"
+        else:
+            return None, "", None
+        return every, source, here if here is not None else every
 
 
 class TorchElasticEnvironment(ClusterEnvironment):

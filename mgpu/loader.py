@@ -32,13 +32,27 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from mgpu.preemption import signal_number
-from mgpu.rng import seed_everything
+from mgpu.rng import derived_seed, seed_everything
 
-__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "is_worker_death", "make_loader", "start"]
+__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "is_worker_death", "loader_seed", "make_loader", "sample_seed",
+           "start"]
 
 log = logging.getLogger("mgpu.train")
 _torch_sigchld_removed = False
 _reaper_installed = False
+
+
+def sample_seed(seed: int, epoch: int, index: int) -> int:
+    """The seed sample `index` of `epoch` is drawn under in a worker: (seed, epoch, index) packed as in earlier
+    versions while that is exact and fits torch's seed range, else hashed (see mgpu.rng.derived_seed)."""
+    packed = (seed * 1_000_003 + epoch) * 1_000_000_007 + index
+    return derived_seed(packed, epoch < 1_000_003 and 0 <= index < 1_000_000_007, "sample", seed, epoch, index)
+
+
+def loader_seed(seed: int, epoch: int, rank: int) -> int:
+    """The seed of a loader's own generator (its workers' base seed), one per (seed, epoch, rank)."""
+    return derived_seed(seed * 1_000_003 + epoch * 1009 + rank, 0 <= rank < 1009 and epoch * 1009 + rank < 1_000_003,
+                        "loader", seed, epoch, rank)
 
 
 class SampleSeeded(Dataset):
@@ -52,7 +66,7 @@ class SampleSeeded(Dataset):
 
     def __getitem__(self, index: int) -> Any:
         if get_worker_info() is not None:
-            seed_everything((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + int(index))
+            seed_everything(sample_seed(self.seed, self.epoch, int(index)))
         return self.dataset[index]
 
 
@@ -91,7 +105,7 @@ def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]], *, num_worke
     global _reaper_installed
     # An own generator: creating an iterator draws a base seed, and from the global RNG that draw would
     # shift dropout's stream differently in a resumed run than in an unbroken one.
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch * 1009 + rank)
+    generator = torch.Generator().manual_seed(loader_seed(seed, epoch, rank))
     extra: dict[str, Any] = dict(options)
     if num_workers > 0:
         extra["worker_init_fn"] = functools.partial(_quiet_worker, _stop_signals(requeue_signal),

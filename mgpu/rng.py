@@ -6,6 +6,7 @@ read them back (numpy's state array becomes a tensor).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from typing import Any
@@ -13,7 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "restore_rng_state", "seed_everything", "use_deterministic_kernels"]
+__all__ = ["capture_rng_state", "derived_seed", "restore_rng_state", "seed_everything", "stream_seed",
+           "use_deterministic_kernels"]
+
+TORCH_SEEDS = 2**64
+"""torch.manual_seed takes [0, 2**64) ("Overflow when unpacking long long" above)."""
 
 
 def seed_everything(seed: int) -> None:
@@ -21,6 +26,21 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def stream_seed(*parts: int | str) -> int:
+    """A seed in [0, 2**63) for the tuple `parts`, whatever their size: 63 bits of their BLAKE2b digest, so two
+    different tuples share a seed with odds of 2**-63."""
+    digest = hashlib.blake2b(repr(parts).encode(), digest_size=8, person=b"mgpu-seed").digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def derived_seed(packed: int, exact: bool, *parts: int | str) -> int:
+    """`packed`, the arithmetic packing of `parts` that seeded their stream before, while it is exact (no two
+    tuples pack alike: the caller says) and a seed torch accepts; else `stream_seed(*parts)`. Every stream
+    that could be seeded before stays the same (a run resumed across the upgrade stays bit-identical); a
+    packing too large for torch (train.seed >= 18447 for a sample's seed) no longer overflows."""
+    return packed if exact and 0 <= packed < TORCH_SEEDS else stream_seed(*parts)
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -35,7 +35,12 @@ def setup_logging(run: RunDir, rank: int) -> None:
         handler.close()
     formatter = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
     run.logs.mkdir(parents=True, exist_ok=True)
-    file_handler = logging.FileHandler(run.rank_log(rank))
+    try:
+        file_handler = logging.FileHandler(run.rank_log(rank))
+    except OSError as error:  # a run directory that exists on a read-only filesystem, or another user's
+        raise MgpuError(f"run directory {run.path}: cannot write {run.rank_log(rank)} ({error.strerror}): make it "
+                        f"writable for this user, or set run.root (or jobs/submit.py --folder) to a writable "
+                        f"directory (a new run)") from None
     file_handler.setFormatter(formatter)
     root.addHandler(file_handler)
     if rank == 0:

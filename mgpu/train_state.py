@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from mgpu.rng import capture_rng_state, restore_rng_state, seed_everything
+from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 
 __all__ = ["RESERVED", "Progress", "code_version", "gather_state", "restore_state"]
 
@@ -113,4 +113,5 @@ def restore_state(state: Mapping[str, Any], objects: dict[str, Any], rank: int, 
         restore_rng_state(state["rng"][rank])
     else:
         # World grew: no saved stream for this rank; derive one that no other rank or run uses.
-        seed_everything(seed + rank + 100_003 * (int(state.get("progress", {}).get("step", 0)) + 1))
+        step = int(state.get("progress", {}).get("step", 0))
+        seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))

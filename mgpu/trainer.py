@@ -31,6 +31,7 @@ from mgpu.distributed import all_reduce, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.loader import Batches, make_loader
 from mgpu.optim import build_optimizer, build_scheduler
+from mgpu.precision import resolve_precision
 from mgpu.reporting import Reporter, format_metrics
 from mgpu.rng import seed_everything
 from mgpu.session import Session
@@ -103,7 +104,8 @@ class Trainer:
                 # PyTorch's SyncBatchNorm has no CPU kernel; the same config must still run on a laptop.
                 log.warning("train.sync_batchnorm ignored: SyncBatchNorm needs GPUs; BatchNorm stays per rank")
         self.model: nn.Module = model.to(self.device)
-        self.precision = self._resolve_precision()  # once: asking CUDA every step would cost each step
+        # once: asking CUDA every step would cost each step
+        self.precision = resolve_precision(cfg.train.precision, self.device, warn=self.is_main)
         self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
         self.progress, resumed = self._resume()
@@ -145,21 +147,6 @@ class Trainer:
             raise MgpuError(f"with {len(self.train_set)} samples, data.batch_size={self.cfg.data.batch_size} "  # type: ignore[arg-type]
                             f"and {self.world} ranks, some rank gets a one-sample batch at the end of each epoch, "
                             f"which BatchNorm cannot train on: change data.batch_size")
-
-    def _resolve_precision(self) -> torch.dtype:
-        wanted = self.cfg.train.precision
-        if self.device.type != "cuda":
-            if wanted in ("fp16", "bf16") and self.is_main:
-                log.warning("train.precision=%s: this rank has no GPU; training runs in fp32", wanted)
-            return torch.float32
-        if wanted == "fp32":
-            return torch.float32
-        if wanted == "fp16":
-            return torch.float16
-        # auto: bf16 only where the GPU has it (Ampere and later), not emulated, which is slower than fp32.
-        if wanted == "bf16" or torch.cuda.is_bf16_supported(including_emulation=False):
-            return torch.bfloat16
-        return torch.float32
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision == torch.float32:

@@ -11,10 +11,12 @@ file behind if anything calls them (the snapshot sees it), `squeue` and `sacct` 
 
 To add a case, append a `Case` to `CASES`: `argv` starts with the script (`submit`, `status`, `train`);
 `{tmp}` is replaced by the case's directory; `files` maps relative paths to str/bytes contents (None: a
-directory, `Link(target)`: a symlink); `env` is added to a clean environment (no launcher variables).
+directory, `Link(target)`: a symlink, `ReadOnlyFs()`: a tmpfs mounted there, made read-only once the case's
+files are in it, unmounted after the case; needs root: skipped without it, except in CI); `env` is added to
+a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 139, status 17, train 45 (201 in all); plus
+Cases by entry point (see `test_case_counts`): submit 139, status 17, train 46 (202 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -64,7 +66,16 @@ class Fifo:
     """A named pipe that nobody writes to: opening it for reading would wait forever."""
 
 
-Files = dict[str, Union[str, bytes, Link, Fifo, None]]
+@dataclass(frozen=True)
+class ReadOnlyFs:
+    """A filesystem mounted read-only at this directory (a tmpfs: root's chmod would not stop root's writes)."""
+
+
+class MountUnavailable(Exception):
+    """A `ReadOnlyFs` could not be mounted (not root)."""
+
+
+Files = dict[str, Union[str, bytes, Link, Fifo, ReadOnlyFs, None]]
 
 
 @dataclass(frozen=True)
@@ -371,6 +382,9 @@ CASES: list[Case] = [
            expect="rendezvous failed: rank 0 waited 2 s at 127.0.0.1:29557 for all 2 ranks"),
     _train("train run.dir is a file", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/f", files={"f": "x"},
            expect="/f is a file, not a directory"),
+    _train("train run directory read-only", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/ro/run",
+           files={"ro": ReadOnlyFs(), "ro/run/logs": None},
+           expect="run directory {tmp}/ro/run: cannot write {tmp}/ro/run/logs/rank0.log (Read-only file system)"),
     _train("train run.dir under a file", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/f/run", files={"f": "x"},
            expect="cannot create it (Not a directory)"),
     _train("train checkpoints is a file", "task.target=tests.tasks:BlobTask", "run.dir={tmp}/run",
@@ -438,11 +452,25 @@ def _stubs(bin_dir: Path) -> str:
     return f"{bin_dir}:{os.environ.get('PATH', '/usr/bin:/bin')}"
 
 
-def _make(tmp: Path, files: Files) -> None:
+def _mount(where: Path, *options: str) -> None:
+    proc = subprocess.run(["mount", "-t", "tmpfs", *options, "tmpfs", str(where)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise MountUnavailable(f"cannot mount a tmpfs at {where} ({proc.stderr.strip() or 'not root'})")
+
+
+def _make(tmp: Path, files: Files, mounts: list[Path]) -> None:
+    """The case's files; a `ReadOnlyFs` is mounted (appended to `mounts`) before, and made read-only after."""
     (tmp / "blob.yaml").write_text(BLOB_YAML)
+    for rel, content in files.items():
+        if isinstance(content, ReadOnlyFs):
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+            _mount(tmp / rel, "-o", "size=1m")
+            mounts.append(tmp / rel)
     for rel, content in files.items():
         path = tmp / rel
         path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(content, ReadOnlyFs):
+            continue
         if content is None:
             path.mkdir(exist_ok=True)
         elif isinstance(content, Link):
@@ -453,6 +481,13 @@ def _make(tmp: Path, files: Files) -> None:
             path.write_bytes(content)
         else:
             path.write_text(content)
+    for where in mounts:
+        _mount(where, "-o", "remount,ro")
+
+
+def _unmount(mounts: list[Path]) -> None:
+    for where in reversed(mounts):
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
 
 
 def _snapshot(tmp: Path) -> dict[str, tuple[int, int, int]]:
@@ -478,12 +513,24 @@ class Outcome:
     changed: list[str]
     """Paths under the case's directory created, removed or modified by the run."""
     tmp: Path
+    skipped: str | None = None
+    """Why the case could not be set up here (a `ReadOnlyFs` without root)."""
 
 
 def run_case(argv: list[str | bytes], files: Files, env: dict[str, str], tmp: Path, path: str) -> Outcome:
     """Run one entry script in `tmp` (its working directory) and report what it did there."""
     tmp.mkdir(parents=True)
-    _make(tmp, files)
+    mounts: list[Path] = []
+    try:
+        _make(tmp, files, mounts)
+        return _run_made(argv, env, tmp, path)
+    except MountUnavailable as unavailable:
+        return Outcome(None, "", "", 0.0, [], tmp, skipped=str(unavailable))
+    finally:
+        _unmount(mounts)
+
+
+def _run_made(argv: list[str | bytes], env: dict[str, str], tmp: Path, path: str) -> Outcome:
     before = _snapshot(tmp)
     script = str(ROOT / PROGS[str(argv[0])])
     args = [_fill(a, tmp) for a in argv[1:]]
@@ -523,7 +570,7 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 139, "status": 17, "train": 45}, counts
+    assert counts == {"submit": 139, "status": 17, "train": 46}, counts
 
 
 @pytest.mark.parametrize("case", [
@@ -531,6 +578,10 @@ def test_case_counts() -> None:
     for case in CASES])
 def test_bad_input(case: Case, outcomes: dict[str, Outcome]) -> None:
     result = outcomes[case.id]
+    if result.skipped is not None:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(result.skipped, pytrace=False)
+        pytest.skip(result.skipped)
     prog = _prog(case)
     where = f"{case.argv!r}\nexit {result.returncode} in {result.seconds:.1f} s\nstdout: {result.stdout[-2000:]}\n" \
             f"stderr: {result.stderr[-3000:]}"

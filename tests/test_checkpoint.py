@@ -281,6 +281,52 @@ def test_the_snapshot_copy_is_freed_at_close_or_after_each_write(keep: bool, tmp
     assert snapshots[1]() is None  # closed: nothing of the state is kept
 
 
+@pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_freed_snapshot_buffers_go_back_to_the_system_when_cuda_is_initialised(
+        keep: bool, fails: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D17 on GPUs: freed pinned buffers only return to torch's host caching allocator; once they are freed the
+    store empties that cache (torch.accelerator.empty_host_cache), or it keeps a copy of the state anyway.
+    CUDA is a mock here (initialised, as on a GPU rank); the release records whether the snapshot was gone."""
+    import gc
+    import weakref
+
+    snapshots: list[weakref.ref[torch.Tensor]] = []
+    released: list[bool] = []  # per release: every snapshot tensor already freed?
+
+    def writer(state: dict[str, Any], path: Path) -> None:
+        snapshots.append(weakref.ref(state["model"]["w"]))
+        if fails:
+            raise OSError(28, "No space left on device", str(path))
+        torch.save(state, path)
+
+    def release() -> None:
+        gc.collect()
+        released.append(all(ref() is None for ref in snapshots))
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", release)
+    store = CheckpointStore(tmp_path, writer=writer, keep_snapshot_buffers=keep)
+    store.save_async(_state(1.0), 1)
+    store.settle()
+    assert released == ([] if keep else [True])  # kept for the next save, or freed and released after the write
+    store.close()
+    assert released == [True]  # closed: freed, and released once
+    store.close()
+    assert released == [True]
+
+
+def test_without_cuda_nothing_is_released(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: calls.append(1))
+    store = CheckpointStore(tmp_path, keep_snapshot_buffers=False)
+    store.save_async(_state(1.0), 1)
+    store.wait()
+    store.close()
+    assert calls == [] and not torch.cuda.is_initialized()  # nothing was pinned: no call (it raises on a CPU)
+
+
 def test_save_async_waits_for_the_save_in_flight(tmp_path: Path) -> None:
     writer = PausedWriter()
     store = CheckpointStore(tmp_path, writer=writer)
@@ -468,3 +514,27 @@ def test_a_loadable_state_passes() -> None:
 def test_an_unloadable_value_is_named_at_save_time(state: dict[str, Any], key: str, kind: str) -> None:
     with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(key)} holds a {kind}, which a resume cannot"):
         check_loadable(state)
+
+
+# ------------------------------------------------------------------ one verification per job (D8)
+@pytest.mark.multiprocess
+def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_it(tmp_path: Path) -> None:
+    """3 real ranks (a gloo group under torchrun) resume: rank 0 alone reads the newest checkpoint through
+    sha256 (once); the others load the file it verified, memory-mapped, without hashing it: not 8 full
+    reads and copies per 8-GPU node."""
+    run = tmp_path / "run"
+    store = CheckpointStore(run / "checkpoints", keep_last=3)
+    store.save(_state(1.0), 1)
+    newest = store.save(_state(2.0), 2)
+    torchrun = str(Path(PYTHON).parent / "torchrun")
+    port = str(random.randint(20000, 32000))
+    cmd = [torchrun, "--nproc-per-node", "3", "--master-port", port, str(ROOT / "tests" / "resume_probe.py"),
+           str(run), str(tmp_path / "out")]
+    proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
+    assert [r["step"] for r in ranks] == [2, 2, 2]
+    size = newest.path.joinpath("state.pt").stat().st_size
+    assert [r["sha256_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
+    assert all(r["loads"] == [{"mmap": True, "weights_only": True}] for r in ranks)  # each maps the one file
+    assert ranks[0]["load_dirs"] == [] and all(r["load_dirs"] == [{"verify": False}] for r in ranks[1:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mgpu.data import ShardPlan, epoch_permutation, eval_shard
@@ -87,6 +89,73 @@ def test_cuda_rng_state_is_this_devices_whatever_the_format() -> None:
     assert _this_device_state("mine", 5) == "mine"  # this format: the saving rank's own device only
 
 
+class FakeCuda:
+    """torch.cuda on a node whose rank owns device `current` of `visible`: a mock of CUDA (no GPU here).
+    A device's generator state is a one-element tensor holding its index."""
+
+    def __init__(self, current: int, visible: int) -> None:
+        self.current, self.visible = current, visible
+        self.set: list[tuple[int, int]] = []  # (state's device, device it was set on)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import torch
+
+        for name in ("is_available", "is_initialized", "current_device", "device_count", "get_rng_state",
+                     "get_rng_state_all", "set_rng_state", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return self.current
+
+    def device_count(self) -> int:
+        return self.visible
+
+    def get_rng_state(self, device: object = "cuda") -> object:
+        import torch
+
+        index = self.current if device in ("cuda", None) else torch.device(device).index  # type: ignore[arg-type]
+        return torch.tensor([index])
+
+    def get_rng_state_all(self) -> list[object]:
+        return [self.get_rng_state(f"cuda:{i}") for i in range(self.visible)]
+
+    def set_rng_state(self, state: object, device: object = "cuda") -> None:
+        import torch
+
+        index = self.current if device in ("cuda", None) else torch.device(device).index  # type: ignore[arg-type]
+        self.set.append((int(state[0]), index))  # type: ignore[index]
+
+    def set_rng_state_all(self, states: list[object]) -> None:
+        for index, state in enumerate(states):
+            self.set.append((int(state[0]), index))  # type: ignore[index]
+
+
+def test_only_this_ranks_cuda_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mgpu.rng import capture_rng_state, restore_rng_state
+
+    saving = FakeCuda(current=2, visible=4)  # --gpus-per-node=4: every GPU visible, local rank 2 owns cuda:2
+    saving.install(monkeypatch)
+    state = capture_rng_state()
+    assert isinstance(state["cuda"], torch.Tensor) and state["cuda"].tolist() == [2]  # its own, not all 4
+    resuming = FakeCuda(current=0, visible=1)  # --gpus-per-task=1: its one GPU is cuda:0
+    resuming.install(monkeypatch)
+    restore_rng_state(state)
+    assert resuming.set == [(2, 0)]  # the saved device's stream, set on this rank's device, and nothing else
+    older = dict(state, cuda=[torch.tensor([i]) for i in range(4)])  # the per-visible-device format
+    third = FakeCuda(current=3, visible=4)
+    third.install(monkeypatch)
+    restore_rng_state(older)
+    assert third.set == [(3, 3)]
+
+
 # --------------------------------------------------------------------------- batches on the device (D13)
 def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
     import torch
@@ -115,3 +184,78 @@ def test_deterministic_kernels_switch() -> None:
             "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.split() == ["False", "True", "True", "False", ":4096:8"]
+
+
+# --------------------------------------------------------------------------- seeds at every config seed (D12)
+class RandomCrop:
+    """A dataset whose items are random draws (augmentation): what a sample's seed decides."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> tuple[int, float]:
+        import torch
+
+        return index, torch.rand(()).item()
+
+
+def _draws(seed: int, batches: list[list[int]], workers: int) -> dict[int, float]:
+    from mgpu.loader import make_loader
+
+    loader = make_loader(RandomCrop(), batches, num_workers=workers, seed=seed,  # type: ignore[arg-type]
+                         epoch=3, rank=0, requeue_signal="USR2", collate_fn=lambda items: items, pin_memory=False)
+    return {index: value for batch in loader for index, value in batch}
+
+
+def test_workers_draw_per_sample_at_the_largest_seed() -> None:
+    # train.seed may be up to 2**32 - 1: its per-sample seeds once overflowed torch.manual_seed in every worker
+    # ("Overflow when unpacking long long") from train.seed 18447 on.
+    seed = 2**32 - 1
+    by_two = _draws(seed, [[0, 1, 2, 3], [4, 5, 6, 7]], workers=2)
+    by_one = _draws(seed, [[5, 2], [7, 0, 1], [3, 6, 4]], workers=1)
+    assert sorted(by_two) == list(range(8)) and by_two == by_one  # a sample's draw, whichever worker loads it
+    assert len(set(by_two.values())) == 8
+
+
+def test_seeds_fit_torch_stay_distinct_and_keep_the_streams_that_worked() -> None:
+    import torch
+
+    from mgpu.loader import loader_seed, sample_seed
+    from mgpu.rng import derived_seed, stream_seed
+
+    # Every seed torch accepts, at any config seed, epoch, sample index or rank.
+    for seed in (0, 18446, 18447, 2**32 - 1):
+        for epoch, index in ((0, 0), (7, 10**6), (10**7, 3 * 10**9)):
+            for value in (sample_seed(seed, epoch, index), loader_seed(seed, epoch, index)):
+                assert 0 <= value < 2**64
+                torch.Generator().manual_seed(value)
+    # Distinct per sample (the packing where it is exact, a 63-bit hash elsewhere).
+    assert len({sample_seed(2**32 - 1, e, i) for e in range(3) for i in range(2000)}) == 6000
+    assert len({sample_seed(9, 0, i) for i in (5, 1_000_000_007 + 5, 2 * 1_000_000_007 + 5)}) == 3
+    # Unchanged wherever the old packing worked: a run resumed across the upgrade stays bit-identical.
+    assert sample_seed(18446, 2, 7) == (18446 * 1_000_003 + 2) * 1_000_000_007 + 7
+    assert loader_seed(3, 2, 1) == 3 * 1_000_003 + 2 * 1009 + 1
+    order = torch.randperm(50, generator=torch.Generator().manual_seed(3 * 1_000_003 + 1)).tolist()
+    assert epoch_permutation(50, 3, 1) == order
+    assert epoch_permutation(50, 2**32 - 1, 10**7) != epoch_permutation(50, 2**32 - 1, 10**7 + 1)
+    assert derived_seed(5, True, "x") == 5 and derived_seed(5, False, "x", 1) == stream_seed("x", 1)
+    assert 0 <= derived_seed(2**64, True, "x") < 2**63 and stream_seed("x", 1) != stream_seed("x", 2)
+
+
+def test_a_rank_the_saved_run_did_not_have_gets_a_seed_at_any_config_seed(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path) -> None:
+    import torch
+    from torch import nn
+
+    from mgpu.train_state import restore_state
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # set by torch's first optimizer otherwise
+    model = nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "scaler": scaler.state_dict(), "rng": [], "progress": {"step": 10**12}}
+    for rank in (0, 200_000):  # the world grew: no saved stream for this rank
+        progress = restore_state(state, model, optimizer, scheduler, scaler, rank, 2**32 - 1)
+        assert progress.step == 10**12

@@ -49,6 +49,16 @@ def test_select_device_cpu_without_cuda() -> None:
     # Slurm bound each task to its own CPUs (srun --cpu-bind, task/affinity): the mask is this task's alone.
     (4, {"SLURM_CPU_BIND_TYPE": "mask_cpu:"}, 8, 8),
     (4, {"SLURM_CPU_BIND_TYPE": "none"}, 16, 4),  # no binding: the node's CPUs are shared
+    # Bound without saying so (no SLURM_CPU_BIND_TYPE): a mask no larger than one task's share is its own.
+    (4, {"SLURM_CPUS_PER_TASK": "2"}, 2, 2),
+    (4, {"SLURM_CPUS_PER_TASK": "2", "SLURM_CPU_BIND_TYPE": "none"}, 2, 2),
+    (4, {"SLURM_CPUS_PER_TASK": "2"}, 8, 2),     # the 4 tasks' 8 CPUs, shared: an equal share each
+    (2, {"SLURM_CPUS_ON_NODE": "8"}, 4, 4),      # no --cpus-per-task: the node's 8 / 2 tasks
+    (2, {"SLURM_CPUS_ON_NODE": "8"}, 8, 4),
+    (2, {"SLURM_CPUS_PER_TASK": "x", "SLURM_CPUS_ON_NODE": ""}, 8, 4),  # garbage says nothing
+    (2, {}, 4, 2),  # outside Slurm a mask smaller than the machine (a container's cpuset) is still shared
+    # torchrun inside srun: its workers share their agent's (one Slurm task's) CPUs, bound or not.
+    (4, {"TORCHELASTIC_RUN_ID": "1", "SLURM_CPU_BIND_TYPE": "mask_cpu:", "SLURM_CPUS_PER_TASK": "16"}, 16, 4),
 ])
 def test_cpu_threads_per_rank(local_world: int, environ: dict[str, str], cpus: int, expected: int | None) -> None:
     assert cpu_threads_per_rank(local_world, environ, cpus) == expected
@@ -136,6 +146,6 @@ def test_inconsistent_environment_fails_fast_with_one_line(tmp_path: Path) -> No
     elapsed = time.monotonic() - start
     assert result.returncode == 2
     lines = result.stdout.strip().splitlines()
-    assert len(lines) == 1 and "SLURM_STEP_TASKS_PER_NODE=1,1 does not give 4 tasks on 2 nodes" in lines[0]
+    assert len(lines) == 1 and "SLURM_STEP_TASKS_PER_NODE=1(x2) does not give 4 tasks on 2 nodes" in lines[0]  # as Slurm wrote it
     assert elapsed < 5, f"took {elapsed:.1f}s"
     assert not list(tmp_path.iterdir())

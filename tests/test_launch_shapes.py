@@ -8,11 +8,13 @@ a variable that is actually set and the fix.
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -142,9 +144,11 @@ def _check_world(shape: str, expected: Runs, job_id: str, world: list[dict[str, 
 
 @pytest.mark.parametrize("shape", sorted(EXPECTED))
 def test_launch_shape(shape: str) -> None:
-    fixture = load(shape)
+    _check_shape(shape, load(shape), EXPECTED[shape])
+
+
+def _check_shape(shape: str, fixture: dict[str, object], expected: Runs | Refused) -> None:
     processes: list[dict[str, str]] = fixture["processes"]  # type: ignore[assignment]
-    expected = EXPECTED[shape]
     if isinstance(expected, Refused):
         messages = []
         for environ in processes:
@@ -166,3 +170,77 @@ def test_launch_shape(shape: str) -> None:
     assert sorted(worlds) == sorted(job_ids), shape
     for job_id, world in worlds.items():
         _check_world(shape, expected, job_id, world)
+
+
+# ------------------------------------------------------------------ shapes derived from the captured ones
+# Launches the test cluster cannot make as such (GPUs spread by --gpus=N, a batch shell without -n holding
+# GPUs, a step whose task lists are missing): copies of real captured environments, changed only in the
+# variables that launch sets differently. The fixtures themselves stay as Slurm wrote them.
+Edit = Callable[[dict[str, str]], None]
+
+
+def _gpus_spread_2_1(env: dict[str, str]) -> None:
+    # sbatch -N2 --ntasks-per-node=2 --gpus=3: Slurm put 2 GPUs on n1 and 1 on n2.
+    on_node = "2" if env["SLURMD_NODENAME"] == "n1" else "1"
+    env.update(SLURM_GPUS="3", SLURM_GPUS_ON_NODE=on_node, SLURM_JOB_GPUS="0,1" if on_node == "2" else "0",
+               SLURM_STEP_GPUS="0,1" if on_node == "2" else "0")
+
+
+def _gpus_on_one_node(env: dict[str, str]) -> None:
+    env.update(SLURM_GPUS="2", SLURM_GPUS_ON_NODE="2", SLURM_JOB_GPUS="0,1", SLURM_STEP_GPUS="0,1")
+
+
+def _gpus_per_node_4(env: dict[str, str]) -> None:
+    # srun -N2 -n4 (no --ntasks-per-node) in a --gpus-per-node=4 job: only the per-node task lists say 2.
+    del env["SLURM_NTASKS_PER_NODE"]
+    env.update(SLURM_GPUS_PER_NODE="4", SLURM_GPUS_ON_NODE="4", SLURM_JOB_GPUS="0,1,2,3", SLURM_STEP_GPUS="0,1,2,3")
+
+
+def _no_task_count_two_gpus(env: dict[str, str]) -> None:
+    # sbatch --gpus-per-node=2 without -n: Slurm sets no SLURM_NTASKS / SLURM_NPROCS.
+    for name in ("SLURM_NTASKS", "SLURM_NPROCS"):
+        env.pop(name, None)
+    env.update(SLURM_GPUS_PER_NODE="2", SLURM_GPUS_ON_NODE="2", SLURM_JOB_GPUS="0,1")
+
+
+def _two_gpus(env: dict[str, str]) -> None:
+    env.update(SLURM_GPUS_PER_NODE="2", SLURM_GPUS_ON_NODE="2", SLURM_JOB_GPUS="0,1")
+
+
+def _no_task_lists_four_gpus(env: dict[str, str]) -> None:
+    # Neither per-node task list nor SLURM_NTASKS: the step's one node runs SLURM_STEP_NUM_TASKS tasks.
+    for name in ("SLURM_TASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS", "SLURM_NPROCS"):
+        env.pop(name, None)
+    env.update(SLURM_GPUS_ON_NODE="4", SLURM_STEP_GPUS="0,1,2,3")
+
+
+ONE_PER_GPU = "submit with --ntasks-per-node={n} and launch the tasks with srun (one task per GPU"
+DERIVED: dict[str, tuple[str, Edit, Runs | Refused]] = {
+    # The shape is decided from job-wide variables: the same refusal on every rank, not rank 0 accepting.
+    "gpus_spread_2_1": ("srun_per_task", _gpus_spread_2_1, Refused(
+        "SLURM_GPUS=3 (--gpus) leaves how many GPUs each of the 2 nodes gets to Slurm: submit with "
+        "--gpus-per-node=N and --ntasks-per-node=N (one task per GPU), or --gpus-per-task=1")),
+    "gpus_on_one_node": ("srun_n_only", _gpus_on_one_node, Runs(2, ("n1",), (2,), gpus_per_node=(2,))),
+    # Slurm's own spelling of the task counts, not a re-rendering (2,2).
+    "gpus_per_node_tasks_by_list": ("srun_per_task", _gpus_per_node_4, Refused(
+        "SLURM_STEP_TASKS_PER_NODE=2(x2) but 4 GPUs per node requested: submit with --ntasks-per-node=4 "
+        "(one task per GPU)")),
+    # A one-task shell holding 2 GPUs: named by a variable that is set, and the fix is srun.
+    "batch_shell_no_task_count_two_gpus": ("batch_shell_one_task", _no_task_count_two_gpus, Refused(
+        "running in the batch shell of a 1-task Slurm job (SLURM_TASKS_PER_NODE=1) with 2 GPUs "
+        "(SLURM_GPUS_PER_NODE=2): " + ONE_PER_GPU.format(n=2))),
+    "salloc_one_task_two_gpus": ("salloc_one_task", _two_gpus, Refused(
+        "running in salloc's shell of a 1-task Slurm job (SLURM_NTASKS=1) with 2 GPUs (SLURM_GPUS_PER_NODE=2): "
+        + ONE_PER_GPU.format(n=2))),
+    "step_without_task_lists": ("srun_n_only", _no_task_lists_four_gpus, Refused(
+        "SLURM_STEP_NUM_TASKS=2 but 4 GPUs per node requested: submit with --ntasks-per-node=4")),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(DERIVED))
+def test_derived_launch_shape(shape: str) -> None:
+    base, edit, expected = DERIVED[shape]
+    fixture = copy.deepcopy(load(base))
+    for environ in fixture["processes"]:  # type: ignore[attr-defined]
+        edit(environ)
+    _check_shape(shape, fixture, expected)

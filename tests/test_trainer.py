@@ -245,3 +245,31 @@ def test_zero_optimizer_resume_is_bit_identical(tmp_path: Path) -> None:
     assert resumed["progress"]["step"] == 10
     assert_identical(resumed["model"], unbroken["model"], "model")
     assert_identical(resumed["optimizer"], unbroken["optimizer"], "optimizer")
+
+
+@pytest.fixture(scope="module")
+def warmup_bf16_on_cpu(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """2 CPU ranks, 5 steps, warmup over 4, log every step, train.precision=bf16: (run dir, rank 0's stdout)."""
+    run_dir = tmp_path_factory.mktemp("warmup")
+    result = train(run_dir, "task.target=tests.tasks:BlobTask", "train.epochs=1", "data.batch_size=4",
+                   "schedule.warmup_steps=4", "optim.lr=0.01", "log.every_steps=1", "train.precision=bf16",
+                   "eval.every_steps=0", ranks=2)
+    assert result.returncode == 0, result.stdout
+    return run_dir, result.stdout
+
+
+@pytest.mark.multiprocess
+def test_the_logged_lr_is_the_steps_own(warmup_bf16_on_cpu: tuple[Path, str]) -> None:
+    # Warmup: step k (1-based) trains at lr * k / 4; the ledger once said the next step's (step 1: 0.005).
+    run_dir, _ = warmup_bf16_on_cpu
+    logged = {e["step"]: e["metrics"]["lr"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "progress"}
+    assert [logged[step] for step in (1, 2, 3, 4)] == [0.0025, 0.005, 0.0075, 0.01], logged
+
+
+@pytest.mark.multiprocess
+def test_bf16_on_cpu_ranks_says_so_in_one_line(warmup_bf16_on_cpu: tuple[Path, str]) -> None:
+    run_dir, stdout = warmup_bf16_on_cpu
+    line = "train.precision=bf16: this rank has no GPU; training runs in fp32"
+    assert stdout.count(line) == 1, stdout  # rank 0's console: one line, not one per rank
+    assert (run_dir / "logs" / "rank0.log").read_text().count(line) == 1
+    assert line not in (run_dir / "logs" / "rank1.log").read_text()
