@@ -11,7 +11,7 @@ This package's top level imports nothing heavy: the submission path must not imp
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Session"]
+__all__ = ["Config", "Session"]
 
 
 def __getattr__(name: str) -> Any:
@@ -19,4 +19,8 @@ def __getattr__(name: str) -> Any:
         from mgpu.session import Session
 
         return Session
+    if name == "Config":
+        from mgpu.config import Config
+
+        return Config
     raise AttributeError(f"module 'mgpu' has no attribute {name!r}")

@@ -175,8 +175,8 @@ class Session:
         ddp = wrap(model, self.device, find_unused_parameters, static_graph)
         ddp.replay_after(self.resume_step)
         self._ddps.append(weakref.ref(ddp))
-        if self.watchdog is not None:  # entering DDP's forward: from here on this rank waits for the others
-            ddp.register_forward_pre_hook(lambda module, args: self.beat("model"))
+        if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
+            ddp.register_forward_pre_hook(lambda module, args: self.beat("model", self.step + 1))
         return ddp
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
@@ -212,11 +212,14 @@ class Session:
         return all_reduce(value, op, device=self.device)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ stopping together
-    def should_stop(self, step: int | None = None) -> bool:
-        """*Collective*, once per optimizer step: True when the ranks agreed to stop at this step (a
-        signal reached any of them). Every rank gets the same answer at the same step; it costs nothing
-        measurable (an asynchronous all-reduce about once a second, read one step later). `step`: the
-        step just done, for a loop that counts its own (default: one more than the last call)."""
+    def should_stop(self, step: int | None = None, save: bool = True) -> bool:
+        """*Collective*, once per optimizer step, after `optimizer.step()`: True when the ranks agreed to
+        stop at this step (a signal reached any of them). Every rank gets the same answer at the same
+        step; it costs nothing measurable (an asynchronous all-reduce about once a second, read one step
+        later). On True the state given to `load()`/`save()` is saved at once and durably (`save=False`:
+        the caller saves it), so nothing the loop does after it (an evaluation, its DataLoader's random
+        draw) can change what resumes. `step`: the step just done, for a loop that counts its own
+        (default: one more than the last call)."""
         self.step = self.step + 1 if step is None else step
         if self.step == self.resume_step + 1:
             self._after_first_step()
@@ -224,10 +227,14 @@ class Session:
             reasons = {"test"}  # a deterministic stop, the same step on every rank: nothing to agree on
         else:
             reasons = self.agreement.at_step(self.step, self._check_every)
+        if self.watchdog is not None:
+            # The step's end; a loop whose forwards the watchdog does not see (no `wrap`) advances its step here.
+            self.beat("agree", self.step if self.watchdog.step < self.step else None)
         if reasons:
             self.reasons |= reasons
+            if save and self._state is not None:
+                self.save(reason="preemption", wait=True)
             return True
-        self.beat("data", self.step + 1)  # the next step begins with fetching its batches
         return False
 
     def poll_stop(self) -> bool:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -214,7 +215,7 @@ class Trainer:
             self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
                                f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position})")
-        log.info("rank %d on %s starts at step %d", self.rank, self.device, p.step)
+        log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
         status: Literal["finished", "stopped", "early_stopped"] = "finished"
         self.model.train()
         self.beat("data", p.step + 1)
@@ -234,7 +235,8 @@ class Trainer:
                 if epoch_end:
                     p.epoch, p.position = p.epoch + 1, 0
                 last = p.step >= self.total_steps
-                stop = session.should_stop(p.step)  # every rank, every step: the same answer at the same step
+                # Every rank, every step: the same answer at the same step (this loop saves the stop itself).
+                stop = session.should_stop(p.step, save=False)
                 if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
                     self._log_train()
                 if stop and not last:
@@ -251,6 +253,7 @@ class Trainer:
                     self._save("epoch" if epoch_end else "periodic")
                 if last:
                     break
+                self.beat("data", p.step + 1)  # the next step begins with fetching its batches
             if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
                 _, stopped = self._evaluate_or_stop()
                 status = "stopped" if stopped else status
@@ -389,11 +392,11 @@ class Trainer:
         self.model.eval()
         with torch.no_grad(), self._autocast():
             for index, batch in enumerate(self._batches(self.eval_set, batches)):
+                self.beat("eval")
                 # Every batch that every rank has: the agreement read one batch after it starts, as in training.
                 if index < common and self.session.poll_stop():
                     self.model.train()
                     raise EvalInterrupted()
-                self.beat("eval")
                 values = self.task.metrics(self.model, to_device(batch, self.device))
                 for name, value in values.items():
                     sums[name] = sums.get(name, 0) + value.detach().double().sum()

@@ -67,3 +67,19 @@ class SyntheticDigits(Dataset):
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.images[index], self.labels[index]
+
+
+class RandomShift(Dataset):
+    """`dataset`'s images shifted by up to `pixels` in each direction, drawn afresh at every access from
+    torch's random generator (the kind of augmentation a torchvision transform does)."""
+
+    def __init__(self, dataset: Dataset, pixels: int = 2) -> None:
+        self.dataset, self.pixels = dataset, pixels
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = self.dataset[index]
+        dy, dx = torch.randint(-self.pixels, self.pixels + 1, (2,)).tolist()
+        return torch.roll(image, shifts=(dy, dx), dims=(1, 2)), label

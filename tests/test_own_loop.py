@@ -1,0 +1,158 @@
+"""A training loop of the user's own on mgpu.Session, on real gloo ranks: stopped by a real signal at a
+chosen moment (mid-epoch, at the end of an epoch, while a save is being written), resumed, and compared
+bit for bit with an unbroken run; the shipped example (jobs/loops/mnist_loop.py) the same way; and the
+size of the change from the plain DDP loop it was converted from."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgpu.checkpoint import CheckpointStore
+from mgpu.ledger import read_ledger
+from tests.conftest import PYTHON, ROOT, base_env
+
+OWN_LOOP = str(ROOT / "tests" / "own_loop.py")
+EXAMPLE = ROOT / "jobs" / "loops" / "mnist_loop.py"
+ORIGINAL = ROOT / "jobs" / "loops" / "mnist_ddp.py"
+
+pytestmark = pytest.mark.multiprocess
+
+
+def start_ranks(argv: list[str], world: int = 2) -> list[subprocess.Popen[str]]:
+    """`world` ranks in one process group, as slurmstepd starts a step's tasks: a signal to the group
+    reaches every rank and every DataLoader worker."""
+    port, procs, group = str(random.randint(20000, 32000)), [], 0
+    for rank in range(world):
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([PYTHON, *argv], env=env, cwd=ROOT, process_group=group,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        group = group or procs[0].pid
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[tuple[int, str]]:
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def run_ranks(argv: list[str], world: int = 2) -> list[tuple[int, str]]:
+    return wait_ranks(start_ranks(argv, world))
+
+
+def signal_when(procs: list[subprocess.Popen[str]], marker: Path, signum: int, timeout: float = 180) -> None:
+    """Send `signum` to the ranks' process group as soon as `marker` exists."""
+    deadline = time.monotonic() + timeout
+    while not marker.exists():
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            raise AssertionError(f"{marker.name} never appeared: {wait_ranks(procs)}")
+        time.sleep(0.02)
+    os.killpg(procs[0].pid, signum)
+
+
+def final_state(run_dir: Path) -> dict:
+    latest = CheckpointStore(run_dir / "checkpoints").latest()
+    assert latest is not None and not latest.skipped
+    return latest.state
+
+
+def assert_identical(a: dict, b: dict, keys: tuple[str, ...]) -> None:
+    for key in keys:
+        if isinstance(a[key], dict) and all(isinstance(v, torch.Tensor) for v in a[key].values()):
+            assert a[key].keys() == b[key].keys()
+            for name in a[key]:
+                assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
+        else:
+            assert a[key] == b[key], (key, a[key], b[key])
+
+
+def stop_steps(run_dir: Path) -> list[int]:
+    return [e["step"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "preempted"]
+
+
+@pytest.fixture(scope="module", params=[0, 2], ids=["workers0", "workers2"])
+def unbroken(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, dict]:
+    workers = request.param
+    run_dir = tmp_path_factory.mktemp("unbroken") / "run"
+    results = run_ranks([OWN_LOOP, str(run_dir), f"--workers={workers}", "--agree-every=1", "--ballast-mb=30"])
+    assert [rc for rc, _ in results] == [0, 0], results
+    return workers, final_state(run_dir)
+
+
+# 6 optimizer steps an epoch, a save every 4 steps, the agreement every step: SIGTERM sent right after the
+# optimizer step K is agreed at the step boundary K and the ranks stop at K + 1.
+@pytest.mark.parametrize("moment, signal_at, ballast_mb", [
+    ("mid-epoch", 2, 0),
+    ("epoch end", 5, 0),  # stops at 6, the first epoch's last step, before its evaluation
+    ("during a save", 8, 30),  # step 8's background write of 30 MB of ballast is in flight
+])
+def test_a_users_loop_stops_on_a_signal_and_resumes_bit_identically(
+        unbroken: tuple[int, dict], moment: str, signal_at: int, ballast_mb: int, tmp_path: Path) -> None:
+    workers, reference = unbroken
+    run_dir = tmp_path / "run"
+    args = [OWN_LOOP, str(run_dir), f"--workers={workers}", "--agree-every=1", f"--ballast-mb={ballast_mb}"]
+    results = run_ranks([*args, f"--signal-at={signal_at}"])
+    outputs = "\n".join(out for _, out in results)
+    assert [rc for rc, _ in results] == [3, 0], outputs[-3000:]  # stopped (not a Slurm job): rank 0 says so
+    assert "DataLoader worker" not in outputs and "Traceback" not in outputs, outputs[-3000:]
+    assert stop_steps(run_dir) == [signal_at + 1], outputs[-2000:]
+    assert final_state(run_dir)["loader"] != reference["loader"]
+    resumed = run_ranks(args)
+    assert [rc for rc, _ in resumed] == [0, 0], resumed
+    assert_identical(final_state(run_dir), reference, ("model", "optimizer", "scheduler", "loader", "best", "bad_evals"))
+
+
+def test_the_shipped_example_resumes_bit_identically(tmp_path: Path) -> None:
+    args = ["--train-size=640", "--batch-size=16", "--epochs=2", "--workers=2"]
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
+    results = run_ranks([str(EXAMPLE), f"--out={reference_dir}", *args])
+    assert [rc for rc, _ in results] == [0, 0], results
+    procs = start_ranks([str(EXAMPLE), f"--out={run_dir}", *args])
+    # The first epoch's checkpoint (step 20 of 40) is there: stop during the second epoch.
+    signal_when(procs, run_dir / "checkpoints" / "latest", signal.SIGTERM)
+    results = wait_ranks(procs)
+    assert [rc for rc, _ in results] == [3, 0], results
+    (stopped,) = stop_steps(run_dir)
+    assert 20 <= stopped < 40, stopped
+    results = run_ranks([str(EXAMPLE), f"--out={run_dir}", *args])
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert "accuracy" in results[0][1]
+    assert_identical(final_state(run_dir), final_state(reference_dir), ("model", "optimizer", "scheduler", "loader"))
+
+
+def changed_lines(before: Path, after: Path) -> tuple[int, int]:
+    """(lines added or changed, lines removed) from `before` to `after`, module docstrings left out."""
+    def body(path: Path) -> list[str]:
+        text = path.read_text()
+        return text[text.index('"""', 3) + 3:].splitlines()
+
+    diff = list(difflib.unified_diff(body(before), body(after), lineterm="", n=0))
+    added = [line for line in diff if line.startswith("+") and not line.startswith("+++")]
+    removed = [line for line in diff if line.startswith("-") and not line.startswith("---")]
+    return len(added), len(removed)
+
+
+def test_converting_a_ddp_loop_changes_at_most_15_lines() -> None:
+    added, removed = changed_lines(ORIGINAL, EXAMPLE)
+    assert added <= 15, (added, removed)
+    readme = (ROOT / "README.md").read_text()
+    assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", readme), (added, removed)
