@@ -141,6 +141,11 @@ class LogConfig:
     """Write TensorBoard event files to the run directory."""
     progress_bar: Literal["auto", "on", "off"] = "auto"
     """auto: only when stdout is a terminal."""
+    wandb: bool = False
+    """Also log to Weights & Biases (`pip install mgpu[wandb]`; WANDB_MODE=offline works without a network):
+    the run's identity is the wandb run id, so requeues and resubmissions continue the same wandb run."""
+    wandb_project: str = "mgpu"
+    """The wandb project (the entity is wandb's default, or WANDB_ENTITY)."""
 
 
 @dataclass

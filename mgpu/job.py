@@ -96,6 +96,7 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     stop = StopRequest(cfg.preemption.signal).install()
     result, outcome = run_training(cfg, config_path, stop_at_step, env, stop)
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
+               "best_metrics": result.best_metrics, "best_step": result.best_step,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
     if outcome.kind in ("requeued", "other_rank"):
         raise SystemExit(0)
@@ -142,7 +143,8 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     except BaseException as error:
         session.fail(error) if on_failure is None else _fail_with(session, error, on_failure)
         raise
-    outcome = session.finish(result.status, epoch=result.epoch, metrics=result.metrics)
+    outcome = session.finish(result.status, epoch=result.epoch, metrics=result.metrics,
+                             best_metrics=result.best_metrics, best_step=result.best_step)
     log.info("%s at step %d (run directory %s)", result.status, result.step, session.run.path)
     return result, outcome
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["LossSum", "Ratio", "Statistics", "bleu_statistics", "corpus_bleu", "f1_score", "torchmetric"]
+__all__ = ["LossSum", "Ratio", "Statistics", "Sums", "bleu_statistics", "corpus_bleu", "f1_score", "torchmetric"]
 
 
 @dataclass(frozen=True)
@@ -129,3 +129,65 @@ def _sum_reduction(metric: Any) -> Any:
     from torchmetrics.utilities.data import dim_zero_sum
 
     return dim_zero_sum
+
+
+class Sums:
+    """Running sums of a task's values (per-sample tensors, Ratio, Statistics) over batches, as one flat float64
+    vector that a single all-reduce adds up across ranks; `compute(totals)` turns the totals into numbers.
+
+    Per-sample tensors count their samples (`real`: how many of the batch are real, the rest padding)."""
+
+    def __init__(self) -> None:
+        self.layout: dict[str, tuple[str, int]] = {}  # name -> (kind, width), in first-seen order
+        self.computes: dict[str, Callable[[list[float]], float]] = {}
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def add(self, values: Mapping[str, Any], real: int | None = None) -> None:
+        for name, value in values.items():
+            kind, vector = _as_vector(name, value, real)
+            if name not in self.layout:
+                self.layout[name] = (kind, vector.numel())
+                self._sums[name] = torch.zeros_like(vector)
+            elif self.layout[name] != (kind, vector.numel()):
+                raise ValueError(f"{name!r} changed from {self.layout[name][0]} to {kind} between batches")
+            if isinstance(value, Statistics):
+                self.computes[name] = value.compute
+            self._sums[name] += vector
+
+    def vector(self, device: torch.device | None = None) -> torch.Tensor:
+        """Every sum, in `layout` order (empty before the first `add`)."""
+        if not self._sums:
+            return torch.zeros(0, dtype=torch.float64, device=device)
+        return torch.cat([self._sums[name].reshape(-1).to(device) for name in self.layout])
+
+    def compute(self, totals: list[float]) -> dict[str, float]:
+        """The set's values from `vector()`'s totals (summed over ranks)."""
+        out, offset = {}, 0
+        for name, (kind, width) in self.layout.items():
+            part = totals[offset:offset + width]
+            offset += width
+            if kind == "statistics":
+                out[name] = float(self.computes[name](part))
+            else:
+                out[name] = part[0] / part[1] if part[1] else math.nan
+        return out
+
+    def reset(self) -> None:
+        for total in self._sums.values():
+            total.zero_()
+
+
+def _as_vector(name: str, value: Any, real: int | None) -> tuple[str, torch.Tensor]:
+    """(kind, the float64 vector to add) for one value a task returned."""
+    if isinstance(value, Ratio):
+        parts = [torch.as_tensor(value.numerator).detach(), torch.as_tensor(value.denominator).detach()]
+        return "ratio", torch.stack([p.double().reshape(()).to(parts[0].device) for p in parts])
+    if isinstance(value, Statistics):
+        return "statistics", torch.as_tensor(value.values).detach().double().reshape(-1)
+    if isinstance(value, torch.Tensor) and value.dim() == 1:
+        kept = value.detach()[:real] if real is not None else value.detach()
+        return "mean", torch.stack([kept.double().sum(), torch.tensor(float(kept.numel()), dtype=torch.float64,
+                                                                      device=kept.device)])
+    shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    raise ValueError(f"{name!r} is {shape}: return one value per sample (shape [batch]), a Ratio or Statistics "
+                     f"(mgpu.metrics; a mean? use reduction='none')")

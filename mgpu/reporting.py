@@ -1,8 +1,11 @@
-"""What rank 0 shows: TensorBoard scalars, a progress bar on a TTY, plain lines in batch logs.
+"""What rank 0 shows: TensorBoard scalars and texts, wandb (optional), a progress bar on a TTY, plain lines
+in batch logs; and the log a task writes its own scalars and texts to.
 
 On resume the TensorBoard writer reopens the same directory with `purge_step` = the first step
 after the checkpoint, so events written after that checkpoint by the preempted run are dropped
-by every TensorBoard reader and the curves never overlap.
+by every TensorBoard reader and the curves never overlap. wandb (`log.wandb: true`, `pip install
+mgpu[wandb]`) gets the run's identity as its run id, with resume="allow": every requeue of a run, and a
+resubmission of the same run, continues the same wandb run; it logs from the resumed step on.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, TextIO
 
-__all__ = ["Reporter", "format_metrics"]
+__all__ = ["Reporter", "TaskLog", "format_metrics", "wandb_run_id"]
+TEXTS_PER_EVALUATION = 20  # lines of one text tag kept per evaluation (a task may log one per sample)
 
 log = logging.getLogger("mgpu.train")
 
@@ -34,8 +38,16 @@ class Reporter:
     """Rank 0's outputs; every method is a no-op elsewhere (`enabled=False`)."""
 
     def __init__(self, enabled: bool, tb_dir: Path | None, total_steps: int, resume_step: int,
-                 progress_bar: str = "auto", stream: TextIO | None = None) -> None:
+                 progress_bar: str = "auto", stream: TextIO | None = None, wandb: dict[str, Any] | None = None
+                 ) -> None:
+        """`wandb`: wandb.init's arguments (id, project, dir, config), or None for no wandb."""
         self.enabled = enabled
+        self._texts: dict[str, list[str]] = {}
+        self.wandb: Any = None
+        if enabled and wandb is not None:
+            import wandb as wandb_lib
+
+            self.wandb = wandb_lib.init(resume="allow", **wandb)
         self.total_steps = total_steps
         self.stream = stream or sys.stdout
         self.bar = enabled and (progress_bar == "on" or (progress_bar == "auto" and self.stream.isatty()))
@@ -63,6 +75,26 @@ class Reporter:
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
             # On disk at every log interval: a killed run's curve is not lost up to its last log line.
             self.writer.flush()
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{key}": value for key, value in metrics.items()}, step=step)
+
+    def text(self, tag: str, text: str) -> None:
+        """Keep a line of text for `tag` (the first TEXTS_PER_EVALUATION until `flush_texts`)."""
+        if self.enabled:
+            lines = self._texts.setdefault(tag, [])
+            if len(lines) < TEXTS_PER_EVALUATION:
+                lines.append(text)
+
+    def flush_texts(self, step: int) -> None:
+        """Write the kept texts at `step` (TensorBoard's text plugin; a wandb table)."""
+        for tag, lines in self._texts.items():
+            if self.writer is not None:
+                self.writer.add_text(tag, "\n\n".join(lines), step)
+            if self.wandb is not None:
+                import wandb as wandb_lib
+
+                self.wandb.log({tag: wandb_lib.Table(columns=["text"], data=[[line] for line in lines])}, step=step)
+        self._texts.clear()
 
     def line(self, text: str) -> None:
         """A plain log line (ends any progress bar line first)."""
@@ -90,3 +122,30 @@ class Reporter:
             self.stream.write("\n")
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def wandb_run_id(run_dir: Path) -> str:
+    """The wandb run id of an mgpu run: its directory's name and a digest of its absolute path (the run's
+    identity: the same for every requeue and resubmission, another for another run of the same name)."""
+    import hashlib
+    import re
+
+    digest = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:10]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '-', run_dir.name)[:50]}-{digest}"
+
+
+class TaskLog:
+    """What a task writes to the run's loggers (rank 0; a no-op on the others): `scalar(name, value)` at the
+    current step (`train/<name>`), `text(name, text)` (kept for the evaluation in progress, written with its
+    metrics; at most TEXTS_PER_EVALUATION lines per name)."""
+
+    def __init__(self, reporter: Reporter, step: Any) -> None:
+        self.reporter, self._step = reporter, step
+
+    def scalar(self, name: str, value: float) -> None:
+        self.reporter.scalars(self._step(), {name: float(value)}, "train")
+
+    def text(self, name: str, text: str) -> None:
+        self.reporter.text(name, text)

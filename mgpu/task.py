@@ -2,8 +2,10 @@
 
 A config names a `Task` subclass by import path (`task.target: jobs.tasks.mnist:MnistTask`) and
 passes `task.args` to its constructor. The trainer handles ranks, sharding, DDP, precision,
-checkpoints and logging. Losses and metrics are **per sample** (shape `[batch]`), so the trainer can
-weight them exactly when the last batch of an epoch is smaller on some ranks than on others.
+checkpoints and logging. Losses are **per sample** (shape `[batch]`) or a `LossSum` (summed over
+tokens, with the token count), and metrics per sample, `Ratio`s or `Statistics` (mgpu.metrics), so the
+trainer can weight and reduce them exactly, however the samples fall on ranks and micro-batches.
+A task may bring its own optimizer and learning-rate schedule, and log its own scalars and texts.
 
     class MnistTask(Task):
         def build_model(self):   return SmallCNN()
@@ -30,6 +32,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset
 
 from mgpu.errors import MgpuError
+from mgpu.metrics import LossSum, Ratio, Statistics
 
 __all__ = ["Task", "TaskError", "build_task", "import_task_class", "sized_dataset"]
 
@@ -40,6 +43,10 @@ class TaskError(MgpuError):
 
 class Task(ABC):
     """Subclass this; `__init__` receives `task.args` from the config as keyword arguments."""
+
+    log: Any = None
+    """Set by the trainer (mgpu.reporting.TaskLog): `self.log.scalar(name, value)` and `self.log.text(name,
+    text)` go to the run's TensorBoard (and wandb) on rank 0; None outside a trainer, e.g. in a unit test."""
 
     def __init__(self, **args: Any) -> None:
         if args:
@@ -58,16 +65,34 @@ class Task(ABC):
         return None
 
     @abstractmethod
-    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """Per-sample training losses, shape `[batch]`; the trainer averages them.
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor | LossSum | Mapping[str, Any]:
+        """Per-sample training losses, shape `[batch]` (the gradient is the mean over the step's samples); or
+        a `LossSum(total, weight)`, e.g. summed over the batch's tokens and their count (the mean over the
+        step's tokens, on every rank and micro-batch together); or a dict with either under "loss" and
+        training metrics beside it (per-sample tensors, `Ratio`, `Statistics`: logged as `train/<name>`).
 
         On a run resumed on 3+ ranks it is called once more, before the first step, and its result thrown
         away (mgpu.ddp: the pass that makes DDP reduce as the unbroken run did); keep it free of side
         effects other than on the model's buffers and the random generators."""
 
-    def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor]:
-        """Per-sample evaluation values, each shape `[batch]`; averaged over the whole eval set."""
-        return {"loss": self.loss(model, batch)}
+    def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor | Ratio | Statistics]:
+        """Evaluation values: per-sample tensors (shape `[batch]`, averaged over the whole eval set), `Ratio`s
+        (sums of numerator and denominator over the set, e.g. token accuracy) or `Statistics` (counts summed
+        over the set, then computed, e.g. corpus BLEU). Default: the training loss."""
+        out = self.loss(model, batch)
+        return {"loss": out["loss"] if isinstance(out, Mapping) else out}  # type: ignore[dict-item]
+
+    def optimizer(self, model: nn.Module) -> torch.optim.Optimizer | None:
+        """Your optimizer over `model`'s parameters (any torch.optim class, parameter groups: e.g. no weight
+        decay on norms and biases); checkpointed and resumed like the built-in one. None: the config's
+        (`optim.*`)."""
+        return None
+
+    def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
+        """Your learning-rate schedule, stepped once per optimizer step: an LR scheduler over `optimizer`, or
+        a function of the step (0, 1, ...) giving the factor of each group's initial lr (a LambdaLR is made of
+        it). None: the config's (`schedule.*`). `total_steps`: the run's optimizer steps."""
+        return None
 
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """How samples form a batch (None: torch's default collate)."""

@@ -8,7 +8,7 @@ plus what every checkpoint holds: the RNG states of every rank, the world size a
 from __future__ import annotations
 
 import subprocess
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -37,6 +37,9 @@ class Progress:
     evals_without_improvement: int = 0
     eval_pending: bool = False
     """A stop came in the middle of this step's evaluation: the resumed run evaluates first."""
+    best_metrics: dict[str, float] = field(default_factory=dict)
+    """Every metric of the best evaluation so far (by eval.metric), at `best_step`."""
+    best_step: int | None = None
 
 
 def code_version(root: Path | None = None) -> str | None:

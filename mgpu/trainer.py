@@ -21,19 +21,21 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import LoadedCheckpoint
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
 from mgpu.data import MicroBatch, ShardPlan, eval_shard
-from mgpu.ddp import sync_buffers
-from mgpu.distributed import all_reduce, broadcast_object
+from mgpu.distributed import all_reduce
 from mgpu.errors import MgpuError
+from mgpu.evaluation import EvalInterrupted, check_metrics, evaluate
 from mgpu.loader import Batches, make_loader
+from mgpu.metrics import LossSum, Sums
 from mgpu.optim import build_optimizer, build_scheduler
 from mgpu.precision import resolve_precision
-from mgpu.reporting import Reporter, format_metrics
+from mgpu.reporting import Reporter, TaskLog, format_metrics, wandb_run_id
 from mgpu.rng import seed_everything
 from mgpu.session import Session
 from mgpu.task import Task, sized_dataset
@@ -56,6 +58,9 @@ class FitResult:
     metrics: dict[str, float] = field(default_factory=dict)
     resumed_step: int = 0
     """The step this run started from (0 for a new run)."""
+    best_metrics: dict[str, float] = field(default_factory=dict)
+    """The evaluation that was best by eval.metric (empty: none yet), at `best_step`."""
+    best_step: int | None = None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -72,10 +77,6 @@ def to_device(batch: Any, device: torch.device) -> Any:
         return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
                                              for f in dataclasses.fields(batch) if f.init})
     return batch
-
-
-class EvalInterrupted(Exception):
-    """The ranks agreed to stop in the middle of an evaluation."""
 
 
 class Trainer:
@@ -107,12 +108,12 @@ class Trainer:
         self.model: nn.Module = model.to(self.device)
         # once: asking CUDA every step would cost each step
         self.precision = resolve_precision(cfg.train.precision, self.device, warn=self.is_main)
-        self.optimizer = build_optimizer(self.model, cfg.optim, distributed=self.world > 1)
+        self.optimizer = self._optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
         self.progress, resumed = self._resume()
         self.total_steps = self._total_steps()
         self._check_batch_norm_batches()
-        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, self.total_steps)
+        self.scheduler = self._scheduler()
         if resumed is not None:
             objects = self._objects()
             session.restore(resumed, objects)
@@ -124,14 +125,18 @@ class Trainer:
                                            static_graph=cfg.train.static_graph)
         self.resume_step = self.progress.step if resumed is not None else 0
         self.resumed_from = session.resumed_from
+        wandb = {"id": wandb_run_id(self.run.path), "project": cfg.log.wandb_project, "dir": str(self.run.path),
+                 "name": self.run.path.name, "config": self.config_dict} if cfg.log.wandb else None
         self.reporter = Reporter(self.is_main, self.run.tensorboard if cfg.log.tensorboard else None,
-                                 self.total_steps, self.resume_step, cfg.log.progress_bar)
+                                 self.total_steps, self.resume_step, cfg.log.progress_bar, wandb=wandb)
         self.version = session.version
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._window_samples = 0
         self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._loss_count = 0
+        self._loss_count = torch.zeros((), dtype=torch.float64, device=self.device)
+        self._train_sums = Sums()  # the task's training metrics beside its loss, over the log interval
+        task.log = TaskLog(self.reporter, lambda: self.progress.step)
         self._grad_norm = torch.zeros((), device=self.device)
         self._step_lr = self.optimizer.param_groups[0]["lr"]
         self.step_ends: collections.deque[float] = collections.deque(maxlen=STEP_ENDS_KEPT)
@@ -153,6 +158,31 @@ class Trainer:
         if self.precision == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision)
+
+    def _optimizer(self) -> torch.optim.Optimizer:
+        """The task's optimizer (parameter groups, any torch.optim class), else the config's."""
+        own = self.task.optimizer(self.model)
+        if own is None:
+            return build_optimizer(self.model, self.cfg.optim, distributed=self.world > 1)
+        name = type(self.task).__name__
+        if not isinstance(own, torch.optim.Optimizer):
+            raise MgpuError(f"{name}.optimizer() returned {type(own).__name__}, not a torch.optim.Optimizer")
+        if self.cfg.optim.zero:
+            raise MgpuError(f"optim.zero=true but {name}.optimizer() brings its own optimizer: shard it with "
+                            f"torch's ZeroRedundancyOptimizer in the task, or set optim.zero=false")
+        return own
+
+    def _scheduler(self) -> Any:
+        """The task's LR schedule (a scheduler, or a function of the step giving the lr factor), else the config's."""
+        own = self.task.scheduler(self.optimizer, self.total_steps)
+        if own is None:
+            return build_scheduler(self.optimizer, self.cfg.schedule, self.total_steps)
+        if callable(own) and not hasattr(own, "state_dict"):
+            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, own)
+        if not (hasattr(own, "step") and hasattr(own, "state_dict")):
+            raise MgpuError(f"{type(self.task).__name__}.scheduler() returned {type(own).__name__}: return an LR "
+                            f"scheduler, a function of the step (the lr factor), or None")
+        return own
 
     def _objects(self) -> dict[str, Any]:
         """What a checkpoint of this run holds (mgpu.train_state adds every rank's RNG state)."""
@@ -261,11 +291,14 @@ class Trainer:
         finally:
             self.reporter.close()
         metrics = getattr(self, "_last_metrics", {})
-        return FitResult(status, p.step, p.epoch, frozenset(session.reasons), path, metrics, self.resume_step)
+        return FitResult(status, p.step, p.epoch, frozenset(session.reasons), path, metrics, self.resume_step,
+                         dict(p.best_metrics), p.best_step)
 
     def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
         """One optimizer step over `grad_accum` micro-batches; the gradient all-reduce runs once, at the end."""
         total = sum(mb.global_count for mb, _ in group)
+        weight: torch.Tensor | None = None  # a LossSum task's: this rank's units (tokens) in the step
+        reduction = None
         for index, (mb, batch) in enumerate(group):
             last = index == len(group) - 1
             # no_sync: the micro-steps before the last only accumulate locally; DDP reduces once.
@@ -273,17 +306,42 @@ class Trainer:
             with sync:
                 self.beat("forward")
                 with self._autocast():
-                    losses = self.task.loss(self.ddp, to_device(batch, self.device))
-                if losses.dim() != 1 or losses.shape[0] != len(mb.indices):
-                    raise MgpuError(f"{type(self.task).__name__}.loss must return one loss per sample (shape "
-                                    f"[{len(mb.indices)}]), got shape {list(losses.shape)}")
-                real = losses[:mb.real].float()
-                # DDP averages gradients over ranks: scaling by world/total makes that average the exact
-                # mean over every real sample of the step, however unevenly the samples were split.
+                    out = self.task.loss(self.ddp, to_device(batch, self.device))
+                loss, extras = (out["loss"], {k: v for k, v in out.items() if k != "loss"}) if isinstance(
+                    out, Mapping) else (out, {})
                 self.beat("backward")
-                self.scaler.scale(real.sum() * (self.world / total)).backward()
-            self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
-            self._loss_count += mb.real
+                if isinstance(loss, LossSum):
+                    kept = 1.0 if mb.real else 0.0  # a rank left without samples trains on a padding one: weight 0
+                    summed = loss.total.float() * kept
+                    units = torch.as_tensor(loss.weight, dtype=torch.float64, device=self.device) * kept
+                    weight = units if weight is None else weight + units
+                    if last and self.world > 1:  # the step's units on all ranks, summed while backward runs
+                        weight = weight.clone()
+                        reduction = dist.all_reduce(weight, async_op=True)
+                    self.scaler.scale(summed).backward()
+                    self._loss_sum += summed.detach()
+                    self._loss_count += units
+                else:
+                    if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != len(mb.indices):
+                        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+                        raise MgpuError(f"{type(self.task).__name__}.loss must return one loss per sample (shape "
+                                        f"[{len(mb.indices)}]) or a mgpu.metrics.LossSum, got {shape}")
+                    real = loss[:mb.real].float()
+                    # DDP averages gradients over ranks: scaling by world/total makes that average the exact
+                    # mean over every real sample of the step, however unevenly the samples were split.
+                    self.scaler.scale(real.sum() * (self.world / total)).backward()
+                    self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
+                    self._loss_count += mb.real
+            if extras:
+                self._add_train_metrics(extras, mb.real)
+        if weight is not None:
+            if reduction is not None:
+                reduction.wait()
+            # DDP averaged the summed losses' gradients over ranks: world / units makes it the mean over every unit.
+            factor = torch.where(weight > 0, self.world / weight.clamp(min=1e-300), torch.zeros_like(weight))
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            for dtype in {g.dtype for g in grads}:
+                torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
         self.beat("optimizer")
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.clip_grad_norm
@@ -299,6 +357,12 @@ class Trainer:
         self._window_steps += 1
         self._window_samples += total
 
+    def _add_train_metrics(self, extras: Mapping[str, Any], real: int) -> None:
+        try:
+            self._train_sums.add(extras, real=real)
+        except ValueError as error:
+            raise MgpuError(f"{type(self.task).__name__}.loss: {error}") from None
+
     # ------------------------------------------------------------------ logging
     def _log_due(self, step: int) -> bool:
         every = self.cfg.log.every_steps
@@ -308,8 +372,9 @@ class Trainer:
         # The only host sync of the step path: once per log interval, not per step.
         elapsed = time.perf_counter() - self._window_start
         step_time = elapsed / max(self._window_steps, 1)
-        totals = all_reduce(torch.tensor([self._loss_sum.item(), float(self._loss_count), step_time],
-                                         dtype=torch.float64, device=self.device))
+        own = torch.tensor([self._loss_sum.item(), float(self._loss_count), step_time], dtype=torch.float64,
+                           device=self.device)
+        totals = all_reduce(torch.cat([own, self._train_sums.vector(self.device)]))
         metrics = {
             "loss": (totals[0] / totals[1].clamp(min=1)).item(),
             "lr": self._step_lr,
@@ -320,6 +385,7 @@ class Trainer:
         tokens = self.task.tokens_per_sample()
         if tokens:
             metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens
+        metrics.update(self._train_sums.compute(totals[3:].tolist()))
         p = self.progress
         self.reporter.scalars(p.step, metrics, "train")
         self.reporter.progress(p.step, p.epoch, metrics)
@@ -331,7 +397,8 @@ class Trainer:
         if not self.reporter.bar:
             self.reporter.line(f"step {p.step}/{self.total_steps} epoch {p.epoch}  {format_metrics(metrics)}")
         self._loss_sum.zero_()
-        self._loss_count = 0
+        self._loss_count.zero_()
+        self._train_sums.reset()
         self._window_start, self._window_steps, self._window_samples = time.perf_counter(), 0, 0
 
     def _fingerprint(self) -> str:
@@ -350,63 +417,31 @@ class Trainer:
 
     def _check_eval_metric(self) -> None:
         """Fail now, not after the first epoch, if eval.metric is not one of the task's metrics or the
-        metrics are not one value per sample (on a two-sample batch)."""
+        metrics are not per-sample values, Ratios or Statistics (on a two-sample batch)."""
         if self.eval_set is None:
             return
         probe = list(range(min(2, len(self.eval_set))))  # type: ignore[arg-type]
         batch = next(iter(self._loader(self.eval_set, [probe], workers=0)))
         self.model.eval()
+        log, self.task.log = self.task.log, None  # the probe's texts are not an evaluation's
         with torch.no_grad(), self._autocast():
             values = self.task.metrics(self.model, to_device(batch, self.device))
+        self.task.log = log
         self.model.train()
-        task = type(self.task).__name__
-        if not isinstance(values, Mapping) or not values:
-            raise MgpuError(f"{task}.metrics must return a dict of name -> per-sample tensor, got {values!r:.80}")
-        for name, value in values.items():
-            if not (isinstance(value, torch.Tensor) and value.shape == (len(probe),)):
-                shape = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise MgpuError(f"{task}.metrics must return one value per sample (shape [batch]) for every metric: "
-                                f"{name!r} is {shape} on a batch of {len(probe)} (a mean? use reduction='none')")
-        names = sorted(values)
-        if self.cfg.eval.metric not in names:
-            raise MgpuError(f"eval.metric={self.cfg.eval.metric!r} is not one of the task's metrics {names}: "
-                            f"set eval.metric to one of them")
+        check_metrics(values, len(probe), type(self.task).__name__, self.cfg.eval.metric)
 
     def evaluate(self) -> dict[str, float]:
-        """Mean of each metric over the whole eval set: per-sample sums and counts, all-reduced.
-
-        Raises EvalInterrupted when the ranks agree to stop midway: a long evaluation must not hold a
-        stop past Slurm's KillWait. They agree at every batch that every rank has (pipelined: no wait)."""
+        """Every metric over the whole eval set (mgpu.evaluation), the same on every rank. Raises
+        EvalInterrupted when the ranks agree to stop midway."""
         assert self.eval_set is not None
         size = len(self.eval_set)  # type: ignore[arg-type]
         indices = eval_shard(size, self.rank, self.world)
         batch_size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
         common = -(-(size // self.world) // batch_size)  # batches of the rank with the fewest samples
-        sums: dict[str, torch.Tensor] = {}
-        count = 0
-        if self.world > 1:
-            sync_buffers(self.model)  # every rank evaluates with rank 0's statistics (see mgpu.ddp)
-        # The plain module, not DDP: ranks run different numbers of eval batches, and DDP's forward
-        # may run collectives (buffer broadcast) that would then never match up.
-        self.model.eval()
-        with torch.no_grad(), self._autocast():
-            for index, batch in enumerate(self._batches(self.eval_set, batches)):
-                self.beat("eval")
-                # Every batch that every rank has: the agreement read one batch after it starts, as in training.
-                if index < common and self.session.poll_stop():
-                    self.model.train()
-                    raise EvalInterrupted()
-                values = self.task.metrics(self.model, to_device(batch, self.device))
-                for name, value in values.items():
-                    sums[name] = sums.get(name, 0) + value.detach().double().sum()
-                count += len(next(iter(values.values())))
-        self.model.train()
-        names = broadcast_object(sorted(sums)) if self.world > 1 else sorted(sums)
-        zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        totals = all_reduce(torch.stack([sums.get(n, zero) for n in names] +
-                                        [torch.tensor(float(count), dtype=torch.float64, device=self.device)]))
-        return {name: (totals[i] / totals[-1].clamp(min=1)).item() for i, name in enumerate(names)}
+        on_device = (to_device(batch, self.device) for batch in self._batches(self.eval_set, batches))
+        return evaluate(self.model, on_device, common, self.task.metrics, self.session.poll_stop, self.beat,
+                        self._autocast(), self.device, self.world)
 
     def _evaluate_or_stop(self) -> tuple[bool, bool]:
         """(early stopping says stop, the ranks agreed to stop midway: the evaluation is left pending)."""
@@ -427,10 +462,13 @@ class Trainer:
             value < p.best_metric - cfg.min_delta if cfg.mode == "min" else value > p.best_metric + cfg.min_delta)
         if improved:
             p.best_metric, p.evals_without_improvement = value, 0
+            p.best_metrics, p.best_step = dict(metrics), p.step
         else:
             p.evals_without_improvement += 1
         self.reporter.scalars(p.step, metrics, "eval")
-        self.reporter.line(f"eval step {p.step}  {format_metrics(metrics)}" + ("  (best)" if improved else ""))
+        self.reporter.flush_texts(p.step)  # what the task logged as text during the evaluation
+        best = "  (best)" if improved else f"  (best {cfg.metric} {p.best_metric:.4g} at step {p.best_step})"
+        self.reporter.line(f"eval step {p.step}  {format_metrics(metrics)}{best}")
         if self.is_main:
             self.ledger.write("evaluated", step=p.step, metrics=metrics, best=improved)
         if improved and self.cfg.checkpoint.keep_best:

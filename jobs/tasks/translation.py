@@ -80,8 +80,11 @@ class Seq2Seq(nn.Module):
         self.d_model = d_model
         self.embed = nn.Embedding(vocab, d_model, padding_idx=PAD)
         self.position = nn.Embedding(max_len, d_model)
-        self.transformer = nn.Transformer(d_model, heads, layers, layers, ff, dropout, batch_first=True,
-                                          norm_first=True)
+        encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(d_model, heads, ff, dropout, batch_first=True,
+                                                                   norm_first=True), layers,
+                                        norm=nn.LayerNorm(d_model), enable_nested_tensor=False)
+        self.transformer = nn.Transformer(d_model, heads, layers, layers, ff, dropout, custom_encoder=encoder,
+                                          batch_first=True, norm_first=True)
         self.out = nn.Linear(d_model, vocab)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -89,7 +92,8 @@ class Seq2Seq(nn.Module):
         return self.embed(ids) * math.sqrt(self.d_model) + self.position(positions)
 
     def forward(self, source: torch.Tensor, target_in: torch.Tensor) -> torch.Tensor:
-        causal = nn.Transformer.generate_square_subsequent_mask(target_in.shape[1], device=source.device)
+        width = target_in.shape[1]
+        causal = torch.ones(width, width, dtype=torch.bool, device=source.device).triu(1)  # True: not attended
         hidden = self.transformer(self._embed(source), self._embed(target_in), tgt_mask=causal,
                                   src_key_padding_mask=source == PAD, tgt_key_padding_mask=target_in == PAD,
                                   memory_key_padding_mask=source == PAD, tgt_is_causal=True)
