@@ -142,7 +142,7 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     except BaseException as error:
         session.fail(error) if on_failure is None else _fail_with(session, error, on_failure)
         raise
-    outcome = session.finish(result.status, epoch=result.epoch, metrics=result.metrics)
+    outcome = session.end(result.status, epoch=result.epoch, metrics=result.metrics)
     log.info("%s at step %d (run directory %s)", result.status, result.step, session.run.path)
     return result, outcome
 
