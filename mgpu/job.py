@@ -143,8 +143,8 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     except BaseException as error:
         session.fail(error) if on_failure is None else _fail_with(session, error, on_failure)
         raise
-    outcome = session.finish(result.status, epoch=result.epoch, metrics=result.metrics,
-                             best_metrics=result.best_metrics, best_step=result.best_step)
+    outcome = session.end(result.status, epoch=result.epoch, metrics=result.metrics,
+                          best_metrics=result.best_metrics, best_step=result.best_step)
     log.info("%s at step %d (run directory %s)", result.status, result.step, session.run.path)
     return result, outcome
 

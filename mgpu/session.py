@@ -13,9 +13,9 @@ checkpoints, and coming back. mgpu's trainer is built on it; a loop of your own 
                 if session.should_stop():                      # every rank gets the same answer, same step
                     break
             session.save(state)
-    # leaving the block after a stop: `state` is saved, then the job requeues (exit 0) or stays down
-    # (exit 3, with the command that resumes); an exception: the failure is recorded, within the budget
-    # requeued, and raised.
+    # leaving the block (or session.finish()) after a stop: the job requeues (exit 0) or stays down (exit 3,
+    # with the command that resumes); an exception: the failure is recorded, within the budget requeued,
+    # and raised.
 
 What a Session guarantees, and what it does not, is in README ("Your own loop").
 """
@@ -349,13 +349,25 @@ class Session:
             self.ledger.write("resumed", step=self.step, **{"from": str(self.resumed_from)},
                               skipped=self.resume_skipped)
 
-    def finish(self, status: str | None = None, **fields: Any) -> Outcome:
-        """End this rank's run: after a stop, save the state (if `save()` has not at this step) and decide,
-        on rank 0 alone, whether the job comes back (requeue) or stays down; otherwise record that it
-        finished. Then leave the process group. Returns what happens to the job; the context manager acts
-        on it (exit 0 when requeued, exit 3 with the resume command when it stays down)."""
+    def finish(self) -> None:
+        """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)
+        and decide, on rank 0 alone, whether the job comes back; then leave the process group. Returns when
+        the run finished; exits the process (SystemExit(0)) when the job is requeued (or on a rank other
+        than 0 after a stop), and with code 3, after one line with the command that resumes, when it stays
+        down. The context manager calls it on leaving the block."""
+        outcome = self.end()
+        if outcome.kind in ("requeued", "other_rank"):
+            raise SystemExit(0)
+        if outcome.kind == "stays_down":
+            print(f"mgpu: {outcome.message}", file=sys.stderr, flush=True)
+            raise SystemExit(STOPPED_EXIT_CODE)
+
+    def end(self, status: str | None = None, **fields: Any) -> Outcome:
+        """`finish()` without acting on the outcome: returns what happens to the job (the trainer's way out).
+        `status`: finished, early_stopped or stopped (default: stopped if the ranks agreed to stop); `fields`
+        go into the ledger's `finished` event."""
         if self._finished:
-            raise MgpuError("Session.finish() was called already")
+            raise MgpuError("the session has ended already (finish() or end() was called)")
         try:
             outcome = self._conclude(status, fields)
         except BaseException as error:  # the stop's save failed: recorded like any failure, then raised
@@ -434,14 +446,8 @@ class Session:
             if not self._finished:
                 self.fail(error)
             return  # the exception goes on (its traceback is the user's)
-        if self._finished:
-            return
-        outcome = self.finish()
-        if outcome.kind in ("requeued", "other_rank"):
-            raise SystemExit(0)
-        if outcome.kind == "stays_down":
-            print(f"mgpu: {outcome.message}", file=sys.stderr, flush=True)
-            raise SystemExit(STOPPED_EXIT_CODE)
+        if not self._finished:
+            self.finish()
 
 
 __all__ += ["JobStopped", "resume_command"]

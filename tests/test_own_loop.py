@@ -77,12 +77,23 @@ def final_state(run_dir: Path) -> dict:
 
 def assert_identical(a: dict, b: dict, keys: tuple[str, ...]) -> None:
     for key in keys:
-        if isinstance(a[key], dict) and all(isinstance(v, torch.Tensor) for v in a[key].values()):
-            assert a[key].keys() == b[key].keys()
-            for name in a[key]:
-                assert torch.equal(a[key][name], b[key][name]), f"{key}.{name} differs"
-        else:
-            assert a[key] == b[key], (key, a[key], b[key])
+        same(a[key], b[key], key)
+
+
+def same(a: object, b: object, where: str) -> None:
+    """`a` and `b` equal to the last bit, tensors and nested containers included."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
+        for key in a:
+            same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
+        for index, (x, y) in enumerate(zip(a, b)):
+            same(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, (where, a, b)
 
 
 def stop_steps(run_dir: Path) -> list[int]:
