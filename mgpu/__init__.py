@@ -11,10 +11,14 @@ This package's top level imports nothing heavy: the submission path must not imp
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Session", "load_model"]
+__all__ = ["Config", "Session", "load_model", "spawn"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "spawn":
+        from mgpu.spawn import spawn
+
+        return spawn
     if name == "load_model":
         from mgpu.inference import load_model
 

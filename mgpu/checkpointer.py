@@ -42,6 +42,8 @@ class Checkpointer:
         self.last_saved_step = -1
         self._failed_step = -1  # rank 0: the step of the last save that failed
         self._checked_loadable = False
+        self.longest_write_s = 0.0
+        """Rank 0: the longest checkpoint write so far (what a stop before the time limit must leave room for)."""
 
     # ------------------------------------------------------------------ resume
     def find_latest(self) -> LoadedCheckpoint | None:
@@ -114,6 +116,7 @@ class Checkpointer:
                 self.ledger.write("checkpoint_failed", step=step, reason=reason, error=message,
                                   errno=getattr(result, "errno", None))
             else:
+                self.longest_write_s = max(self.longest_write_s, result.seconds)
                 self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
                                   blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
                                   reason=reason)

@@ -180,6 +180,10 @@ class PreemptionConfig:
     """Optimizer steps between the ranks' agreements on a stop flag (one small asynchronous all-reduce
     each, read one step later: a stop comes at most this + 1 steps after the signal). None: every step
     until the first log line, then the power of two of steps closest below one second."""
+    deadline_margin_s: float = 60.0
+    """Under Slurm, rank 0 stops the run before the job's time limit even without the signal: when the time
+    left is less than this margin plus the longest checkpoint write so far plus the agreement's delay
+    (mgpu.deadline). 0: rely on the signal alone."""
 
 
 @dataclass

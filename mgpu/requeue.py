@@ -111,7 +111,7 @@ def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
         return "requeued_by_slurm"
     if view.preempt_time is not None:
         return "preempted"
-    if view.reason == "TimeLimit":
+    if view.reason == "TimeLimit" or "deadline" in reasons:
         return "time_limit"
     if view.state in ("COMPLETING", "CANCELLED") and "requeue_signal" not in reasons:
         return "cancelled"

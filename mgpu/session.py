@@ -22,10 +22,12 @@ What a Session guarantees, and what it does not, is in README ("Your own loop").
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import gc
 import logging
+import os
 import sys
 import time
 import weakref
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from mgpu.config import Config
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
+from mgpu.fsutil import write_atomic
 from mgpu.ledger import Ledger
 from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, resume_command
 from mgpu.preemption import StopRequest
@@ -139,12 +142,23 @@ class Session:
         self.backend = ctx.backend
         record_rank(self.run, self.env, str(self.device), self.backend)
         claim(self.run, self.env)
+        announce = os.environ.get("MGPU_RUN_DIR_FILE")
+        if announce and self.is_main:  # where slurm/loop.sbatch's recovery finds the run (its own script names it)
+            write_atomic(Path(announce), str(self.run.path.resolve()).encode())
         self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend) if cfg.watchdog.enabled else None
         if self.watchdog is not None:
             self._cleanup.callback(self.watchdog.stop)
         self.beat: Callable[..., None] = self.watchdog.beat if self.watchdog is not None else _no_beat
         self.agreement = StopAgreement(self.stop)
         self._cleanup.callback(self.agreement.drain)
+        self.clock = None
+        if self.is_main and self.slurm_job and cfg.preemption.deadline_margin_s > 0:
+            from mgpu.deadline import JobClock
+
+            self.clock = JobClock(self.slurm_job).start()
+            self._cleanup.callback(self.clock.stop)
+        self._step_times: collections.deque[float] = collections.deque(maxlen=20)
+        self._last_step_at: float | None = None
         self._check_every = cfg.preemption.check_every_steps  # None: about once a second
         self.stop_at_step = stop_at_step
         use_deterministic_kernels(cfg.train.deterministic)
@@ -221,8 +235,13 @@ class Session:
         draw) can change what resumes. `step`: the step just done, for a loop that counts its own
         (default: one more than the last call)."""
         self.step = self.step + 1 if step is None else step
+        now = time.monotonic()
+        if self._last_step_at is not None:
+            self._step_times.append(now - self._last_step_at)
+        self._last_step_at = now
         if self.step == self.resume_step + 1:
             self._after_first_step()
+        self._check_deadline()
         if self.stop_at_step is not None and self.step == self.stop_at_step:
             reasons = {"test"}  # a deterministic stop, the same step on every rank: nothing to agree on
         else:
@@ -241,9 +260,26 @@ class Session:
         """*Collective*, between steps (e.g. every evaluation batch that every rank has): whether the ranks
         agreed to stop, pipelined like `should_stop`. A long evaluation then does not hold a stop."""
         self.beat("agree")
+        self._check_deadline()
         reasons = self.agreement.poll()
         self.reasons |= reasons
         return bool(reasons)
+
+    def _check_deadline(self) -> None:
+        """Rank 0, under Slurm: request a stop when the job's end is closer than what a stop needs."""
+        if self.clock is None or self.stop.pending or not self._step_times:
+            return
+        from mgpu.deadline import time_needed
+
+        every = self.agreement.auto_every if self._check_every is None else self._check_every
+        longest = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
+        needed = time_needed(max(self._step_times), every, longest, self.cfg.preemption.deadline_margin_s)
+        if self.clock.too_close(time.time(), needed):
+            log.info("stopping before the job's time limit: %.0f s left, a stop needs %.0f s (steps of %.1f s, a "
+                     "checkpoint write of %.1f s, preemption.deadline_margin_s %.0f)",
+                     (self.clock.end or 0) - time.time(), needed, max(self._step_times), longest,
+                     self.cfg.preemption.deadline_margin_s)
+            self.stop.request("deadline")
 
     @property
     def stopping(self) -> bool:
@@ -406,8 +442,6 @@ class Session:
         if self._finished:
             return
         self._finished = True
-        import os
-
         if self.is_main:
             # retry: whether a requeue can help; bad input or a full disk fails the same way again.
             self.ledger.write("failed", error=f"{type(error).__name__}: {error}",

@@ -99,8 +99,8 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
 
 
 def restore_state(state: Mapping[str, Any], objects: dict[str, Any], rank: int, seed: int) -> None:
-    """Load a checkpoint into the live objects of `objects`, and replace its plain values (and dataclasses)
-    with the saved ones, in place. Then this rank's RNG state; a rank the saved run did not have gets a
+    """Load a checkpoint into the live objects of `objects` (a dataclass's fields are set in place), and
+    replace its plain values with the saved ones in the dict. Then this rank's RNG state; a rank the saved run did not have gets a
     fresh seed. A name the checkpoint does not hold is left as it is."""
     for name, value in objects.items():
         if name not in state:
@@ -109,7 +109,8 @@ def restore_state(state: Mapping[str, Any], objects: dict[str, Any], rank: int, 
         if hasattr(target, "load_state_dict"):
             target.load_state_dict(state[name])
         elif is_dataclass(target) and not isinstance(target, type):
-            objects[name] = type(target)(**state[name])
+            for key, value in state[name].items():  # in place: the loop's own references see it
+                setattr(target, key, value)
         else:
             objects[name] = state[name]
     if rank < len(state["rng"]):

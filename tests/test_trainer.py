@@ -28,12 +28,13 @@ BLOBS = ["task.target=tests.tasks:BlobTask", "train.epochs=3", "data.batch_size=
          "checkpoint.keep_last=10", "optim.lr=0.01"]
 
 
-def train(run_dir: Path, *args: str, ranks: int = 1, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def train(run_dir: Path, *args: str, ranks: int = 1, timeout: float = 120,
+          env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [PYTHON, TRAIN, f"run.dir={run_dir}", *args]
     if ranks > 1:
         port = str(random.randint(20000, 32000))
         cmd = [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", port, *cmd[1:]]
-    (result,) = run_processes([(cmd, base_env())], timeout=timeout)
+    (result,) = run_processes([(cmd, base_env(**(env or {})))], timeout=timeout)
     return result
 
 

@@ -127,11 +127,16 @@ def noam(d_model: int, warmup: int, factor: float) -> Any:
 class TranslationTask(Task):
     def __init__(self, train_size: int = 4000, eval_size: int = 300, vocab: int = 24, d_model: int = 64,
                  layers: int = 2, dropout: float = 0.1, label_smoothing: float = 0.1, warmup_steps: int = 200,
-                 warmup_factor: float = 2.0, samples_to_log: int = 3) -> None:
+                 warmup_factor: float = 2.0, samples_to_log: int = 3, per_sample_loss: bool = False,
+                 optimizer: str = "adam") -> None:
+        """`per_sample_loss`: each sentence's mean token loss instead (short sentences then weigh more than their
+        tokens); `optimizer="sgd"`: SGD with momentum instead of the seed's Adam (whose first steps move every
+        weight by about the learning rate, whatever the sign of a near-zero gradient: a poor probe for comparing
+        two runs' gradients). Both for comparisons only."""
         self.train_size, self.eval_size, self.vocab = train_size, eval_size, vocab
         self.d_model, self.layers, self.dropout = d_model, layers, dropout
         self.label_smoothing, self.warmup_steps, self.warmup_factor = label_smoothing, warmup_steps, warmup_factor
-        self.samples_to_log = samples_to_log
+        self.samples_to_log, self.per_sample_loss, self.optimizer_name = samples_to_log, per_sample_loss, optimizer
         self.tokens = FIRST_WORD + vocab
 
     def build_model(self) -> nn.Module:
@@ -148,6 +153,8 @@ class TranslationTask(Task):
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         # The seed's Adam; no weight decay anywhere (the seed has none). lr=1: the schedule is the rate.
+        if self.optimizer_name == "sgd":
+            return torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
         return torch.optim.Adam(model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9)
 
     def scheduler(self, optimizer: torch.optim.Optimizer, total_steps: int) -> Any:
@@ -159,6 +166,8 @@ class TranslationTask(Task):
         losses = F.cross_entropy(logits.transpose(1, 2), batch.target_out, ignore_index=PAD,
                                  label_smoothing=self.label_smoothing, reduction="none")
         correct = ((logits.argmax(-1) == batch.target_out) & tokens).sum()
+        if self.per_sample_loss:
+            return {"loss": losses.sum(1) / tokens.sum(1), "token_accuracy": Ratio(correct, tokens.sum())}
         # Summed over the batch's tokens: the gradient is the mean over every token of the step (as the seed's
         # token-averaged criterion), not over sentences.
         return {"loss": LossSum(losses.sum(), tokens.sum()), "token_accuracy": Ratio(correct, tokens.sum())}

@@ -1,0 +1,87 @@
+"""The job's end, known ahead: stop at the last step that leaves time to save, without trusting `--signal`.
+
+Slurm kills a job at its time limit whether or not the user signal came (`--signal` may be missing,
+stripped by a wrapper, or too short for a slow save). Rank 0 reads the job's end time from Slurm when the
+run starts and again every minute (a time limit can be changed while the job runs: `scontrol update
+TimeLimit=`), and the session compares it at every step with what a stop still needs: the agreement's
+delay (its interval plus one step, at the slowest step seen lately), the longest checkpoint write seen,
+and a margin. When that reaches the end, rank 0 requests a stop (`deadline`); the ranks agree as for a
+signal, save, and the job requeues itself as at a time limit. The signal stays the fast path.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import shutil
+import subprocess
+import threading
+import time
+from typing import Callable
+
+__all__ = ["JobClock", "parse_end_time", "time_needed"]
+
+log = logging.getLogger("mgpu.train")
+POLL_S = 60.0
+
+
+def parse_end_time(text: str) -> float | None:
+    """squeue's `%e` (local time, `2026-11-25T10:32:09`) as a Unix time; None for no limit or no answer."""
+    value = text.strip().splitlines()[0].strip() if text.strip() else ""
+    try:
+        return dt.datetime.fromisoformat(value).timestamp()
+    except ValueError:
+        return None  # "N/A", "Unknown", "NONE": no end to prepare for
+
+
+def _squeue_end(job_id: str) -> str:
+    squeue = shutil.which("squeue")
+    if squeue is None:
+        return ""
+    try:
+        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: float) -> float:
+    """Seconds a stop takes from the step where it is requested to a durable checkpoint: the agreement
+    (read `every + 1` steps later at worst), the write, and a margin for the gather and the exit."""
+    return (every + 1) * step_s + longest_write_s + margin_s
+
+
+class JobClock:
+    """Rank 0's view of when Slurm will end the job, refreshed in a daemon thread every `poll_s`."""
+
+    def __init__(self, job_id: str, poll_s: float = POLL_S, read: Callable[[str], str] = _squeue_end) -> None:
+        self.job_id, self.poll_s, self.read = job_id, poll_s, read
+        self.end: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def refresh(self) -> float | None:
+        end = parse_end_time(self.read(self.job_id))
+        if end is not None and end != self.end:
+            log.info("job %s ends at %s (Slurm's time limit)", self.job_id,
+                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)))
+        self.end = end if end is not None else self.end
+        return self.end
+
+    def start(self) -> "JobClock":
+        self.refresh()
+        self._thread = threading.Thread(target=self._poll, name="mgpu-job-clock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.refresh()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def too_close(self, now: float, needed_s: float) -> bool:
+        return self.end is not None and now + needed_s >= self.end
