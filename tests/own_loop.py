@@ -4,7 +4,7 @@ all-reduced sums and early-stopping state, saves every few steps. Run one proces
 WORLD_SIZE, ... or torchrun):
 
     python tests/own_loop.py RUN_DIR [--epochs 2] [--workers 0] [--save-every 4] [--ballast-mb 0]
-        [--signal-at K] [--agree-every N] [--stop-at-step K]
+        [--signal-at K] [--agree-every N] [--stop-at-step K] [--step-s S] [--deadline-margin S]
 
 --signal-at K: right after optimizer step K (before the loop asks `should_stop`), the last rank sends
 SIGTERM to its whole process group, as slurmstepd signals every process of a step: every rank and
@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -54,9 +55,12 @@ def main() -> None:
     parser.add_argument("--signal-at", type=int)
     parser.add_argument("--agree-every", type=int)
     parser.add_argument("--stop-at-step", type=int)
+    parser.add_argument("--step-s", type=float, default=0.0, help="sleep after each optimizer step (pacing)")
+    parser.add_argument("--deadline-margin", type=float, default=60.0)
     args = parser.parse_args()
     config = mgpu.Config()
     config.preemption.check_every_steps = args.agree_every
+    config.preemption.deadline_margin_s = args.deadline_margin
 
     with mgpu.Session(args.run_dir, seed=3, config=config, stop_at_step=args.stop_at_step) as session:
         model = session.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2)))
@@ -79,6 +83,7 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
+                time.sleep(args.step_s)
                 if session.step + 1 == args.signal_at and session.rank == session.world_size - 1:
                     os.killpg(os.getpgid(0), signal.SIGTERM)
                 if session.should_stop():

@@ -1,7 +1,7 @@
 """A training loop of the user's own on mgpu.Session, on real gloo ranks: stopped by a real signal at a
 chosen moment (mid-epoch, at the end of an epoch, while a save is being written), resumed, and compared
-bit for bit with an unbroken run; the shipped example (jobs/loops/mnist_loop.py) the same way; and the
-size of the change from the plain DDP loop it was converted from."""
+bit for bit with an unbroken run; the shipped examples (jobs/loops) the same way, through mgpu.spawn too;
+and the size of the change from the plain DDP loops they were converted from."""
 
 from __future__ import annotations
 
@@ -167,3 +167,45 @@ def test_converting_a_ddp_loop_changes_at_most_15_lines() -> None:
     assert added <= 15, (added, removed)
     readme = (ROOT / "README.md").read_text()
     assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", readme), (added, removed)
+
+
+TRANSLATE = ROOT / "jobs" / "loops" / "translate_loop.py"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM to the parent", "Ctrl-C"])
+def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, tmp_path: Path) -> None:
+    # mgpu.spawn, as the converted mp.spawn loop uses it: a SIGTERM to the spawning process alone is passed on
+    # to the ranks; Ctrl-C (SIGINT to the whole process group, as a terminal sends it) reaches them directly.
+    run_dir = tmp_path / "run"
+    args = [PYTHON, str(TRANSLATE), "--nprocs=2", "--epochs=3", "--train-size=400", f"--out={run_dir}"]
+    proc = subprocess.Popen(args, env=base_env(), cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "checkpoints" / "latest").exists():  # the first epoch's checkpoint (step 3 of 9)
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.05)
+        if signum == signal.SIGINT:
+            os.killpg(proc.pid, signum)
+        else:
+            proc.send_signal(signum)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 3, out[-3000:]  # stopped and saved (not a Slurm job): the command resumes it
+    assert "to resume:" in out and "Traceback" not in out, out[-3000:]
+    survivors = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
+    assert survivors == [], survivors
+    (stopped,) = stop_steps(run_dir)
+    assert 3 <= stopped < 9
+    resumed = subprocess.run(args, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert final_state(run_dir)["loader"] == {"epoch": 3, "position": 0}
+
+
+def test_converting_the_spawn_loop_changes_a_few_lines() -> None:
+    added, removed = changed_lines(ROOT / "jobs" / "loops" / "translate_spawn.py", TRANSLATE)
+    assert added <= 17, (added, removed)  # early stopping saves its state with the model: 3 lines of it
+    assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", (ROOT / "README.md").read_text())
