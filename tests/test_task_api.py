@@ -113,7 +113,7 @@ def test_texts_scalars_best_and_wandb_across_a_resume(tmp_path: Path) -> None:
     tb = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0, "scalars": 0}).Reload()
     assert [e.step for e in tb.Scalars("train/token_accuracy")] == [2, 4, 6, 8, 10, 12]  # the task's training metric
     texts = tb.Tensors("samples/text_summary")
-    assert [t.step for t in texts] == [6, 12] and "reference" in texts[0].string_val[0].decode()
+    assert [t.step for t in texts] == [6, 12] and "reference" in texts[0].tensor_proto.string_val[0].decode()
 
     runs = wandb_history(tmp_path / "wandb")
     assert len(runs) == 2 and len({run_id for run_id, _ in runs}) == 1  # the resumed job continues the same run
