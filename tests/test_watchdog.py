@@ -117,11 +117,29 @@ def test_a_hung_rank_is_found_named_and_ended(mode: str, rank: int, culprit_phas
 
 @pytest.mark.multiprocess
 def test_a_slow_but_healthy_rank_is_not_hung(tmp_path: Path) -> None:
-    # Rank 1 takes 15x as long per step (1.5 s) as rank 0 computes (0.1 s): rank 0 waits for it every step.
-    # An allowance from rank 0's own compute (3 x 0.1 s, floor 1 s) would call rank 1 hung; the step time
-    # every rank measures includes the wait, so the allowance is 3 x 1.5 s. Once, rank 1 pauses 13 s more,
-    # within the 20 s floor: the 10 s collective timeout asked for would cut rank 0's wait short; it is
-    # raised above the watchdog's allowances (here 20 + 50 s), so the watchdog alone judges a hang.
+    # The issue's case: rank 1's loss takes 3x as long (3 s) as rank 0's (1 s), so rank 0 waits ~2 s for it
+    # in every step (DDP's forward broadcasts the batch-norm buffers), and once, at step 6, 1.5 s more.
+    # Allowance: step_multiple 2 x the median step time, floor 1 s. Learned from the step's wall time (3 s,
+    # the wait included) it is 6 s on both ranks: no hang. Learned from rank 0's own compute (1 s) it would
+    # be 2 s, and rank 0's 3.5 s wait at step 6 would be called a hang. (With step_multiple >= 2, the
+    # config's least, a steady 3x rank alone leaves a wait of exactly 2 x the fast rank's compute: the pause
+    # makes the difference between the two ways of learning certain, while staying within the 6 s.)
+    results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:UnevenBlobTask", "task.args.step_s=1.0",
+                                     "task.args.slow_factor=3", "task.args.pause_at=6", "task.args.pause_s=1.5",
+                                     "train.epochs=2", "data.batch_size=4", "log.every_steps=1", "watchdog.floor_s=1",
+                                     "watchdog.step_multiple=2", "watchdog.first_step_s=30",
+                                     "watchdog.checkpoint_s=30", "log.tensorboard=false"), timeout=240)
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert not [e for e in events if e["event"] == "hang"]
+    assert [e["step"] for e in events if e["event"] == "finished"] == [10]
+
+
+@pytest.mark.multiprocess
+def test_a_pause_within_the_allowance_outlasts_a_shorter_collective_timeout(tmp_path: Path) -> None:
+    # Rank 1 takes 15x as long per step (1.5 s) as rank 0 computes (0.1 s), and once pauses 13 s more, within
+    # the 20 s floor: the 10 s collective timeout asked for would cut rank 0's wait short; it is raised above
+    # the watchdog's allowances (here 20 + 50 s), so the watchdog alone judges a hang.
     results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:UnevenBlobTask", "task.args.step_s=0.1",
                                      "task.args.slow_factor=15", "task.args.pause_at=6", "task.args.pause_s=13",
                                      "train.epochs=2", "data.batch_size=4", "log.every_steps=1", "watchdog.floor_s=20",
