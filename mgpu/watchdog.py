@@ -23,6 +23,10 @@ Past the allowance, the rank:
 
 A slow but healthy rank is not hung: every rank waits for it in the same collectives, so every rank's
 step time (the allowance's base: wall time, waits included, never a rank's own compute) is as slow as it is.
+
+Once training is over, `teardown()` bounds the process group's teardown (a rank can hang there too, e.g.
+destroying a communicator whose peer is gone): past `TEARDOWN_S` the rank writes its stacks and exits
+with the code it was given, without blaming anybody (the others may have left already).
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 if TYPE_CHECKING:
     from mgpu.config_schema import WatchdogConfig
 
-__all__ = ["HANG_EXIT_CODE", "PHASES", "Heartbeat", "Watchdog", "blame"]
+__all__ = ["HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Heartbeat", "Watchdog", "blame"]
 
 log = logging.getLogger("mgpu.train")
 HANG_EXIT_CODE = 4
@@ -57,6 +61,8 @@ WRITE_EVERY_S = 2.0
 STALE_AFTER_S = 4 * WRITE_EVERY_S
 LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
+TEARDOWN_S = 60.0
+"""Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
 EVAL_PHASES = ("eval", "agree")
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 
@@ -95,7 +101,8 @@ def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = No
 
 
 class Watchdog:
-    """One rank's watchdog; `start()` it once the process group is formed, `stop()` it before teardown."""
+    """One rank's watchdog; `start()` it once the process group is formed, `teardown()` before the group's
+    teardown and `stop()` after it."""
 
     def __init__(self, rank: int, world: int, logs: Path, *, step_multiple: float, floor_s: float,
                  first_step_s: float, checkpoint_s: float, eval_s: float | None = None,
@@ -113,6 +120,7 @@ class Watchdog:
         self._eval_mark = 0.0  # the current evaluation batch's beat
         self._step_times: deque[float] = deque(maxlen=50)
         self._eval_times: deque[float] = deque(maxlen=50)
+        self._teardown: tuple[float, int] | None = None  # (allowance, exit code) once the teardown began
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.host = socket.gethostname()
@@ -145,6 +153,8 @@ class Watchdog:
 
     def allowance(self) -> float:
         """Seconds without a beat after which this rank counts as hung, in its current phase."""
+        if self.phase == "teardown" and self._teardown is not None:
+            return self._teardown[0]
         if self.phase in CHECKPOINT_PHASES:
             return self.checkpoint_s
         if self.phase in EVAL_PHASES:
@@ -166,6 +176,14 @@ class Watchdog:
         longest = max(self.first_step_s, self.checkpoint_s, self.eval_s, self.floor_s,
                       self.step_multiple * max(so_far, default=0.0))
         return max(configured, longest + WRITE_EVERY_S + STALE_AFTER_S + EVIDENCE_S + LOOK_SLACK_S)
+
+    def teardown(self, exit_code: int = HANG_EXIT_CODE, allowance_s: float = TEARDOWN_S) -> None:
+        """Training is over and the process group's teardown begins: from here on the watchdog only bounds
+        it. Past `allowance_s` without `stop()`, this rank writes every thread's stack to its log and exits
+        with `exit_code` (0 where the run finished and its result is recorded; else HANG_EXIT_CODE, so
+        that the batch script brings the job back). No `hang` event: the others may have left already."""
+        self._teardown = (allowance_s, exit_code)
+        self.beat("teardown")
 
     # ------------------------------------------------------------------ the watchdog thread
     def start(self) -> "Watchdog":
@@ -211,7 +229,10 @@ class Watchdog:
                 last_write = now
             waited = now - self.since
             if waited > self.allowance():
-                self._hung(waited)
+                if self.phase == "teardown" and self._teardown is not None:
+                    self._stuck_in_teardown(waited, self._teardown[1])
+                else:
+                    self._hung(waited)
                 return
 
     def _hung(self, waited: float) -> None:
@@ -223,6 +244,17 @@ class Watchdog:
             logging.shutdown()
         finally:
             self.exit(HANG_EXIT_CODE)
+
+    def _stuck_in_teardown(self, waited: float, code: int) -> None:
+        log.error("the process group's teardown made no progress for %.0f s (allowance %.0f s): dumping every "
+                  "thread's stack and exiting with code %d", waited, self.allowance(), code)
+        worker = threading.Thread(target=self._dump_stacks, name="mgpu-watchdog-evidence", daemon=True)
+        worker.start()
+        worker.join(timeout=EVIDENCE_S)
+        try:
+            logging.shutdown()
+        finally:
+            self.exit(code)
 
     def _dump_stacks(self) -> None:
         file = self.log_file() if self.log_file is not None else None

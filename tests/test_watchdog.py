@@ -166,6 +166,38 @@ def test_from_config_takes_every_allowance() -> None:
         (1, 2, 4, 7, 70, 40, 90)
 
 
+def test_a_hung_teardown_leaves_its_stacks_and_exits_with_the_code_given(tmp_path: Path) -> None:
+    # The real watchdog thread, with the process's exit replaced by a record of it.
+    exits: list[int] = []
+    hangs: list[object] = []
+    stacks = (tmp_path / "rank0.log").open("w+")
+    dog = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
+                   on_hang=lambda *args: hangs.append(args), log_file=lambda: stacks, exit=exits.append)
+    dog.start()
+    try:
+        dog.teardown(exit_code=0, allowance_s=1.0)  # and then the group's teardown never returns
+        assert dog.allowance() == 1.0
+        deadline = time.monotonic() + 30
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        dog.stop()
+        stacks.close()
+    assert exits == [0] and hangs == []  # nobody blamed: the others may have left already
+    text = (tmp_path / "rank0.log").read_text()
+    assert "most recent call first" in text and "test_a_hung_teardown" in text
+
+
+def test_a_teardown_that_ends_in_time_is_left_alone(tmp_path: Path) -> None:
+    exits: list[int] = []
+    dog = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
+                   on_hang=lambda *args: None, exit=exits.append).start()
+    dog.teardown(allowance_s=30)
+    dog.stop()
+    assert dog._thread is not None and not dog._thread.is_alive() and exits == []
+    assert not (tmp_path / "heartbeat-rank0.json").exists()
+
+
 @pytest.mark.parametrize("configured, step_s, eval_s, expected", [
     (300, None, 300, 650),     # the defaults: the largest allowance (600 s) and the time to notice and leave evidence
     (2000, None, 300, 2000),   # a longer one asked for is kept
