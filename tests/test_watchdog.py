@@ -263,6 +263,64 @@ def test_a_slow_evaluation_batch_is_judged_by_the_evaluation_allowance(tmp_path:
     assert exits == []
 
 
+# ------------------------------------------------------------------------- NCCL's flight recorder (no GPU here)
+FR_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE",
+                "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+@pytest.mark.parametrize("version, user, expected", [
+    ("2.13.0+cpu", {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+    ("2.10.0a0+git1234", {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                              "TORCH_FR_BUFFER_SIZE": "2000",
+                              "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+    # before 2.9 only the old names are read
+    ("2.4.1", {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+    # the user's own settings win; an old name the user set is not overridden by the new one
+    ("2.13.0", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}),
+    ("2.13.0", {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"},
+     {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+])
+def test_the_flight_recorder_settings(version: str, user: dict[str, str], expected: dict[str, str]) -> None:
+    from mgpu.distributed import nccl_environment
+
+    assert nccl_environment(user, version, Path("/run/logs")) == expected
+
+
+def test_an_nccl_group_is_formed_with_the_flight_recorder_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU and no NCCL here: torch's init_process_group is replaced by a record of what it was called with
+    # and of the environment it would read. Everything before it in mgpu.distributed.process_group is real.
+    from mgpu import distributed
+    from mgpu.environment import detect_environment
+
+    for name in FR_VARIABLES:  # absent now, and restored to absent afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's choice is kept
+    seen: list[tuple[str, dict[str, str]]] = []
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: seen.append(
+        (kwargs["backend"], {name: os.environ[name] for name in FR_VARIABLES if name in os.environ})))
+    with distributed.process_group(detect_environment({}), backend="nccl", trace_dir=tmp_path):
+        pass
+    assert seen == [("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                              "TORCH_FR_BUFFER_SIZE": "2000",
+                              "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl-timeout-trace-rank")})]
+
+
+def test_a_gloo_group_leaves_the_nccl_settings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu.distributed import process_group
+    from mgpu.environment import detect_environment
+
+    for name in FR_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with process_group(detect_environment({}), backend="gloo"):
+        assert not [name for name in FR_VARIABLES if name in os.environ]
+
+
 # ------------------------------------------------------------------------- hung ranks, real gloo groups
 HANG = ["task.target=tests.tasks:HangingBlobTask", "task.args.step_s=0.05", "train.epochs=30", "data.batch_size=4",
         "log.every_steps=1", "watchdog.floor_s=2", "watchdog.step_multiple=5", "watchdog.first_step_s=30",
