@@ -3,6 +3,10 @@
     python bench/loop_overhead.py                 # 1 process and 2 gloo ranks, 25 repeats each
     python bench/loop_overhead.py --ranks 2 --repeats 25 --steps 100
     python bench/loop_overhead.py --ranks 2 --profile      # where each loop's time goes (cProfile, rank 0)
+    python bench/loop_overhead.py --ranks 2 --compare-watchdog --repeats 100   # the watchdog's cost
+
+--compare-watchdog measures our trainer with its watchdog (the default) against our trainer without it
+(watchdog.enabled=false) instead of against the hand-written loop, alternating the two the same way.
 
 Both loops run in the same processes, R times, in alternating order (raw first, then ours first) so a
 slow drift of the shared machine hits both alike. The figure is the ratio of the median step times
@@ -82,16 +86,33 @@ def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[s
         cfg.run.dir = run_dir
         run = RunDir(Path(run_dir))
         run.logs.mkdir()
-        w = cfg.watchdog
-        watchdog = Watchdog(ctx.env.rank, world, run.logs, step_multiple=w.step_multiple, floor_s=w.floor_s,
-                            first_step_s=w.first_step_s, checkpoint_s=w.checkpoint_s,
-                            on_hang=lambda *args: None).start() if w.enabled else None  # as mgpu.runner does
+        watchdog = Watchdog.from_config(cfg.watchdog, ctx.env.rank, world, run.logs,
+                                        on_hang=lambda *args: None).start() if cfg.watchdog.enabled else None
         trainer = Trainer(cfg, build_task(cfg.task.target, cfg.task.args), ctx, run, Ledger(None), StopRequest(),
                           watchdog=watchdog)
         trainer.fit()
         if watchdog is not None:
             watchdog.stop()
     return list(trainer.step_ends)
+
+
+def beat_cost_ns(calls: int = 200_000) -> float:
+    """Nanoseconds one Watchdog.beat() takes on the training thread (the watchdog's whole per-phase cost
+    there): a direct bound on its share of a step, which the paired ratio cannot resolve on a noisy machine."""
+    from mgpu.watchdog import Watchdog
+
+    dog = Watchdog(0, 1, Path(tempfile.gettempdir()), step_multiple=10, floor_s=60, first_step_s=600,
+                   checkpoint_s=600, on_hang=lambda *args: None)
+    phases = ["forward", "model", "backward", "optimizer"]
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        for index in range(calls // 5):
+            dog.beat("data", index)
+            for phase in phases:
+                dog.beat(phase)
+        best = min(best, (time.perf_counter() - started) / calls * 1e9)
+    return best
 
 
 def step_time(ends: list[float]) -> float:
@@ -148,10 +169,14 @@ def worker(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, set(cores[start:start + share]))
 
     def raw_loop() -> list[float]:
+        if args.compare_watchdog:  # the baseline: our trainer without its watchdog
+            return ours(args.steps, args.batch, env.world_size, ctx, args.hidden,
+                        [*args.override, "watchdog.enabled=false"])
         return hand_written(args.steps, args.batch, env.world_size, env.rank, args.hidden)
 
     def our_loop() -> list[float]:
-        return ours(args.steps, args.batch, env.world_size, ctx, args.hidden, args.override)
+        extra = ["watchdog.enabled=true"] if args.compare_watchdog else []
+        return ours(args.steps, args.batch, env.world_size, ctx, args.hidden, [*args.override, *extra])
 
     with process_group(env) as ctx:
         raw_loop(), our_loop()  # warm-up: allocator, thread pools, first-call imports
@@ -188,6 +213,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--override", action="append", default=[], help="trainer config override (repeatable)")
     parser.add_argument("--profile", action="store_true", help="also profile one run of each loop (rank 0)")
+    parser.add_argument("--compare-watchdog", action="store_true",
+                        help="baseline: our trainer without its watchdog, not the hand-written loop")
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="bind each rank to one core (default: on)")
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default bench/results/loop_overhead.json)")
@@ -206,6 +233,8 @@ def main() -> None:
                 cmd += ["--override", item]
             if args.profile:
                 cmd.append("--profile")
+            if args.compare_watchdog:
+                cmd.append("--compare-watchdog")
             cmd.append("--pin" if args.pin else "--no-pin")
             # CPU only, both loops: the hand-written one has no device or autocast path (see the README).
             env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, 2 // ranks))),
@@ -218,11 +247,16 @@ def main() -> None:
         paired = [m / r for r, m in zip(raws, mines)]
         q1, _, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired[0],) * 3
         low, high = bootstrap_ratio_ci(raws, mines)
-        rows.append({"ranks": ranks, "raw_step_ms": raw * 1e3, "mgpu_step_ms": mine * 1e3, "ratio": mine / raw,
+        rows.append({"ranks": ranks, "baseline": "mgpu without watchdog" if args.compare_watchdog else "hand-written",
+                     "raw_step_ms": raw * 1e3, "mgpu_step_ms": mine * 1e3, "ratio": mine / raw,
                      "ratio_ci95_low": low, "ratio_ci95_high": high,
                      "paired_median": median(paired), "paired_q1": q1, "paired_q3": q3,
                      "repeats": args.repeats, "steps": args.steps, "batch": args.batch, "overrides": args.override,
                      "per_repeat_ratios": [round(r, 4) for r in paired]})
+        if args.compare_watchdog:
+            # 5 beats per step (data, forward, model, backward, optimizer) at grad_accum 1.
+            rows[-1]["beat_ns"] = beat_ns = beat_cost_ns()
+            rows[-1]["beats_share_of_step"] = 5 * beat_ns * 1e-9 / mine
         if result["profile"]:
             profiles.append(f"== {ranks} rank(s), {args.steps} steps, batch {args.batch}: milliseconds of own time "
                             f"per step on rank 0 over {PROFILE_RUNS} whole runs of each loop (ours includes building the "

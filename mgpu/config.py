@@ -152,6 +152,7 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "log.wandb_project": lambda v: None if _RUN_NAME.fullmatch(v) else "must be a wandb project name (no '/')",
     "watchdog.step_multiple": _between(2, 10_000, True), "watchdog.floor_s": _between(1, 86_400, True),
     "watchdog.first_step_s": _between(1, 604_800, True), "watchdog.checkpoint_s": _between(1, 604_800, True),
+    "watchdog.eval_s": _between(1, 604_800, True),
     "watchdog.collective_timeout_s": _between(10, 604_800, True),
 }
 

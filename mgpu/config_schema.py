@@ -193,11 +193,15 @@ class WatchdogConfig:
     enabled: bool = True
     """Run a watchdog thread on every rank."""
     step_multiple: float = 10.0
-    """A rank is hung after this many median step times (evaluation batch times) without progress."""
+    """A rank is hung after this many median step times (in an evaluation: median evaluation batch times)
+    without progress. A step's time is wall time, waits for the other ranks included."""
     floor_s: float = 60.0
-    """... but never sooner than this many seconds."""
+    """... but never sooner than this many seconds in a training step."""
     first_step_s: float = 600.0
-    """Allowance before a run's first step (data loading, compilation) and its first evaluation batch."""
+    """Allowance before a run's first step (data loading, compilation)."""
+    eval_s: float = 300.0
+    """Allowance for a run's first evaluation batch (a compiled model builds its evaluation graph), and the
+    least any later one gets (step_multiple x the median evaluation batch time where that is more)."""
     checkpoint_s: float = 600.0
     """Allowance for gathering and writing one checkpoint."""
     collective_timeout_s: float = 300.0

@@ -11,6 +11,7 @@ import functools
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, TypeVar
 
 import torch
@@ -28,6 +29,7 @@ __all__ = [
     "cpu_threads_per_rank",
     "get_rank",
     "get_world_size",
+    "nccl_environment",
     "process_group",
     "rank_zero_only",
     "select_device",
@@ -115,6 +117,46 @@ def _count(value: str | None) -> int | None:
     return number if number is not None and number > 0 else None
 
 
+FLIGHT_RECORDER_ENTRIES = 2000
+"""Entries NCCL's flight recorder keeps per rank (torch 2.13's default; older releases default to 0: off)."""
+NCCL_TIMEOUT_TRACE = "nccl-timeout-trace-rank"
+"""Where torch writes the flight recorder when NCCL's own watchdog times a collective out: `<logs>/<this><N>`."""
+
+
+def nccl_environment(environ: Mapping[str, str], torch_version: str = torch.__version__,
+                     trace_dir: Path | None = None) -> dict[str, str]:
+    """The variables mgpu sets for an NCCL group where the user has not set them (nothing here is applied).
+
+    - TORCH_NCCL_ASYNC_ERROR_HANDLING=3: a collective that times out or fails ends the process instead of
+      waiting forever, without aborting the communicator first (torch's default: mode 1's abort from the
+      watchdog thread ends the process before the flight recorder is written, pytorch/pytorch#121055);
+    - the flight recorder on, with FLIGHT_RECORDER_ENTRIES entries: torch >= 2.9 reads TORCH_FR_BUFFER_SIZE
+      (and the old TORCH_NCCL_TRACE_BUFFER_SIZE, with a deprecation warning; the cut torchtitan makes too),
+      older ones only the old name;
+      where the user set either, neither is touched (the new name would override a user's old one);
+    - TORCH_NCCL_DUMP_ON_TIMEOUT=1: NCCL's own watchdog writes the recorder when a collective times out;
+    - with `trace_dir`, that file goes there (TORCH_FR_DUMP_TEMP_FILE, before 2.9
+      TORCH_NCCL_DEBUG_INFO_TEMP_FILE: a prefix, the rank appended) instead of ~/.cache/torch."""
+    new_names = _release(torch_version) >= (2, 9)
+    wanted = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    buffer = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+    if not any(name in environ for name in buffer):
+        wanted[buffer[0] if new_names else buffer[1]] = str(FLIGHT_RECORDER_ENTRIES)
+    dump = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    if trace_dir is not None and not any(name in environ for name in dump):
+        wanted[dump[0] if new_names else dump[1]] = str(trace_dir / NCCL_TIMEOUT_TRACE)
+    return {name: value for name, value in wanted.items() if name not in environ}
+
+
+def _release(version: str) -> tuple[int, int]:
+    """(major, minor) of a torch version string such as '2.13.0+cpu' or '2.10.0a0+git1234'."""
+    parts = version.split("+")[0].split(".")
+    try:
+        return int(parts[0]), int("".join(c for c in parts[1] if c.isdigit()) or 0)
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
 def _init_method(env: ProcessEnv) -> str:
     host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr
     return f"tcp://{host}:{env.master_port}"
@@ -122,12 +164,13 @@ def _init_method(env: ProcessEnv) -> str:
 
 @contextlib.contextmanager
 def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_INIT_TIMEOUT,
-                  backend: str | None = None) -> Iterator[DistContext]:
+                  backend: str | None = None, trace_dir: Path | None = None) -> Iterator[DistContext]:
     """Form the default process group for this rank and destroy it however the block exits.
 
     NCCL when this rank has a GPU, gloo otherwise. `timeout` bounds the rendezvous and every
-    collective; with NCCL, async error handling makes a stuck collective abort the process
-    instead of hanging it.
+    collective; with NCCL, async error handling makes a stuck collective end the process
+    instead of hanging it, and the flight recorder is on (see `nccl_environment`; `trace_dir`:
+    where NCCL's watchdog writes it on a timeout).
     """
     env = detect_environment() if env is None else env
     threads = cpu_threads_per_rank(env.local_world_size)
@@ -138,10 +181,8 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if backend == "nccl":
-        # Tear the process down when a collective times out or a peer fails, instead of waiting forever.
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        # NCCL's flight recorder: the last 2000 collectives of each rank, dumped by mgpu's watchdog on a hang.
-        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        # Read when the group is created: set before it is.
+        os.environ.update(nccl_environment(os.environ, trace_dir=trace_dir))
     if dist.is_initialized():
         raise MgpuError("a default process group already exists in this process: form it only once")
     kwargs: dict[str, Any] = {"backend": backend, "rank": env.rank, "world_size": env.world_size,

@@ -5,9 +5,12 @@ leaves evidence and ends the step, so that the job comes back (mgpu.recovery) in
 The training thread beats (`beat(phase, step)`: a few attribute writes) at each micro-step's forward and
 backward, each optimizer step, each evaluation batch and each checkpoint. A daemon thread per rank
 writes `logs/heartbeat-rank<N>.json` every few seconds and checks how long ago the last beat was, against
-an allowance learned from the run itself: `step_multiple` times the median step time (or evaluation
-batch time) with a floor, `first_step_s` before a run's first step, `checkpoint_s` while a checkpoint is
-gathered or written. Past it, the rank:
+an allowance learned from the run itself: `step_multiple` times the median step time with the floor
+`floor_s` (`first_step_s` before a run's first step); `step_multiple` times the median evaluation batch
+time with the floor `eval_s` (`eval_s` for a run's first evaluation batch); `checkpoint_s` while a
+checkpoint is gathered or written. A step's time runs from its first beat to the end of its optimizer
+phase: the evaluation or checkpoint that may follow it has its own allowance and is not part of it.
+Past the allowance, the rank:
 
 1. writes the Python stack of every thread (faulthandler) to its log;
 2. reads every rank's heartbeat file and names the stuck ranks: a file that stopped changing (a frozen
@@ -19,7 +22,11 @@ gathered or written. Past it, the rank:
    node that alone is to blame and requeues, or starts the step again in the same allocation.
 
 A slow but healthy rank is not hung: every rank waits for it in the same collectives, so every rank's
-step time (the allowance's base) is as slow as it is.
+step time (the allowance's base: wall time, waits included, never a rank's own compute) is as slow as it is.
+
+Once training is over, `teardown()` bounds the process group's teardown (a rank can hang there too, e.g.
+destroying a communicator whose peer is gone): past `TEARDOWN_S` the rank writes its stacks and exits
+with the code it was given, without blaming anybody (the others may have left already).
 """
 
 from __future__ import annotations
@@ -35,10 +42,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+if TYPE_CHECKING:
+    from mgpu.config_schema import WatchdogConfig
 
-__all__ = ["HANG_EXIT_CODE", "PHASES", "Heartbeat", "Watchdog", "blame"]
+__all__ = ["HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Heartbeat", "Watchdog", "blame"]
 
 log = logging.getLogger("mgpu.train")
 HANG_EXIT_CODE = 4
@@ -52,6 +61,10 @@ WRITE_EVERY_S = 2.0
 STALE_AFTER_S = 4 * WRITE_EVERY_S
 LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
+TEARDOWN_S = 60.0
+"""Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
+EVAL_PHASES = ("eval", "agree")
+CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 
 
 @dataclass(frozen=True)
@@ -88,44 +101,69 @@ def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = No
 
 
 class Watchdog:
-    """One rank's watchdog; `start()` it once the process group is formed, `stop()` it before teardown."""
+    """One rank's watchdog; `start()` it once the process group is formed, `teardown()` before the group's
+    teardown and `stop()` after it."""
 
     def __init__(self, rank: int, world: int, logs: Path, *, step_multiple: float, floor_s: float,
-                 first_step_s: float, checkpoint_s: float,
+                 first_step_s: float, checkpoint_s: float, eval_s: float | None = None,
                  on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
-                 log_file: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit) -> None:
+                 log_file: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit,
+                 clock: Callable[[], float] = time.time) -> None:
         self.rank, self.world, self.logs = rank, world, logs
         self.step_multiple, self.floor_s = step_multiple, floor_s
         self.first_step_s, self.checkpoint_s = first_step_s, checkpoint_s
-        self.on_hang, self.log_file, self.exit = on_hang, log_file, exit
-        self.step, self.phase, self.since = 0, "start", time.time()
+        # None: the first step's allowance, as before evaluation had its own (a caller not passing it yet).
+        self.eval_s = first_step_s if eval_s is None else eval_s
+        self.on_hang, self.log_file, self.exit, self.clock = on_hang, log_file, exit, clock
+        self.step, self.phase, self.since = 0, "start", clock()
+        self._step_started: float | None = None  # the current step's first beat
+        self._eval_mark = 0.0  # the current evaluation batch's beat
         self._step_times: deque[float] = deque(maxlen=50)
         self._eval_times: deque[float] = deque(maxlen=50)
+        self._teardown: tuple[float, int] | None = None  # (allowance, exit code) once the teardown began
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.host = socket.gethostname()
 
+    @classmethod
+    def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
+                    on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
+                    log_file: Callable[[], Any] | None = None) -> "Watchdog":
+        """A watchdog with the allowances of the config's `watchdog` section."""
+        return cls(rank, world, logs, step_multiple=config.step_multiple, floor_s=config.floor_s,
+                   first_step_s=config.first_step_s, checkpoint_s=config.checkpoint_s, eval_s=config.eval_s,
+                   on_hang=on_hang, log_file=log_file)
+
     # ------------------------------------------------------------------ the training thread's side
     def beat(self, phase: str, step: int | None = None) -> None:
         """Progress: this rank is now in `phase` (of optimizer step `step`, when it changes)."""
-        now = time.time()
-        if phase == "eval" and self.phase in ("eval", "agree"):
-            self._eval_times.append(now - self.since)
-        if step is not None and step != self.step:
-            if self.phase != "start":
-                self._step_times.append(now - self._step_started)
+        now = self.clock()
+        if self.phase == "optimizer" and phase != "optimizer" and self._step_started is not None:
+            # The step ends with its optimizer phase (and what runs until the next beat: the log line's
+            # all-reduce, the stop agreement); an evaluation or checkpoint after it is not part of it.
+            self._step_times.append(now - self._step_started)
+        if phase == "eval":
+            if self.phase in EVAL_PHASES:  # the previous batch, with the stop agreement after it if any
+                self._eval_times.append(now - self._eval_mark)
+            self._eval_mark = now
+        if step is not None:
             self.step = step
             self._step_started = now
         self.phase, self.since = phase, now
 
     def allowance(self) -> float:
         """Seconds without a beat after which this rank counts as hung, in its current phase."""
-        if self.phase in ("checkpoint", "write", "checkpoint-wait"):
+        if self.phase == "teardown" and self._teardown is not None:
+            return self._teardown[0]
+        if self.phase in CHECKPOINT_PHASES:
             return self.checkpoint_s
-        times = self._eval_times if self.phase in ("eval", "agree") else self._step_times
-        if not times:
+        if self.phase in EVAL_PHASES:
+            if not self._eval_times:
+                return self.eval_s
+            return max(self.eval_s, self.step_multiple * statistics.median(self._eval_times))
+        if not self._step_times:
             return self.first_step_s
-        return max(self.floor_s, self.step_multiple * statistics.median(times))
+        return max(self.floor_s, self.step_multiple * statistics.median(self._step_times))
 
     def collective_timeout(self, configured: float) -> float:
         """The process group's timeout once training runs: `configured`, but longer than any allowance this
@@ -133,14 +171,22 @@ class Watchdog:
         step_multiple) plus the time it takes to notice and leave evidence: a hang then ends through the
         watchdog, with the stacks, the ledger's `hang` event and the node's exclusion, not through a
         collective's timeout error, and a long but healthy save is never cut short by one."""
-        so_far = [*self._step_times, *([time.time() - self._step_started] if hasattr(self, "_step_started") else [])]
-        longest = max(self.first_step_s, self.checkpoint_s, self.floor_s,
+        so_far = [*self._step_times, *self._eval_times,
+                  *([self.clock() - self._step_started] if self._step_started is not None else [])]
+        longest = max(self.first_step_s, self.checkpoint_s, self.eval_s, self.floor_s,
                       self.step_multiple * max(so_far, default=0.0))
         return max(configured, longest + WRITE_EVERY_S + STALE_AFTER_S + EVIDENCE_S + LOOK_SLACK_S)
 
+    def teardown(self, exit_code: int = HANG_EXIT_CODE, allowance_s: float = TEARDOWN_S) -> None:
+        """Training is over and the process group's teardown begins: from here on the watchdog only bounds
+        it. Past `allowance_s` without `stop()`, this rank writes every thread's stack to its log and exits
+        with `exit_code` (0 where the run finished and its result is recorded; else HANG_EXIT_CODE, so
+        that the batch script brings the job back). No `hang` event: the others may have left already."""
+        self._teardown = (allowance_s, exit_code)
+        self.beat("teardown")
+
     # ------------------------------------------------------------------ the watchdog thread
     def start(self) -> "Watchdog":
-        self._step_started = time.time()
         self._write()  # at once: a rank frozen before its thread's first write is then seen as stale
         self._thread = threading.Thread(target=self._watch, name="mgpu-watchdog", daemon=True)
         self._thread.start()
@@ -177,13 +223,16 @@ class Watchdog:
     def _watch(self) -> None:
         last_write = 0.0
         while not self._stop.wait(min(1.0, WRITE_EVERY_S)):
-            now = time.time()
+            now = self.clock()
             if now - last_write >= WRITE_EVERY_S:
                 self._write()
                 last_write = now
             waited = now - self.since
             if waited > self.allowance():
-                self._hung(waited)
+                if self.phase == "teardown" and self._teardown is not None:
+                    self._stuck_in_teardown(waited, self._teardown[1])
+                else:
+                    self._hung(waited)
                 return
 
     def _hung(self, waited: float) -> None:
@@ -196,14 +245,28 @@ class Watchdog:
         finally:
             self.exit(HANG_EXIT_CODE)
 
-    def _evidence(self, waited: float) -> None:
-        log.error("no progress for %.0f s in phase %s of step %d (allowance %.0f s): dumping every thread's stack",
-                  waited, self.phase, self.step, self.allowance())
-        detected = time.time()
+    def _stuck_in_teardown(self, waited: float, code: int) -> None:
+        log.error("the process group's teardown made no progress for %.0f s (allowance %.0f s): dumping every "
+                  "thread's stack and exiting with code %d", waited, self.allowance(), code)
+        worker = threading.Thread(target=self._dump_stacks, name="mgpu-watchdog-evidence", daemon=True)
+        worker.start()
+        worker.join(timeout=EVIDENCE_S)
+        try:
+            logging.shutdown()
+        finally:
+            self.exit(code)
+
+    def _dump_stacks(self) -> None:
         file = self.log_file() if self.log_file is not None else None
         if file is not None:
             faulthandler.dump_traceback(file=file, all_threads=True)
             file.flush()
+
+    def _evidence(self, waited: float) -> None:
+        log.error("no progress for %.0f s in phase %s of step %d (allowance %.0f s): dumping every thread's stack",
+                  waited, self.phase, self.step, self.allowance())
+        detected = time.time()
+        self._dump_stacks()
         # A live rank's thread rewrites its file within WRITE_EVERY_S; one that does not by STALE_AFTER_S
         # is frozen. Waiting for them also lets the others' watchdogs reach the same view.
         while True:

@@ -6,13 +6,19 @@ from __future__ import annotations
 import os
 import re
 import signal
+import statistics
 import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
+from mgpu.config import load_config
+from mgpu.config_schema import WatchdogConfig
 from mgpu.ledger import read_ledger
 from mgpu.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, blame
+from tests.tasks import BlobTask
 from tests.test_faults import finish_step, start_step
 
 NOW = 1000.0
@@ -41,35 +47,278 @@ def test_a_rank_without_a_heartbeat_is_blamed() -> None:
     assert blame([hb(0, 5, "model"), hb(2, 5, "model")], NOW - 8, world=3) == [1]
 
 
-def test_the_allowance_is_learned_from_the_run(tmp_path: Path) -> None:
-    dog = Watchdog(0, 1, tmp_path, step_multiple=10, floor_s=1, first_step_s=300, checkpoint_s=50,
-                   on_hang=lambda *args: None)
-    dog._step_started = time.time()
+class Clock:
+    """A clock the test moves by hand: `Watchdog(clock=...)`, so that no assertion depends on timing."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+
+    def __call__(self) -> float:
+        return self.now
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def watchdog(clock: Clock, **allowances: float) -> Watchdog:
+    settings = {"step_multiple": 10, "floor_s": 1, "first_step_s": 300, "checkpoint_s": 50, **allowances}
+    return Watchdog(0, 1, Path("."), on_hang=lambda *args: None, clock=clock, **settings)  # type: ignore[arg-type]
+
+
+def train_step(dog: Watchdog, clock: Clock, step: int, seconds: float) -> None:
+    """One optimizer step's beats, as the trainer makes them, `seconds` long in all."""
+    for phase in ("forward", "model", "backward", "optimizer"):
+        dog.beat(phase, step) if phase == "forward" else dog.beat(phase)
+        clock.tick(seconds / 4)
+
+
+def evaluation(dog: Watchdog, clock: Clock, batches: int, seconds: float, agree_every: int = 0) -> None:
+    """Evaluation batches `seconds` apart; every `agree_every` batches the ranks' stop agreement takes the
+    second half of that time, as the trainer's does between two batches."""
+    for index in range(batches):
+        dog.beat("eval")
+        if agree_every and (index + 1) % agree_every == 0:
+            clock.tick(seconds / 2)
+            dog.beat("agree")
+            clock.tick(seconds / 2)
+        else:
+            clock.tick(seconds)
+
+
+def test_the_allowance_is_learned_from_the_run() -> None:
+    clock = Clock()
+    dog = watchdog(clock, eval_s=30)
     assert dog.allowance() == 300  # before any step: the first step's allowance
-    for step in range(2, 8):
-        dog.beat("forward")
-        dog.since -= 0.2  # pretend each step took 0.2 s
-        dog._step_started -= 0.2
+    for step in range(1, 8):
         dog.beat("data", step)
-    assert dog.allowance() == pytest.approx(2.0, rel=0.2)  # 10 x the median step time
+        train_step(dog, clock, step, 0.2)
+    dog.beat("data", 8)
+    assert dog.allowance() == pytest.approx(2.0)  # 10 x the median step time (0.2 s)
     dog.beat("checkpoint")
     assert dog.allowance() == 50
     dog.beat("eval")
-    assert dog.allowance() == 300  # no evaluation batch timed yet
+    assert dog.allowance() == 30  # no evaluation batch timed yet: eval_s
 
 
-@pytest.mark.parametrize("configured, step_s, expected", [
-    (300, None, 650),     # the defaults: the largest allowance (600 s) and the time to notice and leave evidence
-    (2000, None, 2000),   # a longer one asked for is kept
-    (300, 100.0, 1050),   # 100 s steps: 10 x the step time, then the margin
+def test_a_steps_time_is_its_own_not_the_evaluation_or_checkpoint_after_it() -> None:
+    # 0.2 s steps, each followed by a 5 s evaluation or checkpoint: the step allowance is 10 x 0.2 s, not
+    # 10 x 5.2 s (a hang in a step would then wait 52 s instead of 2 s).
+    clock = Clock()
+    dog = watchdog(clock)
+    for step in range(1, 9):
+        dog.beat("data", step)
+        train_step(dog, clock, step, 0.2)
+        if step % 2:
+            evaluation(dog, clock, 5, 1.0)
+        else:
+            dog.beat("checkpoint")
+            clock.tick(5)
+    dog.beat("data", 9)
+    assert dog.allowance() == pytest.approx(2.0)
+
+
+def test_a_resumed_runs_pending_evaluation_is_not_its_first_step() -> None:
+    # A resume that first finishes an interrupted evaluation beats `data` of the same step before and after it.
+    clock = Clock()
+    dog = watchdog(clock)
+    dog.beat("data", 11)
+    evaluation(dog, clock, 3, 20.0)
+    dog.beat("data", 11)
+    train_step(dog, clock, 11, 0.2)
+    dog.beat("data", 12)
+    assert dog.allowance() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize("agree_every", [0, 2])
+def test_evaluation_has_its_own_allowance(agree_every: int) -> None:
+    # 0.2 s steps (allowance: the 1 s floor); 0.05 s evaluation batches: their allowance is eval_s (20 s), more
+    # than 10 x their median. The stop agreement between two batches belongs to the batch before it.
+    clock = Clock()
+    dog = watchdog(clock, eval_s=20)
+    for step in range(1, 4):
+        dog.beat("data", step)
+        train_step(dog, clock, step, 0.2)
+    dog.beat("eval")
+    assert dog.allowance() == 20  # the first evaluation batch
+    clock.tick(0.05)
+    evaluation(dog, clock, 6, 0.05, agree_every)
+    assert dog.allowance() == 20
+    assert len(dog._eval_times) == 6 and all(t == pytest.approx(0.05) for t in dog._eval_times)
+    evaluation(dog, clock, 10, 4.0, agree_every)  # slower batches: 10 x their median is more than eval_s
+    assert dog.allowance() == pytest.approx(10 * statistics.median(dog._eval_times)) and dog.allowance() > 20
+    dog.beat("data", 4)
+    assert dog.allowance() == pytest.approx(2.0)  # back in a step: the step allowance, which evaluation never changed
+
+
+def test_evaluation_allowance_falls_back_on_the_first_steps() -> None:
+    # A caller that does not pass eval_s (mgpu.runner before it used Watchdog.from_config) keeps the
+    # allowance evaluation had before it got its own: first_step_s for the first batch.
+    dog = Watchdog(0, 1, Path("."), step_multiple=10, floor_s=1, first_step_s=300, checkpoint_s=50,
+                   on_hang=lambda *args: None)
+    dog.beat("eval")
+    assert dog.allowance() == 300
+
+
+def test_from_config_takes_every_allowance() -> None:
+    config = WatchdogConfig(step_multiple=4, floor_s=7, first_step_s=70, eval_s=40, checkpoint_s=90)
+    dog = Watchdog.from_config(config, 1, 2, Path("."), on_hang=lambda *args: None)
+    assert (dog.rank, dog.world, dog.step_multiple, dog.floor_s, dog.first_step_s, dog.eval_s, dog.checkpoint_s) == \
+        (1, 2, 4, 7, 70, 40, 90)
+
+
+def test_a_hung_teardown_leaves_its_stacks_and_exits_with_the_code_given(tmp_path: Path) -> None:
+    # The real watchdog thread, with the process's exit replaced by a record of it.
+    exits: list[int] = []
+    hangs: list[object] = []
+    stacks = (tmp_path / "rank0.log").open("w+")
+    dog = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
+                   on_hang=lambda *args: hangs.append(args), log_file=lambda: stacks, exit=exits.append)
+    dog.start()
+    try:
+        dog.teardown(exit_code=0, allowance_s=1.0)  # and then the group's teardown never returns
+        assert dog.allowance() == 1.0
+        deadline = time.monotonic() + 30
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        dog.stop()
+        stacks.close()
+    assert exits == [0] and hangs == []  # nobody blamed: the others may have left already
+    text = (tmp_path / "rank0.log").read_text()
+    assert "most recent call first" in text and "test_a_hung_teardown" in text
+
+
+def test_a_teardown_that_ends_in_time_is_left_alone(tmp_path: Path) -> None:
+    exits: list[int] = []
+    dog = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
+                   on_hang=lambda *args: None, exit=exits.append).start()
+    dog.teardown(allowance_s=30)
+    dog.stop()
+    assert dog._thread is not None and not dog._thread.is_alive() and exits == []
+    assert not (tmp_path / "heartbeat-rank0.json").exists()
+
+
+@pytest.mark.parametrize("configured, step_s, eval_s, expected", [
+    (300, None, 300, 650),     # the defaults: the largest allowance (600 s) and the time to notice and leave evidence
+    (2000, None, 300, 2000),   # a longer one asked for is kept
+    (300, 100.0, 300, 1050),   # 100 s steps: 10 x the step time, then the margin
+    (300, None, 900, 950),     # a longer first evaluation batch allowed
 ])
-def test_the_collective_timeout_outlasts_every_allowance(configured: float, step_s: float | None,
+def test_the_collective_timeout_outlasts_every_allowance(configured: float, step_s: float | None, eval_s: float,
                                                          expected: float) -> None:
     dog = Watchdog(0, 2, Path("."), step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
-                   on_hang=lambda *args: None)
+                   eval_s=eval_s, on_hang=lambda *args: None)
     if step_s is not None:
         dog._step_times.append(step_s)
     assert dog.collective_timeout(configured) == pytest.approx(expected)
+
+
+class SlowEvalBlobTask(BlobTask):
+    """BlobTask whose rank 0 takes `pause_s` longer over its `at`-th evaluation batch of `batch` samples, once."""
+
+    def __init__(self, pause_s: float = 6.0, at: int = 3, batch: int = 3, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.pause_s, self.at, self.batch, self.calls, self.paused = pause_s, at, batch, 0, False
+
+    def metrics(self, model: torch.nn.Module, batch: tuple) -> dict[str, torch.Tensor]:
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0 and len(batch[0]) == self.batch:
+            self.calls += 1  # the trainer's probe of the metrics (2 samples) does not count
+            if self.calls == self.at and not self.paused:
+                self.paused = True
+                time.sleep(self.pause_s)
+        return super().metrics(model, batch)
+
+
+def test_a_slow_evaluation_batch_is_judged_by_the_evaluation_allowance(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # In process, a world of one: the real Trainer beats a real watchdog made from the config (as mgpu.runner
+    # makes it), whose exit is replaced by a record of it. Steps take milliseconds (allowance: the 2 s floor);
+    # one evaluation batch takes 6 s, within the evaluation allowance (watchdog.eval_s, 20 s): not a hang.
+    from mgpu.distributed import process_group
+    from mgpu.environment import detect_environment
+    from mgpu.ledger import Ledger
+    from mgpu.preemption import StopRequest
+    from mgpu.rundir import RunDir
+    from mgpu.trainer import Trainer
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's own side effect
+    cfg = load_config(None, [f"task.target={__name__}:SlowEvalBlobTask", "task.args.eval_size=30",
+                             "data.eval_batch_size=3", "data.batch_size=4", "train.epochs=1", "eval.every_steps=3",
+                             "watchdog.floor_s=2", "watchdog.step_multiple=5", "watchdog.first_step_s=30",
+                             "watchdog.eval_s=20", "watchdog.checkpoint_s=20", "log.tensorboard=false",
+                             f"run.dir={tmp_path / 'run'}"])
+    run = RunDir(tmp_path / "run")
+    run.logs.mkdir(parents=True)
+    exits: list[int] = []
+    task = SlowEvalBlobTask(eval_size=30)
+    with process_group(detect_environment({})) as ctx:
+        dog = Watchdog.from_config(cfg.watchdog, 0, 1, run.logs, on_hang=lambda *args: None)
+        dog.exit = exits.append
+        dog.start()
+        try:
+            result = Trainer(cfg, task, ctx, run, Ledger(None), StopRequest(), watchdog=dog).fit()
+        finally:
+            dog.stop()
+    assert task.paused and result.status == "finished"
+    assert exits == []
+
+
+# ------------------------------------------------------------------------- NCCL's flight recorder (no GPU here)
+FR_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_BUFFER_SIZE",
+                "TORCH_NCCL_TRACE_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+@pytest.mark.parametrize("version, user, expected", [
+    ("2.13.0+cpu", {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                        "TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+    ("2.10.0a0+git1234", {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                              "TORCH_FR_BUFFER_SIZE": "2000",
+                              "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+    # before 2.9 only the old names are read
+    ("2.4.1", {}, {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                   "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+    # the user's own settings win; an old name the user set is not overridden by the new one
+    ("2.13.0", {"TORCH_NCCL_TRACE_BUFFER_SIZE": "0", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/mine/fr_",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}, {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}),
+    ("2.13.0", {"TORCH_FR_BUFFER_SIZE": "100", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"},
+     {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
+])
+def test_the_flight_recorder_settings(version: str, user: dict[str, str], expected: dict[str, str]) -> None:
+    from mgpu.distributed import nccl_environment
+
+    assert nccl_environment(user, version, Path("/run/logs")) == expected
+
+
+def test_an_nccl_group_is_formed_with_the_flight_recorder_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU and no NCCL here: torch's init_process_group is replaced by a record of what it was called with
+    # and of the environment it would read. Everything before it in mgpu.distributed.process_group is real.
+    from mgpu import distributed
+    from mgpu.environment import detect_environment
+
+    for name in FR_VARIABLES:  # absent now, and restored to absent afterwards
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # the user's choice is kept
+    seen: list[tuple[str, dict[str, str]]] = []
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda **kwargs: seen.append(
+        (kwargs["backend"], {name: os.environ[name] for name in FR_VARIABLES if name in os.environ})))
+    with distributed.process_group(detect_environment({}), backend="nccl", trace_dir=tmp_path):
+        pass
+    assert seen == [("nccl", {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+                              "TORCH_FR_BUFFER_SIZE": "2000",
+                              "TORCH_FR_DUMP_TEMP_FILE": str(tmp_path / "nccl-timeout-trace-rank")})]
+
+
+def test_a_gloo_group_leaves_the_nccl_settings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu.distributed import process_group
+    from mgpu.environment import detect_environment
+
+    for name in FR_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    with process_group(detect_environment({}), backend="gloo"):
+        assert not [name for name in FR_VARIABLES if name in os.environ]
 
 
 # ------------------------------------------------------------------------- hung ranks, real gloo groups
@@ -117,11 +366,29 @@ def test_a_hung_rank_is_found_named_and_ended(mode: str, rank: int, culprit_phas
 
 @pytest.mark.multiprocess
 def test_a_slow_but_healthy_rank_is_not_hung(tmp_path: Path) -> None:
-    # Rank 1 takes 15x as long per step (1.5 s) as rank 0 computes (0.1 s): rank 0 waits for it every step.
-    # An allowance from rank 0's own compute (3 x 0.1 s, floor 1 s) would call rank 1 hung; the step time
-    # every rank measures includes the wait, so the allowance is 3 x 1.5 s. Once, rank 1 pauses 13 s more,
-    # within the 20 s floor: the 10 s collective timeout asked for would cut rank 0's wait short; it is
-    # raised above the watchdog's allowances (here 20 + 50 s), so the watchdog alone judges a hang.
+    # The issue's case: rank 1's loss takes 3x as long (3 s) as rank 0's (1 s), so rank 0 waits ~2 s for it
+    # in every step (DDP's forward broadcasts the batch-norm buffers), and once, at step 6, 1.5 s more.
+    # Allowance: step_multiple 2 x the median step time, floor 1 s. Learned from the step's wall time (3 s,
+    # the wait included) it is 6 s on both ranks: no hang. Learned from rank 0's own compute (1 s) it would
+    # be 2 s, and rank 0's 3.5 s wait at step 6 would be called a hang. (With step_multiple >= 2, the
+    # config's least, a steady 3x rank alone leaves a wait of exactly 2 x the fast rank's compute: the pause
+    # makes the difference between the two ways of learning certain, while staying within the 6 s.)
+    results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:UnevenBlobTask", "task.args.step_s=1.0",
+                                     "task.args.slow_factor=3", "task.args.pause_at=6", "task.args.pause_s=1.5",
+                                     "train.epochs=2", "data.batch_size=4", "log.every_steps=1", "watchdog.floor_s=1",
+                                     "watchdog.step_multiple=2", "watchdog.first_step_s=30", "watchdog.eval_s=30",
+                                     "watchdog.checkpoint_s=30", "log.tensorboard=false"), timeout=240)
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-3000:] + results[1][1][-3000:]
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert not [e for e in events if e["event"] == "hang"]
+    assert [e["step"] for e in events if e["event"] == "finished"] == [10]
+
+
+@pytest.mark.multiprocess
+def test_a_pause_within_the_allowance_outlasts_a_shorter_collective_timeout(tmp_path: Path) -> None:
+    # Rank 1 takes 15x as long per step (1.5 s) as rank 0 computes (0.1 s), and once pauses 13 s more, within
+    # the 20 s floor: the 10 s collective timeout asked for would cut rank 0's wait short; it is raised above
+    # the watchdog's allowances (here 20 + 50 s), so the watchdog alone judges a hang.
     results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:UnevenBlobTask", "task.args.step_s=0.1",
                                      "task.args.slow_factor=15", "task.args.pause_at=6", "task.args.pause_s=13",
                                      "train.epochs=2", "data.batch_size=4", "log.every_steps=1", "watchdog.floor_s=20",
