@@ -51,6 +51,7 @@ def evaluate(model: nn.Module, batches: Iterable[Any], common: int, metrics: Cal
     collectives (buffer broadcast) that would then never match up; every rank evaluates with rank 0's
     buffers (mgpu.ddp.sync_buffers)."""
     sums = Sums()
+    beat("eval")  # the evaluation's own allowance from here on, the buffers' broadcast and first fetch included
     if world > 1:
         sync_buffers(model)
     model.eval()

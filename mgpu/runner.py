@@ -78,15 +78,14 @@ def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str) -> A
         return next((h.stream for h in logging.getLogger("mgpu").handlers
                      if isinstance(h, logging.FileHandler)), None)
 
-    w = cfg.watchdog
-    watchdog = Watchdog(env.rank, env.world_size, run.logs, step_multiple=w.step_multiple, floor_s=w.floor_s,
-                        first_step_s=w.first_step_s, checkpoint_s=w.checkpoint_s, on_hang=on_hang, log_file=log_file)
+    watchdog = Watchdog.from_config(cfg.watchdog, env.rank, env.world_size, run.logs, on_hang=on_hang,
+                                    log_file=log_file)
     return watchdog.start()
 
 
 def _dump_nccl_trace(run: RunDir, rank: int) -> None:
-    """NCCL's flight recorder (enabled by mgpu.distributed: TORCH_NCCL_TRACE_BUFFER_SIZE): what every
-    collective in flight was doing, for torch's `torchfrtrace` analyser. Not run here (no GPU)."""
+    """NCCL's flight recorder (enabled by mgpu.distributed: TORCH_FR_BUFFER_SIZE): what every collective in
+    flight was doing, for torch's `torchfrtrace` analyser. Not run here (no GPU)."""
     try:
         import torch
 

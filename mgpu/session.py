@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 
     from mgpu.checkpoint import LoadedCheckpoint
     from mgpu.loader import ResumableLoader
+    from mgpu.watchdog import Watchdog
 
 __all__ = ["Session"]
 
@@ -134,9 +135,12 @@ class Session:
         from mgpu.preemption import StopAgreement
         from mgpu.rng import seed_everything, use_deterministic_kernels
 
+        # The watchdog outlives the group's teardown, which it bounds (see _arm_teardown): stopped after it.
+        self.watchdog: Watchdog | None = None
+        self._cleanup.callback(lambda: self.watchdog.stop() if self.watchdog is not None else None)
         ctx = self._cleanup.enter_context(process_group(
             self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
-            backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend))
+            backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
         self._cleanup.callback(self._release_ddp)  # runs before the group's teardown (reverse order)
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
@@ -145,9 +149,9 @@ class Session:
         announce = os.environ.get("MGPU_RUN_DIR_FILE")
         if announce and self.is_main:  # where slurm/loop.sbatch's recovery finds the run (its own script names it)
             write_atomic(Path(announce), str(self.run.path.resolve()).encode())
-        self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend) if cfg.watchdog.enabled else None
-        if self.watchdog is not None:
-            self._cleanup.callback(self.watchdog.stop)
+        if cfg.watchdog.enabled:
+            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
+            self._cleanup.callback(self._arm_teardown)
         self.beat: Callable[..., None] = self.watchdog.beat if self.watchdog is not None else _no_beat
         self.agreement = StopAgreement(self.stop)
         self._cleanup.callback(self.agreement.drain)
@@ -175,6 +179,7 @@ class Session:
         self.reasons: set[str] = set()
         """The stop reasons the ranks agreed on (empty: no stop)."""
         self._finished = False
+        self._ended = False  # the run's outcome is recorded: a hang in the teardown after it is not a failure
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
@@ -409,7 +414,7 @@ class Session:
         except BaseException as error:  # the stop's save failed: recorded like any failure, then raised
             self.fail(error)
             raise
-        self._finished = True
+        self._finished = self._ended = True
         self._close()
         return outcome
 
@@ -456,6 +461,14 @@ class Session:
 
     def _close(self) -> None:
         self._cleanup.close()
+
+    def _arm_teardown(self) -> None:
+        """From here the watchdog bounds the group's teardown (a dead peer can block it): past its allowance,
+        stacks to the log and an exit, 0 when the run ended as it should (its outcome is recorded), else 4."""
+        assert self.watchdog is not None
+        from mgpu.watchdog import HANG_EXIT_CODE
+
+        self.watchdog.teardown(exit_code=0 if self._ended else HANG_EXIT_CODE)
 
     def _release_ddp(self) -> None:
         # DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo
