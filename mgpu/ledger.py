@@ -5,7 +5,9 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
 
     started          world_size, nodes, launcher, config_path, git_sha
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
-    first_step       step (the first step this run completed)
+    first_step       step (the first step this run completed), collective_timeout_s, timings (rank 0's Unix
+                     times: process start, session start, group formed, checkpoint find/loaded/restored,
+                     first batch, first step done: the way back to training, measured)
     progress         step, epoch, total_steps, metrics (the log line's: loss, lr, grad_norm, samples_per_s,
                      step_time_s), fingerprint (hex float: a weighted sum of every parameter; equal
                      weights give equal fingerprints); written at every log interval (log.every_steps)

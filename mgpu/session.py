@@ -66,6 +66,17 @@ def _no_beat(phase: str, step: int | None = None) -> None:
     """Without a watchdog, progress is not recorded."""
 
 
+def _process_start() -> float:
+    """This process's start (Unix time), from /proc (Linux); now, where it cannot be read."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
 class Session:
     """This rank's run. Construct it first (it catches the stop signals from then on), use it as a
     context manager or call `finish()` at the end. Every method marked *collective* must be called by
@@ -80,6 +91,8 @@ class Session:
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
                  stop_at_step: int | None = None, env: ProcessEnv | None = None, stop: StopRequest | None = None,
                  recovery_by_batch_script: bool | None = None) -> None:
+        self.timings: dict[str, float] = {"process": _process_start(), "session": time.time()}
+        """Unix times of this process's way to its first step (the ledger's `first_step` event has rank 0's)."""
         cfg = copy.deepcopy(config) if config is not None else Config()
         if run_dir is not None:
             cfg.run.dir = str(run_dir)
@@ -142,6 +155,7 @@ class Session:
             self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
         self._cleanup.callback(self._release_ddp)  # runs before the group's teardown (reverse order)
+        self.timings["group"] = time.time()
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
         record_rank(self.run, self.env, str(self.device), self.backend)
@@ -304,7 +318,9 @@ class Session:
         if self.watchdog is not None and self.world_size > 1:
             seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
             set_collective_timeout(timedelta(seconds=seconds), self.agreement.group)
-        self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds)
+        self.timings["first_step"] = time.time()
+        self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
+                          timings={k: round(v, 3) for k, v in self.timings.items()})
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -322,13 +338,17 @@ class Session:
     def latest(self) -> LoadedCheckpoint | None:
         """*Collective.* The run's newest checkpoint that verifies (rank 0 checks it), loaded memory-mapped
         on every rank; None for a new run. `restore()` puts it back."""
-        return self.checkpointer.find_latest()
+        self.timings["find"] = time.time()
+        loaded = self.checkpointer.find_latest()
+        self.timings["loaded"] = time.time()
+        return loaded
 
     def restore(self, loaded: LoadedCheckpoint, state: dict[str, Any]) -> None:
         """Put `loaded` back into `state` (see `load`) and this rank's random generators."""
         from mgpu.train_state import restore_state
 
         restore_state(loaded.state, state, self.rank, self.cfg.train.seed)
+        self.timings["restored"] = time.time()
         self.step = self.resume_step = loaded.step
         for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
             if (ddp := ref()) is not None:

@@ -256,6 +256,7 @@ class Trainer:
             for group in self._optimizer_steps() if status == "finished" else ():
                 if p.step >= self.total_steps:
                     break
+                session.timings.setdefault("first_batch", time.time())
                 self._train_step(group)
                 self.step_ends.append(time.perf_counter())
                 p.step += 1
