@@ -189,7 +189,10 @@ class ResumableLoader:
     def __init__(self, dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = False, num_workers: int = 0,
                  collate_fn: Callable[[list[Any]], Any] | None = None, requeue_signal: str = "USR2",
-                 stopping: Callable[[], bool] = lambda: False, **dataloader_options: Any) -> None:
+                 stopping: Callable[[], bool] = lambda: False, agreed: Callable[[], bool] = lambda: False,
+                 **dataloader_options: Any) -> None:
+        """`stopping()`: a stop is requested on this rank (a worker that dies then is not a crash); `agreed()`:
+        the ranks agreed to stop (`epochs()` ends)."""
         from mgpu.data import ShardPlan
 
         for option in ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last", "generator"):
@@ -197,7 +200,7 @@ class ResumableLoader:
                 raise ValueError(f"ResumableLoader owns the sample order: {option}= is not an option here")
         self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
         self.plan = ShardPlan(len(dataset), batch_size, rank, world_size, seed, shuffle)  # type: ignore[arg-type]
-        self.drop_last, self.requeue_signal, self.stopping = drop_last, requeue_signal, stopping
+        self.drop_last, self.requeue_signal, self.stopping, self.agreed = drop_last, requeue_signal, stopping, agreed
         self.options = dataloader_options
         self.epoch = 0
         self.position = 0
@@ -233,7 +236,7 @@ class ResumableLoader:
     def epochs(self, count: int) -> Iterator[int]:
         """The epochs left of `count`, from where a resumed run stands; ends early once the ranks agreed
         to stop (so `break` out of the batch loop is enough)."""
-        while self.epoch < count and not self.stopping():
+        while self.epoch < count and not self.agreed():  # a stop only requested may not be every rank's yet
             yield self.epoch
 
     def set_epoch(self, epoch: int) -> None:

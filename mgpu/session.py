@@ -209,8 +209,14 @@ class Session:
         ddp.replay_after(self.resume_step)
         self._ddps.append(weakref.ref(ddp))
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
-            ddp.register_forward_pre_hook(lambda module, args: self.beat("model", self.step + 1))
+            ddp.register_forward_pre_hook(lambda module, args: self._beat_model())
         return ddp
+
+    def _beat_model(self) -> None:
+        # A loop that beats nothing else starts its step here; a step's first forward starts it, not each one.
+        assert self.watchdog is not None
+        following = self.step + 1
+        self.beat("model", following if self.watchdog.step != following else None)
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
                num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -223,7 +229,8 @@ class Session:
         return ResumableLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
                                seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
                                num_workers=num_workers, collate_fn=collate_fn,
-                               requeue_signal=self.cfg.preemption.signal, stopping=self._stopping, **options)
+                               requeue_signal=self.cfg.preemption.signal, stopping=self._stopping,
+                               agreed=lambda: self.stopping, **options)
 
     def eval_loader(self, dataset: Dataset, batch_size: int, *, num_workers: int = 0,
                     collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_options: Any) -> DataLoader:

@@ -19,7 +19,7 @@ import torch
 
 from mgpu.checkpoint import CheckpointStore
 from mgpu.ledger import read_ledger
-from tests.conftest import PYTHON, ROOT, base_env
+from tests.conftest import PYTHON, ROOT, base_env, live_children
 
 OWN_LOOP = str(ROOT / "tests" / "own_loop.py")
 EXAMPLE = ROOT / "jobs" / "loops" / "mnist_loop.py"
@@ -177,14 +177,17 @@ def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, tmp_path: 
     # mgpu.spawn, as the converted mp.spawn loop uses it: a SIGTERM to the spawning process alone is passed on
     # to the ranks; Ctrl-C (SIGINT to the whole process group, as a terminal sends it) reaches them directly.
     run_dir = tmp_path / "run"
-    args = [PYTHON, str(TRANSLATE), "--nprocs=2", "--epochs=3", "--train-size=400", f"--out={run_dir}"]
+    args = [PYTHON, str(TRANSLATE), "--nprocs=2", "--epochs=6", "--train-size=400", f"--out={run_dir}"]
     proc = subprocess.Popen(args, env=base_env(), cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 240
-        while not (run_dir / "checkpoints" / "latest").exists():  # the first epoch's checkpoint (step 3 of 9)
+        while not (run_dir / "checkpoints" / "latest").exists():  # the first epoch's checkpoint (step 3 of 18)
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
             time.sleep(0.05)
+        children = live_children(proc.pid)  # the ranks, and multiprocessing's resource tracker
+        ranks = [pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(ranks) == 2, children
         if signum == signal.SIGINT:
             os.killpg(proc.pid, signum)
         else:
@@ -196,13 +199,17 @@ def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, tmp_path: 
             proc.wait()
     assert proc.returncode == 3, out[-3000:]  # stopped and saved (not a Slurm job): the command resumes it
     assert "to resume:" in out and "Traceback" not in out, out[-3000:]
-    survivors = subprocess.run(["pgrep", "-f", str(run_dir)], capture_output=True, text=True).stdout.split()
-    assert survivors == [], survivors
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived mgpu.spawn"
+    deadline = time.monotonic() + 10  # the tracker leaves once its pipe from the spawning process closes
+    while [pid for pid in children if Path(f"/proc/{pid}").exists()] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if Path(f"/proc/{pid}").exists()], "a child outlived mgpu.spawn"
     (stopped,) = stop_steps(run_dir)
-    assert 3 <= stopped < 9
+    assert 3 <= stopped < 18  # the ranks agree about once a second: well before the last step
+    assert not [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "finished"]
     resumed = subprocess.run(args, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert final_state(run_dir)["loader"] == {"epoch": 3, "position": 0}
+    assert final_state(run_dir)["loader"] == {"epoch": 6, "position": 0}
 
 
 def test_converting_the_spawn_loop_changes_a_few_lines() -> None:

@@ -115,7 +115,7 @@ def test_texts_scalars_best_and_wandb_across_a_resume(tmp_path: Path) -> None:
     texts = tb.Tensors("samples/text_summary")
     assert [t.step for t in texts] == [6, 12] and "reference" in texts[0].tensor_proto.string_val[0].decode()
 
-    runs = wandb_history(tmp_path / "wandb")
+    runs = wandb_history(run_dir / "wandb")  # wandb's files live in the run directory
     assert len(runs) == 2 and len({run_id for run_id, _ in runs}) == 1  # the resumed job continues the same run
     first, second = (sorted(row["_step"] for row in rows if "train/loss" in row) for _, rows in runs)
     assert first == [2, 4, 6, 8] and second == [10, 12]

@@ -231,14 +231,11 @@ class SlowEvalBlobTask(BlobTask):
 
 def test_a_slow_evaluation_batch_is_judged_by_the_evaluation_allowance(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # In process, a world of one: the real Trainer beats a real watchdog made from the config (as mgpu.runner
+    # In process, a world of one: the real Trainer beats a real watchdog made from the config (as mgpu.session
     # makes it), whose exit is replaced by a record of it. Steps take milliseconds (allowance: the 2 s floor);
     # one evaluation batch takes 6 s, within the evaluation allowance (watchdog.eval_s, 20 s): not a hang.
-    from mgpu.distributed import process_group
     from mgpu.environment import detect_environment
-    from mgpu.ledger import Ledger
-    from mgpu.preemption import StopRequest
-    from mgpu.rundir import RunDir
+    from mgpu.session import Session
     from mgpu.trainer import Trainer
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's own side effect
@@ -247,18 +244,17 @@ def test_a_slow_evaluation_batch_is_judged_by_the_evaluation_allowance(tmp_path:
                              "watchdog.floor_s=2", "watchdog.step_multiple=5", "watchdog.first_step_s=30",
                              "watchdog.eval_s=20", "watchdog.checkpoint_s=20", "log.tensorboard=false",
                              f"run.dir={tmp_path / 'run'}"])
-    run = RunDir(tmp_path / "run")
-    run.logs.mkdir(parents=True)
     exits: list[int] = []
     task = SlowEvalBlobTask(eval_size=30)
-    with process_group(detect_environment({})) as ctx:
-        dog = Watchdog.from_config(cfg.watchdog, 0, 1, run.logs, on_hang=lambda *args: None)
-        dog.exit = exits.append
-        dog.start()
-        try:
-            result = Trainer(cfg, task, ctx, run, Ledger(None), StopRequest(), watchdog=dog).fit()
-        finally:
-            dog.stop()
+    session = Session(config=cfg, env=detect_environment({}))  # its watchdog is made from the config
+    assert session.watchdog is not None
+    session.watchdog.exit = exits.append
+    try:
+        trainer = Trainer(cfg, task, session)
+        result = trainer.fit()
+        del trainer
+    finally:
+        session.end()
     assert task.paused and result.status == "finished"
     assert exits == []
 
@@ -393,7 +389,7 @@ def test_a_pause_within_the_allowance_outlasts_a_shorter_collective_timeout(tmp_
                                      "task.args.slow_factor=15", "task.args.pause_at=6", "task.args.pause_s=13",
                                      "train.epochs=2", "data.batch_size=4", "log.every_steps=1", "watchdog.floor_s=20",
                                      "watchdog.step_multiple=3", "watchdog.first_step_s=10", "watchdog.checkpoint_s=20",
-                                     "watchdog.collective_timeout_s=10", "log.tensorboard=false"))
+                                     "watchdog.collective_timeout_s=10", "watchdog.eval_s=20", "log.tensorboard=false"))
     assert [rc for rc, _ in results] == [0, 0], results[0][1][-2000:]
     events = read_ledger(tmp_path / "events.jsonl")
     assert not [e for e in events if e["event"] == "hang"]
