@@ -1,22 +1,22 @@
 """Where a run's time went, from its ledger (`events.jsonl`, see mgpu.ledger): pure functions, no torch.
 
 A run is a sequence of *segments*: one per start of the training processes (a `started` event; a new
-job id, restart count or an in-allocation `restarted` also begins one). Each segment's time is cut into
+job id, restart count or an in-allocation `restarted` also begins one). Its time is cut into
 
-    starting     the segment's start -> its first step (the run's own start: torch import, rendezvous,
-                 checkpoint load; with sacct, from the allocation's start)
+    starting     the run's first start -> its first step (torch import, rendezvous; with sacct, from the
+                 allocation's start)
     training     first step -> the stop (the first stop signal, the hang's last progress, the last sign of
                  life before a failure) or the end of training; steps that a later segment trains again are
                  `recomputing` instead (lost steps x the median step time)
     stopping     the stop -> the segment's last event (the stop's checkpoint, asking Slurm, requeueing);
                  with sacct, to the allocation's end
-    between      one segment's last event -> the next one's start. From the ledger alone this lumps together
-                 the processes' exit, Slurm's requeue hold, the time queued and the next process start;
-                 sacct tells them apart: `queued` (submit or end -> the next allocation's start) and the rest
+    restarting   one segment's end -> the next one's first step: the exit, Slurm's requeue hold, the process
+                 start, loading the checkpoint; from the ledger alone also the time the job waited in the queue
+    queued       only with sacct (`parse_sacct`): submit -> the first allocation, and a requeued job's pending
+                 time between allocations (taken out of `restarting`)
 
-Allocated time is only known from sacct (`parse_sacct`): without it the ledger's segments are a lower
-bound (the process start before `started` and the exit after the last event are not in the ledger), and
-the time a job waited in the queue is unknown.
+Allocated time is only known from sacct: without it the ledger spans from its first event to its last, the
+wait before the first start is unknown, and the queue wait between runs is part of `restarting`.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ class Interval:
     start: float
     end: float
     kind: str
-    """queued, starting, training, recomputing, stopping, between (ledger only), restarting (in place)."""
+    """queued, starting, training, recomputing, stopping, restarting."""
     segment: int | None = None
 
     @property
@@ -256,10 +256,11 @@ def timeline(segs: Sequence[Segment], runs: Sequence[SacctRun] = (), now: float 
         elif last_in_run and run is not None and run.end is not None:
             end = max(end, run.end)
         trained_from = seg.first_step_time
+        starting = "starting" if i == 0 else "restarting"
         if trained_from is None:
-            out.append(Interval(begin, end, "starting", i))
+            out.append(Interval(begin, end, starting, i))
         else:
-            out.append(Interval(begin, trained_from, "starting", i))
+            out.append(Interval(begin, trained_from, starting, i))
             stop = seg.stop_time if seg.stop_time is not None else (end if seg.kind == "running" else seg.end)
             redo = lost[i] * (seg.step_time_s or typical)
             # The lost steps are the last ones trained before the stop: that stretch was for nothing.
@@ -275,7 +276,7 @@ def timeline(segs: Sequence[Segment], runs: Sequence[SacctRun] = (), now: float 
                 else owners[i + 1].start
             if run is None or owners[i + 1] is None or same_alloc:
                 if gap_end > end:
-                    out.append(Interval(end, gap_end, "restarting" if same_alloc else "between", i))
+                    out.append(Interval(end, gap_end, "restarting", i))
     # Sources disagree by a second here and there (sacct's whole seconds, clocks of other nodes): every
     # second is counted once, in the category that began first.
     clipped: list[Interval] = []
@@ -305,10 +306,7 @@ class Goodput:
     by_kind: dict[str, float]
     """Seconds per Interval kind."""
     allocated_s: float | None
-    """sacct's allocations (None: unknown)."""
-    in_segments_s: float
-    """The ledger's segments (starting + training + recomputing + stopping): allocated time, or a lower
-    bound of it without sacct."""
+    """The time in sacct's allocations (None: unknown without sacct)."""
     lost_steps: int
     stops: list[StopCost]
     preemptions: int
@@ -327,7 +325,7 @@ def goodput(events: Sequence[Event], runs: Sequence[SacctRun] = (), now: float |
     """The run's time by category, its stops' costs and its preemption rate."""
     segs = segments(events)
     if not segs:
-        return Goodput(0.0, {}, None, 0.0, 0, [], 0, 0)
+        return Goodput(0.0, {}, None, 0, [], 0, 0)
     intervals = timeline(segs, runs, now)
     by_kind: dict[str, float] = {}
     for iv in intervals:
@@ -346,11 +344,11 @@ def goodput(events: Sequence[Event], runs: Sequence[SacctRun] = (), now: float |
                                    old.unrecovered + (back is None))
     first = min([iv.start for iv in intervals] + [segs[0].start])
     last = max([iv.end for iv in intervals] + [segs[-1].end])
-    in_segments = sum(by_kind.get(k, 0.0) for k in ("starting", "training", "recomputing", "stopping", "restarting"))
-    # With sacct the segments' intervals reach from each allocation's start to its end: they are the
-    # allocated time (sacct's whole seconds and the ledger's clock agree to a second or so).
-    allocated = in_segments if any(_run_of(s, runs) for s in segs) else None
-    return Goodput(last - first, by_kind, allocated, in_segments, sum(lost), sorted(stops.values(), key=lambda c: c.kind),
+    # With sacct every interval but `queued` lies in an allocation (sacct's whole seconds and the ledger's
+    # clock agree to a second or so): that is the allocated time.
+    matched = any(_run_of(s, runs) for s in segs)
+    allocated = sum(v for k, v in by_kind.items() if k != "queued") if matched else None
+    return Goodput(last - first, by_kind, allocated, sum(lost), sorted(stops.values(), key=lambda c: c.kind),
                    sum(1 for s in segs if s.kind in PREEMPTION_KINDS), len(segs))
 
 
@@ -366,13 +364,12 @@ def _dur(seconds: float) -> str:
 
 
 _ROWS = (
-    ("queued", "queued", "waiting for an allocation (sacct: submit or requeue -> start)"),
-    ("starting", "starting", "start -> first step (imports, rendezvous, loading the checkpoint)"),
-    ("training", "training", "first step -> stop, steps kept"),
-    ("recomputing", "recomputing", "steps trained again after a stop lost them"),
-    ("stopping", "stopping", "stop signal -> saved, requeued, exited"),
-    ("restarting", "restarting", "failed step -> started again in the same allocation"),
-    ("between", "between runs", "exit, requeue hold, queue and process start (sacct splits these)"),
+    ("queued", "waiting for an allocation (sacct: submit or requeue -> start)"),
+    ("starting", "the first start -> first step (imports, rendezvous)"),
+    ("training", "first step -> stop, steps kept"),
+    ("recomputing", "steps trained again after a stop lost them"),
+    ("stopping", "stop signal or failure -> exited (saving, requeueing)"),
+    ("restarting", "exited -> the next first step (requeue hold, start, loading the checkpoint{queue})"),
 )
 
 
@@ -380,21 +377,19 @@ def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
     """The goodput table and the stops table, as `jobs/status.py` prints them."""
     if not g.segments:
         return []
-    base = g.allocated_s if g.allocated_s else g.in_segments_s
-    lines = []
-    if g.allocated_s is not None:
-        lines.append(f"goodput     {100 * g.useful_s / base:.1f}% of {_dur(base)} allocated (sacct) spent training; "
-                     f"{g.segments} segment(s) over {_dur(g.span_s)}")
-    else:
-        lines.append(f"goodput     {100 * g.useful_s / base:.1f}% of {_dur(base)} in the ledger's segments spent "
-                     f"training; {g.segments} segment(s) over {_dur(g.span_s)}"
-                     + ("" if sacct_known else "; allocated and queued time need sacct"))
-    for key, label, what in _ROWS:
+    base = g.allocated_s if g.allocated_s else g.span_s
+    of = "allocated (sacct)" if g.allocated_s else "from the first event to the last"
+    lines = [f"goodput     {100 * g.useful_s / base if base else 0:.1f}% of {_dur(base)} {of} spent training; "
+             f"{g.segments} segment(s)" + ("" if g.allocated_s else
+                                           f"; {'sacct has no record of its jobs' if sacct_known else 'no sacct'}: "
+                                           "time queued is not known apart")]
+    for key, what in _ROWS:
         seconds = g.by_kind.get(key)
         if seconds is None and key != "training":
             continue
-        share = f"{100 * (seconds or 0) / base:5.1f}%" if key not in ("queued", "between") and base else "      "
-        lines.append(f"  {label:<13}{_dur(seconds or 0):>9} {share}  {what}")
+        share = f"{100 * (seconds or 0) / base:5.1f}%" if key != "queued" and base else "      "
+        what = what.format(queue="" if g.allocated_s else "; and the queue wait, without sacct")
+        lines.append(f"  {key:<13}{_dur(seconds or 0):>9} {share}  {what}")
     lines.append(f"  {'lost steps':<13}{g.lost_steps:>9}         trained again after a stop (normally 0)")
     if g.stops:
         per_day = g.preemptions_per_day

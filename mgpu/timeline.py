@@ -1,7 +1,7 @@
 """A picture of a run from its ledger: `plot_timeline(events, "run.png")`. Needs matplotlib (the `plot` extra).
 
 Top: every second of the run in its category (mgpu.goodput's intervals: queued, starting, training,
-recomputing, stopping, between runs), the stops by kind as vertical lines, checkpoints and evaluations
+recomputing, stopping, restarting), the stops by kind as vertical lines, checkpoints and evaluations
 as marks. Bottom, on the same time axis: the training loss of every progress event and the evaluations'
 first metric. matplotlib is imported here only, through its object API (no pyplot, no global state).
 """
@@ -16,7 +16,7 @@ from mgpu.goodput import SacctRun, segments, timeline
 __all__ = ["COLORS", "plot_timeline"]
 
 COLORS = {"queued": "#bdbdbd", "starting": "#9ecae1", "training": "#31a354", "recomputing": "#de2d26",
-          "stopping": "#fd8d3c", "restarting": "#756bb1", "between": "#eeeeee"}
+          "stopping": "#fd8d3c", "restarting": "#9e9ac8"}
 STOP_COLORS = {"preempted": "#e6550d", "requeued_by_slurm": "#a63603", "time_limit": "#3182bd",
                "user_signal": "#6baed6", "hang": "#7a0177", "failure": "#cb181d", "failed_not_retried": "#67000d",
                "killed": "#000000", "cancelled": "#636363", "interrupted": "#969696"}
@@ -53,8 +53,7 @@ def plot_timeline(events: Sequence[Mapping[str, Any]], path: str | Path, runs: S
     for kind, color in COLORS.items():
         spans = [(x(iv.start), (iv.end - iv.start) / scale) for iv in intervals if iv.kind == kind]
         if spans:
-            top.broken_barh(spans, (2.6, 0.8), facecolors=color, edgecolor="none",
-                            hatch="//" if kind == "between" else None)
+            top.broken_barh(spans, (2.6, 0.8), facecolors=color, edgecolor="none")
     saves = [x(e["time"]) for e in events if e["event"] == "checkpoint_saved"]
     evals = [x(e["time"]) for e in events if e["event"] == "evaluated"]
     top.plot(saves, [1.7] * len(saves), "|", color="#252525", markersize=10)

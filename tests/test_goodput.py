@@ -119,8 +119,9 @@ def test_lost_steps_and_recomputing(name: str) -> None:
 
 def test_time_by_category_from_the_ledger_alone() -> None:
     g = goodput(PREEMPTED)
-    assert g.by_kind == pytest.approx({"starting": 5 + 10, "training": 95 + 90, "stopping": 3, "between": 97})
-    assert g.allocated_s is None and g.in_segments_s == pytest.approx(203) and g.span_s == 300
+    # restarting: the exit at 103 -> the next first step at 210 (queue wait included: no sacct).
+    assert g.by_kind == pytest.approx({"starting": 5, "training": 95 + 90, "stopping": 3, "restarting": 107})
+    assert g.allocated_s is None and g.span_s == 300 and sum(g.by_kind.values()) == pytest.approx(300)
     (stop,) = g.stops
     assert (stop.kind, stop.count, stop.lost_steps, stop.unrecovered) == ("preempted", 1, 0, 0)
     assert stop.total_s == pytest.approx(110)  # the USR2 at 100 -> the resumed first step at 210
@@ -132,10 +133,11 @@ def test_time_by_category_with_sacct() -> None:
     g = goodput(PREEMPTED, runs)
     # queued: submit -> start, then the requeued job's end -> its next start; the allocation's edges
     # (process start before `started`, exit after the last event) go to starting and stopping.
-    assert g.by_kind == pytest.approx({"queued": 7 + 85, "starting": 8 + 20, "training": 95 + 90, "stopping": 5 + 1})
+    assert g.by_kind == pytest.approx({"queued": 7 + 85, "starting": 8, "restarting": 20, "training": 95 + 90,
+                                       "stopping": 5 + 1})
     assert g.allocated_s == pytest.approx((105 + 3) + (301 - 190))
     kinds = [iv.kind for iv in timeline(segments(PREEMPTED), runs)]
-    assert kinds == ["queued", "starting", "training", "stopping", "queued", "starting", "training", "stopping"]
+    assert kinds == ["queued", "starting", "training", "stopping", "queued", "restarting", "training", "stopping"]
 
 
 def test_timeline_counts_every_second_once() -> None:
@@ -205,13 +207,21 @@ def test_fingerprints_keep_the_newest_of_a_step_trained_twice() -> None:
 
 def test_goodput_lines() -> None:
     lines = goodput_lines(goodput(PREEMPTED), sacct_known=False)
-    assert lines[0].startswith("goodput     91.1% of 3m23s in the ledger's segments spent training")
-    assert lines[0].endswith("allocated and queued time need sacct")
-    assert any(line.split()[:3] == ["between", "runs", "1m37s"] for line in lines), lines
-    assert "stops       1; preemptions 1 (288 per day)" in lines
+    assert lines[0] == ("goodput     61.7% of 5m00s from the first event to the last spent training; 2 segment(s); "
+                        "no sacct: time queued is not known apart")
+    assert lines[1:6] == [
+        "  starting            5s   1.7%  the first start -> first step (imports, rendezvous)",
+        "  training         3m05s  61.7%  first step -> stop, steps kept",
+        "  stopping            3s   1.0%  stop signal or failure -> exited (saving, requeueing)",
+        "  restarting       1m47s  35.7%  exited -> the next first step (requeue hold, start, loading the checkpoint; "
+        "and the queue wait, without sacct)",
+        "  lost steps           0         trained again after a stop (normally 0)"]
+    assert lines[6] == "stops       1; preemptions 1 (288 per day)"
     assert lines[-1].split() == ["preempted", "1", "1m50s", "1m50s", "0"]
-    with_sacct = goodput_lines(goodput(PREEMPTED, [SacctRun("7", "COMPLETED", -10, -3, 105)]), sacct_known=True)
-    assert "allocated (sacct)" in with_sacct[0]
+    with_sacct = goodput_lines(goodput(PREEMPTED, [SacctRun("7", "REQUEUED", -10, -3, 105),
+                                                   SacctRun("7", "COMPLETED", 105, 190, 301)]), sacct_known=True)
+    assert with_sacct[0] == "goodput     84.5% of 3m39s allocated (sacct) spent training; 2 segment(s)"
+    assert with_sacct[1] == "  queued           1m32s         waiting for an allocation (sacct: submit or requeue -> start)"
     assert goodput_lines(goodput([]), sacct_known=False) == []
 
 
