@@ -301,7 +301,8 @@ def describe(run_dir: Path, now: float | None = None) -> list[str]:
         last, best = summary["last_eval"], summary.get("best_eval")
         text = f"step {last['step']}: {_metrics(last['metrics'])}"
         if best is not None:
-            text += "  (best)" if best["step"] == last["step"] else f"; best step {best['step']}: {_metrics(best['metrics'])}"
+            same = best["step"] == last["step"]
+            text += "  (best)" if same else f"; best step {best['step']}: {_metrics(best['metrics'])}"
         lines.append(f"evaluation  {text}")
     if "checkpoint" in summary:
         ckpt = summary["checkpoint"]

@@ -221,7 +221,8 @@ def test_goodput_lines() -> None:
     with_sacct = goodput_lines(goodput(PREEMPTED, [SacctRun("7", "REQUEUED", -10, -3, 105),
                                                    SacctRun("7", "COMPLETED", 105, 190, 301)]), sacct_known=True)
     assert with_sacct[0] == "goodput     84.5% of 3m39s allocated (sacct) spent training; 2 segment(s)"
-    assert with_sacct[1] == "  queued           1m32s         waiting for an allocation (sacct: submit or requeue -> start)"
+    assert with_sacct[1] == ("  queued           1m32s         waiting for an allocation (sacct: submit or requeue "
+                             "-> start)")
     assert goodput_lines(goodput([]), sacct_known=False) == []
 
 

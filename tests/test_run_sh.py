@@ -72,7 +72,8 @@ def test_skip_slurm_starts_no_cluster_and_leaves_out_e2e(tmp_path: Path) -> None
 
 
 @pytest.mark.parametrize("env, expect", [
-    ({"MGPU_SKIP_SLURM": "1", "CI": "true"}, "MGPU_SKIP_SLURM=1 is refused with CI=true: CI runs every test, the real-Slurm ones too"),
+    ({"MGPU_SKIP_SLURM": "1", "CI": "true"},
+     "MGPU_SKIP_SLURM=1 is refused with CI=true: CI runs every test, the real-Slurm ones too"),
     ({"MGPU_SKIP_SLURM": "yes"}, "MGPU_SKIP_SLURM=yes: set it to 1 (skip the real-Slurm tests) or leave it unset"),
 ])
 def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect: str) -> None:
