@@ -40,6 +40,7 @@ _SLURM_ID = re.compile(r"\d+(_\d+)?\Z")  # \Z, not $: "123\n" is no job id
 _EXPORT = re.compile(r"^export (MGPU_MAX_REQUEUES|MGPU_MAX_FAILURES)=(\S*)\s*(?:#.*)?$", re.M)
 PROG = "status"
 QUERY_TIMEOUT_S = 15
+LIVE_S = 900
 _ALIVE = {"PENDING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED", "RESIZING"}
 
 
@@ -321,7 +322,10 @@ def describe(run_dir: Path, now: float | None = None) -> list[str]:
         lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
     lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
     runs, sacct_known = _sacct_runs(events) if slurm else ([], False)
-    live = sched in ("RUNNING", "COMPLETING") or (sched is None and summary["state"] == "running")
+    # A running segment counts until now; without Slurm's word, only while the ledger is recent (a killed
+    # local run also looks "running").
+    live = sched in ("RUNNING", "COMPLETING") or (sched is None and summary["state"] == "running"
+                                                  and summary["last_event_age_s"] < LIVE_S)
     lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known))
     return lines
 
