@@ -282,6 +282,25 @@ def test_status_shows_evaluations_eta_and_budgets(tmp_path: Path) -> None:
     assert any(line.startswith("goodput ") for line in lines)
 
 
+def test_a_dead_running_looking_run_does_not_accrue_time(tmp_path: Path) -> None:
+    from jobs.status import describe
+
+    import json
+
+    now = time.time()
+    events = [ev(now - 7200, "started", job="local-1", launcher="single"),
+              ev(now - 7199, "first_step", job="local-1", step=1),
+              {**progress(now - 7190, 10), "job_id": "local-1"}]  # then killed: no end event, hours ago
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    lines = describe(tmp_path, now=now)
+    training = next(line for line in lines if line.startswith("  training"))
+    assert training.split()[1] == "9s", lines  # not two hours
+    fresh = [{**e, "time": e["time"] + 7000} for e in events]  # the same, 3 minutes ago: still running
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in fresh))
+    training = next(line for line in describe(tmp_path, now=now) if line.startswith("  training"))
+    assert training.split()[1] == "3m19s"
+
+
 def test_budgets_as_the_job_counts_them() -> None:
     from jobs.status import budgets, job_limits
     from mgpu.submission import Resources, setup_lines
