@@ -6,6 +6,7 @@ not, one with another seed) check --verify and the picture end to end.
 
 from __future__ import annotations
 
+import json
 import struct
 import subprocess
 import time
@@ -271,8 +272,6 @@ def test_status_shows_evaluations_eta_and_budgets(tmp_path: Path) -> None:
               ev(now - 50, "evaluated", job="local-1", step=50, metrics={"accuracy": 0.5, "loss": 1.25}, best=True),
               ev(now - 20, "evaluated", job="local-1", step=80, metrics={"accuracy": 0.45, "loss": 1.5}, best=False),
               {**progress(now - 10, 90, step_time=0.25, tokens_per_s=512.0), "job_id": "local-1"}]
-    import json
-
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     lines = describe(run_dir, now=now)
     assert "progress    step 90 of 100, epoch 0; logged 10s ago" in lines
@@ -284,8 +283,6 @@ def test_status_shows_evaluations_eta_and_budgets(tmp_path: Path) -> None:
 
 def test_a_dead_running_looking_run_does_not_accrue_time(tmp_path: Path) -> None:
     from jobs.status import describe
-
-    import json
 
     now = time.time()
     events = [ev(now - 7200, "started", job="local-1", launcher="single"),
