@@ -340,6 +340,7 @@ def settings_and_risks(cfg: ClusterConfig, pre: PreemptionFacts | None,
     elif pre is None:
         settings.append("preemption: not measured (give --preemptor-partition, a partition that preempts this one)")
     else:
+        settings.append("preemption: not measured (the probe job was not preempted)")
         risks.append(f"no preemption happened ({pre.why_not}): the preemptor partition may not preempt this one")
     return settings, risks
 

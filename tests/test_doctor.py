@@ -204,7 +204,8 @@ ENV_OK = analyze_env(_env_logs(), T0 + 60)
       "SIGKILL 5 s later)"], []),
     ("no preemptor", None, None,
      ["preemption: not measured (give --preemptor-partition, a partition that preempts this one)"], []),
-    ("nothing preempted", PreemptionFacts(False, "no signal within 120 s"), None, [],
+    ("nothing preempted", PreemptionFacts(False, "no signal within 120 s"), None,
+     ["preemption: not measured (the probe job was not preempted)"],
      ["no preemption happened (no signal within 120 s): the preemptor partition may not preempt this one"]),
 ])
 def test_settings_and_risks(name: str, pre: PreemptionFacts | None, env: EnvFacts | None, settings: list[str],
