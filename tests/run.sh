@@ -1,18 +1,62 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite: the README's test command, and what CI runs.
 #   bash tests/run.sh [pytest args...]
+#   MGPU_SKIP_SLURM=1 bash tests/run.sh [pytest args...]   # no Slurm cluster, tests/e2e not run
 # Creates .venv (torch pinned by constraints.txt to the CPU build), starts the local Slurm test
 # cluster when running as root (slurm/cluster/start.sh installs Debian's slurm-wlm on first use),
-# then runs pytest. Without root the real-Slurm tests skip with the reason; with CI=true they fail.
+# then runs pytest. Without root the real-Slurm tests skip with the reason; with CI=true they fail,
+# and MGPU_SKIP_SLURM is refused: CI runs everything.
+# It says what it will install and start before it does any of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+skip_slurm=${MGPU_SKIP_SLURM:-}
+case $skip_slurm in "" | 0) skip_slurm="" ;; 1) ;; *)
+  echo "tests/run.sh: MGPU_SKIP_SLURM=$skip_slurm: set it to 1 (skip the real-Slurm tests) or leave it unset" >&2
+  exit 2 ;;
+esac
+if [ -n "$skip_slurm" ] && [ "${CI:-}" = true ]; then
+  echo "tests/run.sh: MGPU_SKIP_SLURM=1 is refused with CI=true: CI runs every test, the real-Slurm ones too" >&2
+  exit 2
+fi
+
+# ----------------------------------------------------------------------------- what it will do
+venv_note="creates .venv (python3 -m venv) and"
+[ -x .venv/bin/python ] && venv_note="into the existing .venv,"
+echo "tests/run.sh: $venv_note pip-installs this package with its test extra (torch pinned by constraints.txt)"
+cluster=""
+if [ -n "$skip_slurm" ]; then
+  echo "tests/run.sh: MGPU_SKIP_SLURM=1: no Slurm cluster is installed or started; tests/e2e is not run"
+elif [ "$(id -u)" = 0 ] && [ -x slurm/cluster/start.sh ]; then
+  cluster=1
+  # The package list is start.sh's own (one place to change it).
+  read -r -a pkgs <<<"$(sed -n 's/^PKGS=(\(.*\))$/\1/p' slurm/cluster/start.sh)"
+  missing=()
+  for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "tests/run.sh: as root, slurm/cluster/start.sh will apt-get install (--no-install-recommends): ${missing[*]}"
+  else
+    echo "tests/run.sh: Debian packages already installed: ${pkgs[*]}"
+  fi
+  echo "tests/run.sh: and start, unless already running, a local 2-node Slurm cluster: munged, mariadbd" \
+    "(--skip-networking), slurmdbd, slurmctld, slurmd -N n1, slurmd -N n2 (state in" \
+    "${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}; '127.0.0.1 n1 n2' added to /etc/hosts if they do not resolve);" \
+    "they keep running after the tests: stop them with bash slurm/cluster/stop.sh"
+  echo "tests/run.sh: to skip all of that and the real-Slurm tests: MGPU_SKIP_SLURM=1 bash tests/run.sh"
+else
+  echo "tests/run.sh: not root: no Slurm cluster is started; the real-Slurm tests (tests/e2e) skip with the reason" \
+    "(with CI=true they fail). MGPU_SKIP_SLURM=1 leaves them out"
+fi
+
+# ----------------------------------------------------------------------------- doing it
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 
-if [ "$(id -u)" = 0 ] && [ -x slurm/cluster/start.sh ]; then
+if [ -n "$cluster" ]; then
   if ! slurm/cluster/start.sh; then
     echo "tests/run.sh: the local Slurm cluster did not start (see above)" >&2
     [ "${CI:-}" = true ] && exit 1
@@ -20,4 +64,7 @@ if [ "$(id -u)" = 0 ] && [ -x slurm/cluster/start.sh ]; then
 fi
 
 export OMP_NUM_THREADS=1
+if [ -n "$skip_slurm" ]; then
+  exec .venv/bin/python -m pytest --ignore=tests/e2e "$@"
+fi
 exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,148 @@
+"""jobs/doctor.py on the real test cluster: its report matches each preemption policy policy.sh can set
+(GraceTime 0 or > 0, with or without the user signal), the environment probe finds what start.sh set up
+(scontrol in jobs, a shared run root, resolvable nodes, a working self-requeue), and every probe job is
+cancelled, Ctrl-C and SIGTERM included. Bad input submits nothing.
+
+The full doctor runs once (the default policy); the other policies run its preemption probe only.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+import pytest
+from slurm_helpers import wait_until
+
+from tests.conftest import PYTHON, ROOT, base_env
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = pytest.mark.slurm
+
+DOCTOR = str(ROOT / "jobs" / "doctor.py")
+GRACE_S = 5
+
+
+def _doctor_jobs(cluster: SlurmCluster, pid: int | None = None) -> list[str]:
+    """Probe jobs still queued or running (of the doctor with `pid`, or of any)."""
+    out = cluster.run("squeue", "-h", "-o", "%i %j %T").stdout
+    suffix = f"-{pid}" if pid is not None else ""
+    return [line for line in out.splitlines() if line.split()[1].startswith("mgpu-doctor-")
+            and line.split()[1].endswith(suffix) and line.split()[2] != "COMPLETING"]
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    facts = tmp_path / "facts.json"
+    cmd = [PYTHON, DOCTOR, "--partition", "main", "--run-root", str(tmp_path / "runs"), "--json", str(facts), *args]
+    result = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}{result.stderr}"
+    return result, json.loads(facts.read_text())
+
+
+def _no_leftovers(cluster: SlurmCluster, tmp_path: Path) -> None:
+    wait_until("the probe jobs to be gone", lambda: not _doctor_jobs(cluster), timeout=60)
+    assert not (tmp_path / "runs" / ".mgpu-doctor").exists()
+
+
+def test_doctor_full_report_default_policy(slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
+                                           tmp_path: Path) -> None:
+    slurm_policy(grace=0, user_signal=True)
+    result, facts = _run(tmp_path, "--preemptor-partition", "high")
+    out = result.stdout
+    pre, env = facts["preemption"], facts["env"]
+    assert facts["configured"]["grace_s"] == 0 and facts["configured"]["user_signal"] is True
+    # GraceTime 0 with preempt_send_user_signal: USR2 with SIGTERM, no time before it; Slurm requeues.
+    assert pre["observed"] and pre["user_signal"] == "with_term" and pre["requeued"], pre
+    assert pre["kill_after_term_s"] is not None, pre  # the probe outlived SIGTERM: it saw when SIGKILL came
+    assert "the user signal (USR2) comes with SIGTERM, no earlier" in out
+    # The environment start.sh built: scontrol in jobs, one filesystem, n1/n2 in /etc/hosts.
+    assert env["tasks"] == 2 and sorted(env["nodes"]) == ["n1", "n2"]
+    assert all(env["scontrol"].values()), env
+    assert env["shared_error"] is None and env["shared_delay_s"] is not None
+    assert env["unresolved"] == [] and env["rendezvous"] is None
+    assert env["signal_lead_s"] is not None and env["signal_lead_s"] > 0 and env["signal_tasks"] == 2, env
+    assert env["requeue_rc"] == 0 and env["requeue_hold_s"] is not None, env
+    settings = facts["settings"]
+    assert any(s.startswith("signal lead: --signal-lead 120") for s in settings), settings
+    assert any(s.startswith("self-requeue: yes") for s in settings), settings
+    assert any(s.startswith("preemption: GraceTime 0") for s in settings), settings
+    # The one risk of this policy: only KillWait to save at a preemption.
+    assert [r.split(":")[0] for r in facts["risks"]] == [f"a preemption leaves {pre['kill_after_term_s']:.0f} s from "
+                                                         "SIGTERM to SIGKILL"], facts["risks"]
+    assert out.splitlines()[-1].startswith("  - a preemption leaves")
+    _no_leftovers(slurm_cluster, tmp_path)
+
+
+@pytest.mark.parametrize("grace, user_signal", [(0, False), (GRACE_S, True), (GRACE_S, False)])
+def test_doctor_preemption_matches_the_policy(slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
+                                              tmp_path: Path, grace: int, user_signal: bool) -> None:
+    slurm_policy(grace=grace, user_signal=user_signal)
+    result, facts = _run(tmp_path, "--preemptor-partition", "high", "--only", "preemption")
+    pre = facts["preemption"]
+    assert facts["configured"]["grace_s"] == grace and facts["configured"]["user_signal"] is user_signal
+    assert facts["env"] is None and pre["observed"] and pre["requeued"], pre
+    assert pre["kill_after_term_s"] is not None, pre
+    settings = facts["settings"]
+    # What each policy means for the job, as the doctor says it (no timings asserted: a loaded machine
+    # stretches them; the classification is what the policy decides).
+    if grace == 0:
+        assert pre["user_signal"] == "none", pre
+        assert any(s.startswith("preemption: GraceTime 0: mgpu stops on SIGTERM") for s in settings), settings
+        assert any(r.startswith("a preemption leaves") for r in facts["risks"])
+    elif user_signal:
+        # USR2 first; SIGTERM only when the grace is over.
+        assert pre["user_signal"] == "before_term", pre
+        assert any(s.startswith("preemption: mgpu stops on USR2 and requeues itself") for s in settings), settings
+        assert "the user signal (USR2) comes" in result.stdout and "before SIGTERM" in result.stdout
+    else:
+        # SIGTERM at once, and again when the grace is over.
+        assert pre["user_signal"] == "none" and [s for s, _ in pre["signals"]].count("SIGTERM") >= 2, pre
+        assert any(s.startswith("preemption: mgpu stops on the first SIGTERM") for s in settings), settings
+        assert "no user signal: SIGTERM first, SIGTERM again" in result.stdout
+    _no_leftovers(slurm_cluster, tmp_path)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_doctor_interrupted_cancels_its_jobs(slurm_cluster: SlurmCluster, tmp_path: Path, sig: int) -> None:
+    cmd = [PYTHON, DOCTOR, "--partition", "main", "--preemptor-partition", "high", "--run-root", str(tmp_path / "runs")]
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until("a probe job", lambda: _doctor_jobs(slurm_cluster, proc.pid), timeout=60)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, err
+    assert err.splitlines()[-1].startswith("doctor: interrupted; probe jobs cancelled: "), err
+    wait_until("its probe jobs to be gone", lambda: not _doctor_jobs(slurm_cluster, proc.pid), timeout=30)
+    assert not (tmp_path / "runs" / ".mgpu-doctor").exists()
+    # Gone because the doctor cancelled them (not because their files went with the probe directory).
+    states = wait_until("sacct to record them", lambda: [
+        line.split("|")[1] for line in slurm_cluster.run("sacct", "-n", "-X", "-P", "-S", since, "-o",
+                                                         "JobName,State").stdout.splitlines()
+        if line.startswith("mgpu-doctor-") and line.split("|")[0].endswith(f"-{proc.pid}")], timeout=30)
+    assert states and all(state.startswith("CANCELLED") for state in states), states  # type: ignore[union-attr]
+
+
+def test_doctor_bad_partition_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
+    before = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
+    started = time.time()
+    result = subprocess.run([PYTHON, DOCTOR, "--partition", "nosuch", "--run-root", str(tmp_path / "runs")],
+                            cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.splitlines() == ["doctor: error: --partition 'nosuch': Partition nosuch not found (sinfo -s "
+                                          "lists the partitions)"]
+    assert not (tmp_path / "runs").exists()
+    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started - 1))
+    names = slurm_cluster.run("sacct", "-n", "-X", "-P", "-S", since, "-o", "JobName").stdout.split()
+    assert not [n for n in names if n.startswith("mgpu-doctor-")], names
+    assert set(slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()) <= set(before)

@@ -1,0 +1,82 @@
+"""tests/run.sh says what it will install and start before it does, and MGPU_SKIP_SLURM=1 skips the cluster.
+
+The script runs for real, in a copy of the repository's layout whose heavy parts are stubs that log their
+calls: `.venv/bin/python` (pip and pytest), `slurm/cluster/start.sh` and `dpkg-query` (no package installed).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+LOG_STUB = '#!/bin/sh\necho "CALLED {name} $*" | tee -a "{log}"\n'
+
+
+def _tree(tmp_path: Path) -> tuple[Path, Path]:
+    repo, log = tmp_path / "repo", tmp_path / "calls.log"
+    (repo / "tests").mkdir(parents=True)
+    shutil.copy(ROOT / "tests" / "run.sh", repo / "tests" / "run.sh")
+    (repo / "constraints.txt").write_text("")
+    stubs = {repo / ".venv" / "bin" / "python": "python",
+             repo / "slurm" / "cluster" / "start.sh": "start.sh",
+             tmp_path / "bin" / "dpkg-query": "dpkg-query"}
+    for path, name in stubs.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = LOG_STUB.format(name=name, log=log)
+        if name == "start.sh":  # the package list run.sh announces is start.sh's own line
+            text += "exit 0\nPKGS=(slurmctld slurmd munge)\n"
+        if name == "dpkg-query":
+            text = "#!/bin/sh\nexit 1\n"  # nothing installed
+        path.write_text(text)
+        path.chmod(0o755)
+    return repo, log
+
+
+def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    repo, log = _tree(tmp_path)
+    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "MGPU_SKIP_SLURM")}
+    environ.update(PATH=f"{tmp_path / 'bin'}:{environ.get('PATH', '/usr/bin:/bin')}", **env)
+    result = subprocess.run(["bash", str(repo / "tests" / "run.sh"), "-q"], env=environ, capture_output=True,
+                            text=True, timeout=60)
+    calls = log.read_text().splitlines() if log.exists() else []
+    return result, calls
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cluster part of run.sh runs as root only")
+def test_says_what_it_installs_and_starts_first(tmp_path: Path) -> None:
+    result, calls = _run(tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    install = next(i for i, line in enumerate(out) if "will apt-get install" in line)
+    assert out[install].endswith("(--no-install-recommends): slurmctld slurmd munge")
+    start = next(i for i, line in enumerate(out) if "slurmctld, slurmd -N n1, slurmd -N n2" in line)
+    skip = next(i for i, line in enumerate(out) if "MGPU_SKIP_SLURM=1 bash tests/run.sh" in line)
+    first_call = next(i for i, line in enumerate(out) if line.startswith("CALLED"))
+    assert max(install, start, skip) < first_call, out  # said before anything ran
+    assert [c.split()[1] for c in calls] == ["python", "start.sh", "python"]
+    assert calls[-1] == "CALLED python -m pytest -q"
+
+
+def test_skip_slurm_starts_no_cluster_and_leaves_out_e2e(tmp_path: Path) -> None:
+    result, calls = _run(tmp_path, MGPU_SKIP_SLURM="1")
+    assert result.returncode == 0, result.stderr
+    assert "MGPU_SKIP_SLURM=1: no Slurm cluster is installed or started; tests/e2e is not run" in result.stdout
+    assert [c.split()[1] for c in calls] == ["python", "python"]  # pip, pytest: no start.sh
+    assert calls[-1] == "CALLED python -m pytest --ignore=tests/e2e -q"
+
+
+@pytest.mark.parametrize("env, expect", [
+    ({"MGPU_SKIP_SLURM": "1", "CI": "true"},
+     "MGPU_SKIP_SLURM=1 is refused with CI=true: CI runs every test, the real-Slurm ones too"),
+    ({"MGPU_SKIP_SLURM": "yes"}, "MGPU_SKIP_SLURM=yes: set it to 1 (skip the real-Slurm tests) or leave it unset"),
+])
+def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect: str) -> None:
+    result, calls = _run(tmp_path, **env)
+    assert result.returncode == 2 and result.stderr.splitlines() == [f"tests/run.sh: {expect}"]
+    assert calls == [] and result.stdout == ""
