@@ -247,6 +247,15 @@ def job_limits(script: str) -> Limits | None:
         return None
 
 
+def _recorded_limits(record: dict[str, Any]) -> Limits | None:
+    """The limits a `started` event recorded (None if they do not read as limits)."""
+    try:
+        return Limits(max_failures=int(record["max_failures"]),
+                      max_requeues=None if record.get("max_requeues") is None else int(record["max_requeues"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def budgets(events: list[dict[str, Any]], job_id: str, restart: int, limits: Limits | None) -> str:
     """The job's requeue budgets as mgpu.job counts them: stop requeues are Slurm's restarts less the
     failure requeues the ledger counts; failure requeues per job."""
@@ -312,9 +321,13 @@ def describe(run_dir: Path, now: float | None = None) -> list[str]:
         lines.append("checkpoint  none yet")
     lines.append(f"requeues    {summary['restart']} restart(s), {summary['requeues']} requeue event(s)")
     if slurm:
-        # The limits are in the job's batch script, which slurmctld keeps while the job is alive.
-        script = _query(["scontrol", "write", "batch_script", str(job_id), "-"]) if sched in _ALIVE else None
-        limits = job_limits(script) if script else None
+        # The limits the job's ranks read (their `started` event); else its batch script, kept while it is alive.
+        recorded = [e["limits"] for e in events if e.get("event") == "started" and str(e.get("job_id")) == str(job_id)
+                    and isinstance(e.get("limits"), dict)]
+        limits = _recorded_limits(recorded[-1]) if recorded else None
+        if limits is None:
+            script = _query(["scontrol", "write", "batch_script", str(job_id), "-"]) if sched in _ALIVE else None
+            limits = job_limits(script) if script else None
         lines.append(f"budgets     {budgets(events, str(job_id), summary['restart'], limits)}")
     if "hangs" in summary:
         lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")

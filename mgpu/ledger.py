@@ -3,7 +3,8 @@
 Every event has `time` (unix seconds), `event` and the job's `job_id` and `restart`; the rest
 depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.
 
-    started          world_size, nodes, launcher, config_path, git_sha
+    started          world_size, nodes, launcher, device, backend, run_dir, config_path, git_sha, limits
+                     (max_requeues, max_failures: the job's requeue limits as the ranks read them)
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
     first_step       step (the first step this run completed), collective_timeout_s, timings (rank 0's Unix
                      times: process start, session start, group formed, checkpoint find/loaded/restored,

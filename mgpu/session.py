@@ -412,7 +412,9 @@ class Session:
         self._began = True
         self.ledger.write("started", world_size=self.world_size, nodes=list(self.env.nodes),
                           launcher=self.env.launcher, device=str(self.device), backend=self.backend,
-                          run_dir=str(self.run.path), **{"git_sha": self.version, **fields})
+                          run_dir=str(self.run.path), limits={"max_requeues": self.limits.max_requeues,
+                                                              "max_failures": self.limits.max_failures},
+                          **{"git_sha": self.version, **fields})
         if self.resumed_from is not None:
             self.ledger.write("resumed", step=self.step, **{"from": str(self.resumed_from)},
                               skipped=self.resume_skipped)
