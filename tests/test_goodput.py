@@ -389,3 +389,17 @@ def test_status_goodput_and_timeline_png(runs: dict[str, Path], tmp_path: Path) 
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1100, 550)
     assert 20_000 < len(data) < 1_000_000  # drawn, not blank (a blank 1100x550 PNG is ~5 KB)
+
+
+def test_status_budgets_come_from_the_limits_the_job_recorded(tmp_path: Path) -> None:
+    # After the job is gone Slurm no longer has its batch script: the ranks recorded its limits in `started`.
+    from jobs.status import budgets, describe
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    now = time.time()
+    events = [ev(now - 100, "started", launcher="slurm", job="991234", limits={"max_requeues": 5, "max_failures": 2}),
+              ev(now - 99, "first_step", job="991234", step=1)]
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    lines = describe(run_dir, now=now)
+    assert f"budgets     {budgets(events, '991234', 0, Limits(5, 2))}" in lines, lines
