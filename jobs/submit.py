@@ -165,9 +165,8 @@ def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int, re
 
 @contextlib.contextmanager
 def _job_environ(res: Resources, resume: str) -> Iterator[None]:
-    """What the sbatch setup lines export, for the local executor (its controller copies os.environ)."""
-    values = {"MGPU_MAX_FAILURES": str(res.max_failures), "SUBMITIT_PREEMPT_SIGNAL": res.requeue_signal,
-              "MGPU_RESUME_COMMAND": resume}
+    """What the sbatch setup lines export, for the ranks that run here (they inherit os.environ)."""
+    values = {"MGPU_MAX_FAILURES": str(res.max_failures), "MGPU_RESUME_COMMAND": resume}
     if res.max_requeues is not None:
         values["MGPU_MAX_REQUEUES"] = str(res.max_requeues)
     saved = {key: os.environ.get(key) for key in values}
@@ -207,14 +206,34 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, res
                             "--qos and the resources)") from None
         print(said.getvalue(), end="", file=sys.stderr)
         return jobs
-    if cluster == "debug":
-        debug = submitit.DebugExecutor(folder)
-        return [debug.submit(fn) for fn in fns]
-    local = submitit.LocalExecutor(folder, max_num_timeout=max_num_timeout)
-    local.update_parameters(nodes=1, tasks_per_node=res.ntasks_per_node, gpus_per_node=res.gpus_per_node,
-                            timeout_min=res.time_s / 60, signal_delay_s=res.signal_lead_s)
-    with _job_environ(res, resume):
-        return [local.submit(fns[0])]  # the others start one after another (see main)
+    debug = submitit.DebugExecutor(folder)
+    return [debug.submit(fn) for fn in fns]
+
+
+def run_local(sub: Submission, res: Resources, resume: str) -> int:
+    """--cluster local: each config's ranks as processes here (mgpu.spawn), one run after another. Ctrl-C
+    (or SIGTERM to this process) stops them at the same step; they save, and this exits 3 with the
+    command that resumes; --time is kept with its signal lead, as Slurm would; no rank outlives it."""
+    from mgpu.job import local_rank
+    from mgpu.spawn import spawn
+
+    for i, cfg in enumerate(sub.configs):
+        run_dir = run_dir_for(cfg)
+        print(f"local run: {res.ntasks_per_node} rank(s)\n  run directory  {run_dir}\n"
+              f"  follow         python jobs/status.py {run_dir}", flush=True)
+        code = 0
+        with _job_environ(res, resume):
+            try:
+                spawn(local_rank, (sub.dicts[i], sub.config_path), res.ntasks_per_node, local=True,
+                      time_limit_s=res.time_s, signal_lead_s=res.signal_lead_s, requeue_signal=res.requeue_signal)
+            except SystemExit as ended:
+                code = int(ended.code or 0)
+        if code:
+            if code != 3:  # a stop's one line, with the command that resumes, came from rank 0 already
+                print(f"submit: run {run_dir} failed (exit {code}); fix it, then: {resume}", file=sys.stderr, flush=True)
+            return code
+        print(f"done: run {run_dir} finished", flush=True)
+    return 0
 
 
 def _print_job(job: Any, cfg: Any, cluster: str) -> Path:
@@ -270,10 +289,8 @@ def _error_line(error: BaseException) -> str:
 
 
 def _run_here(job: Any, run_dir: Path, cluster: str, poll_s: float) -> bool:
-    """Wait for a local or debug job, print its result or its error; True if it succeeded."""
+    """Wait for a debug job (in this process), print its result or its error; True if it succeeded."""
     try:
-        if cluster == "local":
-            follow([job], [run_dir], cluster, poll_s)
         results = job.results()
     except KeyboardInterrupt:
         job.cancel()
@@ -301,6 +318,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(line.lstrip("# "), flush=True)
     if cluster == "debug" and res.ntasks_per_node > 1:
         print("submit: note: --cluster debug runs one rank in this process", file=sys.stderr)
+    if cluster == "local":
+        return run_local(sub, res, resume)
     if cluster != "slurm":  # one job at a time on this machine, each waited for
         ok = True
         for i, cfg in enumerate(sub.configs):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import traceback
 from pathlib import Path
 from typing import NoReturn
 
@@ -24,7 +23,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mgpu.config import load_config  # noqa: E402  (no torch: validation is fast)
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 
-STOPPED_EXIT_CODE = 3
 PROG = "train"
 
 
@@ -49,23 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        from mgpu.job import JobStopped, run_job
+    from mgpu.job import cli_exit_code  # no torch at import: a bad config still fails in milliseconds
 
-        run_job(cfg, config_path=args.config, stop_at_step=args.stop_at_step)
-    except MgpuError as error:
-        exit_with(error, PROG)
-    except JobStopped as stopped:
-        print(f"train: {stopped}", file=sys.stderr, flush=True)
-        return STOPPED_EXIT_CODE
-    except Exception as error:  # not the user's input: keep the traceback, then say what it means
-        from mgpu.job import failure_note
-
-        traceback.print_exc()
-        print(f"train: {failure_note(error, cfg)}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+    return cli_exit_code(lambda: load_config(args.config, args.overrides), args.config, args.stop_at_step, PROG)
 
 
 if __name__ == "__main__":

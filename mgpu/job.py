@@ -31,9 +31,10 @@ from typing import Any, Callable
 from mgpu.config import Config, config_from_dict
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
-from mgpu.outcome import JobStopped, Outcome, resume_command
+from mgpu.outcome import STOPPED_EXIT_CODE, JobStopped, Outcome, resume_command
 
-__all__ = ["JobStopped", "TrainJob", "failure_note", "resume_command", "run_job", "run_training"]
+__all__ = ["JobStopped", "TrainJob", "cli_exit_code", "failure_note", "local_rank", "resume_command", "run_job",
+           "run_training"]
 
 log = logging.getLogger("mgpu.job")
 
@@ -80,6 +81,36 @@ def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = Non
                 f"fix it, then {resume_command(env)}")
     return (f"{what}; the job is requeued from its last checkpoint (failure requeue {used + 1} of "
             f"{limits.max_failures}), unless it was cancelled")
+
+
+def cli_exit_code(load: Callable[[], Config], config_path: str | None, stop_at_step: int | None, prog: str) -> int:
+    """A rank's job as a command runs it (jobs/train.py, `jobs/submit.py --cluster local`): bad input or a full
+    disk is one line and exit 2; a stop that stays down, one line with the resume command and exit 3; a
+    failure, its traceback, then one line saying what happens now, exit 1; else 0."""
+    import traceback
+
+    from mgpu.errors import exit_with
+
+    cfg = None
+    try:
+        cfg = load()
+        run_job(cfg, config_path=config_path, stop_at_step=stop_at_step)
+    except MgpuError as error:
+        exit_with(error, prog)
+    except JobStopped as stopped:
+        print(f"{prog}: {stopped}", file=sys.stderr, flush=True)
+        return STOPPED_EXIT_CODE
+    except Exception as error:  # not the user's input: keep the traceback, then say what it means
+        traceback.print_exc()
+        note = failure_note(error, cfg) if cfg is not None else f"{type(error).__name__} while reading the config"
+        print(f"{prog}: {note}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def local_rank(rank: int, config: dict[str, Any], config_path: str | None) -> None:
+    """One rank of `jobs/submit.py --cluster local` (started by mgpu.spawn); exits with its code."""
+    raise SystemExit(cli_exit_code(lambda: config_from_dict(config), config_path, None, "submit"))
 
 
 def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,

@@ -23,9 +23,11 @@ from mgpu.recovery import Limits, failure_requeues
 from mgpu.requeue import Budget, decide, requeue
 from mgpu.rundir import RunDir
 
-__all__ = ["JobStopped", "Outcome", "StopBudgets", "decide_after_stop", "resume_command"]
+__all__ = ["STOPPED_EXIT_CODE", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop", "resume_command"]
 
 log = logging.getLogger("mgpu.job")
+STOPPED_EXIT_CODE = 3
+"""A process's exit code when the run stopped on a signal, saved, and stays down (not requeued)."""
 
 
 class JobStopped(Exception):

@@ -40,7 +40,7 @@ from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
 from mgpu.fsutil import write_atomic
 from mgpu.ledger import Ledger
-from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, resume_command
+from mgpu.outcome import STOPPED_EXIT_CODE, JobStopped, Outcome, StopBudgets, decide_after_stop, resume_command
 from mgpu.preemption import StopRequest
 from mgpu.recovery import Limits, handle_failure
 from mgpu.rundir import RunDir
@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 __all__ = ["Session"]
 
 log = logging.getLogger("mgpu.train")
-STOPPED_EXIT_CODE = 3
 
 
 def _no_beat(phase: str, step: int | None = None) -> None:

@@ -2,28 +2,37 @@
 mgpu.Session, that also runs unchanged under a launcher: where srun, torchrun or submitit already started
 this process as one rank, `main(rank, *args)` runs here, once; otherwise N local ranks start, each with
 the environment a Session reads (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+`python -m mgpu.spawn -n N script.py [args]` does the same for a script (torchrun's local role).
 
 Unlike mp.spawn, a stop reaches every rank and nothing is left behind: the ranks share this process's
 process group, so a terminal's Ctrl-C reaches each of them (each treats it as a stop: save, then exit);
 this process ignores it and waits for them; a SIGTERM sent to this process alone is passed on to them;
-a rank whose parent dies gets SIGTERM (PR_SET_PDEATHSIG), so no rank is orphaned. The exit code is the
-ranks': 0 when all finished, 3 when they stopped and saved, else the first other non-zero one.
+a rank whose parent dies gets SIGTERM (PR_SET_PDEATHSIG), so no rank is orphaned. A time limit, when
+given, is kept as Slurm keeps one: the requeue signal some seconds before it, SIGTERM at it, SIGKILL
+after a grace period. The exit code is the ranks': 0 when all finished, 3 when they stopped and saved,
+else the first other non-zero one.
 """
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import sys
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Sequence
+
+from mgpu.outcome import STOPPED_EXIT_CODE
 
 __all__ = ["spawn"]
 
-STOPPED_EXIT_CODE = 3
 _PR_SET_PDEATHSIG = 1
+KILL_AFTER_S = 30.0
+"""After the time limit's SIGTERM, the ranks' grace period before SIGKILL (Slurm's KillWait)."""
 
 
 def _free_port() -> int:
@@ -44,43 +53,44 @@ def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, 
     fn(rank, *args)
 
 
-def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None = None) -> None:
-    """Run `fn(rank, *args)` on every rank: here, if a launcher started this process as one rank; else in
-    `nprocs` local processes (default: one per visible GPU, at least one). `fn` must be importable (defined at
-    module level, the script guarded by `if __name__ == "__main__":`), as for mp.spawn. Exits with the
-    ranks' code when it is not 0."""
+def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None = None, *, local: bool = False,
+          time_limit_s: float | None = None, signal_lead_s: float = 0.0, requeue_signal: str = "USR2") -> None:
+    """Run `fn(rank, *args)` on every rank: here, if a launcher started this process as one rank (unless
+    `local`); else in `nprocs` local processes (default: one per visible GPU, at least one). `fn` must be
+    importable (defined at module level, the script guarded by `if __name__ == "__main__":`), as for
+    mp.spawn. Exits with the ranks' code when it is not 0."""
     from mgpu.environment import detect_environment
 
-    env = detect_environment()
-    if env.launcher != "single" or env.world_size > 1:
-        fn(env.rank, *args)
-        return
+    if not local:
+        env = detect_environment()
+        if env.launcher != "single" or env.world_size > 1:
+            fn(env.rank, *args)
+            return
     if nprocs is None:
         import torch
 
         nprocs = max(torch.cuda.device_count(), 1)
-    if nprocs == 1:
+    if nprocs == 1 and time_limit_s is None:
         fn(0, *args)
         return
     port = _free_port()
     context = multiprocessing.get_context("spawn")
     procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid()), name=f"rank{rank}")
              for rank in range(nprocs)]
-    # The ranks start with the stop signals as this process has them; this process then only waits.
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends Ctrl-C to the ranks too
 
-    def forward(signum: int, frame: Any) -> None:
+    def send(signum: int) -> None:
         for proc in procs:
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signum)
 
-    signal.signal(signal.SIGTERM, forward)
+    # The ranks start with the stop signals as this process has them; this process then only waits.
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends Ctrl-C to the ranks too
+    signal.signal(signal.SIGTERM, lambda signum, frame: send(signum))
     try:
         for proc in procs:
             proc.start()
-        for proc in procs:
-            proc.join()
+        _wait(procs, send, time_limit_s, signal_lead_s, requeue_signal)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -91,3 +101,48 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
         raise SystemExit(failed[0] if failed[0] and failed[0] > 0 else 1)
     if STOPPED_EXIT_CODE in codes:
         raise SystemExit(STOPPED_EXIT_CODE)
+
+
+def _wait(procs: list[Any], send: Callable[[int], None], time_limit_s: float | None, lead_s: float,
+          requeue_signal: str) -> None:
+    """Until every rank exits; with a time limit, its signals on the way (each sent once)."""
+    from mgpu.preemption import signal_number
+
+    started = time.monotonic()
+    due = [] if time_limit_s is None else [(time_limit_s - lead_s, signal_number(requeue_signal)),
+                                           (time_limit_s, signal.SIGTERM), (time_limit_s + KILL_AFTER_S, signal.SIGKILL)]
+    for proc in procs:
+        while proc.is_alive():
+            proc.join(timeout=0.5)
+            while due and time.monotonic() - started >= due[0][0]:
+                send(due.pop(0)[1])
+
+
+def _run_script(rank: int, script: str, argv: list[str]) -> None:
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mgpu.spawn", description="Run a script on N local ranks "
+                                     "(torchrun's local role), with mgpu.spawn's stop and exit-code behaviour.")
+    parser.add_argument("-n", "--nprocs", type=int, required=True, help="local ranks")
+    parser.add_argument("script")
+    parser.add_argument("args", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.nprocs < 1:
+        parser.error(f"--nprocs {args.nprocs}: must be >= 1")
+    if not os.path.isfile(args.script):
+        parser.error(f"{args.script}: no such script")
+    from mgpu.spawn import _run_script as run_script  # by its module's name: picklable from `python -m`
+
+    try:
+        spawn(run_script, (args.script, args.args), args.nprocs, local=True)
+    except SystemExit as done:
+        return int(done.code or 0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

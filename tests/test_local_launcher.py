@@ -1,0 +1,103 @@
+"""The local launcher: `jobs/submit.py --cluster local` and `python -m mgpu.spawn` as a user drives them from a
+terminal: Ctrl-C (SIGINT to the whole foreground process group) or a SIGTERM to the launcher alone stops every
+rank at the same step; they save; the launcher exits 3 with the command that resumes, leaving no process
+behind; the same command resumes; a second launch on a run in use is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from mgpu.ledger import read_ledger
+from tests.conftest import PYTHON, ROOT, base_env, live_children
+
+pytestmark = pytest.mark.multiprocess
+
+SLOW = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.2", "train.epochs=30", "data.batch_size=4",
+        "log.every_steps=5"]
+
+
+def launch(args: list[str]) -> subprocess.Popen[str]:
+    # Its own session and process group, as a terminal's foreground job: killpg is the terminal's Ctrl-C.
+    return subprocess.Popen([PYTHON, *args], cwd=ROOT, env=base_env(), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(run_dir: Path, proc: subprocess.Popen[str], steps: int = 5, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while not [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "progress" and e["step"] >= steps]:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+
+
+def ranks_of(proc: subprocess.Popen[str]) -> list[int]:
+    return [pid for pid in live_children(proc.pid) if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+
+def stop(proc: subprocess.Popen[str], how: str) -> str:
+    if how == "ctrl-c":
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGTERM)  # to the launcher alone
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return out
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_submit_local_stops_saves_exits_3_and_resumes(how: str, tmp_path: Path) -> None:
+    args = [str(ROOT / "jobs" / "submit.py"), "--cluster", "local", "--gpus-per-node", "2", "--folder",
+            str(tmp_path / "runs"), *SLOW]
+    run_dir = tmp_path / "runs" / "run"
+    proc = launch(args)
+    wait_for_steps(run_dir, proc)
+    ranks = ranks_of(proc)
+    assert len(ranks) == 2
+    out = stop(proc, how)
+    assert proc.returncode == 3, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+    resume = re.search(r"to resume: (.+)$", out, re.M)
+    assert resume and "jobs/submit.py --cluster local" in resume[1], out[-3000:]
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived the launcher"
+    events = read_ledger(run_dir / "events.jsonl")
+    (preempted,) = [e for e in events if e["event"] == "preempted"]
+    saved = {e["step"] for e in events if e["event"] == "checkpoint_saved"}
+    assert preempted["step"] in saved and preempted["reasons"] == (["interrupt"] if how == "ctrl-c" else ["sigterm"])
+    again = subprocess.run([PYTHON, *args], cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resumes from its checkpoint at step {preempted['step']}" in again.stdout
+    resumed = [e["step"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    assert resumed == [preempted["step"]]
+
+
+def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:
+    args = [str(ROOT / "jobs" / "submit.py"), "--cluster", "local", "--gpus-per-node", "2", "--folder",
+            str(tmp_path / "runs"), *SLOW]
+    proc = launch(args)
+    try:
+        wait_for_steps(tmp_path / "runs" / "run", proc, steps=1)
+        second = subprocess.run([PYTHON, *args], cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=120)
+    finally:
+        stop(proc, "sigterm")
+    assert second.returncode == 2, second.stdout + second.stderr
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "is in use by process" in lines[0], second.stderr
+
+
+def test_mgpu_spawn_runs_a_script_on_local_ranks_and_a_stop_exits_3(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = launch(["-m", "mgpu.spawn", "-n", "2", str(ROOT / "jobs" / "train.py"), f"run.dir={run_dir}", *SLOW])
+    wait_for_steps(run_dir, proc)
+    out = stop(proc, "ctrl-c")
+    assert proc.returncode == 3 and "Traceback" not in out, out[-3000:]
+    assert "to resume:" in out
