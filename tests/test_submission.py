@@ -106,6 +106,7 @@ export SUBMITIT_PREEMPT_SIGNAL={lines.get('signal', 'USR2')}
 export MGPU_RESUME_COMMAND={q(resume)}
 export MGPU_RUN_DIR={q(str(run_dir))}
 export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank
+srun() {{ MGPU_SRUN_ARGS=("$@"); command srun "$@"; }}
 
 # command
 export SUBMITIT_EXECUTOR=slurm
@@ -116,7 +117,7 @@ srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.
 # teardown
 rc=$?
 while [ "$({q(PYTHON)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
-  rc=0; eval "$(grep -m 1 '^srun ' "$0")" || rc=$?
+  rc=0; srun "${{MGPU_SRUN_ARGS[@]}}" || rc=$?
 done
 exit "$rc\""""
 
@@ -464,6 +465,16 @@ INJECTIONS = {
     "partition, shell characters": (["--partition", "gpu;touch"], "--partition 'gpu;touch': Slurm expects"),
     "constraint, quote": (["--constraint", "a'b"], "--constraint"),
     "sweep value": (["--sweep", "task.args.x=a,'b\n\ntouch {tmp}/pwned'"], "--sweep"),  # YAML keeps one newline
+    # A plain override reaches the script inside the resume command (export MGPU_RESUME_COMMAND='...'): a
+    # newline split that line, and the teardown's restart ran the first line starting with `srun `.
+    "override, an srun line": (["task.args.note=a\nsrun touch {tmp}/pwned #"],
+                               "override 'task.args.note=a\\nsrun touch"),
+    "override, trailing newline": (["task.args.note=a\n"], "override 'task.args.note=a\\n': contains a newline"),
+    "override, carriage return": (["task.args.note=a\rtouch {tmp}/pwned"], "override 'task.args.note=a\\rtouch"),
+    "override, escape": (["task.args.note=a\x1b[2J"], "override 'task.args.note=a\\x1b[2J': contains a control"),
+    # int() and float() take a trailing newline: only the resume command's check sees these.
+    "nodes, trailing newline": (["--nodes", "2\n"], "--nodes '2\\n': contains a newline"),
+    "poll interval, CR LF": (["--poll-interval", "2\r\n"], "--poll-interval '2\\r\\n': contains a newline"),
 }
 
 
@@ -510,6 +521,28 @@ def test_quoted_values_stay_inside_their_line(tmp_path: Path, config: Path) -> N
     assert ran.returncode == 0, ran.stderr
     assert not marker.exists() and not folder.exists()
     assert srun_args.read_text().splitlines()[-1] == str(folder / "submitit")  # one argument, as given
+
+
+def test_the_teardown_restarts_srun_with_the_steps_own_arguments(tmp_path: Path, config: Path) -> None:
+    """A failed step is started again with the arguments the script's srun ran with, even when another
+    line of the script starts with `srun ` (the teardown used to run the first such line it found)."""
+    folder = tmp_path / "runs"
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(folder)])
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "job.sh"
+    script.write_text(result.stdout.replace("# setup\n", f"# setup\nsrun --decoy {tmp_path}/pwned\n"))
+    calls = tmp_path / "srun_calls"
+    # srun: the decoy line, the step (fails), the step again (succeeds); scontrol: the job is running.
+    path = fake_bin(tmp_path, srun=f'echo "$*" >> {calls}; [ "$(wc -l < {calls})" -ge 3 ]',
+                    scontrol='echo "JobId=7 JobState=RUNNING Reason=None Restarts=0 PreemptTime=None"')
+    env = base_env(PATH=path, SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()))  # this test is the job's task
+    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    decoy, step, again = calls.read_text().splitlines()
+    assert decoy == f"--decoy {tmp_path}/pwned" and step.endswith(f"-m submitit.core._submit {folder}/submitit")
+    assert again == step, "the restart ran another line than the step's srun"
+    ledger = [json.loads(line) for line in (folder / "blob" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in ledger][-1] == "restarted"
 
 
 BAD_RESOURCES: list[tuple[dict[str, Any], str]] = [
