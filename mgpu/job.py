@@ -114,7 +114,7 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     # would checkpoint inside the handler and requeue a second time).
     stop = StopRequest(cfg.preemption.signal).install()
     from mgpu.ledger import read_ledger
-    from mgpu.recovery import Limits, failure_requeues, handle_failure
+    from mgpu.recovery import Limits, failure_requeues, handle_failure, stop_requeues as stops_used
 
     limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
     from mgpu.requeue import Budget, decide, requeue
@@ -125,9 +125,10 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     env = env or detect_environment()
     run = RunDir.of(cfg.run)
     job_id = env.job_id if owns_slurm_job() else None
-    failures = failure_requeues(read_ledger(run.ledger), job_id) if job_id else 0
+    events = read_ledger(run.ledger) if job_id else []
+    failures = failure_requeues(events, job_id) if job_id else 0
     # Slurm's restart counter counts every requeue; the failure requeues are the ledger's to count.
-    stop_requeues = Budget(max(0, env.restart_count - failures), limits.max_requeues)
+    stop_requeues = Budget(stops_used(events, job_id, env.restart_count), limits.max_requeues)
     if job_id and stop_requeues.limit is not None and stop_requeues.used > stop_requeues.limit:
         _refuse_over_budget(run, env, stop_requeues)
     handled: list[BaseException] = []

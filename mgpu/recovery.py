@@ -37,7 +37,7 @@ from mgpu.requeue import Budget, JobView, decide, query_job, requeue
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main"]
+__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "stop_requeues"]
 
 log = logging.getLogger("mgpu.job")
 DEFAULT_MAX_FAILURES = 3
@@ -78,6 +78,16 @@ def failure_requeues(events: Sequence[Mapping[str, Any]], job_id: str) -> int:
     allocation), as the ledger recorded them."""
     return sum(1 for e in events if e.get("event") in ("requeued", "restarted") and e.get("job_id") == job_id
                and e.get("after") in FAILURE_KINDS)
+
+
+def stop_requeues(events: Sequence[Mapping[str, Any]], job_id: str | None, restart_count: int) -> int:
+    """Requeues of `job_id` after a stop (preemption, time limit, the user signal, an outside requeue).
+
+    Slurm's restart count counts every requeue; of the failures, only those that requeued the job
+    raised it: a step restarted in the same allocation (`restarted`) did not, so it is not subtracted."""
+    failed = sum(1 for e in events if e.get("event") == "requeued" and e.get("job_id") == job_id
+                 and e.get("after") in FAILURE_KINDS)
+    return max(0, restart_count - failed)
 
 
 def _this_attempt(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> list[Mapping[str, Any]]:

@@ -12,7 +12,7 @@ import pytest
 
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
-from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure
+from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure, stop_requeues
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import ancestors, owns_slurm_job
 
@@ -76,6 +76,40 @@ def test_failure_requeues_count_only_this_jobs_failures() -> None:
               {"event": "failed", "job_id": "7"}]
     assert failure_requeues(events, "7") == 4  # a hang that keeps coming back ends within MGPU_MAX_FAILURES
     assert failure_requeues(events, "9") == 0
+
+
+# Job 7 at SLURM_RESTART_COUNT 4: requeued once after a failure, restarted in place twice (no new restart
+# count), so 3 of its 4 restarts were stops (preemptions, time limits).
+MIXED = [{"event": "requeued", "job_id": "7", "after": "failure"},
+         {"event": "restarted", "job_id": "7", "after": "failure"},
+         {"event": "restarted", "job_id": "7", "after": "hang"},
+         {"event": "requeued", "job_id": "7", "how": "self"},
+         {"event": "requeued", "job_id": "8", "after": "failure"}]
+
+
+def test_stop_requeues_subtract_only_the_failures_that_requeued() -> None:
+    assert failure_requeues(MIXED, "7") == 3  # all three count against MGPU_MAX_FAILURES
+    assert stop_requeues(MIXED, "7", 4) == 3  # but only one of them raised the restart count
+    assert stop_requeues(MIXED, "7", 0) == 0 and stop_requeues([], None, 2) == 2
+
+
+def test_in_place_restarts_do_not_buy_extra_stop_requeues(tmp_path: Path) -> None:
+    """A job at restart 4 with MGPU_MAX_REQUEUES=2 whose ledger shows one failure requeue and two in-place
+    restarts has made 3 stop requeues: over its budget, it must not train (it did: 4 - 3 = 1 was counted)."""
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT
+    from tests.test_protocol import TRAIN, slurm_env
+
+    env = slurm_env(tmp_path, SLURM_RESTART_COUNT="4", MGPU_MAX_REQUEUES="2")
+    ledger = Ledger(tmp_path / "events.jsonl", env["SLURM_JOB_ID"], 0)
+    for event in MIXED[:4]:
+        ledger.write(event["event"], **{k: v for k, v in event.items() if k not in ("event", "job_id")})
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "requeue budget exhausted: this is restart 3 of at most 2" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()  # did not train
 
 
 def ledger_events(run: RunDir) -> list[dict]:
