@@ -26,14 +26,14 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion
 from mgpu.hostlist import expand_hostlist
-from mgpu.requeue import Budget, JobView, decide, query_job, requeue
+from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_command
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
@@ -147,11 +147,16 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [],
                               partition_nodes(view.partition), view.num_nodes) if bad and decision.requeue else None
         if plan is not None and plan.nodes is None and "would leave" in plan.why:
-            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=f"after a hang: {plan.why}; "
-                         f"the job stays down: check {bad} (scontrol show node {bad}), then resubmit", error=message)
-            return "none", plan.why
+            why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
+                   f"resume with: {resume_command()}")
+            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
+            return "none", why
         action: Action = "restart" if decision.requeue and may_restart and not (plan and plan.nodes) else \
             "requeued" if decision.requeue else "none"
+        if action == "none" and decision.event != "requeued_by_slurm":  # the job stays down: say how it continues
+            cancelled = decision.event in ("cancelled", "interrupted")
+            decision = replace(decision, why=f"{decision.why}; " + ("to resume: " if cancelled else
+                               "the job stays down; fix what failed, then resume with: ") + resume_command())
         why = f"after a {kind}: {decision.why}" + (f"; {plan.why}" if plan else "")
         ledger.write("stop_decision", what=decision.event, requeue=decision.requeue, action=action, reason=why,
                      error=message, **who)
@@ -167,7 +172,8 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")
         return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "")
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
-        return "none", f"could not requeue after the failure: {type(inner).__name__}: {inner}"
+        return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
+                        f"{resume_command(ask=False)}")
 
 
 def _replay(cmd: list[str], view: JobView) -> "subprocess.CompletedProcess[str]":
@@ -204,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # jobs/train.py's exit for bad input or a full disk (mgpu.errors): the same again on a requeue. The
         # ledger says so too, when it could be written; a full disk may have stopped that.
         print(f"mgpu.recovery: the step exited {USAGE_EXIT_CODE} (bad input or a full disk, see its one-line "
-              "error): not requeued; fix it, then resubmit", file=sys.stderr, flush=True)
+              f"error): not requeued; fix it, then resume with: {resume_command()}", file=sys.stderr, flush=True)
         return args.exit_code
     try:
         run = _run_dir(args)

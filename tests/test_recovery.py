@@ -153,6 +153,56 @@ def test_an_attempt_restarted_in_place_is_a_new_attempt(tmp_path: Path) -> None:
     assert run.failure_claim("7", 0).with_name(".failure-7-0-1").exists()
 
 
+# ------------------------------------------------------------- a job that stays down says how to resume
+RESUME = "cd /r && python jobs/submit.py --nodes 2 --config c.yaml"
+
+
+@pytest.fixture
+def running_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's view of job 7: running, no restart (what `scontrol show job` would say); the resume command."""
+    from mgpu.requeue import JobView
+
+    monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2,
+                                                                          partition="main"))
+    monkeypatch.setenv("MGPU_RESUME_COMMAND", RESUME)
+
+
+def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, running_job: None) -> None:
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("restarted", after="failure")
+    action, outcome = handle_failure(run, "7", 0, Limits(max_failures=1), "exit 1", may_restart=True)
+    assert action == "none"
+    assert outcome == ("terminated, but the failure budget is spent (1 of 1 failure requeues used); the job stays down; "
+                       f"fix what failed, then resume with: {RESUME}")
+    (decision,) = [e for e in ledger_events(run) if e["event"] == "stop_decision"]
+    assert decision["reason"] == f"after a failure: {outcome}"  # what jobs/status.py shows
+
+
+def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path: Path, running_job: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set(), raising=False)
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    assert action == "none" and outcome.startswith("after a hang: excluding n2 would leave 1 of the 2 nodes"), outcome
+    assert outcome.endswith(f"the job stays down: check n2 (scontrol show node n2), then resume with: {RESUME}")
+
+
+def test_recovery_after_bad_input_prints_the_command_that_resumes(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT, base_env
+
+    env = base_env(SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()), MGPU_RESUME_COMMAND=RESUME)
+    result = subprocess.run([PYTHON, "-m", "mgpu.recovery", "--exit-code", "2", "--run-dir", str(tmp_path)], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("mgpu.recovery: the step exited 2 (bad input or a full disk, see its one-line error): not "
+                             f"requeued; fix it, then resume with: {RESUME}\n")
+
+
 @pytest.mark.parametrize("bad, already, partition, needed, nodes, words", [
     ("n2", [], ["n1", "n2", "n3"], 2, ("n2",), "excluding n2 (now excluded: n2)"),
     ("n2", ["n9"], ["n1", "n2", "n3"], 1, ("n2", "n9"), "now excluded: n2, n9"),  # merged with the user's

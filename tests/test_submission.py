@@ -421,6 +421,37 @@ def test_sbatch_templates_pass_good_input_to_srun(tmp_path: Path, config: Path, 
     assert srun_args[-2:] == ["train.epochs=2", "run.name=it's"]
 
 
+@pytest.mark.parametrize("name", ["train.sbatch", "train_torchrun.sbatch"])
+def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config: Path, name: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template records the command with a placeholder for sbatch's options (which it cannot see);
+    mgpu fills them in from accounting's SubmitLine, and running that command submits the same job."""
+    from mgpu.requeue import resume_command
+
+    seen = tmp_path / "resume"
+    args = [str(config), "train.epochs=2", "run.name=it's"]
+    recorded = subprocess.run(["bash", str(ROOT / "slurm" / name), *args], capture_output=True, text=True, timeout=30,
+                              env=base_env(PATH=fake_bin(tmp_path, srun=f'echo "$MGPU_RESUME_COMMAND" > {seen}'),
+                                           SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
+                                           PYTHON=PYTHON, MGPU_MAX_REQUEUES="5"))
+    assert recorded.returncode == 0, recorded.stderr
+    command = seen.read_text().strip()
+    assert command == (f"cd {shlex.quote(str(ROOT))} && PYTHON={PYTHON} MGPU_MAX_REQUEUES=5 OMP_NUM_THREADS=1 sbatch "
+                       f"<the sbatch options of job 7> slurm/{name} {config} train.epochs=2 run.name=it\\'s")
+    submit_line = f"sbatch --nodes=2 -p main --time=1:00:00 slurm/{name} {' '.join(args)}"
+    monkeypatch.setattr("mgpu.requeue._run", lambda cmd: subprocess.CompletedProcess(cmd, 0, submit_line + "\n", ""))
+    monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
+    exact = resume_command({"MGPU_RESUME_COMMAND": command, "SLURM_JOB_ID": "7", "SLURM_TASK_PID": str(os.getpid())})
+    assert "<" not in exact and "slurm/" + name in exact, exact
+    submitted = tmp_path / "submitted"
+    stub = fake_bin(tmp_path, sbatch=f'{{ echo "PYTHON=$PYTHON MGPU_MAX_REQUEUES=$MGPU_MAX_REQUEUES"; '
+                                     f'printf "%s\\n" "$@"; }} > {submitted}')
+    ran = subprocess.run(["bash", "-c", exact], env=base_env(PATH=stub), capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert submitted.read_text().splitlines() == [f"PYTHON={PYTHON} MGPU_MAX_REQUEUES=5", "--nodes=2", "-p", "main",
+                                                  "--time=1:00:00", f"slurm/{name}", *args]
+
+
 @pytest.mark.multiprocess
 def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     if importlib.util.find_spec("mgpu.job") is None or importlib.util.find_spec("mgpu.requeue") is None:
