@@ -31,7 +31,7 @@ from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion
+from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
 from mgpu.hostlist import expand_hostlist
 from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_command
 from mgpu.rundir import RunDir
@@ -144,8 +144,11 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         view = query_job(job_id)
         decision = decide(set(), job_id, restart, budget, run=lambda cmd: _replay(cmd, view))
         bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
-        plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [],
-                              partition_nodes(view.partition), view.num_nodes) if bad and decision.requeue else None
+        plan = None
+        if bad and decision.requeue:
+            nodes = partition_nodes(view.partition)
+            plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [], nodes, view.num_nodes,
+                                  unavailable_nodes(nodes))
         if plan is not None and plan.nodes is None and "would leave" in plan.why:
             why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
                    f"resume with: {resume_command()}")

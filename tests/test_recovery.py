@@ -159,12 +159,15 @@ RESUME = "cd /r && python jobs/submit.py --nodes 2 --config c.yaml"
 
 @pytest.fixture
 def running_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Slurm's view of job 7: running, no restart (what `scontrol show job` would say); the resume command."""
+    """Slurm's view of job 7: running, no restart (what `scontrol show job` would say); the resume command;
+    no requeue."""
     from mgpu.requeue import JobView
 
     monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2,
                                                                           partition="main"))
     monkeypatch.setenv("MGPU_RESUME_COMMAND", RESUME)
+    # Never the real cluster's job 7: a requeue here is a test failure (pytest's Failed is no Exception).
+    monkeypatch.setattr("mgpu.recovery.requeue", lambda job_id: pytest.fail(f"job {job_id} requeued"))
 
 
 def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, running_job: None) -> None:
@@ -181,7 +184,7 @@ def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, 
 def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path: Path, running_job: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
-    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set(), raising=False)
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
     action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
@@ -217,3 +220,46 @@ def test_plan_exclusion(bad: str, already: list[str], partition: list[str], need
 
     plan = plan_exclusion(bad, already, partition, needed)
     assert plan.nodes == nodes and words in plan.why
+
+
+def test_nodes_down_or_drained_are_not_usable() -> None:
+    # n1, n2, n3 in the partition, n3 drained: excluding n2 leaves one node for a 2-node job (it was counted as 2).
+    from mgpu.exclusion import plan_exclusion
+
+    plan = plan_exclusion("n2", [], ["n1", "n2", "n3"], 2, {"n3"})
+    assert plan.nodes is None
+    assert plan.why == "excluding n2 would leave 1 of the 2 nodes the job needs in its partition (n1; down or drained: n3)"
+    assert plan_exclusion("n2", [], ["n1", "n2", "n3", "n4"], 2, {"n3"}).nodes == ("n2",)
+
+
+def test_unavailable_nodes_from_their_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from mgpu.exclusion import unavailable_nodes
+
+    states = {"n1": "IDLE", "n2": "ALLOCATED", "n3": "DOWN*", "n4": "IDLE+DRAIN", "n5": "MIXED+DRAIN", "n6": "FUTURE",
+              "n7": "IDLE+POWERED_DOWN", "n8": "IDLE*", "n9": "DOWN+NOT_RESPONDING", "n10": "MIXED+COMPLETING"}
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd[1:])
+        return subprocess.CompletedProcess(cmd, 0, "".join(f"NodeName={n} Arch=x86_64 State={s} Partitions=main\n"
+                                                           for n, s in states.items()), "")
+
+    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
+    assert unavailable_nodes(list(states), run) == {"n3", "n4", "n5", "n6", "n8", "n9"}
+    assert calls == [["show", "node", "-o", ",".join(states)]]
+    assert unavailable_nodes([], run) == set() and len(calls) == 1
+    failing = lambda cmd: subprocess.CompletedProcess(cmd, 1, "", "scontrol: error")  # noqa: E731
+    assert unavailable_nodes(["n1"], failing) == set()  # unknown: counted as usable, as before
+
+
+def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
+        tmp_path: Path, running_job: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2", "n3"])
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: {"n3"})
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    assert action == "none", outcome  # excluding n2 would have left the job pending on the drained n3
+    assert "would leave 1 of the 2 nodes the job needs in its partition (n1; down or drained: n3)" in outcome

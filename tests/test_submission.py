@@ -355,6 +355,11 @@ def test_sbatch_templates(name: str, tasks: str) -> None:
     assert any("%j" in line for line in sbatch if "--output=" in line)
     assert "srun --kill-on-bad-exit=1" in text and 'cd "${SLURM_SUBMIT_DIR' in text
     assert "jobs/train.py --config" in text
+    # The documented defaults: each said once, and as the script does it.
+    header = " ".join(line.lstrip("#").strip() for line in text.split("\n#SBATCH ", 1)[0].splitlines())
+    assert re.findall(r"MGPU_MAX_REQUEUES [^(]*\(default:? ([^)]*)\)", header) == ["no limit"], header
+    assert re.findall(r"MGPU_MAX_FAILURES [^(]*\(default:? (\d+)", header) == ["3"], header
+    assert 'MGPU_MAX_FAILURES="${MGPU_MAX_FAILURES:-3}"' in text
     if "torchrun" in name:  # every per-node value is expanded inside srun's bash -c, not in the batch shell
         body = text.split("bash -c '", 1)[1]
         assert "$SLURM_NODEID" in body and "--signals-to-handle=" in body and "SIGUSR2" in body

@@ -1,10 +1,11 @@
 """The fault matrix on the real test cluster: each scenario (tests/e2e/fault_matrix.py) is a 2-node job
 submitted with jobs/submit.py, stopped by a real Slurm event at a chosen moment, and followed to its end.
 
-Every scenario checks: the job ends or comes back as the README's table says (sacct's runs); a stop that
-gives a signal loses no step (each run resumes at the last step the previous one trained); the final
-checkpoint verifies and its weights, optimizer and schedule are bit-identical to an uninterrupted run;
-every wait is bounded. A job that stays down (scancel, or a disk that was full at its start) is
+Every scenario checks: the job ends or comes back as the README's table says (sacct's runs; a killed rank:
+one `restarted` step in the same allocation); a stop that gives a signal loses no step (each run resumes
+at the last step the previous one trained); the final checkpoint verifies, no newer one was skipped as
+broken, and its weights, optimizer and schedule are bit-identical to an uninterrupted run; a full disk
+was reported as ENOSPC; every wait is bounded. A job that stays down (scancel, or a disk that was full at its start) is
 resubmitted with the same command, which continues the same run. CI runs the seeded subset
 (`MGPU_FAULT_MATRIX` unset); `python tests/e2e/fault_matrix.py` runs them all and writes the table.
 """
@@ -23,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 from fault_matrix import REPORT_ENV, SELECT_ENV, SIGNAL_KINDS, Scenario, all_scenarios, selected
-from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, checkpoint_state, events, job_output, preempt,
-                         rank_record, submit_one, wait_steps)
+from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, events, job_output, preempt, rank_record, submit_one,
+                         wait_steps)
 from slurm_helpers import final_state, job, runs, wait_until
 
+from mgpu.checkpoint import CheckpointStore
 from tests.conftest import fill
 from tests.test_trainer import assert_identical
 
@@ -149,8 +151,26 @@ def steps_lost(run_dir: Path) -> list[int]:
 ALLOWED = {  # each kind: the states sacct may show for the runs before the last (which must be COMPLETED)
     "preempt-grace0": {"PREEMPTED", "REQUEUED"}, "preempt-grace10": {"REQUEUED"}, "scancel": set(),
     "scancel-usr2": {"REQUEUED"}, "time-limit": {"REQUEUED"}, "outside-requeue": {"REQUEUED"},
-    "kill-rank": {"REQUEUED"}, "disk-full": {"REQUEUED"},
+    "kill-rank": set(),  # the batch script starts the step again in the same allocation: no requeue
+    "disk-full": {"REQUEUED"},
 }
+
+
+def verified_state(run_dir: Path) -> dict[str, Any]:
+    """The latest checkpoint's state; it must verify, and no newer one may have been skipped as broken."""
+    loaded = CheckpointStore(run_dir / "checkpoints").latest()
+    assert loaded is not None, f"no checkpoint in {run_dir}"
+    assert loaded.skipped == (), f"checkpoints skipped as broken: {loaded.skipped}"
+    return loaded.state
+
+
+def enospc_reports(folder: Path, run_dir: Path, jobids: list[str]) -> list[str]:
+    """Every place a full disk was reported: the ledger's failed saves and failures, the ranks' logs and
+    the jobs' output (a job that stayed down because of it says so there)."""
+    found = [e.get("error", "") for e in events(run_dir) if e["event"] in ("checkpoint_failed", "failed")]
+    files = [*(run_dir / "logs").glob("rank*.log"), *(p for j in jobids for p in (folder / "submitit").glob(f"{j}_*"))]
+    found += [line for path in files if path.is_file() for line in path.read_text(errors="replace").splitlines()]
+    return [line for line in found if "ENOSPC" in line or "No space left on device" in line]
 
 
 @pytest.mark.parametrize("scenario", [pytest.param(s, id=s.id) for s in selected(os.environ.get(SELECT_ENV))])
@@ -185,7 +205,7 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             if scenario.kind == "scancel":
                 stops = [e["step"] for e in events(run_dir, "preempted") if e["job_id"] == jobid]
                 if stops:  # a stop was agreed (not a cancel before the ranks had started)
-                    assert checkpoint_state(run_dir)["progress"]["step"] == stops[-1]
+                    assert verified_state(run_dir)["progress"]["step"] == stops[-1]
             wait_until("the disk to be free again", lambda: not any(Path(h).exists() for h in highs if "/" in h), 30)
             again, same_dir = submit_one(folder, *args)
             jobids.append(again)
@@ -205,7 +225,10 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             assert all(n == 0 for n in lost), f"steps lost at the restarts: {lost}"
         elif scenario.kind == "kill-rank":
             assert all(n <= 2 for n in lost), lost  # back to the last checkpoint, at most checkpoint.every_steps
-        state_now = checkpoint_state(run_dir)
+        if scenario.kind == "kill-rank":  # the README: the batch script starts the step again in place
+            assert events(run_dir, "restarted"), events(run_dir)
+            assert [e["after"] for e in events(run_dir, "restarted")] == ["failure"], events(run_dir, "restarted")
+        state_now = verified_state(run_dir)
         assert state_now["progress"]["step"] == STEPS
         ref = reference.state()
         assert_identical({k: v for k, v in state_now["model"].items() if k != "ballast"}, ref["model"], "model")
@@ -215,6 +238,7 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
         if scenario.kind == "disk-full":
             failures = events(run_dir, "checkpoint_failed")
             assert all("ENOSPC" in e["error"] for e in failures), failures
+            assert enospc_reports(folder, run_dir, jobids), "the disk filled up and nothing said ENOSPC"
         row["passed"] = True
     finally:
         if not row["passed"] and scenario.kind == "disk-full" and run_dir.exists():
