@@ -240,6 +240,9 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             assert all("ENOSPC" in e["error"] for e in failures), failures
             assert enospc_reports(folder, run_dir, jobids), "the disk filled up and nothing said ENOSPC"
         row["passed"] = True
+    except BaseException as error:  # the table says why: the assertion's first line
+        row["error"] = (f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0])[:300]
+        raise
     finally:
         if not row["passed"] and scenario.kind == "disk-full" and run_dir.exists():
             shutil.copytree(run_dir, tmp_path / "run-copy", dirs_exist_ok=True)  # the tmpfs goes with the test
