@@ -154,8 +154,10 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
                    f"resume with: {resume_command()}")
             ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
             return "none", why
-        action: Action = "restart" if decision.requeue and may_restart and not (plan and plan.nodes) else \
-            "requeued" if decision.requeue else "none"
+        # A step that failed while the job is being preempted or reaching its time limit (e.g. a rank killed by
+        # the user signal before it could install a handler) must not start again here: the allocation is ending.
+        in_place = may_restart and not (plan and plan.nodes) and decision.event not in ("preempted", "time_limit")
+        action: Action = ("restart" if in_place else "requeued") if decision.requeue else "none"
         if action == "none" and decision.event != "requeued_by_slurm":  # the job stays down: say how it continues
             cancelled = decision.event in ("cancelled", "interrupted")
             decision = replace(decision, why=f"{decision.why}; " + ("to resume: " if cancelled else

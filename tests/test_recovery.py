@@ -175,8 +175,8 @@ def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, 
     Ledger(run.ledger, "7", 0).write("restarted", after="failure")
     action, outcome = handle_failure(run, "7", 0, Limits(max_failures=1), "exit 1", may_restart=True)
     assert action == "none"
-    assert outcome == ("terminated, but the failure budget is spent (1 of 1 failure requeues used); the job stays down; "
-                       f"fix what failed, then resume with: {RESUME}")
+    assert outcome == ("terminated, but the failure budget is spent (1 of 1 failure requeues used); the job stays "
+                       f"down; fix what failed, then resume with: {RESUME}")
     (decision,) = [e for e in ledger_events(run) if e["event"] == "stop_decision"]
     assert decision["reason"] == f"after a failure: {outcome}"  # what jobs/status.py shows
 
@@ -190,6 +190,27 @@ def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path
     action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
     assert action == "none" and outcome.startswith("after a hang: excluding n2 would leave 1 of the 2 nodes"), outcome
     assert outcome.endswith(f"the job stays down: check n2 (scontrol show node n2), then resume with: {RESUME}")
+
+
+@pytest.mark.parametrize("view, action", [
+    (("RUNNING", "None", 0, None), "restart"),                        # a crash: start the step again here
+    (("RUNNING", "None", 0, "2026-11-25T08:51:18"), "requeued"),      # preempted (GraceTime > 0): the allocation ends
+    (("RUNNING", "TimeLimit", 0, None), "requeued"),                  # the time limit is reached
+])
+def test_a_step_that_fails_while_the_allocation_ends_is_requeued_not_restarted(
+        view: tuple, action: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen in the fault matrix: the preemption's USR2 reached a rank before its handler (exit 140); the step
+    # was started again in the allocation being preempted, and Slurm requeued the job at the grace's end.
+    from mgpu.requeue import JobView, RequeueOutcome
+
+    requeued: list[str] = []
+    monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView(*view))
+    monkeypatch.setattr("mgpu.recovery.requeue", lambda job_id: requeued.append(job_id) or RequeueOutcome("self", "ok"))
+    run = RunDir(tmp_path)
+    got, outcome = handle_failure(run, "7", 0, Limits(), "the training step exited with code 140", may_restart=True)
+    assert got == action, outcome
+    assert requeued == ([] if action == "restart" else ["7"])
+    assert [e.get("after") for e in ledger_events(run) if e["event"] in ("restarted", "requeued")] == ["failure"]
 
 
 def test_recovery_after_bad_input_prints_the_command_that_resumes(tmp_path: Path) -> None:
@@ -228,7 +249,8 @@ def test_nodes_down_or_drained_are_not_usable() -> None:
 
     plan = plan_exclusion("n2", [], ["n1", "n2", "n3"], 2, {"n3"})
     assert plan.nodes is None
-    assert plan.why == "excluding n2 would leave 1 of the 2 nodes the job needs in its partition (n1; down or drained: n3)"
+    assert plan.why == ("excluding n2 would leave 1 of the 2 nodes the job needs in its partition "
+                        "(n1; down or drained: n3)")
     assert plan_exclusion("n2", [], ["n1", "n2", "n3", "n4"], 2, {"n3"}).nodes == ("n2",)
 
 

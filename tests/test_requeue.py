@@ -128,7 +128,8 @@ def test_sbatch_options_from_the_submit_line(line: str, args: list[str], words: 
     assert sbatch_options(line, args) == words
 
 
-OPEN = "cd /r && PYTHON=.venv/bin/python sbatch <the sbatch options of job 12> slurm/train.sbatch c.yaml run.name=it\\'s"
+OPEN = ("cd /r && PYTHON=.venv/bin/python sbatch <the sbatch options of job 12> slurm/train.sbatch c.yaml "
+        "run.name=it\\'s")
 OWN = {"MGPU_RESUME_COMMAND": OPEN, "SLURM_JOB_ID": "12", "SLURM_TASK_PID": str(os.getpid())}
 
 

@@ -103,8 +103,8 @@ def test_a_cancelled_template_job_prints_the_command_that_continues_it(slurm_clu
         found = re.findall(r"^train: stopped at step (\d+): the job was cancelled; .*; to resume: (.*)$", out, re.M)
         assert len(found) == 1, out[-3000:]
         step, resume = int(found[0][0]), found[0][1]
-        assert "<" not in resume and " -p main -N2 --gpus-per-node=1 --ntasks-per-node=1 --cpus-per-task=1 --time=5 -o " \
-            in resume, resume
+        options = " -p main -N2 --gpus-per-node=1 --ntasks-per-node=1 --cpus-per-task=1 --time=5 -o "
+        assert "<" not in resume and options in resume, resume
         again = subprocess.run(["bash", "-c", resume], env=env, capture_output=True, text=True, timeout=30)
         assert again.returncode == 0, again.stdout + again.stderr
         jobids.append(again.stdout.strip().split(";")[0])
