@@ -33,8 +33,8 @@ from typing import Callable, Literal, Mapping
 from mgpu.errors import MgpuError
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job", "requeue",
-           "resume_command", "sbatch_options"]
+__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job",
+           "requeue", "resume_command", "sbatch_options"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
                 "terminated", "not_slurm"]
