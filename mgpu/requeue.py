@@ -89,7 +89,7 @@ def _scontrol() -> str:
 # What slurm/*.sbatch put in MGPU_RESUME_COMMAND where the options given to sbatch belong: a batch script
 # cannot see them (only their effect). `resume_command` puts in the ones accounting recorded.
 _OPEN_OPTIONS = re.compile(r"(?P<head>.*?)\bsbatch <the sbatch options of job (?P<job>[^>]+)> (?P<script>\S+)"
-                           r"(?P<args>(?: \S+)*)")
+                           r"(?P<args>(?: .*)?)")  # the arguments as bash's printf %q wrote them (`a\ b`)
 
 
 def sbatch_options(submit_line: str, args: list[str]) -> list[str] | None:

@@ -27,9 +27,10 @@ from mgpu.hostlist import MAX_HOSTS, HostlistError, expand_hostlist
 from mgpu.rundir import RunDir
 
 __all__ = [
-    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_line", "check_resumable",
-    "check_run_root", "check_task_target", "expand_sweep", "parse_slurm_time", "parse_sweep", "run_dir_for",
-    "sbatch_script", "setup_lines", "slurm_parameters", "submitit_command", "submitit_folder", "teardown_lines",
+    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_line",
+    "check_resumable", "check_run_root", "check_task_target", "expand_sweep", "parse_slurm_time", "parse_sweep",
+    "run_dir_for", "sbatch_script", "setup_lines", "slurm_parameters", "submitit_command", "submitit_folder",
+    "teardown_lines",
 ]
 
 MAX_ARRAY_SIZE = 1000  # below Slurm's default MaxArraySize (1001)

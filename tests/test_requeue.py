@@ -147,6 +147,9 @@ def sacct(line: str, rc: int = 0) -> tuple[list[list[str]], object]:
     # The templates' placeholder, filled from accounting's SubmitLine (the arguments stay as the template quoted them).
     (OWN, "sbatch -N2 --time=1:00 slurm/train.sbatch c.yaml run.name=it's\n", True,
      "cd /r && PYTHON=.venv/bin/python sbatch -N2 --time=1:00 slurm/train.sbatch c.yaml run.name=it\\'s"),
+    ({**OWN, "MGPU_RESUME_COMMAND": OPEN + " task.args.x=a\\ b"}, "sbatch -N2 slurm/train.sbatch c.yaml "
+     "run.name=it's task.args.x=a b", True, "cd /r && PYTHON=.venv/bin/python sbatch -N2 slurm/train.sbatch c.yaml "
+     "run.name=it\\'s task.args.x=a\\ b"),                          # an argument with a space (bash's %q: a\ b)
     (OWN, "", True, OPEN),                                          # no accounting record (yet)
     (OWN, "sbatch --comment a b slurm/train.sbatch c.yaml run.name=it's", True, OPEN),  # ambiguous: kept open
     (OWN, "sbatch -N2 slurm/train.sbatch c.yaml run.name=it's", False, OPEN),  # not asked (a rank other than 0)

@@ -434,7 +434,7 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
     from mgpu.requeue import resume_command
 
     seen = tmp_path / "resume"
-    args = [str(config), "train.epochs=2", "run.name=it's"]
+    args = [str(config), "train.epochs=2", "run.name=it's", "task.args.note=a b"]
     recorded = subprocess.run(["bash", str(ROOT / "slurm" / name), *args], capture_output=True, text=True, timeout=30,
                               env=base_env(PATH=fake_bin(tmp_path, srun=f'echo "$MGPU_RESUME_COMMAND" > {seen}'),
                                            SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
@@ -442,7 +442,8 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
     assert recorded.returncode == 0, recorded.stderr
     command = seen.read_text().strip()
     assert command == (f"cd {shlex.quote(str(ROOT))} && PYTHON={PYTHON} MGPU_MAX_REQUEUES=5 OMP_NUM_THREADS=1 sbatch "
-                       f"<the sbatch options of job 7> slurm/{name} {config} train.epochs=2 run.name=it\\'s")
+                       f"<the sbatch options of job 7> slurm/{name} {config} train.epochs=2 run.name=it\\'s "
+                       "task.args.note=a\\ b")
     submit_line = f"sbatch --nodes=2 -p main --time=1:00:00 slurm/{name} {' '.join(args)}"
     monkeypatch.setattr("mgpu.requeue._run", lambda cmd: subprocess.CompletedProcess(cmd, 0, submit_line + "\n", ""))
     monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
