@@ -202,7 +202,7 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, res
     if cluster == "slurm":
         executor = submitit.SlurmExecutor(folder, max_num_timeout=max_num_timeout)
         executor.update_parameters(**slurm_parameters(res, max_parallel, [run_dir_for(c) for c in sub.configs],
-                                                      resume))
+                                                      resume, folder))
         said = io.StringIO()  # submitit prints sbatch's complaint itself: keep it for our one line
         try:
             with contextlib.redirect_stderr(said):

@@ -206,11 +206,13 @@ class Resources:
         return self.gpus_per_node or self.tasks_per_node or 1
 
 
-def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | None = None) -> list[str]:
+def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | None = None,
+                folder: str | Path | None = None) -> list[str]:
     """Lines the batch script runs before srun: what the job reads from its environment.
 
     `run_dirs`: one per array task (index SLURM_ARRAY_TASK_ID), for the teardown's `mgpu.recovery`;
-    `resume`: the exact command that continues the run, quoted into every "resume" message.
+    `resume`: the exact command that continues the run, quoted into every "resume" message;
+    `folder`: submitit's, where a result it could not finish writing is removed before each step.
     """
     if resume:
         check_line("the resume command", resume)
@@ -226,10 +228,16 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
         lines += [f"MGPU_RUN_DIRS=({' '.join(shlex.quote(str(d)) for d in run_dirs)})",
                   'export MGPU_RUN_DIR="${MGPU_RUN_DIRS[${SLURM_ARRAY_TASK_ID:-0}]}"']
     if run_dirs:
+        # submitit writes a task's result to <result>.save_tmp, then renames it, and refuses to write one
+        # where a .save_tmp exists: one left by a write that failed (a full disk) would fail every later run
+        # of this job (same id, same names) at its very end. So each step starts without them.
+        stale = "" if folder is None else (
+            f'rm -f -- {shlex.quote(str(Path(folder).expanduser().absolute()))}/'
+            '"${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}${SLURM_ARRAY_JOB_ID:+_$SLURM_ARRAY_TASK_ID}"_*_result.pkl.save_tmp; ')
         lines += ["export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank",
                   # The teardown starts the step again with srun's own arguments, recorded here as it runs,
                   # not with a line read back from the script (another line could start with `srun ` too).
-                  'srun() { MGPU_SRUN_ARGS=("$@"); command srun "$@"; }']
+                  f'srun() {{ MGPU_SRUN_ARGS=("$@"); {stale}command srun "$@"; }}']
     return lines
 
 
@@ -245,12 +253,12 @@ def teardown_lines() -> list[str]:
 
 
 def slurm_parameters(res: Resources, max_parallel: int = 4, run_dirs: Sequence[Path] = (),
-                     resume: str | None = None) -> dict[str, Any]:
+                     resume: str | None = None, folder: str | Path | None = None) -> dict[str, Any]:
     """Parameters for `SlurmExecutor.update_parameters` (the names of submitit's `_make_sbatch_string`)."""
     params: dict[str, Any] = {
         "job_name": res.job_name, "nodes": res.nodes, "ntasks_per_node": res.ntasks_per_node,
         "time": res.time_min, "signal_delay_s": res.signal_lead_s, "array_parallelism": max_parallel,
-        "setup": setup_lines(res, run_dirs, resume), "srun_args": ["--kill-on-bad-exit=1"],
+        "setup": setup_lines(res, run_dirs, resume, folder), "srun_args": ["--kill-on-bad-exit=1"],
         # submitit adds --open-mode=append but not --requeue (it relies on the cluster's JobRequeue=1);
         # --mem goes through as Slurm spells it (submitit's own `mem` wants GB as a float).
         "additional_parameters": {"requeue": True, "signal": f"{res.requeue_signal}@{res.signal_lead_s}",
@@ -280,7 +288,7 @@ def sbatch_script(res: Resources, command: str, folder: str | Path, array_size: 
     """The exact sbatch file SlurmExecutor would submit, from submitit's own generator; submits nothing."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = slurm_parameters(res, max_parallel, run_dirs, resume)
+    params = slurm_parameters(res, max_parallel, run_dirs, resume, folder)
     if array_size is not None and array_size > 1:
         params["map_count"] = array_size  # what SlurmExecutor sets on its copy for an array
     return _make_sbatch_string(command=command, folder=Path(folder).expanduser().absolute(), **params)

@@ -19,8 +19,8 @@ import pytest
 
 from mgpu.errors import MgpuError
 from mgpu.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
-                             parse_slurm_time, parse_sweep, sbatch_script, slurm_parameters, submitit_command,
-                             submitit_folder)
+                             parse_slurm_time, parse_sweep, sbatch_script, setup_lines, slurm_parameters,
+                             submitit_command, submitit_folder)
 from tests.conftest import PYTHON, ROOT, base_env
 
 SUBMIT = str(ROOT / "jobs" / "submit.py")
@@ -106,7 +106,8 @@ export SUBMITIT_PREEMPT_SIGNAL={lines.get('signal', 'USR2')}
 export MGPU_RESUME_COMMAND={q(resume)}
 export MGPU_RUN_DIR={q(str(run_dir))}
 export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank
-srun() {{ MGPU_SRUN_ARGS=("$@"); command srun "$@"; }}
+srun() {{ MGPU_SRUN_ARGS=("$@"); rm -f -- {q(f)}/"${{SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}${{SLURM_ARRAY_JOB_ID:+_$SLURM_ARRAY_TASK_ID}}"\
+_*_result.pkl.save_tmp; command srun "$@"; }}
 
 # command
 export SUBMITIT_EXECUTOR=slurm
@@ -508,7 +509,7 @@ INJECTIONS = {
                                "override 'task.args.note=a\\nsrun touch"),
     "override, trailing newline": (["task.args.note=a\n"], "override 'task.args.note=a\\n': contains a newline"),
     "override, carriage return": (["task.args.note=a\rtouch {tmp}/pwned"], "override 'task.args.note=a\\rtouch"),
-    "override, escape": (["task.args.note=a\x1b[2J"], "override 'task.args.note=a\\x1b[2J': contains a control"),
+    "override, escape": (["task.args.note=a\x1b[2J"], "override 'task.args.note=a\\x1b[2J': invalid YAML"),
     # int() and float() take a trailing newline: only the resume command's check sees these.
     "nodes, trailing newline": (["--nodes", "2\n"], "--nodes '2\\n': contains a newline"),
     "poll interval, CR LF": (["--poll-interval", "2\r\n"], "--poll-interval '2\\r\\n': contains a newline"),
@@ -580,6 +581,30 @@ def test_the_teardown_restarts_srun_with_the_steps_own_arguments(tmp_path: Path,
     assert again == step, "the restart ran another line than the step's srun"
     ledger = [json.loads(line) for line in (folder / "blob" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in ledger][-1] == "restarted"
+
+
+@pytest.mark.parametrize("environ, stale, kept", [
+    ({"SLURM_JOB_ID": "7"}, ["7_0_result.pkl.save_tmp", "7_1_result.pkl.save_tmp"],
+     ["8_0_result.pkl.save_tmp", "7_0_result.pkl", "70_0_result.pkl.save_tmp"]),
+    ({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "2"}, ["5_2_0_result.pkl.save_tmp"],
+     ["5_3_0_result.pkl.save_tmp", "12_0_result.pkl.save_tmp"]),
+])
+def test_each_step_starts_without_a_result_submitit_could_not_finish(
+        tmp_path: Path, environ: dict[str, str], stale: list[str], kept: list[str]) -> None:
+    """Seen in the fault matrix: a result write that met a full disk left `<result>.save_tmp`, and every
+    later run of the job (restarted in place, requeued: the same names) failed at its end on submitit's
+    `A temporary saved file already exists`, until the failure budget was spent."""
+    folder = tmp_path / "my runs" / "submitit"
+    folder.mkdir(parents=True)
+    for name in stale + kept:
+        (folder / name).write_text("x")
+    (line,) = [ln for ln in setup_lines(Resources(), [tmp_path / "run"], folder=folder) if ln.startswith("srun()")]
+    seen = tmp_path / "seen"
+    path = fake_bin(tmp_path, srun=f'ls {shlex.quote(str(folder))} > {seen}')
+    ran = subprocess.run(["bash", "-c", f"{line}\nsrun x"], env=base_env(PATH=path, **environ), capture_output=True,
+                         text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(seen.read_text().split()) == sorted(kept)  # gone before srun started the step
 
 
 BAD_RESOURCES: list[tuple[dict[str, Any], str]] = [
