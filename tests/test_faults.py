@@ -73,6 +73,36 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     assert latest is not None and latest.step in (1, 2) and str(latest.path) == named[1]
 
 
+def test_tensorboard_on_a_full_disk_loses_points_not_the_run(small_fs: Callable[[int], Path],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # Seen in the fault matrix (disk-full@evaluation): TensorBoard's writer thread met ENOSPC, its next call
+    # raised it in rank 0's training loop, and the run crashed instead of going on as the README says.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mgpu.reporting import Reporter
+    from tests.conftest import fill
+
+    monkeypatch.setattr("mgpu.reporting.REOPEN_AFTER_S", 0.0)  # reopen at the next log interval
+    fs = small_fs(512)
+    reporter = Reporter(True, fs / "tb", total_steps=400, resume_step=0, progress_bar="off")
+    metrics = {f"metric_{i}": float(i) for i in range(8)}
+    reporter.scalars(1, metrics, "train")
+    ballast = fill(fs)
+    for step in range(2, 300):  # far more than the slack of the event file's last page
+        reporter.scalars(step, metrics, "train")
+    ballast.unlink()
+    for step in range(300, 303):
+        reporter.scalars(step, metrics, "train")
+    reporter.close()
+    warnings = [r.getMessage() for r in caplog.records if "TensorBoard: cannot write" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+    events = EventAccumulator(str(fs / "tb"))
+    events.Reload()
+    steps = {e.step for e in events.Scalars("train/metric_0")}
+    assert 1 in steps and {300, 301, 302} <= steps, sorted(steps)
+
+
 # ---------------------------------------------------------------------------- D1: DataLoader workers
 def start_step(run_dir: Path, world: int, *args: str) -> list[subprocess.Popen[str]]:
     """`world` ranks in one process group, as slurmstepd runs a step's tasks: a signal to the group
