@@ -10,9 +10,10 @@ run in tests/e2e/test_fault_matrix.py.
 Stop kinds: preemption with GraceTime 0 (Slurm requeues; the user signal, then TERM, KILL 5 s later),
 preemption with GraceTime 10 and the user signal (the job requeues itself), `scancel`, `scancel
 --signal=USR2`, the time limit's `--signal` lead, an outside `scontrol requeue`, one rank SIGKILLed,
-the run's filesystem full for 4 s. Moments: the rendezvous (the job has just started), the first
-step after a resume (an outside requeue first), mid-step, inside an evaluation, inside a checkpoint
-write. The time limit's signal comes at Slurm's own 30 s check, so it has one moment: whenever it
+the run's own filesystem (`run.dir`; the job's output is elsewhere) full from that moment until a
+write has met it and said so (at least 4 s, at most 94 s). Moments: the rendezvous (the job has just
+started; for a killed rank or a full disk, its processes have), the first step after a resume (an
+outside requeue first), mid-step, inside an evaluation, inside a checkpoint write. The time limit's signal comes at Slurm's own 30 s check, so it has one moment: whenever it
 lands (recorded as mid-step).
 """
 

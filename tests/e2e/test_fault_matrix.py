@@ -45,6 +45,7 @@ MATRIX = ["task.target=tests.e2e.jobtasks:MatrixTask", "task.args.step_s=0.25", 
           "schedule.warmup_steps=3", "optim.lr=0.01"]
 STEPS = 30
 FULL_FOR_S = 4.0
+FULL_AT_MOST_S = 90.0
 # The time limit's signal comes at Slurm's 30 s check, 20-50 s into a `--time 1 --signal-lead 10` job:
 # a first run of 30 x 2 s steps always meets it; the run after the requeue is quick.
 TIME_LIMIT = ["--time", "1", "--signal-lead", "10", "task.args.step_s=2.0", "task.args.later_step_s=0.05"]
@@ -69,11 +70,13 @@ def _eval_started(markers: Path) -> bool:
                                  for n in range(2, 100))
 
 
-def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, run_dir: Path, markers: Path) -> int:
+def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, run_dir: Path, markers: Path) -> int:
     """Wait for the scenario's moment; the run (1 = the job's first) it lands in."""
     moment = scenario.moment
     if moment == "rendezvous":
         wait_until("the job to start", lambda: job(cluster, jobid).get("JobState") == "RUNNING", 90, 0.05)
+        if scenario.kind in ("kill-rank", "disk-full"):  # a process to kill, or to write on the full disk
+            wait_until("a training process", lambda: _find_rank_pid(folder, run_dir, 1), 90, 0.05)
         return 1
     if moment == "first-step-after-resume":
         wait_steps(run_dir, run=1, steps=3)
@@ -94,6 +97,13 @@ def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, run_dir: Path, m
 
 
 def _rank_pid(folder: Path, run_dir: Path, run: int) -> int:
+    pid = _find_rank_pid(folder, run_dir, run)
+    if pid is None:
+        raise AssertionError(f"no training process of {folder} found")
+    return pid
+
+
+def _find_rank_pid(folder: Path, run_dir: Path, run: int) -> int | None:
     """A training rank's pid (rank 1 once the ranks have recorded themselves in this run, else any task)."""
     try:
         record = rank_record(run_dir, 1)
@@ -109,7 +119,7 @@ def _rank_pid(folder: Path, run_dir: Path, run: int) -> int:
             continue
         if comm.startswith("python") and b"submitit.core._submit" in cmdline and str(folder).encode() in b" ".join(cmdline):
             return pid
-    raise AssertionError(f"no training process of {folder} found")
+    return None
 
 
 def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, run_dir: Path, run: int,
@@ -126,8 +136,16 @@ def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, ru
     elif kind == "kill-rank":
         os.kill(_rank_pid(folder, run_dir, run), signal.SIGKILL)
     elif kind == "disk-full":
-        ballast = fill(folder)
-        threading.Timer(FULL_FOR_S, lambda: ballast.unlink(missing_ok=True)).start()
+        ballast = fill(run_dir.parent)  # the run's filesystem (run.dir on a small tmpfs)
+
+        def free() -> None:  # at least FULL_FOR_S, and until a write has met the full disk and said so
+            time.sleep(FULL_FOR_S)
+            deadline = time.monotonic() + FULL_AT_MOST_S
+            while not enospc_reports(folder, run_dir, [jobid]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ballast.unlink(missing_ok=True)
+
+        threading.Thread(target=free, daemon=True).start()
         highs.append(str(ballast))  # (not a job: the test waits for it to be gone before resubmitting)
     else:
         assert kind == "time-limit", kind
@@ -179,11 +197,14 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     grace = 10 if scenario.kind == "preempt-grace10" else 0
     slurm_policy(grace=grace, user_signal=True)
     ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" else []
-    folder = small_fs((1024 if ballast else 96) * 1024) if scenario.kind == "disk-full" else tmp_path / "runs"
+    folder = tmp_path / "runs"
+    # disk-full: the run's own filesystem (checkpoints, ledger, logs) fills up; the job's stdout and stderr
+    # (submitit's folder) are elsewhere, as on clusters with scratch space, so what the job says is kept.
+    own_fs = [f"run.dir={small_fs((1024 if ballast else 96) * 1024) / 'run'}"] if scenario.kind == "disk-full" else []
     markers = tmp_path / "markers"
     markers.mkdir()
     args = [*TWO_RANKS, *ALL_CPUS, *MATRIX, f"data.num_workers={scenario.workers}", f"task.args.marker_dir={markers}",
-            *ballast, *(TIME_LIMIT if scenario.kind == "time-limit" else [])]
+            *ballast, *own_fs, *(TIME_LIMIT if scenario.kind == "time-limit" else [])]
     started = time.monotonic()
     row: dict[str, Any] = {"order": ORDER[scenario.id], "id": scenario.id, "outcome": "", "stops": [], "lost": "-",
                            "identical": False, "seconds": 0.0, "passed": False}
@@ -193,7 +214,7 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     try:
         jobid, run_dir = submit_one(folder, *args)
         jobids.append(jobid)
-        run = land(scenario, slurm_cluster, jobid, run_dir, markers)
+        run = land(scenario, slurm_cluster, jobid, folder, run_dir, markers)
         fire(scenario, slurm_cluster, jobid, folder, run_dir, run, highs)
         state = final_state(slurm_cluster, jobid, timeout=240)
         outcome = runs(slurm_cluster, jobid)
@@ -206,7 +227,8 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
                 stops = [e["step"] for e in events(run_dir, "preempted") if e["job_id"] == jobid]
                 if stops:  # a stop was agreed (not a cancel before the ranks had started)
                     assert verified_state(run_dir)["progress"]["step"] == stops[-1]
-            wait_until("the disk to be free again", lambda: not any(Path(h).exists() for h in highs if "/" in h), 30)
+            wait_until("the disk to be free again", lambda: not any(Path(h).exists() for h in highs if "/" in h),
+                       FULL_FOR_S + FULL_AT_MOST_S + 10)
             again, same_dir = submit_one(folder, *args)
             jobids.append(again)
             assert same_dir == run_dir
