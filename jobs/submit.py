@@ -32,8 +32,8 @@ if __name__ == "__main__":  # find task modules as the job will, from the workin
 
 from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
 from mgpu.config import Config  # noqa: E402
-from mgpu.submission import (Resources, Submission, build_submission, check_resumable, run_dir_for,  # noqa: E402
-                             sbatch_script, slurm_parameters, submitit_command, submitit_folder)
+from mgpu.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
+                             run_dir_for, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
 
 PROG = "submit"
 # Slurm states after which a job may still run again (submitit's list and the transient ones).
@@ -125,10 +125,17 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
 
 
 def _resume_command(args: argparse.Namespace, argv: Sequence[str]) -> str:
-    """The exact command that resubmits this run (--new-run replaced by the run.name it chose)."""
+    """The exact command that resubmits this run (--new-run replaced by the run.name it chose).
+
+    It goes into the batch script (`export MGPU_RESUME_COMMAND=...`), so each part must be one line:
+    argparse and int() accept `--nodes $'2\\n'`, which no other check sees."""
     kept = [arg for arg in argv if arg not in ("--new-run", "--dry-run")]
     if args.new_run:
         kept.append(next(o for o in reversed(args.overrides) if o.startswith("run.name=")))
+    for what, value in (("working directory", os.getcwd()), ("interpreter", sys.executable), ("script", sys.argv[0])):
+        check_line(what, value)
+    for before, arg in zip(["", *kept], kept):  # `--nodes '2\n'` names the flag the value was given to
+        check_line(before if before.startswith("--") and "=" not in before else "argument", arg)
     return f"cd {shlex.quote(os.getcwd())} && {shlex.join([sys.executable, sys.argv[0], *kept])}"
 
 
@@ -194,7 +201,7 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, res
     if cluster == "slurm":
         executor = submitit.SlurmExecutor(folder, max_num_timeout=max_num_timeout)
         executor.update_parameters(**slurm_parameters(res, max_parallel, [run_dir_for(c) for c in sub.configs],
-                                                      resume))
+                                                      resume, folder))
         said = io.StringIO()  # submitit prints sbatch's complaint itself: keep it for our one line
         try:
             with contextlib.redirect_stderr(said):
@@ -308,9 +315,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         cluster, sub, res = _validate(args)
+        resume = _resume_command(args, argv)
     except MgpuError as error:
         exit_with(error, PROG)
-    resume = _resume_command(args, argv)
     if args.dry_run:
         dry_run(cluster, sub, res, args.max_parallel, resume, args.resume_steps)
         return 0

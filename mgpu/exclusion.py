@@ -9,12 +9,16 @@ excluded, and never leaves the job's partition with fewer usable nodes than the 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from mgpu.hostlist import HostlistError, expand_hostlist
 from mgpu.requeue import RequeueError, Runner, _run, _scontrol
 
-__all__ = ["ExclusionPlan", "apply_exclusion", "partition_nodes", "plan_exclusion"]
+__all__ = ["ExclusionPlan", "apply_exclusion", "partition_nodes", "plan_exclusion", "unavailable_nodes"]
+
+# Node states (and flags) in which a node takes no new job: Slurm would hold a job that needs it pending.
+_UNAVAILABLE = {"DOWN", "DRAIN", "DRAINED", "DRAINING", "FAIL", "FAILING", "FUTURE", "NOT_RESPONDING", "INVAL",
+                "INVALID_REG"}
 
 
 @dataclass(frozen=True)
@@ -25,16 +29,36 @@ class ExclusionPlan:
     why: str
 
 
-def plan_exclusion(bad: str, already: Sequence[str], partition: Sequence[str], needed: int) -> ExclusionPlan:
-    """Exclude `bad` on top of `already`, if the partition keeps `needed` nodes that are not excluded."""
+def plan_exclusion(bad: str, already: Sequence[str], partition: Sequence[str], needed: int,
+                   unavailable: Collection[str] = ()) -> ExclusionPlan:
+    """Exclude `bad` on top of `already`, if the partition keeps `needed` nodes that are neither excluded
+    nor `unavailable` (down, drained: see `unavailable_nodes`)."""
     merged = tuple(sorted({*already, bad}))
-    usable = [node for node in partition if node not in merged]
+    usable = [node for node in partition if node not in merged and node not in unavailable]
     if bad in already:
         return ExclusionPlan(None, f"{bad} was already excluded")
     if partition and len(usable) < needed:
+        down = sorted(node for node in partition if node in unavailable and node not in merged)
         return ExclusionPlan(None, f"excluding {bad} would leave {len(usable)} of the {needed} nodes the job needs "
-                                   f"in its partition ({', '.join(usable) or 'none'})")
+                                   f"in its partition ({', '.join(usable) or 'none'}"
+                                   + (f"; down or drained: {', '.join(down)})" if down else ")"))
     return ExclusionPlan(merged, f"excluding {bad} (now excluded: {', '.join(merged)})")
+
+
+def unavailable_nodes(nodes: Sequence[str], run: Runner = _run) -> set[str]:
+    """Those of `nodes` that take no new job now (down, drained or draining, failing, not responding);
+    none when Slurm cannot say (the plan then counts them as usable, as before)."""
+    if not nodes:
+        return set()
+    proc = run([_scontrol(), "show", "node", "-o", ",".join(nodes)])
+    wanted, found = set(nodes), set()
+    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+        fields = dict(token.split("=", 1) for token in line.split() if "=" in token)
+        state = fields.get("State", "")
+        flags = {flag.rstrip("*~#!%$@^-") for flag in state.split("+")}
+        if fields.get("NodeName") in wanted and (flags & _UNAVAILABLE or "*" in state):  # '*': not responding
+            found.add(fields["NodeName"])
+    return found
 
 
 def partition_nodes(partition: str, run: Runner = _run) -> list[str]:

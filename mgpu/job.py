@@ -79,7 +79,9 @@ def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = Non
     if used >= limits.max_failures:
         return (f"{what}; the failure budget is spent ({used} of {limits.max_failures}): the job stays down; "
                 f"fix it, then {resume_command(env)}")
-    return (f"{what}; the job is requeued from its last checkpoint (failure requeue {used + 1} of "
+    batch = os.environ.get("MGPU_RECOVERY") == "batch"  # the batch script restarts the step (mgpu.recovery)
+    how, noun = ("starts again in this allocation", "restart") if batch else ("is requeued", "requeue")
+    return (f"{what}; the job {how} from its last checkpoint (failure {noun} {used + 1} of "
             f"{limits.max_failures}), unless it was cancelled")
 
 

@@ -19,7 +19,7 @@ from typing import Literal
 
 from mgpu.environment import ProcessEnv
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.recovery import Limits, failure_requeues
+from mgpu.recovery import Limits, failure_requeues, stop_requeues
 from mgpu.requeue import Budget, decide, requeue
 from mgpu.rundir import RunDir
 
@@ -35,10 +35,12 @@ class JobStopped(Exception):
 
 
 def resume_command(env: ProcessEnv) -> str:
-    """The exact command that continues this run: what the submitter recorded, else this process's own."""
-    recorded = os.environ.get("MGPU_RESUME_COMMAND")
-    if recorded:
-        return recorded
+    """The exact command that continues this run: what the submitter recorded (a template's sbatch options
+    completed from accounting, see mgpu.requeue.resume_command), else this process's own."""
+    if os.environ.get("MGPU_RESUME_COMMAND"):
+        from mgpu.requeue import resume_command as recorded
+
+        return recorded(ask=env.rank == 0)
     if env.launcher == "torchrun":
         return "the same torchrun command"
     return f"cd {shlex.quote(os.getcwd())} && {shlex.join([os.path.basename(sys.executable), *sys.argv])}"
@@ -56,9 +58,11 @@ class StopBudgets:
 
     @classmethod
     def read(cls, run: RunDir, env: ProcessEnv, job_id: str | None, limits: Limits) -> "StopBudgets":
-        failures = failure_requeues(read_ledger(run.ledger), job_id) if job_id else 0
-        # Slurm's restart counter counts every requeue; the failure requeues are the ledger's to count.
-        return cls(job_id, Budget(max(0, env.restart_count - failures), limits.max_requeues), failures, limits)
+        events = read_ledger(run.ledger) if job_id else []
+        failures = failure_requeues(events, job_id) if job_id else 0
+        # Slurm's restart counter counts every requeue; the failure requeues that raised it are the ledger's.
+        stops = stop_requeues(events, job_id, env.restart_count) if job_id else 0
+        return cls(job_id, Budget(stops, limits.max_requeues), failures, limits)
 
     def refuse_if_spent(self, run: RunDir, env: ProcessEnv) -> None:
         """Slurm brought the job back more often than allowed (e.g. preemptions with GraceTime 0): stop now

@@ -6,7 +6,8 @@ it, and it cannot be a training rank: with NCCL the survivors sit in CUDA waits 
 until srun's KILL. The batch script can: after srun returns it runs
 
     python -m mgpu.recovery --may-restart --exit-code $? --run-dir DIR            (jobs/submit.py's teardown)
-    python -m mgpu.recovery --may-restart --exit-code $? --config CFG [k=v ...]   (slurm/*.sbatch)
+    python -m mgpu.recovery --may-restart --exit-code $? --config CFG [k=v ...]   (slurm/train*.sbatch)
+    python -m mgpu.recovery --may-restart --exit-code $? --run-dir-file FILE      (slurm/loop.sbatch)
 
 and this module decides. A run that stopped cleanly has already decided (its `stop_decision` is in
 the ledger) and is left alone; a deterministic failure (bad input, a full disk: `failed` with
@@ -26,18 +27,19 @@ import os
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion
+from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
 from mgpu.hostlist import expand_hostlist
-from mgpu.requeue import Budget, JobView, decide, query_job, requeue
+from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_command
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main"]
+__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "stop_requeues"]
 
 log = logging.getLogger("mgpu.job")
 DEFAULT_MAX_FAILURES = 3
@@ -78,6 +80,16 @@ def failure_requeues(events: Sequence[Mapping[str, Any]], job_id: str) -> int:
     allocation), as the ledger recorded them."""
     return sum(1 for e in events if e.get("event") in ("requeued", "restarted") and e.get("job_id") == job_id
                and e.get("after") in FAILURE_KINDS)
+
+
+def stop_requeues(events: Sequence[Mapping[str, Any]], job_id: str | None, restart_count: int) -> int:
+    """Requeues of `job_id` after a stop (preemption, time limit, the user signal, an outside requeue).
+
+    Slurm's restart count counts every requeue; of the failures, only those that requeued the job
+    raised it: a step restarted in the same allocation (`restarted`) did not, so it is not subtracted."""
+    failed = sum(1 for e in events if e.get("event") == "requeued" and e.get("job_id") == job_id
+                 and e.get("after") in FAILURE_KINDS)
+    return max(0, restart_count - failed)
 
 
 def _this_attempt(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> list[Mapping[str, Any]]:
@@ -134,14 +146,24 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         view = query_job(job_id)
         decision = decide(set(), job_id, restart, budget, run=lambda cmd: _replay(cmd, view))
         bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
-        plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [],
-                              partition_nodes(view.partition), view.num_nodes) if bad and decision.requeue else None
+        plan = None
+        if bad and decision.requeue:
+            nodes = partition_nodes(view.partition)
+            plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [], nodes, view.num_nodes,
+                                  unavailable_nodes(nodes))
         if plan is not None and plan.nodes is None and "would leave" in plan.why:
-            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=f"after a hang: {plan.why}; "
-                         f"the job stays down: check {bad} (scontrol show node {bad}), then resubmit", error=message)
-            return "none", plan.why
-        action: Action = "restart" if decision.requeue and may_restart and not (plan and plan.nodes) else \
-            "requeued" if decision.requeue else "none"
+            why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
+                   f"resume with: {resume_command()}")
+            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
+            return "none", why
+        # A step that failed while the job is being preempted or reaching its time limit (e.g. a rank killed by
+        # the user signal before it could install a handler) must not start again here: the allocation is ending.
+        in_place = may_restart and not (plan and plan.nodes) and decision.event not in ("preempted", "time_limit")
+        action: Action = ("restart" if in_place else "requeued") if decision.requeue else "none"
+        if action == "none" and decision.event != "requeued_by_slurm":  # the job stays down: say how it continues
+            cancelled = decision.event in ("cancelled", "interrupted")
+            decision = replace(decision, why=f"{decision.why}; " + ("to resume: " if cancelled else
+                               "the job stays down; fix what failed, then resume with: ") + resume_command())
         why = f"after a {kind}: {decision.why}" + (f"; {plan.why}" if plan else "")
         ledger.write("stop_decision", what=decision.event, requeue=decision.requeue, action=action, reason=why,
                      error=message, **who)
@@ -157,7 +179,8 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")
         return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "")
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
-        return "none", f"could not requeue after the failure: {type(inner).__name__}: {inner}"
+        return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
+                        f"{resume_command(ask=False)}")
 
 
 def _replay(cmd: list[str], view: JobView) -> "subprocess.CompletedProcess[str]":
@@ -167,9 +190,14 @@ def _replay(cmd: list[str], view: JobView) -> "subprocess.CompletedProcess[str]"
     return subprocess.CompletedProcess(cmd, 0, fields, "")
 
 
-def _run_dir(args: argparse.Namespace) -> RunDir:
+def _run_dir(args: argparse.Namespace) -> RunDir | None:
     if args.run_dir:
         return RunDir(args.run_dir)
+    if args.run_dir_file:  # slurm/loop.sbatch: the session of a loop of one's own wrote where its run is
+        try:
+            return RunDir(Path(Path(args.run_dir_file).read_text().strip()))
+        except OSError:
+            return None  # the session never started: there is no run to requeue
     from mgpu.config import load_config
 
     return RunDir.of(load_config(args.config, args.overrides).run)
@@ -181,6 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
     parser.add_argument("--run-dir", help="the run directory")
     parser.add_argument("--config", help="or: the job's config and overrides, to find the run directory")
+    parser.add_argument("--run-dir-file", help="or: a file holding the run directory (what a session announced)")
     parser.add_argument("--may-restart", action="store_true",
                         help="the script runs srun again when this prints 'restart' (and exits 0)")
     parser.add_argument("overrides", nargs="*")
@@ -194,13 +223,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         # jobs/train.py's exit for bad input or a full disk (mgpu.errors): the same again on a requeue. The
         # ledger says so too, when it could be written; a full disk may have stopped that.
         print(f"mgpu.recovery: the step exited {USAGE_EXIT_CODE} (bad input or a full disk, see its one-line "
-              "error): not requeued; fix it, then resubmit", file=sys.stderr, flush=True)
+              f"error): not requeued; fix it, then resume with: {resume_command()}", file=sys.stderr, flush=True)
         return args.exit_code
     try:
         run = _run_dir(args)
         limits = Limits.from_environ()
     except MgpuError as error:
         print(f"mgpu.recovery: error: {error}", file=sys.stderr, flush=True)
+        return args.exit_code
+    if run is None:
+        print(f"mgpu.recovery: the step exited {args.exit_code} before its session announced a run directory "
+              f"({args.run_dir_file}): not requeued; fix it, then resume with: {resume_command()}",
+              file=sys.stderr, flush=True)
         return args.exit_code
     from mgpu.environment import SlurmEnvironment
 

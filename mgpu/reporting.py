@@ -6,6 +6,10 @@ after the checkpoint, so events written after that checkpoint by the preempted r
 by every TensorBoard reader and the curves never overlap. wandb (`log.wandb: true`, `pip install
 mgpu[wandb]`) gets the run's identity as its run id, with resume="allow": every requeue of a run, and a
 resubmission of the same run, continues the same wandb run; it logs from the resumed step on.
+
+A disk that refuses TensorBoard's writes (full, failing) costs the curve those points, never the
+run: the writer's error (raised at its next call, from its thread) is logged once and the writer
+is reopened, into a new event file, at a log interval at least REOPEN_AFTER_S later.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ __all__ = ["Reporter", "TaskLog", "format_metrics", "wandb_run_id"]
 TEXTS_PER_EVALUATION = 20  # lines of one text tag kept per evaluation (a task may log one per sample)
 
 log = logging.getLogger("mgpu.train")
+REOPEN_AFTER_S = 30.0  # a full disk stays full for a while: one new (empty) event file per try
 
 
 def format_metrics(metrics: Mapping[str, float]) -> str:
@@ -52,31 +57,63 @@ class Reporter:
         self.stream = stream or sys.stdout
         self.bar = enabled and (progress_bar == "on" or (progress_bar == "auto" and self.stream.isatty()))
         self.writer: Any = None
-        if enabled and tb_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
+        self.tb_dir = tb_dir if enabled else None
+        self._tb_failed, self._reopen_at = False, 0.0
+        if self.tb_dir is not None:
             # purge_step: readers drop events at or after it that an earlier (preempted) run wrote.
-            self.writer = SummaryWriter(str(tb_dir), purge_step=resume_step + 1 if resume_step else None)
+            self._tb(lambda: self._open(resume_step + 1 if resume_step else None))
         self._last_bar = 0.0
+
+    def _open(self, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(self.tb_dir), purge_step=purge_step)
+
+    def _tb(self, action: Any) -> None:
+        """Run a TensorBoard call; an OSError drops the writer (reopened by a later `scalars`), said once."""
+        try:
+            action()
+        except OSError as error:
+            if not self._tb_failed:
+                log.warning("TensorBoard: cannot write to %s (%s); its curves miss points until it can, training "
+                            "goes on", self.tb_dir, error.strerror or error)
+            self._tb_failed, self._reopen_at = True, time.monotonic() + REOPEN_AFTER_S
+            broken, self.writer = self.writer, None
+            if broken is not None:
+                try:
+                    broken.close()
+                except OSError:
+                    pass
 
     def hparams(self, flat_config: Mapping[str, Any], config_text: str) -> None:
         if self.writer is None:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        values = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat_config.items()}
-        for summary in hparams(values, {"eval/best": 0.0}):
-            self.writer.file_writer.add_summary(summary)
-        self.writer.add_text("config", "```yaml\n" + config_text + "\n```", 0)
+        def write() -> None:
+            values = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in flat_config.items()}
+            for summary in hparams(values, {"eval/best": 0.0}):
+                self.writer.file_writer.add_summary(summary)
+            self.writer.add_text("config", "```yaml\n" + config_text + "\n```", 0)
+
+        self._tb(write)
 
     def scalars(self, step: int, metrics: Mapping[str, float], prefix: str) -> None:
-        if self.writer is not None:
+        if self.wandb is not None:
+            self.wandb.log({f"{prefix}/{key}": value for key, value in metrics.items()}, step=step)
+        if self.tb_dir is None:
+            return
+        if self.writer is None and time.monotonic() >= self._reopen_at:
+            self._tb(self._open)
+
+        def write() -> None:
             for key, value in metrics.items():
                 self.writer.add_scalar(f"{prefix}/{key}", value, step)
             # On disk at every log interval: a killed run's curve is not lost up to its last log line.
             self.writer.flush()
-        if self.wandb is not None:
-            self.wandb.log({f"{prefix}/{key}": value for key, value in metrics.items()}, step=step)
+
+        if self.writer is not None:
+            self._tb(write)
 
     def text(self, tag: str, text: str) -> None:
         """Keep a line of text for `tag` (the first TEXTS_PER_EVALUATION until `flush_texts`)."""
@@ -89,7 +126,7 @@ class Reporter:
         """Write the kept texts at `step` (TensorBoard's text plugin; a wandb table)."""
         for tag, lines in self._texts.items():
             if self.writer is not None:
-                self.writer.add_text(tag, "\n\n".join(lines), step)
+                self._tb(lambda: self.writer.add_text(tag, "\n\n".join(lines), step))
             if self.wandb is not None:
                 import wandb as wandb_lib
 
@@ -121,7 +158,8 @@ class Reporter:
         if self.bar:
             self.stream.write("\n")
         if self.writer is not None:
-            self.writer.close()
+            self._tb(self.writer.close)
+        self.tb_dir = None
         if self.wandb is not None:
             self.wandb.finish()
 

@@ -21,15 +21,20 @@ COMPLETED and never returns.
 
 from __future__ import annotations
 
+import os
+import re
+import shlex
 import shutil
 import subprocess
 import time
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping
 
 from mgpu.errors import MgpuError
+from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job", "requeue"]
+__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job",
+           "requeue", "resume_command", "sbatch_options"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
                 "terminated", "not_slurm"]
@@ -76,9 +81,63 @@ def _scontrol() -> str:
     path = shutil.which("scontrol")
     if path is None:
         raise RequeueError("scontrol not found on PATH (inside a container? bind-mount Slurm's client "
-                           "commands): cannot ask Slurm about the job or requeue it; the checkpoint is kept, "
-                           "resubmit the job to resume")
+                           "commands): cannot ask Slurm about the job or requeue it; the checkpoint is kept; "
+                           f"to resume: {resume_command(ask=False)}")
     return path
+
+
+# What slurm/*.sbatch put in MGPU_RESUME_COMMAND where the options given to sbatch belong: a batch script
+# cannot see them (only their effect). `resume_command` puts in the ones accounting recorded.
+_OPEN_OPTIONS = re.compile(r"(?P<head>.*?)\bsbatch <the sbatch options of job (?P<job>[^>]+)> (?P<script>\S+)"
+                           r"(?P<args>(?: .*)?)")  # the arguments as bash's printf %q wrote them (`a\ b`)
+
+
+def sbatch_options(submit_line: str, args: list[str]) -> list[str] | None:
+    """`sbatch`, its options and the script, from accounting's SubmitLine of a job submitted with `args`
+    after the script; None where the line cannot be split back exactly.
+
+    Accounting joins the command's words with spaces and keeps no quotes: the script's own arguments
+    are known (`args`), and an option value with a space in it cannot be told from two words, so a word
+    that is neither an option nor right after one makes the line ambiguous."""
+    tail = " ".join(args)
+    if args and not submit_line.endswith(" " + tail):
+        return None
+    words = (submit_line[:-len(tail)] if args else submit_line).split()
+    if len(words) < 2 or os.path.basename(words[0]) != "sbatch":
+        return None
+    for before, word in zip(words[1:-2], words[2:-1]):
+        if not word.startswith("-") and (not before.startswith("-") or "=" in before):
+            return None
+    if len(words) > 2 and not words[1].startswith("-"):
+        return None
+    return ["sbatch", *words[1:]]
+
+
+def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, run: Runner | None = None) -> str:
+    """The exact command that continues the run, as the submitter recorded it in MGPU_RESUME_COMMAND.
+
+    slurm/*.sbatch cannot know the sbatch options it was submitted with and leave a placeholder: with
+    `ask`, they come from accounting (`sacct -o SubmitLine`, recorded by Slurm >= 21.08 when the
+    cluster keeps accounting); without it, or when it cannot be split back exactly, the placeholder
+    stays and says whose options to repeat. Never raises."""
+    environ = os.environ if environ is None else environ
+    recorded = environ.get("MGPU_RESUME_COMMAND", "")
+    if not recorded:
+        job = environ.get("SLURM_JOB_ID")
+        return f"the command that submitted {'job ' + job if job else 'this run'} (MGPU_RESUME_COMMAND is not set)"
+    found = _OPEN_OPTIONS.fullmatch(recorded)
+    # Accounting is asked only about this process's own job (mgpu.slurm_job), never a leftover's.
+    if not (ask and found and found["job"] == environ.get("SLURM_JOB_ID") and owns_slurm_job(environ)):
+        return recorded
+    try:
+        args = shlex.split(found["args"])
+        sacct = shutil.which("sacct")
+        proc = (run or _run)([sacct, "-n", "-X", "-P", "-o", "SubmitLine", "-j", found["job"]]) if sacct else None
+        lines = proc.stdout.splitlines() if proc is not None and proc.returncode == 0 else []
+        words = sbatch_options(lines[0].strip(), args) if lines else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        words = None
+    return recorded if words is None else f"{found['head']}{shlex.join(words)}{found['args']}"
 
 
 def parse_job_view(text: str) -> JobView:

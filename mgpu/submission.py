@@ -27,9 +27,10 @@ from mgpu.hostlist import MAX_HOSTS, HostlistError, expand_hostlist
 from mgpu.rundir import RunDir
 
 __all__ = [
-    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_resumable",
-    "check_run_root", "check_task_target", "expand_sweep", "parse_slurm_time", "parse_sweep", "run_dir_for",
-    "sbatch_script", "setup_lines", "slurm_parameters", "submitit_command", "submitit_folder", "teardown_lines",
+    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_line",
+    "check_resumable", "check_run_root", "check_task_target", "expand_sweep", "parse_slurm_time", "parse_sweep",
+    "run_dir_for", "sbatch_script", "setup_lines", "slurm_parameters", "submitit_command", "submitit_folder",
+    "teardown_lines",
 ]
 
 MAX_ARRAY_SIZE = 1000  # below Slurm's default MaxArraySize (1001)
@@ -88,8 +89,12 @@ def _mem_mb(text: str) -> int | None:
     return int(match["n"]) << shift if shift >= 0 else int(match["n"]) >> -shift
 
 
-def _check_line(flag: str, value: str) -> None:
-    """MgpuError if `value` holds a control character: it would end the #SBATCH or shell line it is on."""
+def check_line(flag: str, value: str) -> None:
+    """MgpuError if `value` holds a control character: it would end the #SBATCH or shell line it is on.
+
+    Every value that reaches the batch script goes through here: the resources, the overrides, the
+    folder, the sweep and the resume command (each of submit.py's arguments), so a newline never
+    splits a line of the script (`MGPU_RESUME_COMMAND='...'` spanning two lines would run the second)."""
     if problem := control_problem(value):
         raise MgpuError(f"{flag} {value!r}: {problem}; give it on one line")
 
@@ -173,11 +178,11 @@ class Resources:
                 allowed = "letters, digits and _ . + @ : - (a comma-separated list)" if pattern is _SLURM_NAMES \
                     else "feature names joined by & | , * [ ] ( ) ! (e.g. 'a100&ib')"
                 raise MgpuError(f"{flag} {value!r}: Slurm expects {allowed}")
-        _check_line("--job-name", self.job_name)
+        check_line("--job-name", self.job_name)
         if not self.job_name.strip():
             raise MgpuError("--job-name: must not be empty")
         if self.exclude is not None:
-            _check_line("--exclude", self.exclude)
+            check_line("--exclude", self.exclude)
             if not _NODELIST.fullmatch(self.exclude):
                 raise MgpuError(f"--exclude {self.exclude!r}: use a Slurm node list (letters, digits, . _ - [ ] ,), "
                                 "e.g. gpu[01-03]")
@@ -201,12 +206,16 @@ class Resources:
         return self.gpus_per_node or self.tasks_per_node or 1
 
 
-def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | None = None) -> list[str]:
+def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | None = None,
+                folder: str | Path | None = None) -> list[str]:
     """Lines the batch script runs before srun: what the job reads from its environment.
 
     `run_dirs`: one per array task (index SLURM_ARRAY_TASK_ID), for the teardown's `mgpu.recovery`;
-    `resume`: the exact command that continues the run, quoted into every "resume" message.
+    `resume`: the exact command that continues the run, quoted into every "resume" message;
+    `folder`: submitit's, where a result it could not finish writing is removed before each step.
     """
+    if resume:
+        check_line("the resume command", resume)
     lines = [f"export MGPU_MAX_FAILURES={res.max_failures}",
              *([f"export MGPU_MAX_REQUEUES={res.max_requeues}"] if res.max_requeues is not None else []),
              # submitit's own handler in the job listens to this signal (its default, USR2, otherwise)
@@ -219,28 +228,37 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
         lines += [f"MGPU_RUN_DIRS=({' '.join(shlex.quote(str(d)) for d in run_dirs)})",
                   'export MGPU_RUN_DIR="${MGPU_RUN_DIRS[${SLURM_ARRAY_TASK_ID:-0}]}"']
     if run_dirs:
-        lines.append("export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank")
+        # submitit writes a task's result to <result>.save_tmp, then renames it, and refuses to write one
+        # where a .save_tmp exists: one left by a write that failed (a full disk) would fail every later run
+        # of this job (same id, same names) at its very end. So each step starts without them.
+        stale = "" if folder is None else (
+            f'rm -f -- {shlex.quote(str(Path(folder).expanduser().absolute()))}/'
+            '"${SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}${SLURM_ARRAY_JOB_ID:+_$SLURM_ARRAY_TASK_ID}"_*_result.pkl.save_tmp; ')
+        lines += ["export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank",
+                  # The teardown starts the step again with srun's own arguments, recorded here as it runs,
+                  # not with a line read back from the script (another line could start with `srun ` too).
+                  f'srun() {{ MGPU_SRUN_ARGS=("$@"); {stale}command srun "$@"; }}']
     return lines
 
 
 def teardown_lines() -> list[str]:
     """After srun (mgpu.recovery): start the step again in this allocation while recovery says `restart`
-    (the srun line is the script's own, read back from it), else end with srun's exit code."""
+    (with the arguments the script's srun ran with, see `setup_lines`), else end with srun's exit code."""
     recovery = f'{shlex.quote(sys.executable)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR"'
     return ["rc=$?",
             f'while [ "$({recovery})" = restart ]; do',
-            """  rc=0; eval "$(grep -m 1 '^srun ' "$0")" || rc=$?""",
+            '  rc=0; srun "${MGPU_SRUN_ARGS[@]}" || rc=$?',
             "done",
             'exit "$rc"']
 
 
 def slurm_parameters(res: Resources, max_parallel: int = 4, run_dirs: Sequence[Path] = (),
-                     resume: str | None = None) -> dict[str, Any]:
+                     resume: str | None = None, folder: str | Path | None = None) -> dict[str, Any]:
     """Parameters for `SlurmExecutor.update_parameters` (the names of submitit's `_make_sbatch_string`)."""
     params: dict[str, Any] = {
         "job_name": res.job_name, "nodes": res.nodes, "ntasks_per_node": res.ntasks_per_node,
         "time": res.time_min, "signal_delay_s": res.signal_lead_s, "array_parallelism": max_parallel,
-        "setup": setup_lines(res, run_dirs, resume), "srun_args": ["--kill-on-bad-exit=1"],
+        "setup": setup_lines(res, run_dirs, resume, folder), "srun_args": ["--kill-on-bad-exit=1"],
         # submitit adds --open-mode=append but not --requeue (it relies on the cluster's JobRequeue=1);
         # --mem goes through as Slurm spells it (submitit's own `mem` wants GB as a float).
         "additional_parameters": {"requeue": True, "signal": f"{res.requeue_signal}@{res.signal_lead_s}",
@@ -270,7 +288,7 @@ def sbatch_script(res: Resources, command: str, folder: str | Path, array_size: 
     """The exact sbatch file SlurmExecutor would submit, from submitit's own generator; submits nothing."""
     from submitit.slurm.slurm import _make_sbatch_string
 
-    params = slurm_parameters(res, max_parallel, run_dirs, resume)
+    params = slurm_parameters(res, max_parallel, run_dirs, resume, folder)
     if array_size is not None and array_size > 1:
         params["map_count"] = array_size  # what SlurmExecutor sets on its copy for an array
     return _make_sbatch_string(command=command, folder=Path(folder).expanduser().absolute(), **params)
@@ -306,7 +324,7 @@ def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
         values = _split_values(text)
         if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key) or not all(values):
             raise MgpuError(f"--sweep {item!r}: expected dotted.key=v1,v2,... (e.g. optim.lr=1e-3,3e-4)")
-        _check_line("--sweep", item)
+        check_line("--sweep", item)
         if any(key == seen for seen, _ in parsed):
             raise MgpuError(f"--sweep {item!r}: {key} is swept twice; give all its values in one --sweep")
         parsed.append((key, values))
@@ -391,7 +409,7 @@ def check_run_root(root: str, flag: str = "--folder") -> None:
     """MgpuError unless `root` can hold the run directories: no character Slurm or submitit would expand in
     a log file name (`%`, `\\`), not a file, and creatable (its nearest existing ancestor is a writable
     directory). Reads the filesystem only: nothing is created."""
-    _check_line(flag, root)
+    check_line(flag, root)
     if "%" in root or "\\" in root:
         raise MgpuError(f"{flag} {root!r}: no '%' or '\\' (Slurm and submitit expand them in log file names); "
                         "choose another directory")
@@ -427,6 +445,8 @@ def build_submission(config_path: str | None, overrides: Sequence[str], sweep: S
         raise MgpuError("--folder '': give the directory for the runs (default: run.root)")
     flag = "--folder" if root is not None else "run.root"
     base = _with_root(load_config(config_path, base_overrides), root)
+    for item in base_overrides:  # free-form values (task.args.*) are otherwise checked by nobody
+        check_line("override", item)
     check_run_root(base.run.root, flag)
     check_task_target(base.task.target)
     parsed = parse_sweep(sweep)

@@ -16,7 +16,7 @@ files are in it, unmounted after the case; needs root: skipped without it, excep
 a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 139, status 17, train 46 (202 in all); plus
+Cases by entry point (see `test_case_counts`): submit 144, status 17, train 46 (207 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -299,6 +299,13 @@ CASES: list[Case] = [
     _submit("override task class missing", "task.target=tests.tasks:NoSuchTask", expect="defines no 'NoSuchTask'"),
     _submit("override task path-like", "task.target=../evil:X", expect="task.target: must look like"),
     _submit("override 5000 deep", "task.args.x=" + "[" * 5000, expect="nested too deeply"),
+    # A plain override reaches the batch script inside the resume command (export MGPU_RESUME_COMMAND=...).
+    _submit("override task.args newline srun", "task.args.note=a\nsrun touch {tmp}/pwned #",
+            expect="override 'task.args.note=a\\nsrun touch"),
+    _submit("override trailing newline", "train.epochs=2\n", expect="override 'train.epochs=2\\n': contains a newline"),
+    _submit("override carriage return", "task.args.note=a\r", expect="override 'task.args.note=a\\r'"),
+    _submit("override line separator", "task.args.note=a\u2028b", expect="override 'task.args.note=a\\u2028b'"),
+    _submit("nodes trailing newline", "--nodes", "1\n", expect="--nodes '1\\n': contains a newline"),
     # ------------------------------------------------------------------ submit: sweeps
     _submit("sweep without =", "--sweep", "optim.lr", expect="--sweep 'optim.lr': expected dotted.key=v1,v2"),
     _submit("sweep without values", "--sweep", "optim.lr=", expect="--sweep 'optim.lr='"),
@@ -570,7 +577,7 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 139, "status": 17, "train": 46}, counts
+    assert counts == {"submit": 144, "status": 17, "train": 46}, counts
 
 
 @pytest.mark.parametrize("case", [

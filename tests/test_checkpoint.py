@@ -4,7 +4,9 @@ SIGKILLs landing at every phase of a save."""
 from __future__ import annotations
 
 import collections
+import errno
 import hashlib
+import io
 import json
 import logging
 import os
@@ -483,6 +485,80 @@ def test_a_failed_background_save_does_not_fail_the_next_one(small_fs: Callable[
     store.save_async(_big_state(4.0), 4)
     store.close()
     assert store.list_steps() == [3, 4]
+
+
+class _RefusingFile(io.RawIOBase):
+    """What a filesystem that refuses every write looks like to the checkpoint's hashing file."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__()
+        self.code = code
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        raise OSError(self.code, os.strerror(self.code))
+
+
+def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """Every state.pt written from now on meets `code` (below torch.save, which would hide it)."""
+    from mgpu.checkpoint import _HashingFile
+
+    wrap = _HashingFile.__init__
+    monkeypatch.setattr(_HashingFile, "__init__", lambda self, file: wrap(self, _RefusingFile(code)))
+
+
+@pytest.mark.parametrize("code, words", [
+    (errno.ENOSPC, "disk full (ENOSPC)"),
+    (errno.EDQUOT, "disk quota exceeded (EDQUOT)"),
+    (errno.EIO, "I/O error (EIO)"),
+    (errno.EROFS, "read-only filesystem (EROFS)"),
+    (errno.EACCES, "permission denied (EACCES)"),
+    (errno.ENAMETOOLONG, "File name too long (ENAMETOOLONG)"),
+])
+def test_a_refused_write_names_the_errno_and_the_path(code: int, words: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu.checkpoint import _describe_os_error
+
+    assert _describe_os_error(OSError(code, os.strerror(code), "/d/state.pt"), Path("/x")) == f"{words} at /d/state.pt"
+    assert _describe_os_error(OSError(code, os.strerror(code)), Path("/x")) == f"{words} at /x"  # no file named
+    store = CheckpointStore(tmp_path / "ckpt")
+    _refuse_writes(monkeypatch, code)
+    results: list[SavedCheckpoint | BaseException] = []
+    store.save_async(_state(), 2, on_done=results.append)
+    store.close()
+    (failure,) = results
+    assert isinstance(failure, CheckpointWriteError) and failure.errno == code
+    assert str(failure) == f"checkpoint step 2 not written: {words} at {tmp_path / 'ckpt' / 'step_00000002'}"
+
+
+def test_no_errno_is_said_so() -> None:
+    from mgpu.checkpoint import _describe_os_error
+
+    assert _describe_os_error(OSError("torn"), Path("/x")) == "torn (no errno) at /x"
+
+
+def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu.checkpointer import Checkpointer
+    from mgpu.ledger import Ledger, read_ledger
+    from mgpu.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0))
+    with monkeypatch.context() as patch:
+        _refuse_writes(patch, errno.EIO)
+        assert checkpointer.save(_state, 2, "interval") is None  # in the background: training goes on
+        checkpointer.close()
+    checkpointer.save(lambda: _state(3.0), 3, "interval")
+    checkpointer.close()
+    events = [(e["event"], e["step"]) for e in read_ledger(run.ledger)]
+    assert events == [("checkpoint_failed", 2), ("checkpoint_saved", 3)], events
+    failed = read_ledger(run.ledger)[0]
+    assert failed["errno"] == errno.EIO and failed["reason"] == "interval"
+    assert failed["error"] == f"checkpoint step 2 not written: I/O error (EIO) at {run.checkpoints / 'step_00000002'}"
+    assert CheckpointStore(run.checkpoints).list_steps() == [3]
 
 
 def test_the_sha256_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

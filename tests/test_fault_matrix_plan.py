@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
-from fault_matrix import (CI_SEED, KINDS, MOMENTS, WORKERS, all_scenarios, ci_subset, render,  # noqa: E402
-                          selected)
+from fault_matrix import (BEGIN, CI_SEED, END, KINDS, MOMENTS, WORKERS, all_scenarios, ci_subset,  # noqa: E402
+                          publish, render, selected, summarize)
 
 
 def test_the_whole_matrix_is_every_kind_at_every_moment() -> None:
@@ -42,8 +42,43 @@ def test_the_table_lists_every_row_and_the_failures() -> None:
     rows = [{"order": 2, "id": "b", "outcome": "PREEMPTED → COMPLETED", "stops": [4], "lost": 0, "identical": True,
              "seconds": 31.2, "passed": True},
             {"order": 1, "id": "a", "outcome": "CANCELLED", "stops": [], "lost": "-", "identical": False,
-             "seconds": 9.0, "passed": False}]
+             "seconds": 9.0, "passed": False, "error": "AssertionError: CANCELLED, not COMPLETED"}]
     table = render(rows).splitlines()
     assert table[2] == "| a | CANCELLED | - | - | NO | 9 |"
     assert table[3] == "| b | PREEMPTED → COMPLETED | 4 | 0 | yes | 31 |"
-    assert table[-1] == "2 scenarios, 1 passed; failed: a."
+    assert table[5] == "2 scenarios, 1 passed; failed: a."
+    assert table[-1] == "- a: AssertionError: CANCELLED, not COMPLETED"  # why, for every failed one
+
+
+ROWS = [{"order": 0, "id": "scancel@mid-step/w0", "outcome": "CANCELLED → (resubmitted) → COMPLETED", "stops": [5],
+         "lost": 0, "identical": True, "seconds": 40.0, "passed": True},
+        {"order": 1, "id": "scancel@mid-step/w2", "outcome": "CANCELLED → (resubmitted) → COMPLETED", "stops": [6],
+         "lost": 0, "identical": True, "seconds": 50.0, "passed": True},
+        {"order": 2, "id": "scancel@evaluation/w0", "outcome": "", "stops": [], "lost": "-", "identical": False,
+         "seconds": 90.0, "passed": False, "error": "AssertionError: timed out"},
+        {"order": 3, "id": "kill-rank@mid-step/w0", "outcome": "COMPLETED", "stops": [], "lost": 1,
+         "identical": True, "seconds": 30.0, "passed": True}]
+
+
+def test_the_summary_has_one_row_per_stop_kind_in_the_matrix_order() -> None:
+    table = summarize(ROWS).splitlines()
+    assert table[2:] == ["| scancel | 3 | CANCELLED → (resubmitted) → COMPLETED: 2; -: 1 | 2 of 3 | 50 |",
+                         "| kill-rank | 1 | COMPLETED: 1 | 1 of 1 | 30 |"]
+
+
+def test_publish_replaces_only_the_marked_block() -> None:
+    readme = f"# x\n\nbefore\n\n{BEGIN}\nNot run yet.\n{END}\n\nafter\n"
+    once = publish(readme, ROWS, "python tests/e2e/fault_matrix.py", "2026-11-25")
+    assert once.startswith("# x\n\nbefore\n\n" + BEGIN + "\nThe whole matrix, `python tests/e2e/fault_matrix.py` "
+                           "(2026-11-25): 4 scenarios, 3 passed, 4 minutes.")
+    assert once.endswith(f"| kill-rank | 1 | COMPLETED: 1 | 1 of 1 | 30 |\n{END}\n\nafter\n")
+    assert "Not run yet" not in once and "[docs/fault-matrix.md](docs/fault-matrix.md)" in once
+    assert publish(once, ROWS, "python tests/e2e/fault_matrix.py", "2026-11-25") == once  # idempotent
+    with pytest.raises(ValueError, match="no <!-- fault-matrix --> ... <!-- /fault-matrix --> block"):
+        publish("# x\nFAULT_MATRIX_SUMMARY\n", ROWS, "c", "d")
+
+
+def test_the_readme_has_the_block() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert readme.count(BEGIN) == readme.count(END) == 1 and readme.index(BEGIN) < readme.index(END)
+    assert "FAULT_MATRIX_SUMMARY" not in readme

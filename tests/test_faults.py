@@ -73,6 +73,36 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     assert latest is not None and latest.step in (1, 2) and str(latest.path) == named[1]
 
 
+def test_tensorboard_on_a_full_disk_loses_points_not_the_run(small_fs: Callable[[int], Path],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # Seen in the fault matrix (disk-full@evaluation): TensorBoard's writer thread met ENOSPC, its next call
+    # raised it in rank 0's training loop, and the run crashed instead of going on as the README says.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from mgpu.reporting import Reporter
+    from tests.conftest import fill
+
+    monkeypatch.setattr("mgpu.reporting.REOPEN_AFTER_S", 0.0)  # reopen at the next log interval
+    fs = small_fs(512)
+    reporter = Reporter(True, fs / "tb", total_steps=400, resume_step=0, progress_bar="off")
+    metrics = {f"metric_{i}": float(i) for i in range(8)}
+    reporter.scalars(1, metrics, "train")
+    ballast = fill(fs)
+    for step in range(2, 300):  # far more than the slack of the event file's last page
+        reporter.scalars(step, metrics, "train")
+    ballast.unlink()
+    for step in range(300, 303):
+        reporter.scalars(step, metrics, "train")
+    reporter.close()
+    warnings = [r.getMessage() for r in caplog.records if "TensorBoard: cannot write" in r.getMessage()]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], warnings
+    events = EventAccumulator(str(fs / "tb"))
+    events.Reload()
+    steps = {e.step for e in events.Scalars("train/metric_0")}
+    assert 1 in steps and {300, 301, 302} <= steps, sorted(steps)
+
+
 # ---------------------------------------------------------------------------- D1: DataLoader workers
 def start_step(run_dir: Path, world: int, *args: str) -> list[subprocess.Popen[str]]:
     """`world` ranks in one process group, as slurmstepd runs a step's tasks: a signal to the group
@@ -125,6 +155,41 @@ def test_workers_survive_every_stop_signal(signals: str, where: str, at: int, tm
     (preempted,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "preempted"]
     names = {"TERM": "sigterm", "USR2": "requeue_signal", "INT": "interrupt"}
     assert set(preempted["reasons"]) == {names[s] for s in signals.split("+")}, preempted
+
+
+# A worker that dies once the stop is requested (the OOM killer, say) would make the next fetch raise on that
+# rank; the loader goes on in the training process instead, and the stop ends as any other. 400 samples: one
+# epoch of 50 steps, so the dead worker's batch is needed long before the agreement at step 16 stops the run.
+DYING = ["task.target=tests.e2e.jobtasks:WorkerDeathAfterStopTask", "task.args.step_s=0.05", "task.args.size=400",
+         "train.epochs=1", "data.batch_size=4", "data.num_workers=2", "log.every_steps=1",
+         "preemption.check_every_steps=16", "checkpoint.keep_last=10", "log.tensorboard=false"]
+
+
+def test_a_worker_that_dies_after_the_stop_signal_ends_in_the_stop(tmp_path: Path) -> None:
+    from tests.test_trainer import assert_identical
+
+    reference = tmp_path / "reference"
+    done = finish_step(start_step(reference, 2, *DYING, "task.args.at=0"))
+    assert [rc for rc, _ in done] == [0, 0], done[0][1][-3000:]
+    run_dir = tmp_path / "run"
+    marks = ["task.args.signals=TERM", "task.args.at=3", f"task.args.once_file={tmp_path / 'signalled'}",
+             f"task.args.claim_file={tmp_path / 'killed'}"]
+    results = finish_step(start_step(run_dir, 2, *DYING, *marks))
+    outputs = "\n".join(out for _, out in results)
+    assert [rc for rc, _ in results] == [3, 0], outputs[-3000:]  # stopped (not a Slurm job), not crashed
+    assert (tmp_path / "killed").exists(), "no worker was killed"
+    logs = [(run_dir / "logs" / f"rank{rank}.log").read_text() for rank in range(2)]
+    assert any("after a stop was requested: loading the rest in this process" in log for log in logs), logs
+    steps = [int(s) for log in logs for s in re.findall(r"stopping at step (\d+)", log)]
+    assert len(steps) == 2 and steps[0] == steps[1] > 3, steps
+    latest = CheckpointStore(run_dir / "checkpoints").latest()
+    assert latest is not None and latest.step == steps[0] and not latest.skipped
+    resumed = finish_step(start_step(run_dir, 2, *DYING, *marks))  # the marks exist: no signal, no death now
+    assert [rc for rc, _ in resumed] == [0, 0], resumed[0][1][-3000:]
+    final, expected = (CheckpointStore(d / "checkpoints").latest().state for d in (run_dir, reference))
+    assert final["progress"]["step"] == expected["progress"]["step"] == 50
+    assert_identical(final["model"], expected["model"], "model")
+    assert_identical(final["optimizer"], expected["optimizer"], "optimizer")
 
 
 # ------------------------------------------------ D12: per-sample augmentation in workers, across a resume

@@ -176,7 +176,8 @@ def test_a_slurm_jobs_bug_says_it_will_be_requeued(tmp_path: Path) -> None:
                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].endswith(
-        "the job is requeued from its last checkpoint (failure requeue 1 of 2), unless it was cancelled")
+        "the job starts again in this allocation from its last checkpoint (failure restart 1 of 2), unless it "
+        "was cancelled")
 
 
 def test_a_state_a_resume_could_not_load_fails_at_the_first_save(tmp_path: Path) -> None:

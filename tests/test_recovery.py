@@ -12,7 +12,7 @@ import pytest
 
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
-from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure
+from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure, stop_requeues
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import ancestors, owns_slurm_job
 
@@ -78,6 +78,40 @@ def test_failure_requeues_count_only_this_jobs_failures() -> None:
     assert failure_requeues(events, "9") == 0
 
 
+# Job 7 at SLURM_RESTART_COUNT 4: requeued once after a failure, restarted in place twice (no new restart
+# count), so 3 of its 4 restarts were stops (preemptions, time limits).
+MIXED = [{"event": "requeued", "job_id": "7", "after": "failure"},
+         {"event": "restarted", "job_id": "7", "after": "failure"},
+         {"event": "restarted", "job_id": "7", "after": "hang"},
+         {"event": "requeued", "job_id": "7", "how": "self"},
+         {"event": "requeued", "job_id": "8", "after": "failure"}]
+
+
+def test_stop_requeues_subtract_only_the_failures_that_requeued() -> None:
+    assert failure_requeues(MIXED, "7") == 3  # all three count against MGPU_MAX_FAILURES
+    assert stop_requeues(MIXED, "7", 4) == 3  # but only one of them raised the restart count
+    assert stop_requeues(MIXED, "7", 0) == 0 and stop_requeues([], None, 2) == 2
+
+
+def test_in_place_restarts_do_not_buy_extra_stop_requeues(tmp_path: Path) -> None:
+    """A job at restart 4 with MGPU_MAX_REQUEUES=2 whose ledger shows one failure requeue and two in-place
+    restarts has made 3 stop requeues: over its budget, it must not train (it did: 4 - 3 = 1 was counted)."""
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT
+    from tests.test_protocol import TRAIN, slurm_env
+
+    env = slurm_env(tmp_path, SLURM_RESTART_COUNT="4", MGPU_MAX_REQUEUES="2")
+    ledger = Ledger(tmp_path / "events.jsonl", env["SLURM_JOB_ID"], 0)
+    for event in MIXED[:4]:
+        ledger.write(event["event"], **{k: v for k, v in event.items() if k not in ("event", "job_id")})
+    result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask"], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert "requeue budget exhausted: this is restart 3 of at most 2" in result.stderr, result.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()  # did not train
+
+
 def ledger_events(run: RunDir) -> list[dict]:
     return [json.loads(line) for line in run.ledger.read_text().splitlines()]
 
@@ -119,6 +153,80 @@ def test_an_attempt_restarted_in_place_is_a_new_attempt(tmp_path: Path) -> None:
     assert run.failure_claim("7", 0).with_name(".failure-7-0-1").exists()
 
 
+# ------------------------------------------------------------- a job that stays down says how to resume
+RESUME = "cd /r && python jobs/submit.py --nodes 2 --config c.yaml"
+
+
+@pytest.fixture
+def running_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slurm's view of job 7: running, no restart (what `scontrol show job` would say); the resume command;
+    no requeue."""
+    from mgpu.requeue import JobView
+
+    monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2,
+                                                                          partition="main"))
+    monkeypatch.setenv("MGPU_RESUME_COMMAND", RESUME)
+    # Never the real cluster's job 7: a requeue here is a test failure (pytest's Failed is no Exception).
+    monkeypatch.setattr("mgpu.recovery.requeue", lambda job_id: pytest.fail(f"job {job_id} requeued"))
+
+
+def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, running_job: None) -> None:
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("restarted", after="failure")
+    action, outcome = handle_failure(run, "7", 0, Limits(max_failures=1), "exit 1", may_restart=True)
+    assert action == "none"
+    assert outcome == ("terminated, but the failure budget is spent (1 of 1 failure requeues used); the job stays "
+                       f"down; fix what failed, then resume with: {RESUME}")
+    (decision,) = [e for e in ledger_events(run) if e["event"] == "stop_decision"]
+    assert decision["reason"] == f"after a failure: {outcome}"  # what jobs/status.py shows
+
+
+def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path: Path, running_job: None,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    assert action == "none" and outcome.startswith("after a hang: excluding n2 would leave 1 of the 2 nodes"), outcome
+    assert outcome.endswith(f"the job stays down: check n2 (scontrol show node n2), then resume with: {RESUME}")
+
+
+@pytest.mark.parametrize("view, action", [
+    (("RUNNING", "None", 0, None), "restart"),                        # a crash: start the step again here
+    (("RUNNING", "None", 0, "2026-11-25T08:51:18"), "requeued"),      # preempted (GraceTime > 0): the allocation ends
+    (("RUNNING", "TimeLimit", 0, None), "requeued"),                  # the time limit is reached
+])
+def test_a_step_that_fails_while_the_allocation_ends_is_requeued_not_restarted(
+        view: tuple, action: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen in the fault matrix: the preemption's USR2 reached a rank before its handler (exit 140); the step
+    # was started again in the allocation being preempted, and Slurm requeued the job at the grace's end.
+    from mgpu.requeue import JobView, RequeueOutcome
+
+    requeued: list[str] = []
+    monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView(*view))
+    monkeypatch.setattr("mgpu.recovery.requeue", lambda job_id: requeued.append(job_id) or RequeueOutcome("self", "ok"))
+    run = RunDir(tmp_path)
+    got, outcome = handle_failure(run, "7", 0, Limits(), "the training step exited with code 140", may_restart=True)
+    assert got == action, outcome
+    assert requeued == ([] if action == "restart" else ["7"])
+    assert [e.get("after") for e in ledger_events(run) if e["event"] in ("restarted", "requeued")] == ["failure"]
+
+
+def test_recovery_after_bad_input_prints_the_command_that_resumes(tmp_path: Path) -> None:
+    import os
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT, base_env
+
+    env = base_env(SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()), MGPU_RESUME_COMMAND=RESUME)
+    result = subprocess.run([PYTHON, "-m", "mgpu.recovery", "--exit-code", "2", "--run-dir", str(tmp_path)], env=env,
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == ("mgpu.recovery: the step exited 2 (bad input or a full disk, see its one-line error): not "
+                             f"requeued; fix it, then resume with: {RESUME}\n")
+
+
 @pytest.mark.parametrize("bad, already, partition, needed, nodes, words", [
     ("n2", [], ["n1", "n2", "n3"], 2, ("n2",), "excluding n2 (now excluded: n2)"),
     ("n2", ["n9"], ["n1", "n2", "n3"], 1, ("n2", "n9"), "now excluded: n2, n9"),  # merged with the user's
@@ -133,3 +241,60 @@ def test_plan_exclusion(bad: str, already: list[str], partition: list[str], need
 
     plan = plan_exclusion(bad, already, partition, needed)
     assert plan.nodes == nodes and words in plan.why
+
+
+def test_nodes_down_or_drained_are_not_usable() -> None:
+    # n1, n2, n3 in the partition, n3 drained: excluding n2 leaves one node for a 2-node job (it was counted as 2).
+    from mgpu.exclusion import plan_exclusion
+
+    plan = plan_exclusion("n2", [], ["n1", "n2", "n3"], 2, {"n3"})
+    assert plan.nodes is None
+    assert plan.why == ("excluding n2 would leave 1 of the 2 nodes the job needs in its partition "
+                        "(n1; down or drained: n3)")
+    assert plan_exclusion("n2", [], ["n1", "n2", "n3", "n4"], 2, {"n3"}).nodes == ("n2",)
+
+
+def test_unavailable_nodes_from_their_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+
+    from mgpu.exclusion import unavailable_nodes
+
+    states = {"n1": "IDLE", "n2": "ALLOCATED", "n3": "DOWN*", "n4": "IDLE+DRAIN", "n5": "MIXED+DRAIN", "n6": "FUTURE",
+              "n7": "IDLE+POWERED_DOWN", "n8": "IDLE*", "n9": "DOWN+NOT_RESPONDING", "n10": "MIXED+COMPLETING"}
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd[1:])
+        return subprocess.CompletedProcess(cmd, 0, "".join(f"NodeName={n} Arch=x86_64 State={s} Partitions=main\n"
+                                                           for n, s in states.items()), "")
+
+    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
+    assert unavailable_nodes(list(states), run) == {"n3", "n4", "n5", "n6", "n8", "n9"}
+    assert calls == [["show", "node", "-o", ",".join(states)]]
+    assert unavailable_nodes([], run) == set() and len(calls) == 1
+    failing = lambda cmd: subprocess.CompletedProcess(cmd, 1, "", "scontrol: error")  # noqa: E731
+    assert unavailable_nodes(["n1"], failing) == set()  # unknown: counted as usable, as before
+
+
+def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
+        tmp_path: Path, running_job: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2", "n3"])
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: {"n3"})
+    run = RunDir(tmp_path)
+    Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    assert action == "none", outcome  # excluding n2 would have left the job pending on the drained n3
+    assert "would leave 1 of the 2 nodes the job needs in its partition (n1; down or drained: n3)" in outcome
+
+
+def test_the_run_directory_a_session_announced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # slurm/loop.sbatch: a loop of one's own names its run directory itself; its session writes it to a file.
+    import argparse
+
+    from mgpu.recovery import _run_dir
+
+    announced = tmp_path / "run-dir-7"
+    args = argparse.Namespace(run_dir=None, run_dir_file=str(announced), config=None, overrides=[])
+    assert _run_dir(args) is None  # the session never started: nothing to requeue
+    announced.write_text(str(tmp_path / "runs" / "mine") + "\n")
+    assert _run_dir(args) == RunDir(tmp_path / "runs" / "mine")

@@ -3,11 +3,13 @@ and the requeue command itself against a fake scontrol only where the real one c
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
 
-from mgpu.requeue import Budget, JobView, RequeueError, classify, decide, parse_job_view, requeue
+from mgpu.requeue import (Budget, JobView, RequeueError, classify, decide, parse_job_view, requeue, resume_command,
+                          sbatch_options)
 
 RUNNING = JobView("RUNNING", "None", 0, None)
 CASES = [
@@ -83,7 +85,9 @@ def test_requeue_already_pending_is_harmless(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_missing_scontrol_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("shutil.which", lambda name: None)
-    with pytest.raises(RequeueError, match="scontrol not found on PATH.*resubmit"):
+    monkeypatch.setenv("MGPU_RESUME_COMMAND", "cd /r && python jobs/submit.py --nodes 2")
+    with pytest.raises(RequeueError, match="scontrol not found on PATH.*; to resume: cd /r && python jobs/submit.py "
+                                           "--nodes 2$"):
         requeue("7")
     with pytest.raises(RequeueError, match="scontrol not found"):
         decide({"sigterm"}, "7", 0, Budget(0, 3))
@@ -106,3 +110,70 @@ def test_budget_kinds(budget: Budget, spent: bool, words: str, monkeypatch: pyte
     _, run = fake_scontrol(SHOW.format(state="RUNNING", reason="None", restarts=0, preempt="None"))
     decision = decide({"requeue_signal"}, "7", 0, budget, run)
     assert budget.spent is spent and decision.requeue is not spent and words in decision.why
+
+
+# ------------------------------------------------------------------------ the command that resumes a run
+@pytest.mark.parametrize("line, args, words", [
+    ("sbatch --nodes=2 -p main --requeue slurm/train.sbatch c.yaml a=1", ["c.yaml", "a=1"],
+     ["sbatch", "--nodes=2", "-p", "main", "--requeue", "slurm/train.sbatch"]),
+    ("/usr/bin/sbatch -N 2 my.sbatch c.yaml x=a b", ["c.yaml", "x=a b"], ["sbatch", "-N", "2", "my.sbatch"]),
+    ("sbatch slurm/train.sbatch c.yaml", ["c.yaml"], ["sbatch", "slurm/train.sbatch"]),
+    ("sbatch --comment a b slurm/train.sbatch c.yaml", ["c.yaml"], None),  # was it "a b", or a then b?
+    ("sbatch -N 2 slurm/train.sbatch c.yaml x", ["c.yaml", "y"], None),  # not the arguments this job got
+    ("sbatch -N 2 slurm/train.sbatch", ["c.yaml"], None),
+    ("srun -N 2 slurm/train.sbatch c.yaml", ["c.yaml"], None),
+    ("", ["c.yaml"], None),
+])
+def test_sbatch_options_from_the_submit_line(line: str, args: list[str], words: list[str] | None) -> None:
+    assert sbatch_options(line, args) == words
+
+
+OPEN = ("cd /r && PYTHON=.venv/bin/python sbatch <the sbatch options of job 12> slurm/train.sbatch c.yaml "
+        "run.name=it\\'s")
+OWN = {"MGPU_RESUME_COMMAND": OPEN, "SLURM_JOB_ID": "12", "SLURM_TASK_PID": str(os.getpid())}
+
+
+def sacct(line: str, rc: int = 0) -> tuple[list[list[str]], object]:
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd[1:])
+        return subprocess.CompletedProcess(cmd, rc, line, "sacct: error" if rc else "")
+
+    return calls, run
+
+
+@pytest.mark.parametrize("environ, line, ask, expected", [
+    # The templates' placeholder, filled from accounting's SubmitLine (the arguments stay as the template quoted them).
+    (OWN, "sbatch -N2 --time=1:00 slurm/train.sbatch c.yaml run.name=it's\n", True,
+     "cd /r && PYTHON=.venv/bin/python sbatch -N2 --time=1:00 slurm/train.sbatch c.yaml run.name=it\\'s"),
+    ({**OWN, "MGPU_RESUME_COMMAND": OPEN + " task.args.x=a\\ b"}, "sbatch -N2 slurm/train.sbatch c.yaml "
+     "run.name=it's task.args.x=a b", True, "cd /r && PYTHON=.venv/bin/python sbatch -N2 slurm/train.sbatch c.yaml "
+     "run.name=it\\'s task.args.x=a\\ b"),                          # an argument with a space (bash's %q: a\ b)
+    (OWN, "", True, OPEN),                                          # no accounting record (yet)
+    (OWN, "sbatch --comment a b slurm/train.sbatch c.yaml run.name=it's", True, OPEN),  # ambiguous: kept open
+    (OWN, "sbatch -N2 slurm/train.sbatch c.yaml run.name=it's", False, OPEN),  # not asked (a rank other than 0)
+    ({**OWN, "SLURM_TASK_PID": "1"}, "sbatch -N2 slurm/train.sbatch c.yaml run.name=it's", True, OPEN),  # foreign
+    ({**OWN, "SLURM_JOB_ID": "13"}, "sbatch -N2 slurm/train.sbatch c.yaml run.name=it's", True, OPEN),  # another job
+    ({**OWN, "MGPU_RESUME_COMMAND": "cd /r && python jobs/submit.py --nodes 2"}, "x", True,
+     "cd /r && python jobs/submit.py --nodes 2"),                   # submit.py's command is exact already
+    ({"SLURM_JOB_ID": "12"}, "", True, "the command that submitted job 12 (MGPU_RESUME_COMMAND is not set)"),
+])
+def test_resume_command(environ: dict[str, str], line: str, ask: bool, expected: str,
+                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    calls, run = sacct(line)
+    assert resume_command(environ, ask=ask, run=run) == expected
+    asked = ask and "<the sbatch options" in environ.get("MGPU_RESUME_COMMAND", "") and environ["SLURM_TASK_PID"] \
+        == str(os.getpid()) and environ["SLURM_JOB_ID"] == "12"
+    assert calls == ([["-n", "-X", "-P", "-o", "SubmitLine", "-j", "12"]] if asked else [])
+
+
+def test_resume_command_survives_a_failing_sacct(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    assert resume_command(OWN, run=sacct("", rc=1)[1]) == OPEN
+
+    def timeout(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+        raise subprocess.TimeoutExpired(cmd, 30)
+
+    assert resume_command(OWN, run=timeout) == OPEN

@@ -19,8 +19,8 @@ import pytest
 
 from mgpu.errors import MgpuError
 from mgpu.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
-                             parse_slurm_time, parse_sweep, sbatch_script, slurm_parameters, submitit_command,
-                             submitit_folder)
+                             parse_slurm_time, parse_sweep, sbatch_script, setup_lines, slurm_parameters,
+                             submitit_command, submitit_folder)
 from tests.conftest import PYTHON, ROOT, base_env
 
 SUBMIT = str(ROOT / "jobs" / "submit.py")
@@ -106,6 +106,8 @@ export SUBMITIT_PREEMPT_SIGNAL={lines.get('signal', 'USR2')}
 export MGPU_RESUME_COMMAND={q(resume)}
 export MGPU_RUN_DIR={q(str(run_dir))}
 export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank
+srun() {{ MGPU_SRUN_ARGS=("$@"); rm -f -- {q(f)}/"${{SLURM_ARRAY_JOB_ID:-$SLURM_JOB_ID}}${{SLURM_ARRAY_JOB_ID:+_$SLURM_ARRAY_TASK_ID}}"\
+_*_result.pkl.save_tmp; command srun "$@"; }}
 
 # command
 export SUBMITIT_EXECUTOR=slurm
@@ -116,7 +118,7 @@ srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.
 # teardown
 rc=$?
 while [ "$({q(PYTHON)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
-  rc=0; eval "$(grep -m 1 '^srun ' "$0")" || rc=$?
+  rc=0; srun "${{MGPU_SRUN_ARGS[@]}}" || rc=$?
 done
 exit "$rc\""""
 
@@ -354,6 +356,11 @@ def test_sbatch_templates(name: str, tasks: str) -> None:
     assert any("%j" in line for line in sbatch if "--output=" in line)
     assert "srun --kill-on-bad-exit=1" in text and 'cd "${SLURM_SUBMIT_DIR' in text
     assert "jobs/train.py --config" in text
+    # The documented defaults: each said once, and as the script does it.
+    header = " ".join(line.lstrip("#").strip() for line in text.split("\n#SBATCH ", 1)[0].splitlines())
+    assert re.findall(r"MGPU_MAX_REQUEUES [^(]*\(default:? ([^)]*)\)", header) == ["no limit"], header
+    assert re.findall(r"MGPU_MAX_FAILURES [^(]*\(default:? (\d+)", header) == ["3"], header
+    assert 'MGPU_MAX_FAILURES="${MGPU_MAX_FAILURES:-3}"' in text
     if "torchrun" in name:  # every per-node value is expanded inside srun's bash -c, not in the batch shell
         body = text.split("bash -c '", 1)[1]
         assert "$SLURM_NODEID" in body and "--signals-to-handle=" in body and "SIGUSR2" in body
@@ -420,6 +427,38 @@ def test_sbatch_templates_pass_good_input_to_srun(tmp_path: Path, config: Path, 
     assert srun_args[-2:] == ["train.epochs=2", "run.name=it's"]
 
 
+@pytest.mark.parametrize("name", ["train.sbatch", "train_torchrun.sbatch"])
+def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config: Path, name: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The template records the command with a placeholder for sbatch's options (which it cannot see);
+    mgpu fills them in from accounting's SubmitLine, and running that command submits the same job."""
+    from mgpu.requeue import resume_command
+
+    seen = tmp_path / "resume"
+    args = [str(config), "train.epochs=2", "run.name=it's", "task.args.note=a b"]
+    recorded = subprocess.run(["bash", str(ROOT / "slurm" / name), *args], capture_output=True, text=True, timeout=30,
+                              env=base_env(PATH=fake_bin(tmp_path, srun=f'echo "$MGPU_RESUME_COMMAND" > {seen}'),
+                                           SLURM_SUBMIT_DIR=str(ROOT), SLURM_JOB_ID="7", SLURM_JOB_NODELIST="n1",
+                                           PYTHON=PYTHON, MGPU_MAX_REQUEUES="5"))
+    assert recorded.returncode == 0, recorded.stderr
+    command = seen.read_text().strip()
+    assert command == (f"cd {shlex.quote(str(ROOT))} && PYTHON={PYTHON} MGPU_MAX_REQUEUES=5 OMP_NUM_THREADS=1 sbatch "
+                       f"<the sbatch options of job 7> slurm/{name} {config} train.epochs=2 run.name=it\\'s "
+                       "task.args.note=a\\ b")
+    submit_line = f"sbatch --nodes=2 -p main --time=1:00:00 slurm/{name} {' '.join(args)}"
+    monkeypatch.setattr("mgpu.requeue._run", lambda cmd: subprocess.CompletedProcess(cmd, 0, submit_line + "\n", ""))
+    monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
+    exact = resume_command({"MGPU_RESUME_COMMAND": command, "SLURM_JOB_ID": "7", "SLURM_TASK_PID": str(os.getpid())})
+    assert "<" not in exact and "slurm/" + name in exact, exact
+    submitted = tmp_path / "submitted"
+    stub = fake_bin(tmp_path, sbatch=f'{{ echo "PYTHON=$PYTHON MGPU_MAX_REQUEUES=$MGPU_MAX_REQUEUES"; '
+                                     f'printf "%s\\n" "$@"; }} > {submitted}')
+    ran = subprocess.run(["bash", "-c", exact], env=base_env(PATH=stub), capture_output=True, text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert submitted.read_text().splitlines() == [f"PYTHON={PYTHON} MGPU_MAX_REQUEUES=5", "--nodes=2", "-p", "main",
+                                                  "--time=1:00:00", f"slurm/{name}", *args]
+
+
 @pytest.mark.multiprocess
 def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     if importlib.util.find_spec("mgpu.job") is None or importlib.util.find_spec("mgpu.requeue") is None:
@@ -464,6 +503,16 @@ INJECTIONS = {
     "partition, shell characters": (["--partition", "gpu;touch"], "--partition 'gpu;touch': Slurm expects"),
     "constraint, quote": (["--constraint", "a'b"], "--constraint"),
     "sweep value": (["--sweep", "task.args.x=a,'b\n\ntouch {tmp}/pwned'"], "--sweep"),  # YAML keeps one newline
+    # A plain override reaches the script inside the resume command (export MGPU_RESUME_COMMAND='...'): a
+    # newline split that line, and the teardown's restart ran the first line starting with `srun `.
+    "override, an srun line": (["task.args.note=a\nsrun touch {tmp}/pwned #"],
+                               "override 'task.args.note=a\\nsrun touch"),
+    "override, trailing newline": (["task.args.note=a\n"], "override 'task.args.note=a\\n': contains a newline"),
+    "override, carriage return": (["task.args.note=a\rtouch {tmp}/pwned"], "override 'task.args.note=a\\rtouch"),
+    "override, escape": (["task.args.note=a\x1b[2J"], "override 'task.args.note=a\\x1b[2J': invalid YAML"),
+    # int() and float() take a trailing newline: only the resume command's check sees these.
+    "nodes, trailing newline": (["--nodes", "2\n"], "--nodes '2\\n': contains a newline"),
+    "poll interval, CR LF": (["--poll-interval", "2\r\n"], "--poll-interval '2\\r\\n': contains a newline"),
 }
 
 
@@ -510,6 +559,52 @@ def test_quoted_values_stay_inside_their_line(tmp_path: Path, config: Path) -> N
     assert ran.returncode == 0, ran.stderr
     assert not marker.exists() and not folder.exists()
     assert srun_args.read_text().splitlines()[-1] == str(folder / "submitit")  # one argument, as given
+
+
+def test_the_teardown_restarts_srun_with_the_steps_own_arguments(tmp_path: Path, config: Path) -> None:
+    """A failed step is started again with the arguments the script's srun ran with, even when another
+    line of the script starts with `srun ` (the teardown used to run the first such line it found)."""
+    folder = tmp_path / "runs"
+    result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(folder)])
+    assert result.returncode == 0, result.stderr
+    script = tmp_path / "job.sh"
+    script.write_text(result.stdout.replace("# setup\n", f"# setup\nsrun --decoy {tmp_path}/pwned\n"))
+    calls = tmp_path / "srun_calls"
+    # srun: the decoy line, the step (fails), the step again (succeeds); scontrol: the job is running.
+    path = fake_bin(tmp_path, srun=f'echo "$*" >> {calls}; [ "$(wc -l < {calls})" -ge 3 ]',
+                    scontrol='echo "JobId=7 JobState=RUNNING Reason=None Restarts=0 PreemptTime=None"')
+    env = base_env(PATH=path, SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()))  # this test is the job's task
+    ran = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    decoy, step, again = calls.read_text().splitlines()
+    assert decoy == f"--decoy {tmp_path}/pwned" and step.endswith(f"-m submitit.core._submit {folder}/submitit")
+    assert again == step, "the restart ran another line than the step's srun"
+    ledger = [json.loads(line) for line in (folder / "blob" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in ledger][-1] == "restarted"
+
+
+@pytest.mark.parametrize("environ, stale, kept", [
+    ({"SLURM_JOB_ID": "7"}, ["7_0_result.pkl.save_tmp", "7_1_result.pkl.save_tmp"],
+     ["8_0_result.pkl.save_tmp", "7_0_result.pkl", "70_0_result.pkl.save_tmp"]),
+    ({"SLURM_JOB_ID": "12", "SLURM_ARRAY_JOB_ID": "5", "SLURM_ARRAY_TASK_ID": "2"}, ["5_2_0_result.pkl.save_tmp"],
+     ["5_3_0_result.pkl.save_tmp", "12_0_result.pkl.save_tmp"]),
+])
+def test_each_step_starts_without_a_result_submitit_could_not_finish(
+        tmp_path: Path, environ: dict[str, str], stale: list[str], kept: list[str]) -> None:
+    """Seen in the fault matrix: a result write that met a full disk left `<result>.save_tmp`, and every
+    later run of the job (restarted in place, requeued: the same names) failed at its end on submitit's
+    `A temporary saved file already exists`, until the failure budget was spent."""
+    folder = tmp_path / "my runs" / "submitit"
+    folder.mkdir(parents=True)
+    for name in stale + kept:
+        (folder / name).write_text("x")
+    (line,) = [ln for ln in setup_lines(Resources(), [tmp_path / "run"], folder=folder) if ln.startswith("srun()")]
+    seen = tmp_path / "seen"
+    path = fake_bin(tmp_path, srun=f'ls {shlex.quote(str(folder))} > {seen}')
+    ran = subprocess.run(["bash", "-c", f"{line}\nsrun x"], env=base_env(PATH=path, **environ), capture_output=True,
+                         text=True, timeout=30)
+    assert ran.returncode == 0, ran.stderr
+    assert sorted(seen.read_text().split()) == sorted(kept)  # gone before srun started the step
 
 
 BAD_RESOURCES: list[tuple[dict[str, Any], str]] = [

@@ -2,28 +2,34 @@
 DataLoader workers, on the real test cluster. The scenarios are generated here (pure, seeded); they
 run in tests/e2e/test_fault_matrix.py.
 
-    python tests/e2e/fault_matrix.py                 # the whole matrix; writes docs/fault-matrix.md
+    python tests/e2e/fault_matrix.py                 # the whole matrix; writes docs/fault-matrix.md and
+                                                     # the README's summary (between its fault-matrix markers)
     python tests/e2e/fault_matrix.py --ci            # the seeded subset CI runs (one per stop kind)
     python tests/e2e/fault_matrix.py --list          # the scenarios, without running them
 
 Stop kinds: preemption with GraceTime 0 (Slurm requeues; the user signal, then TERM, KILL 5 s later),
 preemption with GraceTime 10 and the user signal (the job requeues itself), `scancel`, `scancel
 --signal=USR2`, the time limit's `--signal` lead, an outside `scontrol requeue`, one rank SIGKILLed,
-the run's filesystem full for 4 s. Moments: the rendezvous (the job has just started), the first
-step after a resume (an outside requeue first), mid-step, inside an evaluation, inside a checkpoint
-write. The time limit's signal comes at Slurm's own 30 s check, so it has one moment: whenever it
+the run's own filesystem (`run.dir`; the job's output is elsewhere) full from that moment until a
+write has met it and said so (at least 4 s, at most 94 s). Moments: the rendezvous (the job has just
+started; for a killed rank or a full disk, its processes have), the first step after a resume (an
+outside requeue first), mid-step, inside an evaluation, inside a checkpoint write. The time limit's signal comes at Slurm's own 30 s check, so it has one moment: whenever it
 lands (recorded as mid-step).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +44,8 @@ SIGNAL_KINDS = frozenset(KINDS) - {"kill-rank", "disk-full"}
 ROOT = Path(__file__).resolve().parents[2]
 REPORT_ENV = "MGPU_FAULT_REPORT"
 SELECT_ENV = "MGPU_FAULT_MATRIX"
+BEGIN, END = "<!-- fault-matrix -->", "<!-- /fault-matrix -->"
+"""The README's block that `publish` replaces with the whole matrix's summary."""
 
 
 @dataclass(frozen=True)
@@ -80,42 +88,82 @@ def selected(selection: str | None) -> list[Scenario]:
 
 
 def render(rows: list[dict]) -> str:
-    """The README's table, from the rows test_fault_matrix.py appended to the report."""
+    """docs/fault-matrix.md's table, from the rows test_fault_matrix.py appended to the report; each
+    failed scenario is listed after it with the line it failed on."""
     lines = ["| scenario | outcome (Slurm runs) | stops at step | steps lost | identical | seconds |",
              "|---|---|---|---|---|---|"]
     for row in sorted(rows, key=lambda r: r["order"]):
-        lines.append(f"| {row['id']} | {row['outcome']} | {', '.join(map(str, row['stops'])) or '-'} | "
+        lines.append(f"| {row['id']} | {row['outcome'] or '-'} | {', '.join(map(str, row['stops'])) or '-'} | "
                      f"{row['lost']} | {'yes' if row['identical'] else 'NO'} | {row['seconds']:.0f} |")
-    failed = [r["id"] for r in rows if not r["passed"]]
+    failed = [r for r in sorted(rows, key=lambda r: r["order"]) if not r["passed"]]
     lines.append("")
     lines.append(f"{len(rows)} scenarios, {len(rows) - len(failed)} passed"
-                 + (f"; failed: {', '.join(failed)}" if failed else "") + ".")
+                 + (f"; failed: {', '.join(r['id'] for r in failed)}" if failed else "") + ".")
+    if failed:
+        lines += ["", "Failures:", ""] + [f"- {r['id']}: {r.get('error') or 'no reason recorded'}" for r in failed]
     return "\n".join(lines) + "\n"
 
 
+def summarize(rows: list[dict]) -> str:
+    """The README's compact table: per stop kind, its scenarios, their outcomes, passes, median seconds."""
+    lines = ["| stop kind | scenarios | outcomes (Slurm's runs: count) | passed | median seconds |",
+             "|---|---|---|---|---|"]
+    for kind in KINDS:
+        mine = [r for r in rows if r["id"].split("@")[0] == kind]
+        if not mine:
+            continue
+        outcomes = collections.Counter(r["outcome"] or "-" for r in mine)
+        shown = "; ".join(f"{outcome}: {count}" for outcome, count in sorted(outcomes.items(), key=lambda o: -o[1]))
+        lines.append(f"| {kind} | {len(mine)} | {shown} | {sum(r['passed'] for r in mine)} of {len(mine)} | "
+                     f"{statistics.median(r['seconds'] for r in mine):.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def publish(readme: str, rows: list[dict], command: str, when: str) -> str:
+    """`readme` with the text between BEGIN and END replaced by the summary of `rows`; ValueError without
+    the markers (nothing else is touched)."""
+    start, end = readme.find(BEGIN), readme.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no {BEGIN} ... {END} block to fill")
+    passed = sum(r["passed"] for r in rows)
+    block = (f"{BEGIN}\nThe whole matrix, `{command}` ({when}): {len(rows)} scenarios, {passed} passed, "
+             f"{sum(r['seconds'] for r in rows) / 60:.0f} minutes. Every scenario's row, and why any failed: "
+             f"[docs/fault-matrix.md](docs/fault-matrix.md).\n\n{summarize(rows)}")
+    return readme[:start] + block + readme[end:]
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--ci", action="store_true", help="only the seeded subset CI runs")
     parser.add_argument("--seed", type=int, help="a seeded subset (one scenario per kind) other than CI's")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
     parser.add_argument("--out", default=str(ROOT / "docs" / "fault-matrix.md"), help="the table (markdown)")
+    parser.add_argument("--readme", default=str(ROOT / "README.md"),
+                        help="whose fault-matrix block gets the summary (the whole matrix only; '' for none)")
     args = parser.parse_args()
     selection = "ci" if args.ci else f"seed:{args.seed}" if args.seed is not None else "all"
     scenarios = selected(selection)
     if args.list:
         print("\n".join(s.id for s in scenarios))
         return 0
-    report = Path(args.out).with_suffix(".jsonl")
-    report.unlink(missing_ok=True)
-    env = dict(os.environ, **{SELECT_ENV: selection, REPORT_ENV: str(report), "OMP_NUM_THREADS": "1"})
-    rc = subprocess.run([sys.executable, "-m", "pytest", "tests/e2e/test_fault_matrix.py", "-q", "-p",
-                         "no:cacheprovider"], cwd=ROOT, env=env).returncode
-    rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
-    header = (f"# Fault matrix\n\nGenerated by `python tests/e2e/fault_matrix.py"
-              f"{' --ci' if args.ci else f' --seed {args.seed}' if args.seed is not None else ''}` on the "
-              f"local test cluster (2 nodes x 1 rank, gloo).\n\n")
+    command = "python tests/e2e/fault_matrix.py" + (" --ci" if args.ci else f" --seed {args.seed}"
+                                                     if args.seed is not None else "")
+    with tempfile.TemporaryDirectory(prefix="fault-matrix-") as scratch:  # the rows, one JSON line each
+        report = Path(scratch) / "rows.jsonl"
+        env = dict(os.environ, **{SELECT_ENV: selection, REPORT_ENV: str(report), "OMP_NUM_THREADS": "1"})
+        rc = subprocess.run([sys.executable, "-m", "pytest", "tests/e2e/test_fault_matrix.py", "-q", "-p",
+                             "no:cacheprovider"], cwd=ROOT, env=env).returncode
+        rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+    when = time.strftime("%Y-%m-%d")
+    header = (f"# Fault matrix\n\nGenerated by `{command}` on {when}, on the local test cluster (2 nodes x 1 rank, "
+              f"gloo, 2 shared CPU cores). How each scenario runs and what it checks: "
+              f"tests/e2e/test_fault_matrix.py.\n\n")
     Path(args.out).write_text(header + render(rows))
     print(f"{len(rows)} scenarios; table in {args.out}")
+    if selection == "all" and args.readme and rows:
+        readme = Path(args.readme)
+        readme.write_text(publish(readme.read_text(), rows, command, when))
+        print(f"summary in {readme}")
     return rc
 
 

@@ -1,4 +1,4 @@
-"""Tasks for the end-to-end jobs (imported by the job as `tests.e2e.jobtasks:...`).
+"""Tasks for the end-to-end jobs and the fault tests (imported by the job as `tests.e2e.jobtasks:...`).
 
 They only change timing or fail on purpose; the numerics are tests.tasks.BlobTask's.
 """
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.tasks import BlobTask
+from tests.tasks import BlobTask, Blobs, SignalingBlobTask
 
 
 class FirstRunSlowBlobTask(BlobTask):
@@ -69,3 +69,39 @@ class MatrixTask(FirstRunSlowBlobTask):
                 marker.write(f"{os.environ.get('SLURM_RESTART_COUNT') or 0} {self.metric_calls}\n")
         time.sleep(self.eval_step_s)
         return super().metrics(model, batch)
+
+
+class DyingWorkerBlobs(Blobs):
+    """Blobs whose first DataLoader worker to load a sample once `trigger` exists SIGKILLs itself (once in
+    all: the one that creates `claim` first); in the training process itself, nothing happens."""
+
+    def __init__(self, size: int, seed: int, trigger: str, claim: str) -> None:
+        super().__init__(size, seed)
+        self.trigger, self.claim = trigger, claim
+
+    def __getitem__(self, i: int):
+        import signal
+
+        from torch.utils.data import get_worker_info
+
+        if get_worker_info() is not None and os.path.exists(self.trigger):
+            try:
+                os.close(os.open(self.claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return super().__getitem__(i)
+
+
+class WorkerDeathAfterStopTask(SignalingBlobTask):
+    """SignalingBlobTask (rank 0 signals the whole step at its `at`-th loss call, creating `once_file`
+    first) whose training data kill one DataLoader worker right after that: a worker that dies once a
+    stop is requested (the OOM killer, say), which must end in the stop's checkpoint, not a crash."""
+
+    def __init__(self, claim_file: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.claim_file = claim_file
+
+    def train_dataset(self):
+        return DyingWorkerBlobs(self.size, 0, self.once_file, self.claim_file)

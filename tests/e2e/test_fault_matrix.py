@@ -1,10 +1,11 @@
 """The fault matrix on the real test cluster: each scenario (tests/e2e/fault_matrix.py) is a 2-node job
 submitted with jobs/submit.py, stopped by a real Slurm event at a chosen moment, and followed to its end.
 
-Every scenario checks: the job ends or comes back as the README's table says (sacct's runs); a stop that
-gives a signal loses no step (each run resumes at the last step the previous one trained); the final
-checkpoint verifies and its weights, optimizer and schedule are bit-identical to an uninterrupted run;
-every wait is bounded. A job that stays down (scancel, or a disk that was full at its start) is
+Every scenario checks: the job ends or comes back as the README's table says (sacct's runs; a killed rank:
+one `restarted` step in the same allocation); a stop that gives a signal loses no step (each run resumes
+at the last step the previous one trained); the final checkpoint verifies, no newer one was skipped as
+broken, and its weights, optimizer and schedule are bit-identical to an uninterrupted run; a full disk
+was reported as ENOSPC; every wait is bounded. A job that stays down (scancel, or a disk that was full at its start) is
 resubmitted with the same command, which continues the same run. CI runs the seeded subset
 (`MGPU_FAULT_MATRIX` unset); `python tests/e2e/fault_matrix.py` runs them all and writes the table.
 """
@@ -23,10 +24,11 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 from fault_matrix import REPORT_ENV, SELECT_ENV, SIGNAL_KINDS, Scenario, all_scenarios, selected
-from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, checkpoint_state, events, job_output, preempt,
-                         rank_record, submit_one, wait_steps)
+from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, events, job_output, preempt, rank_record, submit_one,
+                         wait_steps)
 from slurm_helpers import final_state, job, runs, wait_until
 
+from mgpu.checkpoint import CheckpointStore
 from tests.conftest import fill
 from tests.test_trainer import assert_identical
 
@@ -43,6 +45,7 @@ MATRIX = ["task.target=tests.e2e.jobtasks:MatrixTask", "task.args.step_s=0.25", 
           "schedule.warmup_steps=3", "optim.lr=0.01"]
 STEPS = 30
 FULL_FOR_S = 4.0
+FULL_AT_MOST_S = 90.0
 # The time limit's signal comes at Slurm's 30 s check, 20-50 s into a `--time 1 --signal-lead 10` job:
 # a first run of 30 x 2 s steps always meets it; the run after the requeue is quick.
 TIME_LIMIT = ["--time", "1", "--signal-lead", "10", "task.args.step_s=2.0", "task.args.later_step_s=0.05"]
@@ -67,11 +70,13 @@ def _eval_started(markers: Path) -> bool:
                                  for n in range(2, 100))
 
 
-def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, run_dir: Path, markers: Path) -> int:
+def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, run_dir: Path, markers: Path) -> int:
     """Wait for the scenario's moment; the run (1 = the job's first) it lands in."""
     moment = scenario.moment
     if moment == "rendezvous":
         wait_until("the job to start", lambda: job(cluster, jobid).get("JobState") == "RUNNING", 90, 0.05)
+        if scenario.kind in ("kill-rank", "disk-full"):  # a process to kill, or to write on the full disk
+            wait_until("a training process", lambda: _find_rank_pid(folder, run_dir, 1), 90, 0.05)
         return 1
     if moment == "first-step-after-resume":
         wait_steps(run_dir, run=1, steps=3)
@@ -92,6 +97,13 @@ def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, run_dir: Path, m
 
 
 def _rank_pid(folder: Path, run_dir: Path, run: int) -> int:
+    pid = _find_rank_pid(folder, run_dir, run)
+    if pid is None:
+        raise AssertionError(f"no training process of {folder} found")
+    return pid
+
+
+def _find_rank_pid(folder: Path, run_dir: Path, run: int) -> int | None:
     """A training rank's pid (rank 1 once the ranks have recorded themselves in this run, else any task)."""
     try:
         record = rank_record(run_dir, 1)
@@ -107,7 +119,7 @@ def _rank_pid(folder: Path, run_dir: Path, run: int) -> int:
             continue
         if comm.startswith("python") and b"submitit.core._submit" in cmdline and str(folder).encode() in b" ".join(cmdline):
             return pid
-    raise AssertionError(f"no training process of {folder} found")
+    return None
 
 
 def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, run_dir: Path, run: int,
@@ -124,8 +136,16 @@ def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, ru
     elif kind == "kill-rank":
         os.kill(_rank_pid(folder, run_dir, run), signal.SIGKILL)
     elif kind == "disk-full":
-        ballast = fill(folder)
-        threading.Timer(FULL_FOR_S, lambda: ballast.unlink(missing_ok=True)).start()
+        ballast = fill(run_dir.parent)  # the run's filesystem (run.dir on a small tmpfs)
+
+        def free() -> None:  # at least FULL_FOR_S, and until a write has met the full disk and said so
+            time.sleep(FULL_FOR_S)
+            deadline = time.monotonic() + FULL_AT_MOST_S
+            while not enospc_reports(folder, run_dir, [jobid]) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            ballast.unlink(missing_ok=True)
+
+        threading.Thread(target=free, daemon=True).start()
         highs.append(str(ballast))  # (not a job: the test waits for it to be gone before resubmitting)
     else:
         assert kind == "time-limit", kind
@@ -149,8 +169,26 @@ def steps_lost(run_dir: Path) -> list[int]:
 ALLOWED = {  # each kind: the states sacct may show for the runs before the last (which must be COMPLETED)
     "preempt-grace0": {"PREEMPTED", "REQUEUED"}, "preempt-grace10": {"REQUEUED"}, "scancel": set(),
     "scancel-usr2": {"REQUEUED"}, "time-limit": {"REQUEUED"}, "outside-requeue": {"REQUEUED"},
-    "kill-rank": {"REQUEUED"}, "disk-full": {"REQUEUED"},
+    "kill-rank": set(),  # the batch script starts the step again in the same allocation: no requeue
+    "disk-full": {"REQUEUED"},
 }
+
+
+def verified_state(run_dir: Path) -> dict[str, Any]:
+    """The latest checkpoint's state; it must verify, and no newer one may have been skipped as broken."""
+    loaded = CheckpointStore(run_dir / "checkpoints").latest()
+    assert loaded is not None, f"no checkpoint in {run_dir}"
+    assert loaded.skipped == (), f"checkpoints skipped as broken: {loaded.skipped}"
+    return loaded.state
+
+
+def enospc_reports(folder: Path, run_dir: Path, jobids: list[str]) -> list[str]:
+    """Every place a full disk was reported: the ledger's failed saves and failures, the ranks' logs and
+    the jobs' output (a job that stayed down because of it says so there)."""
+    found = [e.get("error", "") for e in events(run_dir) if e["event"] in ("checkpoint_failed", "failed")]
+    files = [*(run_dir / "logs").glob("rank*.log"), *(p for j in jobids for p in (folder / "submitit").glob(f"{j}_*"))]
+    found += [line for path in files if path.is_file() for line in path.read_text(errors="replace").splitlines()]
+    return [line for line in found if "ENOSPC" in line or "No space left on device" in line]
 
 
 @pytest.mark.parametrize("scenario", [pytest.param(s, id=s.id) for s in selected(os.environ.get(SELECT_ENV))])
@@ -159,11 +197,14 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     grace = 10 if scenario.kind == "preempt-grace10" else 0
     slurm_policy(grace=grace, user_signal=True)
     ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" else []
-    folder = small_fs((1024 if ballast else 96) * 1024) if scenario.kind == "disk-full" else tmp_path / "runs"
+    folder = tmp_path / "runs"
+    # disk-full: the run's own filesystem (checkpoints, ledger, logs) fills up; the job's stdout and stderr
+    # (submitit's folder) are elsewhere, as on clusters with scratch space, so what the job says is kept.
+    own_fs = [f"run.dir={small_fs((1024 if ballast else 96) * 1024) / 'run'}"] if scenario.kind == "disk-full" else []
     markers = tmp_path / "markers"
     markers.mkdir()
     args = [*TWO_RANKS, *ALL_CPUS, *MATRIX, f"data.num_workers={scenario.workers}", f"task.args.marker_dir={markers}",
-            *ballast, *(TIME_LIMIT if scenario.kind == "time-limit" else [])]
+            *ballast, *own_fs, *(TIME_LIMIT if scenario.kind == "time-limit" else [])]
     started = time.monotonic()
     row: dict[str, Any] = {"order": ORDER[scenario.id], "id": scenario.id, "outcome": "", "stops": [], "lost": "-",
                            "identical": False, "seconds": 0.0, "passed": False}
@@ -173,7 +214,7 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     try:
         jobid, run_dir = submit_one(folder, *args)
         jobids.append(jobid)
-        run = land(scenario, slurm_cluster, jobid, run_dir, markers)
+        run = land(scenario, slurm_cluster, jobid, folder, run_dir, markers)
         fire(scenario, slurm_cluster, jobid, folder, run_dir, run, highs)
         state = final_state(slurm_cluster, jobid, timeout=240)
         outcome = runs(slurm_cluster, jobid)
@@ -185,8 +226,9 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             if scenario.kind == "scancel":
                 stops = [e["step"] for e in events(run_dir, "preempted") if e["job_id"] == jobid]
                 if stops:  # a stop was agreed (not a cancel before the ranks had started)
-                    assert checkpoint_state(run_dir)["progress"]["step"] == stops[-1]
-            wait_until("the disk to be free again", lambda: not any(Path(h).exists() for h in highs if "/" in h), 30)
+                    assert verified_state(run_dir)["progress"]["step"] == stops[-1]
+            wait_until("the disk to be free again", lambda: not any(Path(h).exists() for h in highs if "/" in h),
+                       FULL_FOR_S + FULL_AT_MOST_S + 10)
             again, same_dir = submit_one(folder, *args)
             jobids.append(again)
             assert same_dir == run_dir
@@ -205,7 +247,10 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             assert all(n == 0 for n in lost), f"steps lost at the restarts: {lost}"
         elif scenario.kind == "kill-rank":
             assert all(n <= 2 for n in lost), lost  # back to the last checkpoint, at most checkpoint.every_steps
-        state_now = checkpoint_state(run_dir)
+        if scenario.kind == "kill-rank":  # the README: the batch script starts the step again in place
+            assert events(run_dir, "restarted"), events(run_dir)
+            assert [e["after"] for e in events(run_dir, "restarted")] == ["failure"], events(run_dir, "restarted")
+        state_now = verified_state(run_dir)
         assert state_now["progress"]["step"] == STEPS
         ref = reference.state()
         assert_identical({k: v for k, v in state_now["model"].items() if k != "ballast"}, ref["model"], "model")
@@ -215,7 +260,11 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
         if scenario.kind == "disk-full":
             failures = events(run_dir, "checkpoint_failed")
             assert all("ENOSPC" in e["error"] for e in failures), failures
+            assert enospc_reports(folder, run_dir, jobids), "the disk filled up and nothing said ENOSPC"
         row["passed"] = True
+    except BaseException as error:  # the table says why: the assertion's first line
+        row["error"] = (f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0])[:300]
+        raise
     finally:
         if not row["passed"] and scenario.kind == "disk-full" and run_dir.exists():
             shutil.copytree(run_dir, tmp_path / "run-copy", dirs_exist_ok=True)  # the tmpfs goes with the test

@@ -13,6 +13,7 @@ in partition `high` must preempt it. Steps sleep (SlowBlobTask) so that signals 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -78,6 +79,40 @@ def test_sbatch_template_places_every_rank(template: str, slurm_cluster: SlurmCl
         assert_placement(slurm_cluster, jobid, tmp_path / "tpl", world=4, per_node=2, launcher=launcher)
     finally:
         cancel(slurm_cluster, jobid)
+
+
+def test_a_cancelled_template_job_prints_the_command_that_continues_it(slurm_cluster: SlurmCluster,
+                                                                      tmp_path: Path) -> None:
+    """slurm/train.sbatch cannot see its sbatch options; the message comes with them all the same (from
+    accounting's SubmitLine), and running the printed command continues the run from its checkpoint."""
+    config = tmp_path / "slow.yaml"
+    config.write_text("task:\n  target: tests.tasks:SlowBlobTask\n")
+    cmd = ["sbatch", "--parsable", "-p", "main", "-N2", "--gpus-per-node=1", "--ntasks-per-node=1", "--cpus-per-task=1",
+           "--time=5", "-o", f"{tmp_path}/%x-%j.out", "slurm/train.sbatch", str(config), f"run.root={tmp_path}",
+           "run.name=tpl", *SLOW[1:]]
+    env = base_env(PYTHON=PYTHON, SLURM_CONF=str(slurm_cluster.conf))
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    jobids = [proc.stdout.strip().split(";")[0]]
+    run_dir = tmp_path / "tpl"
+    try:
+        wait_steps(run_dir, run=1, steps=2)
+        slurm_cluster.run("scancel", jobids[0])
+        assert final_state(slurm_cluster, jobids[0], timeout=60) == "CANCELLED"
+        out = next(tmp_path.glob(f"*-{jobids[0]}.out")).read_text()
+        found = re.findall(r"^train: stopped at step (\d+): the job was cancelled; .*; to resume: (.*)$", out, re.M)
+        assert len(found) == 1, out[-3000:]
+        step, resume = int(found[0][0]), found[0][1]
+        options = " -p main -N2 --gpus-per-node=1 --ntasks-per-node=1 --cpus-per-task=1 --time=5 -o "
+        assert "<" not in resume and options in resume, resume
+        again = subprocess.run(["bash", "-c", resume], env=env, capture_output=True, text=True, timeout=30)
+        assert again.returncode == 0, again.stdout + again.stderr
+        jobids.append(again.stdout.strip().split(";")[0])
+        assert final_state(slurm_cluster, jobids[1], timeout=150) == "COMPLETED"
+        assert [(e["job_id"], e["step"]) for e in events(run_dir, "resumed")] == [(jobids[1], step)]
+        assert [e["step"] for e in events(run_dir, "finished")] == [SLOW_STEPS]
+    finally:
+        cancel(slurm_cluster, *jobids)
 
 
 # ---------------------------------------------------------------------------------- 3-5: preemption
