@@ -96,17 +96,8 @@ def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: flo
     """Start every command at once, wait for all with one deadline, kill any left at the end."""
     procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd, env in commands]
-    results = []
-    try:
-        for proc, (cmd, _) in zip(procs, commands):
-            out, _ = proc.communicate(timeout=timeout)
-            results.append(subprocess.CompletedProcess(cmd, proc.returncode, out, None))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return [subprocess.CompletedProcess(cmd, rc, out, None)
+            for (cmd, _), (rc, out) in zip(commands, wait_ranks(procs, timeout))]
 
 
 def base_env(**extra: str) -> dict[str, str]:
@@ -118,6 +109,36 @@ def base_env(**extra: str) -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
+
+
+def start_ranks(argv: list[str], world: int) -> list[subprocess.Popen[str]]:
+    """`world` ranks of `python argv...` in one process group, as slurmstepd runs a step's tasks: a signal to
+    the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent)."""
+    import random
+
+    port, procs, group = str(random.randint(20000, 32000)), [], 0
+    for rank in range(world):
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([PYTHON, *argv], env=env, cwd=ROOT, process_group=group,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        group = group or procs[0].pid
+    return procs
+
+
+def wait_ranks(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str]]:
+    """(exit code, output) of every rank, one deadline each; any left at the end are killed."""
+    results = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=timeout)
+            results.append((proc.returncode, out))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import pytest
 
 from mgpu.checkpoint import CheckpointStore
 from mgpu.ledger import read_ledger
-from tests.conftest import PYTHON, ROOT, base_env, run_processes
+from tests.conftest import PYTHON, ROOT, base_env, run_processes, start_ranks, wait_ranks
 
 TRAIN = str(ROOT / "jobs" / "train.py")
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")
@@ -105,31 +105,12 @@ def test_tensorboard_on_a_full_disk_loses_points_not_the_run(small_fs: Callable[
 
 # ---------------------------------------------------------------------------- D1: DataLoader workers
 def start_step(run_dir: Path, world: int, *args: str) -> list[subprocess.Popen[str]]:
-    """`world` ranks in one process group, as slurmstepd runs a step's tasks: a signal to the group
-    reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent)."""
-    port, procs, group = str(random.randint(20000, 32000)), [], 0
-    for rank in range(world):
-        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([PYTHON, TRAIN, f"run.dir={run_dir}", *args], env=env, cwd=ROOT,
-                                      process_group=group, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-        group = group or procs[0].pid
-    return procs
+    """`world` ranks of jobs/train.py as slurmstepd runs a step's tasks (see tests.conftest.start_ranks)."""
+    return start_ranks([TRAIN, f"run.dir={run_dir}", *args], world)
 
 
 def finish_step(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str]]:
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return wait_ranks(procs, timeout)
 
 
 WORKERS = ["task.target=tests.tasks:SignalingBlobTask", "task.args.step_s=0.05", "train.epochs=20",

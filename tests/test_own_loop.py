@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import random
 import re
 import signal
 import subprocess
@@ -15,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from mgpu.checkpoint import CheckpointStore
 from mgpu.ledger import read_ledger
-from tests.conftest import PYTHON, ROOT, base_env, live_children
+from tests.conftest import PYTHON, ROOT, base_env, live_children, start_ranks, wait_ranks
+from tests.test_trainer import assert_identical as same
 
 OWN_LOOP = str(ROOT / "tests" / "own_loop.py")
 EXAMPLE = ROOT / "jobs" / "loops" / "mnist_loop.py"
@@ -28,35 +27,8 @@ ORIGINAL = ROOT / "jobs" / "loops" / "mnist_ddp.py"
 pytestmark = pytest.mark.multiprocess
 
 
-def start_ranks(argv: list[str], world: int = 2) -> list[subprocess.Popen[str]]:
-    """`world` ranks in one process group, as slurmstepd starts a step's tasks: a signal to the group
-    reaches every rank and every DataLoader worker."""
-    port, procs, group = str(random.randint(20000, 32000)), [], 0
-    for rank in range(world):
-        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen([PYTHON, *argv], env=env, cwd=ROOT, process_group=group,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        group = group or procs[0].pid
-    return procs
-
-
-def wait_ranks(procs: list[subprocess.Popen[str]], timeout: float = 240) -> list[tuple[int, str]]:
-    results = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
-            results.append((proc.returncode, out))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
-
-
 def run_ranks(argv: list[str], world: int = 2) -> list[tuple[int, str]]:
-    return wait_ranks(start_ranks(argv, world))
+    return wait_ranks(start_ranks(argv, world), timeout=240)
 
 
 def signal_when(procs: list[subprocess.Popen[str]], marker: Path, signum: int, timeout: float = 180) -> None:
@@ -78,22 +50,6 @@ def final_state(run_dir: Path) -> dict:
 def assert_identical(a: dict, b: dict, keys: tuple[str, ...]) -> None:
     for key in keys:
         same(a[key], b[key], key)
-
-
-def same(a: object, b: object, where: str) -> None:
-    """`a` and `b` equal to the last bit, tensors and nested containers included."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), f"{where} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and a.keys() == b.keys(), f"{where}: keys differ"
-        for key in a:
-            same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{where}: lengths differ"
-        for index, (x, y) in enumerate(zip(a, b)):
-            same(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, (where, a, b)
 
 
 def stop_steps(run_dir: Path) -> list[int]:
@@ -137,10 +93,10 @@ def test_the_shipped_example_resumes_bit_identically(tmp_path: Path) -> None:
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "run"
     results = run_ranks([str(EXAMPLE), f"--out={reference_dir}", *args])
     assert [rc for rc, _ in results] == [0, 0], results
-    procs = start_ranks([str(EXAMPLE), f"--out={run_dir}", *args])
+    procs = start_ranks([str(EXAMPLE), f"--out={run_dir}", *args], 2)
     # The first epoch's checkpoint (step 20 of 40) is there: stop during the second epoch.
     signal_when(procs, run_dir / "checkpoints" / "latest", signal.SIGTERM)
-    results = wait_ranks(procs)
+    results = wait_ranks(procs, timeout=240)
     assert [rc for rc, _ in results] == [3, 0], results
     (stopped,) = stop_steps(run_dir)
     assert 20 <= stopped < 40, stopped
