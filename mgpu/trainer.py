@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import logging
 import math
@@ -64,18 +65,25 @@ class FitResult:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """`batch` with every tensor in it on `device`: tensors, lists, tuples, namedtuples, dicts, dataclasses."""
+    """`batch` with every tensor in it on `device`: tensors, lists, tuples, namedtuples, mappings (dict,
+    defaultdict, OrderedDict, UserDict such as Hugging Face's BatchEncoding, updated in a copy), dataclasses
+    (every field, `init=False` ones too)."""
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields positionally
         return type(batch)(*(to_device(item, device) for item in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(item, device) for item in batch)
-    if isinstance(batch, dict):
-        return type(batch)((key, to_device(value, device)) for key, value in batch.items())
+    if isinstance(batch, (dict, collections.UserDict)):
+        moved = copy.copy(batch)  # keeps the type and what its constructor needs (a defaultdict's factory)
+        for key, value in batch.items():
+            moved[key] = to_device(value, device)
+        return moved
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(batch, **{f.name: to_device(getattr(batch, f.name), device)
-                                             for f in dataclasses.fields(batch) if f.init})
+        moved = copy.copy(batch)
+        for f in dataclasses.fields(batch):
+            object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))  # frozen ones too
+        return moved
     return batch
 
 

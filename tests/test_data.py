@@ -173,6 +173,35 @@ def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
     assert moved["list"][1] == 3 and moved["name"] == "x" and type(moved["tuple"]) is tuple
 
 
+def test_to_device_moves_mappings_of_every_kind_and_every_dataclass_field() -> None:
+    # Hugging Face's BatchEncoding is a UserDict; defaultdicts need their factory; a field with init=False
+    # cannot go through the constructor: each was left on the CPU or failed before.
+    import collections
+    import dataclasses
+
+    import torch
+
+    from mgpu.trainer import to_device
+
+    @dataclasses.dataclass(frozen=True)
+    class Derived:
+        x: torch.Tensor
+        mask: torch.Tensor = dataclasses.field(init=False, default=None)  # type: ignore[assignment]
+
+    meta = torch.device("meta")
+    derived = Derived(torch.ones(1))
+    object.__setattr__(derived, "mask", torch.ones(1))
+    user = collections.UserDict({"input_ids": torch.ones(2)})
+    counts: collections.defaultdict[str, torch.Tensor] = collections.defaultdict(lambda: torch.zeros(1))
+    counts["a"] = torch.ones(1)
+    moved = to_device([user, counts, derived], meta)
+    assert type(moved[0]) is collections.UserDict and moved[0]["input_ids"].device == meta
+    assert type(moved[1]) is collections.defaultdict and moved[1]["a"].device == meta
+    assert moved[1].default_factory is counts.default_factory
+    assert moved[2].x.device == meta and moved[2].mask.device == meta
+    assert user["input_ids"].device.type == "cpu"  # the batch itself is not changed
+
+
 def test_deterministic_kernels_switch() -> None:
     # In a child: the switch is process-wide. What it sets is what the GPU bit-identity needs (README).
     import subprocess
