@@ -113,7 +113,8 @@ def discard(run: RunDir, rank: int, created: Path) -> None:
     if rank == 0:
         shutil.rmtree(run.path, ignore_errors=True)
     for path in (run.rank_log(rank), run.rank_record(rank)):
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # e.g. never created, under a path that is a file
+            path.unlink(missing_ok=True)
     directories = [run.logs, run.path, *[p for p in run.path.parents if created in (p, *p.parents)]]
     for directory in directories:
         with contextlib.suppress(OSError):

@@ -383,7 +383,8 @@ CASES: list[Case] = [
     _train("train empty eval set", "task.target=tests.tasks:EmptyEvalTask", "run.root={tmp}/runs",
            expect="EmptyEvalTask.eval_dataset() is empty (Blobs of length 0): return None"),
     _train("train scalar metric", "task.target=tests.tasks:ScalarMetricTask", "run.root={tmp}/runs",
-           expect="ScalarMetricTask.metrics must return one value per sample (shape [batch]) for every metric: 'loss'"),
+           expect="ScalarMetricTask.metrics must return one value per sample (shape [batch]) for every tensor "
+                  "metric: 'loss' is []"),
     _train("train peers never come", "task.target=tests.tasks:BlobTask", "run.root={tmp}/runs",
            "distributed.init_timeout_s=2", env={**TORCHRUN, "MASTER_PORT": "29557"},
            expect="rendezvous failed: rank 0 waited 2 s at 127.0.0.1:29557 for all 2 ranks"),

@@ -276,7 +276,7 @@ def test_a_rank_the_saved_run_did_not_have_gets_a_seed_at_any_config_seed(monkey
     import torch
     from torch import nn
 
-    from mgpu.train_state import restore_state
+    from mgpu.train_state import Progress, restore_state
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # set by torch's first optimizer otherwise
     model = nn.Linear(2, 1)
@@ -286,5 +286,7 @@ def test_a_rank_the_saved_run_did_not_have_gets_a_seed_at_any_config_seed(monkey
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "rng": [], "progress": {"step": 10**12}}
     for rank in (0, 200_000):  # the world grew: no saved stream for this rank
-        progress = restore_state(state, model, optimizer, scheduler, scaler, rank, 2**32 - 1)
-        assert progress.step == 10**12
+        objects = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler,
+                   "progress": Progress()}
+        restore_state(state, objects, rank, 2**32 - 1)
+        assert objects["progress"].step == 10**12
