@@ -12,7 +12,9 @@ checkpoint is gathered or written. A step's time runs from its first beat to the
 phase: the evaluation or checkpoint that may follow it has its own allowance and is not part of it.
 Past the allowance, the rank:
 
-1. writes the Python stack of every thread (faulthandler) to its log;
+1. writes the Python stack of every thread (faulthandler) to its log, and asks every other rank to do the
+   same (`logs/.stacks-requested`, looked at once a poll): it leaves only once every live rank has, since
+   its exit ends the step (srun --kill-on-bad-exit) before a rank that waits for it would see its own hang;
 2. reads every rank's heartbeat file and names the stuck ranks: a file that stopped changing (a frozen
    process: SIGSTOP, a D-state read, C code holding the GIL), or ranks behind the others (still in a
    forward while the others wait in the gradient all-reduce of that step);
@@ -63,6 +65,9 @@ LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdic
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
 TEARDOWN_S = 60.0
 """Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
+STACKS_REQUESTED = ".stacks-requested"
+"""In `logs/`: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for its
+stacks."""
 EVAL_PHASES = ("eval", "agree")
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 
@@ -81,6 +86,8 @@ class Heartbeat:
     """Wall time of this rank's last beat (its last progress)."""
     written: float
     """Wall time the watchdog thread wrote the file (it stops changing when the process is frozen)."""
+    stacks: bool = False
+    """This rank's stacks are in its log (for this hang)."""
 
 
 def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = None) -> list[int]:
@@ -123,6 +130,8 @@ class Watchdog:
         self._teardown: tuple[float, int] | None = None  # (allowance, exit code) once the teardown began
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._created = time.time()  # a stacks request older than this one is a former run's
+        self._stacks = False  # this rank's stacks are in its log
         self.host = socket.gethostname()
 
     @classmethod
@@ -200,7 +209,7 @@ class Watchdog:
 
     def _write(self) -> None:
         beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.phase,
-                "since": round(self.since, 3), "written": round(time.time(), 3)}
+                "since": round(self.since, 3), "written": round(time.time(), 3), "stacks": self._stacks}
         path = self.logs / f"heartbeat-rank{self.rank}.json"
         tmp = path.with_name(f".{path.name}.tmp")
         try:
@@ -224,6 +233,10 @@ class Watchdog:
         last_write = 0.0
         while not self._stop.wait(min(1.0, WRITE_EVERY_S)):
             now = self.clock()
+            if not self._stacks and self._stacks_requested():
+                log.error("another rank found a hang: dumping every thread's stack")
+                self._bounded(self._dump_stacks, EVIDENCE_S)
+                last_write = 0.0  # tell the one waiting for it at once
             if now - last_write >= WRITE_EVERY_S:
                 self._write()
                 last_write = now
@@ -235,11 +248,30 @@ class Watchdog:
                     self._hung(waited)
                 return
 
-    def _hung(self, waited: float) -> None:
-        # The evidence is best effort and bounded: on a hung filesystem, writing it could block forever too.
-        worker = threading.Thread(target=self._evidence, args=(waited,), name="mgpu-watchdog-evidence", daemon=True)
+    def _stacks_requested(self) -> bool:
+        try:
+            return float((self.logs / STACKS_REQUESTED).read_text()) > self._created
+        except (OSError, ValueError):
+            return False
+
+    def _request_stacks(self, detected: float) -> None:
+        path = self.logs / STACKS_REQUESTED
+        tmp = path.with_name(f"{path.name}.{self.rank}.tmp")
+        try:
+            tmp.write_text(repr(detected))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+
+    @staticmethod
+    def _bounded(work: Callable[[], None], timeout: float) -> None:
+        # Evidence is best effort and bounded: on a hung filesystem, writing it could block forever too.
+        worker = threading.Thread(target=work, name="mgpu-watchdog-evidence", daemon=True)
         worker.start()
-        worker.join(timeout=STALE_AFTER_S + EVIDENCE_S)
+        worker.join(timeout=timeout)
+
+    def _hung(self, waited: float) -> None:
+        self._bounded(lambda: self._evidence(waited), STALE_AFTER_S + EVIDENCE_S)
         try:
             logging.shutdown()
         finally:
@@ -248,9 +280,7 @@ class Watchdog:
     def _stuck_in_teardown(self, waited: float, code: int) -> None:
         log.error("the process group's teardown made no progress for %.0f s (allowance %.0f s): dumping every "
                   "thread's stack and exiting with code %d", waited, self.allowance(), code)
-        worker = threading.Thread(target=self._dump_stacks, name="mgpu-watchdog-evidence", daemon=True)
-        worker.start()
-        worker.join(timeout=EVIDENCE_S)
+        self._bounded(self._dump_stacks, EVIDENCE_S)
         try:
             logging.shutdown()
         finally:
@@ -258,21 +288,23 @@ class Watchdog:
 
     def _dump_stacks(self) -> None:
         file = self.log_file() if self.log_file is not None else None
-        if file is not None:
+        if file is not None and not self._stacks:
             faulthandler.dump_traceback(file=file, all_threads=True)
             file.flush()
+        self._stacks = True
 
     def _evidence(self, waited: float) -> None:
         log.error("no progress for %.0f s in phase %s of step %d (allowance %.0f s): dumping every thread's stack",
                   waited, self.phase, self.step, self.allowance())
         detected = time.time()
+        self._request_stacks(detected)
         self._dump_stacks()
-        # A live rank's thread rewrites its file within WRITE_EVERY_S; one that does not by STALE_AFTER_S
-        # is frozen. Waiting for them also lets the others' watchdogs reach the same view.
+        # A live rank's thread rewrites its file within WRITE_EVERY_S, with its stacks written; one that does
+        # not by STALE_AFTER_S is frozen. Waiting for them also lets the others' watchdogs reach the same view.
         while True:
             self._write()  # this thread is alive, whatever its training thread does
             beats = self.read_all()
-            if (len(beats) == self.world and all(b.written >= detected for b in beats)) or \
+            if (len(beats) == self.world and all(b.written >= detected and b.stacks for b in beats)) or \
                     time.time() > detected + STALE_AFTER_S:
                 break
             time.sleep(0.25)

@@ -188,6 +188,33 @@ def test_a_hung_teardown_leaves_its_stacks_and_exits_with_the_code_given(tmp_pat
     assert "most recent call first" in text and "test_a_hung_teardown" in text
 
 
+def test_the_rank_that_finds_a_hang_leaves_only_once_the_others_stacks_are_written(tmp_path: Path) -> None:
+    # Seen on the cluster: the stuck rank found its own hang first and exited; srun then killed the other
+    # rank, still waiting in the all-reduce within its allowance, before it had written its stacks.
+    logs = {rank: (tmp_path / f"rank{rank}.log").open("w+") for rank in range(2)}
+    seen_at_exit: list[str] = []
+
+    def exit_(code: int) -> None:
+        logs[0].flush()
+        seen_at_exit.append((tmp_path / "rank0.log").read_text())
+
+    waiting = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=600, first_step_s=600, checkpoint_s=600,
+                       on_hang=lambda *args: None, log_file=lambda: logs[0], exit=lambda code: None)
+    stuck = Watchdog(1, 2, tmp_path, step_multiple=10, floor_s=1, first_step_s=1, checkpoint_s=1,
+                     on_hang=lambda *args: None, log_file=lambda: logs[1], exit=exit_)
+    waiting.start(), stuck.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not seen_at_exit and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        waiting.stop(), stuck.stop()
+        for file in logs.values():
+            file.close()
+    assert seen_at_exit and "most recent call first" in seen_at_exit[0]
+    assert "most recent call first" in (tmp_path / "rank1.log").read_text()
+
+
 def test_a_teardown_that_ends_in_time_is_left_alone(tmp_path: Path) -> None:
     exits: list[int] = []
     dog = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=60, first_step_s=600, checkpoint_s=600,
