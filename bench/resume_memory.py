@@ -4,25 +4,27 @@ process, and each rank's VmHWM (peak RSS, which counts shared pages in full on e
 
     OMP_NUM_THREADS=1 python bench/resume_memory.py                # 2 ranks, a ~300 MB checkpoint, 3 resumes
     OMP_NUM_THREADS=1 python bench/resume_memory.py --ranks 4 --hidden 3000
+    OMP_NUM_THREADS=1 python bench/resume_memory.py --no-mmap     # a control: torch.load(mmap=False) per rank
 
 The job: `jobs/train.py` on bench.tasks:BenchTask (an MLP of `--hidden` width with AdamW: the checkpoint is
 about 12 bytes per parameter) under torchrun. One run stops after step 2 (a stop's checkpoint); then each
 measured run resumes from the previous one's, saves in the background at its first step (the periodic
 save: a snapshot into staging buffers, written by a thread) and stops at its second (the stop's save).
-Phases come from the ledger (`first_step` timings, `checkpoint_saved` events), samples from the watcher:
+Phases come from the ledger (`first_step` timings, `checkpoint_saved` events), samples from the watcher;
+each figure is in checkpoints per node (the PSS of all ranks over the size of state.pt):
 
-  before load      the last sample before rank 0 looks for the checkpoint (model and optimizer built)
-  loaded           the highest sample from then until every state_dict is loaded (before the first step)
-  to training      the highest sample from `before load` until the run's first save starts: the load plus
-                   what training takes once it runs (AdamW's state, gradients, DDP's buckets: on a CPU
-                   every rank's own), against the same for the stopped run, a new run (nothing loaded);
-                   their difference is what the resume costs beyond a new run
-  save             rank 0's rise in PSS while its background save is in flight (highest sample less the last
-                   before), less rank 1's over the same time (the same steps, no save)
+  load             the rise in node PSS from rank 0 looking for a checkpoint to the first batch (every rank
+                   has loaded it; DDP has allocated its buckets), less the same rise in the stopped run, a
+                   new run (nothing loaded): what loading adds (target: about one checkpoint per
+                   node, not one per rank)
+  to training      the same up to the run's first save: with AdamW's state, gradients, DDP's rebuilt buckets
+                   (on a CPU every rank's own, as any run has); what the resume costs beyond a new run
+  save             rank 0's rise in PSS while its background save is in flight, less rank 1's over the same
+                   time (the same steps, no save): the staging buffer and the writer (target: bounded, at
+                   most one copy of the state on the node)
 
-The figures, in checkpoints per node: loaded - before load, and the resume's extra to training: what the
-resume costs in host memory (target: about one checkpoint per node, not one per rank); the save's: the
-staging buffer and the writer (target: bounded, at most one copy of the state on the node).
+VmHWM per rank is the peak RSS; it counts shared pages (the mapped checkpoint) in full on every rank.
+`--no-mmap` is the control: each rank loads with torch.load(mmap=False), a copy per rank.
 """
 
 from __future__ import annotations
@@ -109,6 +111,14 @@ def ledger(run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
+NO_MMAP = """
+import torch
+_load = torch.load
+torch.load = lambda *args, **kwargs: _load(*args, **{**kwargs, "mmap": False})
+"""
+"""sitecustomize for the control: every rank reads the whole file into its own memory, as a plain torch.load."""
+
+
 def train(run_dir: Path, stop_at: int, args: argparse.Namespace, samples: Path | None) -> None:
     periodic = 1 if samples and stop_at > 2 else 1000  # the resumed runs save in the background at their first step
     cmd = [TORCHRUN, "--standalone", "--nproc-per-node", str(args.ranks), str(ROOT / "jobs" / "train.py"),
@@ -116,7 +126,8 @@ def train(run_dir: Path, stop_at: int, args: argparse.Namespace, samples: Path |
            "task.args.size=1024", "data.batch_size=16", "train.epochs=100", "eval.every_steps=0",
            "log.tensorboard=false", f"checkpoint.every_steps={periodic}", "--stop-at-step",
            str(stop_at)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=str(ROOT))
+    path = f"{args.control_dir}:{ROOT}" if args.no_mmap and samples else str(ROOT)
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), PYTHONPATH=path)
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     watcher = None
     if samples is not None:
@@ -130,56 +141,47 @@ def train(run_dir: Path, stop_at: int, args: argparse.Namespace, samples: Path |
         raise RuntimeError(f"{' '.join(cmd)}: no checkpoint at step {stop_at}:\n{output[-3000:]}")
 
 
-def rise_to_training(run_dir: Path, samples_path: Path, first_step: int) -> float:
-    """The rise in node PSS from rank 0 looking for a checkpoint to the run's first save: loading (if it resumed)
-    and what training takes once it runs (AdamW's state, gradients, DDP's buckets, rebuilt after the first
-    step: a resumed run replays that rebuild, a new one does it at its second step, hence up to the first save,
-    which comes after both)."""
-    samples = [json.loads(line) for line in samples_path.read_text().splitlines()]
+def rise(run_dir: Path, samples: list[dict[str, Any]], first_step: int, until: str) -> float:
+    """The rise in node PSS (bytes) from rank 0 looking for a checkpoint (`find`) to `until`: `first_batch`
+    (every rank has loaded, and DDP has allocated its buckets), or `save` (the run's first save starts: AdamW's
+    state, gradients and DDP's buckets rebuilt after the first step all exist; a resumed run replays that
+    rebuild, a new one does it at its second step, and the first save comes after both)."""
     events = ledger(run_dir)
     timings = [e for e in events if e["event"] == "first_step" and e["step"] == first_step][-1]["timings"]
-    save = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] >= first_step][0]
+    if until == "save":
+        save = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] >= first_step][0]
+        end = save["time"] - save["seconds"]
+    else:
+        end = timings[until]
     before = [s["pss_kib"] for s in samples if s["t"] <= timings["find"]][-1]
-    inside = [s["pss_kib"] for s in samples if timings["find"] <= s["t"] <= save["time"] - save["seconds"]]
-    return (max(inside) - before) * 1024
+    return (max(s["pss_kib"] for s in samples if timings["find"] <= s["t"] <= end) - before) * 1024
 
 
-def analyse(run_dir: Path, samples_path: Path, resume_step: int, ckpt_bytes: int) -> dict[str, Any]:
-    samples = [json.loads(line) for line in samples_path.read_text().splitlines()]
-    events = ledger(run_dir)
-    timings = [e for e in events if e["event"] == "first_step" and e["step"] == resume_step + 1][-1]["timings"]
-    save = [e for e in events if e["event"] == "checkpoint_saved" and e["step"] == resume_step + 1][-1]
-    save_start, save_end = save["time"] - save["seconds"], save["time"]
+def save_cost(run_dir: Path, samples: list[dict[str, Any]], step: int) -> tuple[float, float]:
+    """(bytes, seconds) of the background save at `step`: rank 0's rise in PSS while it is in flight, less rank
+    1's. The save is rank 0's alone; rank 1 takes the same steps meanwhile (not in lockstep: it runs ahead
+    while rank 0 snapshots), so its rise is what the steps cost."""
+    save = [e for e in ledger(run_dir) if e["event"] == "checkpoint_saved" and e["step"] == step][-1]
+    start, end = save["time"] - save["seconds"], save["time"]
 
-    def last_before(t: float) -> float:
-        before = [s["pss_kib"] for s in samples if s["t"] <= t]
-        return before[-1] * 1024 if before else float("nan")
+    def rank_rise(rank: str) -> float:
+        before = [s["rank_pss_kib"].get(rank, 0) for s in samples if s["t"] <= start][-1]
+        return (max(s["rank_pss_kib"].get(rank, 0) for s in samples if start <= s["t"] <= end) - before) * 1024
 
-    def peak(start: float, end: float) -> float:
-        inside = [s["pss_kib"] for s in samples if start <= s["t"] <= end]
-        return max(inside) * 1024 if inside else float("nan")
+    return rank_rise("0") - rank_rise("1"), save["seconds"]
 
+
+def peak_hwm(samples: list[dict[str, Any]]) -> list[int]:
+    """Each rank's VmHWM (bytes), the highest seen, by rank."""
     hwm: dict[str, int] = {}
     for sample in samples:
         for key, value in sample["hwm_kib"].items():
-            hwm[key] = max(hwm.get(key, 0), value)
-    rank_hwm = sorted((key.split(":")[0], value * 1024) for key, value in hwm.items() if key.split(":")[0] != "?")
-    before = last_before(timings["find"])
-    loaded = peak(timings["find"], timings["restored"])
-    # The save is rank 0's alone; rank 1 takes the same steps meanwhile (not in lockstep: it runs ahead while
-    # rank 0 snapshots), so rank 1's own rise over the window is what the steps cost, and the rest of rank 0's
-    # rise is the save's.
-    def rank_rise(rank: str) -> float:
-        before_save = [s["rank_pss_kib"].get(rank, 0) for s in samples if s["t"] <= save_start][-1]
-        during = max(s["rank_pss_kib"].get(rank, 0) for s in samples if save_start <= s["t"] <= save_end)
-        return (during - before_save) * 1024
+            hwm[key] = max(hwm.get(key, 0), value * 1024)
+    return [value for key, value in sorted(hwm.items()) if not key.startswith("?")]
 
-    save_cost = rank_rise("0") - rank_rise("1")
-    return {"ckpt_MB": ckpt_bytes / MB, "pss_before_load_MB": before / MB, "pss_loaded_MB": loaded / MB,
-            "load_over_ckpt": (loaded - before) / ckpt_bytes,
-            "save_over_ckpt": save_cost / ckpt_bytes,
-            "max_rank_hwm_MB": max(v for _, v in rank_hwm) / MB, "rank_hwm_MB": [round(v / MB) for _, v in rank_hwm],
-            "samples": len(samples), "save_s": save["seconds"]}
+
+def read_samples(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def main() -> None:
@@ -188,6 +190,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=5000, help="MLP width: ~12 x hidden^2 bytes of checkpoint")
     parser.add_argument("--resumes", type=int, default=3)
     parser.add_argument("--interval", type=float, default=0.02, help="watcher's sampling interval (s)")
+    parser.add_argument("--keep", type=Path, help="copy the samples and the ledger here")
+    parser.add_argument("--no-mmap", action="store_true", help="the control: resumes load without mmap")
     parser.add_argument("--watch", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--samples", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None)
@@ -197,27 +201,43 @@ def main() -> None:
         return
 
     work = Path(tempfile.mkdtemp(prefix="mgpu-bench-memory-"))
+    args.control_dir = work / "control"
+    args.control_dir.mkdir()
+    (args.control_dir / "sitecustomize.py").write_text(NO_MMAP)
     rows = []
     try:
         run_dir = work / "run"
-        train(run_dir, 2, args, work / "samples-fresh.jsonl")
-        fresh = rise_to_training(run_dir, work / "samples-fresh.jsonl", 1)
+        train(run_dir, 2, args, work / "samples-fresh.jsonl")  # a new run: nothing to load
+        fresh = read_samples(work / "samples-fresh.jsonl")
+        new_run = {until: rise(run_dir, fresh, 1, until) for until in ("first_batch", "save")}
         for index in range(args.resumes):
             resume_step = 2 + 2 * index
-            latest = run_dir / "checkpoints" / f"step_{resume_step:08d}" / "state.pt"
-            ckpt = latest.stat().st_size
-            samples = work / f"samples-{index}.jsonl"
-            train(run_dir, resume_step + 2, args, samples)
-            row = analyse(run_dir, samples, resume_step, ckpt)
-            row["to_training_over_ckpt"] = rise_to_training(run_dir, samples, resume_step + 1) / ckpt
-            row["new_run_to_training_over_ckpt"] = fresh / ckpt
-            row["resume_extra_over_ckpt"] = row["to_training_over_ckpt"] - row["new_run_to_training_over_ckpt"]
-            print(f"resume {index + 1}: load {row['load_over_ckpt']:.2f}, save {row['save_over_ckpt']:.2f} "
-                  f"checkpoints per node", flush=True)
-            rows.append(row)
+            ckpt = (run_dir / "checkpoints" / f"step_{resume_step:08d}" / "state.pt").stat().st_size
+            path = work / f"samples-{index}.jsonl"
+            train(run_dir, resume_step + 2, args, path)
+            samples = read_samples(path)
+            resumed = {until: rise(run_dir, samples, resume_step + 1, until) for until in ("first_batch", "save")}
+            saved, seconds = save_cost(run_dir, samples, resume_step + 1)
+            hwm = peak_hwm(samples)
+            rows.append({"ckpt_MB": ckpt / MB,
+                         "load_over_ckpt": (resumed["first_batch"] - new_run["first_batch"]) / ckpt,
+                         "to_training_over_ckpt": (resumed["save"] - new_run["save"]) / ckpt,
+                         "save_over_ckpt": saved / ckpt, "save_s": seconds,
+                         "resumed_rise_MB": resumed["first_batch"] / MB,
+                         "new_run_rise_MB": new_run["first_batch"] / MB,
+                         "max_rank_hwm_MB": max(hwm) / MB, "rank_hwm_MB": [round(v / MB) for v in hwm],
+                         "samples": len(samples)})
+            print(f"resume {index + 1}: load {rows[-1]['load_over_ckpt']:.2f}, to training "
+                  f"{rows[-1]['to_training_over_ckpt']:.2f}, save {rows[-1]['save_over_ckpt']:.2f} checkpoints "
+                  f"per node", flush=True)
     finally:
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            for path in [*work.glob("samples-*.jsonl"), work / "run" / "events.jsonl"]:
+                if path.exists():
+                    shutil.copy(path, args.keep / path.name)
         shutil.rmtree(work, ignore_errors=True)
-    summary: dict[str, Any] = {"ranks": args.ranks}
+    summary: dict[str, Any] = {"ranks": args.ranks, "load": "torch.load(mmap=False)" if args.no_mmap else "mgpu"}
     for key in rows[0]:
         values = [row[key] for row in rows]
         summary[key] = median(values) if isinstance(values[0], (int, float)) else values[len(values) // 2]

@@ -3,18 +3,19 @@ step time with no save in flight, measured side by side in one run (302M paramet
 bench/checkpoint_stall.py), for the writer as it was (`before`) and as it is (`after`), alternating.
 
     python bench/save_in_flight.py                         # 302M parameters, 4 repeats of before and after
-    python bench/save_in_flight.py --threads 1             # the step on one core, the other one free
+    python bench/save_in_flight.py --threads 2             # the step on every core of this 2-core machine
     python bench/save_in_flight.py --layers 2 --repeats 2 --variants before,after,nice-only,no-crc-only
     python bench/save_in_flight.py --profile               # + cProfile of both threads while writing
 
-The step stands for a GPU step on this CPU machine: a few large matmuls (torch releases the GIL inside
-every op, as a training thread waiting for its GPU does) plus the Python-dispatch-heavy part of a small
-model's step (a deep narrow MLP's forward, backward and a per-parameter AdamW: the GIL held most of the
-time, as while launching kernels). By default it uses every core (torch threads = cores), as one rank per
-core does. Per repeat and variant: `--idle-steps` steps with no save in flight, then one `save_async` (its
-blocking snapshot is bench/checkpoint_stall.py's figure, not counted here) and every step until the write
-is durable, then idle steps again. The figure: median over repeats of median(step while writing) /
-median(step of the idle phases before and after). Target: <= 1.05.
+The step stands for a GPU step on this CPU machine: a few large matmuls (torch releases the GIL inside every
+op, as a training thread waiting for its GPU does) plus the Python-dispatch-heavy part of a small model's step
+(a deep narrow MLP's forward, backward and a per-parameter AdamW: the GIL held most of the time, as while
+launching kernels). By default on one torch thread, leaving the writer a core as a GPU node's spare cores do;
+`--threads` = the cores: every core busy with the step, as one CPU rank per core. Per repeat and variant:
+`--idle-steps` steps with no save in flight, then one `save_async` (its blocking snapshot is
+bench/checkpoint_stall.py's figure, not counted here) and every step until the write is durable, then idle
+steps again. The figure: median over repeats of median(step while writing) / median(step of the idle phases
+before and after). Target: <= 1.05.
 
 Where a slowdown comes from, per step of the training thread (Linux schedstat of the thread): on a CPU
 (`cpu_ms`), waiting for a CPU (`runqueue_ms`: the cores are busy, e.g. with the writer's hashing), or
@@ -29,6 +30,7 @@ import cProfile
 import io
 import pstats
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -98,8 +100,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=6144)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--variants", default="before,after", help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch threads of the step (default: every core, as one rank per core)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the step")
     parser.add_argument("--idle-steps", type=int, default=30)
     parser.add_argument("--matmul-size", type=int, default=1024)
     parser.add_argument("--matmuls", type=int, default=2)
@@ -115,6 +116,7 @@ def main() -> None:
         parser.error(f"unknown variant {unknown[0]!r}: choose from {', '.join(VARIANTS)}")
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a killed run still removes its 7 GB of files
 
     import os
 
@@ -123,7 +125,7 @@ def main() -> None:
     from mgpu import checkpoint
     from mgpu.checkpoint import CheckpointStore
 
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    torch.set_num_threads(args.threads)
     state, params = build_state(args.layers, args.width)
     step = Step(args.matmul_size, args.matmuls, args.dispatch_layers, args.dispatch_width)
     root = Path(tempfile.mkdtemp(prefix="mgpu-bench-", dir=args.dir))
