@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
 import sys
@@ -28,7 +29,8 @@ def report(name: str, rows: list[dict[str, Any]], out: Path | None = None) -> No
     out = out or ROOT / "bench" / "results" / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"benchmark": name, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "python": platform.python_version(),
-            "machine": platform.machine(), "argv": sys.argv}
+            "machine": platform.machine(), "argv": sys.argv,
+            "cores": os.cpu_count(), "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"wrote {out}")
 

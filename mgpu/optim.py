@@ -7,7 +7,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mgpu.config import OptimConfig, ScheduleConfig
 
@@ -25,6 +24,9 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, distributed: bool) -> to
     cls, extra = kinds[cfg.name]
     kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, **extra}
     if cfg.zero and distributed:
+        # Imported here: torch.distributed.optim brings FSDP, DTensor and sympy, about a second of every start.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
     return cls(params, **kwargs)
 

@@ -8,13 +8,13 @@ plus what every checkpoint holds: the RNG states of every rank, the world size a
 from __future__ import annotations
 
 import subprocess
+import sys
 from dataclasses import asdict, dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 
@@ -69,6 +69,14 @@ RESERVED = ("format", "rng", "world_size", "code_version")
 """Keys the session adds to every checkpoint; a state of yours cannot use them."""
 
 
+def _is_zero(value: Any) -> bool:
+    """Whether `value` is a ZeroRedundancyOptimizer. Without importing torch.distributed.optim (FSDP, DTensor and
+    sympy: about a second of every start): an instance exists only once something imported its module."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    zero = getattr(module, "ZeroRedundancyOptimizer", None)
+    return zero is not None and isinstance(value, zero)
+
+
 def _unwrapped(value: Any) -> Any:
     """The module inside DDP: its state loads into a plain module too (another world size, inference)."""
     return value.module if isinstance(value, DistributedDataParallel) else value
@@ -82,7 +90,7 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
     state is added, so a resumed rank draws what the saved one would have drawn next."""
     rng = _all_rank_rng_states()
     for value in objects.values():
-        if isinstance(value, ZeroRedundancyOptimizer):
+        if _is_zero(value):
             value.consolidate_state_dict(to=0)  # the shards meet on rank 0
     if dist.is_initialized() and dist.get_rank() != 0:
         return None

@@ -15,8 +15,10 @@ import re
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,6 +26,7 @@ import numpy as np
 import pytest
 import torch
 
+import mgpu.checkpoint
 from mgpu.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
                              snapshot_to_cpu)
 from tests.conftest import PYTHON, ROOT, base_env, fill
@@ -567,6 +570,82 @@ def test_the_sha256_is_computed_while_writing(tmp_path: Path, monkeypatch: pytes
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())
     assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------- the writer's cost to training (issue 16)
+def test_in_flight_is_true_while_the_background_save_writes(tmp_path: Path) -> None:
+    writer = PausedWriter()
+    store = CheckpointStore(tmp_path, writer=writer)
+    assert not store.in_flight
+    store.save_async(_state(), 1)
+    assert writer.entered.wait(10) and store.in_flight
+    writer.release.set()
+    store.wait()
+    assert not store.in_flight
+    store.close()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_background_writer_thread_runs_nicer_than_training(tmp_path: Path) -> None:
+    """The writer's hashing and copying take what the training thread leaves of a busy CPU
+    (bench/save_in_flight.py); the training thread keeps its priority."""
+    main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[int] = []
+    store = CheckpointStore(tmp_path)
+    store.save_async(_state(), 1,
+                     on_done=lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    store.close()
+    assert seen == [min(19, main + mgpu.checkpoint.WRITER_NICE)] and mgpu.checkpoint.WRITER_NICE > 0
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+    assert store.save(_state(2.0), 2).step == 2  # a save in the caller's thread leaves it as it is
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
+
+
+def _zip_crcs(path: Path) -> list[int]:
+    with zipfile.ZipFile(path) as archive:
+        return [info.CRC for info in archive.infolist() if info.file_size]
+
+
+def test_state_pt_is_written_without_torchs_crc32_and_still_verifies(tmp_path: Path) -> None:
+    """The sha256 covers every byte; torch's per-record CRC32 was a second pass over the state."""
+    store = CheckpointStore(tmp_path)
+    saved = store.save(_big_state(3.0), 3)
+    assert set(_zip_crcs(saved.path / "state.pt")) == {0}
+    for mmap in (True, False):  # torch.load does not read the CRC
+        _assert_same(torch.load(saved.path / "state.pt", weights_only=True, mmap=mmap), _big_state(3.0))
+    loaded = CheckpointStore(tmp_path).latest()
+    assert loaded is not None and loaded.step == 3
+    _assert_same(loaded.state, _big_state(3.0))
+
+
+@pytest.mark.parametrize("how", ["asked", "no private writer", "another signature"])
+def test_otherwise_it_is_torch_save_with_its_crc32(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if how == "asked":
+        monkeypatch.setattr(mgpu.checkpoint, "ZIP_CRC32", True)
+    elif how == "no private writer":  # a torch without the parts
+        monkeypatch.setattr(mgpu.checkpoint, "_PRIVATE_WRITER", None)
+    else:
+        def old_writer(file: Any) -> None:
+            raise TypeError("PyTorchFileWriter(): incompatible constructor arguments")
+
+        monkeypatch.setattr(mgpu.checkpoint, "_PRIVATE_WRITER", (old_writer, *mgpu.checkpoint._PRIVATE_WRITER[1:]))
+    saved = CheckpointStore(tmp_path).save(_big_state(4.0), 4)
+    assert 0 not in _zip_crcs(saved.path / "state.pt")
+    loaded = CheckpointStore(tmp_path).latest()
+    assert loaded is not None
+    _assert_same(loaded.state, _big_state(4.0))
+
+
+def test_a_full_disk_is_named_without_torchs_crc32_too(small_fs: Callable[[int], Path]) -> None:
+    directory = small_fs(1024) / "ckpt"
+    store = CheckpointStore(directory, keep_last=1)
+    store.save(_big_state(1.0), 1)
+    ballast = fill(directory.parent)
+    store.save_async(_big_state(2.0), 2)
+    error = store.settle()
+    assert isinstance(error, CheckpointWriteError) and error.errno == 28 and "ENOSPC" in str(error)
+    ballast.unlink()
+    assert _tmp_entries(directory) == [] and store.save(_big_state(2.0), 2).step == 2
 
 
 # ----------------------------------------------------------------------- states a resume cannot load
