@@ -99,6 +99,10 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
         value = _unwrapped(value)
         if hasattr(value, "state_dict"):
             state[name] = value.state_dict()
+            if _is_zero(value):
+                # ZeRO keeps every rank's consolidated shard until the next consolidation: a second full
+                # optimizer state on rank 0 for the rest of the run. The checkpoint holds what it needs.
+                value._all_state_dicts = []
         elif is_dataclass(value) and not isinstance(value, type):
             state[name] = asdict(value)
         else:

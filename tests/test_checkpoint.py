@@ -260,6 +260,26 @@ def test_save_async_writes_a_snapshot(tmp_path: Path) -> None:
     store.close()
 
 
+def test_the_zero_optimizers_consolidated_state_is_not_kept_after_a_save() -> None:
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from mgpu.train_state import gather_state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(64, 64)
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam)
+        model(torch.ones(2, 64)).sum().backward()
+        optimizer.step()
+        state = gather_state({"model": model, "optimizer": optimizer}, None)
+        assert state is not None and state["optimizer"]["state"][0]["exp_avg"].shape == (64, 64)
+        assert optimizer._all_state_dicts == []  # rank 0 held a second copy of the optimizer state for the run
+        assert torch.equal(state["optimizer"]["state"][0]["exp_avg"], optimizer.optim.state[model.weight]["exp_avg"])
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("keep", [True, False])
 def test_the_snapshot_copy_is_freed_at_close_or_after_each_write(keep: bool, tmp_path: Path) -> None:
     """D17: the background save's host copy of the state (pinned on GPUs) does not outlive training, and
