@@ -57,6 +57,21 @@ def test_a_torchmetrics_metric_split_over_batches_computes_as_on_the_whole_set()
     assert template.update_count == 0  # the template itself is never updated
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_f1_from_summed_counts_matches_torchmetrics_over_any_split(seed: int) -> None:
+    from torchmetrics.classification import BinaryF1Score
+
+    generator = torch.Generator().manual_seed(seed)
+    preds, target = torch.randint(0, 2, (200,), generator=generator), torch.randint(0, 2, (200,), generator=generator)
+    sums = Sums()
+    for start in range(0, 200, 37):  # uneven batches, as a rank's share of an eval set
+        p, t = preds[start:start + 37], target[start:start + 37]
+        counts = torch.stack([(p & t).sum(), (p & ~t.bool()).sum(), (~p.bool() & t).sum()]).double()
+        sums.add({"f1": Statistics(counts, f1_score)})
+    assert sums.compute(sums.vector().tolist())["f1"] == pytest.approx(BinaryF1Score()(preds, target).item(), rel=1e-6)
+    assert f1_score([0, 3, 4]) == 0.0  # no true positive: 0, not a division by zero
+
+
 def test_sums_reduce_each_kind_and_keep_their_order() -> None:
     sums = Sums()
     sums.add({"loss": torch.tensor([1.0, 3.0, 100.0]), "acc": Ratio(torch.tensor(2), torch.tensor(4)),
