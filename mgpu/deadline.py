@@ -5,8 +5,10 @@ stripped by a wrapper, or too short for a slow save). Rank 0 reads the job's end
 run starts and again every minute (a time limit can be changed while the job runs: `scontrol update
 TimeLimit=`), and the session compares it at every step with what a stop still needs: the agreement's
 delay (its interval plus one step, at the slowest step seen lately), the longest checkpoint write seen,
-and a margin. When that reaches the end, rank 0 requests a stop (`deadline`); the ranks agree as for a
-signal, save, and the job requeues itself as at a time limit. The signal stays the fast path.
+and a margin (at most a tenth of the job's time limit). When that reaches the end, rank 0 requests a stop
+(`deadline`); the ranks agree as for a signal, save, and the job requeues itself as at a time limit. The
+signal stays the fast path. A time limit so short that a stop would need more than half of it is left to
+the signal: a requeued job gets the same limit again, so each run would stop after a few steps, forever.
 """
 
 from __future__ import annotations
@@ -19,19 +21,30 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["JobClock", "parse_end_time", "time_needed"]
+__all__ = ["JobClock", "parse_times", "time_needed"]
 
 log = logging.getLogger("mgpu.train")
 POLL_S = 60.0
+MARGIN_SHARE = 0.1
+"""The margin is at most this share of the job's time limit (60 s would stop a 1-minute job at once)."""
+MAX_SHARE = 0.5
+"""A stop needing more than this share of the time limit is left to the signal (see the module's doc)."""
 
 
-def parse_end_time(text: str) -> float | None:
-    """squeue's `%e` (local time, `2026-11-25T10:32:09`) as a Unix time; None for no limit or no answer."""
-    value = text.strip().splitlines()[0].strip() if text.strip() else ""
+def _time(value: str) -> float | None:
     try:
         return dt.datetime.fromisoformat(value).timestamp()
     except ValueError:
-        return None  # "N/A", "Unknown", "NONE": no end to prepare for
+        return None  # "N/A", "Unknown", "NONE": no time to prepare for
+
+
+def parse_times(text: str) -> tuple[float | None, float | None]:
+    """squeue's `%S %e` (the job's start and end, local time, `2026-11-25T10:32:09`) as Unix times; None for
+    what it does not know (no limit, not started) or when it gave no answer."""
+    fields = text.strip().splitlines()[0].split() if text.strip() else []
+    if len(fields) != 2:
+        return None, None
+    return _time(fields[0]), _time(fields[1])
 
 
 def _squeue_end(job_id: str) -> str:
@@ -39,15 +52,20 @@ def _squeue_end(job_id: str) -> str:
     if squeue is None:
         return ""
     try:
-        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=30)
+        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%S %e"], capture_output=True, text=True,
+                              timeout=30)
     except (OSError, subprocess.SubprocessError):
         return ""
     return proc.stdout if proc.returncode == 0 else ""
 
 
-def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: float) -> float:
+def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: float,
+                limit_s: float | None = None) -> float:
     """Seconds a stop takes from the step where it is requested to a durable checkpoint: the agreement
-    (read `every + 1` steps later at worst), the write, and a margin for the gather and the exit."""
+    (read `every + 1` steps later at worst), the write, and a margin for the gather and the exit (at most
+    MARGIN_SHARE of the job's time limit `limit_s`, when known)."""
+    if limit_s is not None:
+        margin_s = min(margin_s, MARGIN_SHARE * limit_s)
     return (every + 1) * step_s + longest_write_s + margin_s
 
 
@@ -56,12 +74,14 @@ class JobClock:
 
     def __init__(self, job_id: str, poll_s: float = POLL_S, read: Callable[[str], str] = _squeue_end) -> None:
         self.job_id, self.poll_s, self.read = job_id, poll_s, read
+        self.start_time: float | None = None
         self.end: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def refresh(self) -> float | None:
-        end = parse_end_time(self.read(self.job_id))
+        start, end = parse_times(self.read(self.job_id))
+        self.start_time = start if start is not None else self.start_time
         if end is not None and end != self.end:
             log.info("job %s ends at %s (Slurm's time limit)", self.job_id,
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)))
@@ -83,5 +103,17 @@ class JobClock:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    @property
+    def limit_s(self) -> float | None:
+        """The job's time limit (this run's start to its end), when Slurm said both."""
+        if self.start_time is None or self.end is None or self.end <= self.start_time:
+            return None
+        return self.end - self.start_time
+
     def too_close(self, now: float, needed_s: float) -> bool:
         return self.end is not None and now + needed_s >= self.end
+
+    def too_short(self, needed_s: float) -> bool:
+        """A stop would need more than MAX_SHARE of the time limit: leave it to the signal."""
+        limit = self.limit_s
+        return limit is not None and needed_s > MAX_SHARE * limit

@@ -189,6 +189,8 @@ class Session:
         """The step this process started from (0 for a new run)."""
         self.resumed_from: Path | None = None
         self.resume_skipped: list[tuple[str, str]] = []
+        self._deadline_too_short = False  # said once: the time limit is too short for a deadline stop
+        self._resumed_at: dict[str, int] = {}  # epoch and position in the data, when the state says
         self.reasons: set[str] = set()
         """The stop reasons the ranks agreed on (empty: no stop)."""
         self._finished = False
@@ -298,7 +300,15 @@ class Session:
 
         every = self.agreement.auto_every if self._check_every is None else self._check_every
         longest = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
-        needed = time_needed(max(self._step_times), every, longest, self.cfg.preemption.deadline_margin_s)
+        needed = time_needed(max(self._step_times), every, longest, self.cfg.preemption.deadline_margin_s,
+                             self.clock.limit_s)
+        if self.clock.too_short(needed):
+            if not self._deadline_too_short:
+                self._deadline_too_short = True
+                log.warning("a stop needs %.0f s, more than half the job's time limit (%.0f s): no stop before "
+                            "the limit, only on Slurm's signal (--signal); give the job a longer --time",
+                            needed, self.clock.limit_s or 0)
+            return
         if self.clock.too_close(time.time(), needed):
             log.info("stopping before the job's time limit: %.0f s left, a stop needs %.0f s (steps of %.1f s, a "
                      "checkpoint write of %.1f s, preemption.deadline_margin_s %.0f)",
@@ -361,6 +371,10 @@ class Session:
                 ddp.replay_after(loaded.step)
         self.resumed_from = loaded.path
         self.resume_skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
+        # Where in the data it resumes, for the ledger: the trainer's Progress or a loop's loader.
+        self._resumed_at = next(({"epoch": value.epoch, "position": value.position} for value in state.values()
+                                 if isinstance(getattr(value, "epoch", None), int)
+                                 and isinstance(getattr(value, "position", None), int)), {})
         self._state = state
 
     def load(self, state: dict[str, Any]) -> bool:
@@ -415,7 +429,7 @@ class Session:
                                                               "max_failures": self.limits.max_failures},
                           **{"git_sha": self.version, **fields})
         if self.resumed_from is not None:
-            self.ledger.write("resumed", step=self.step, **{"from": str(self.resumed_from)},
+            self.ledger.write("resumed", step=self.step, **self._resumed_at, **{"from": str(self.resumed_from)},
                               skipped=self.resume_skipped)
 
     def finish(self) -> None:

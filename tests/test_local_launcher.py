@@ -76,8 +76,9 @@ def test_submit_local_stops_saves_exits_3_and_resumes(how: str, tmp_path: Path) 
     again = subprocess.run([PYTHON, *args], cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumes from its checkpoint at step {preempted['step']}" in again.stdout
-    resumed = [e["step"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
-    assert resumed == [preempted["step"]]
+    resumed = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    assert [e["step"] for e in resumed] == [preempted["step"]]
+    assert resumed[0]["epoch"] >= 0 and resumed[0]["position"] >= 0  # where in the data (jobs/status.py, tests)
 
 
 def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:

@@ -82,9 +82,12 @@ def test_a_users_loop_stops_on_a_signal_and_resumes_bit_identically(
     assert [rc for rc, _ in results] == [3, 0], outputs[-3000:]  # stopped (not a Slurm job): rank 0 says so
     assert "DataLoader worker" not in outputs and "Traceback" not in outputs, outputs[-3000:]
     assert stop_steps(run_dir) == [signal_at + 1], outputs[-2000:]
-    assert final_state(run_dir)["loader"] != reference["loader"]
+    stopped_at = final_state(run_dir)["loader"]
+    assert stopped_at != reference["loader"]
     resumed = run_ranks(args)
     assert [rc for rc, _ in resumed] == [0, 0], resumed
+    (event,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    assert {"epoch": event["epoch"], "position": event["position"]} == stopped_at, event
     assert_identical(final_state(run_dir), reference, ("model", "optimizer", "scheduler", "loader", "best", "bad_evals"))
 
 
@@ -128,12 +131,27 @@ def test_converting_a_ddp_loop_changes_at_most_15_lines() -> None:
 TRANSLATE = ROOT / "jobs" / "loops" / "translate_loop.py"
 
 
+TRANSLATE_ARGS = ["--nprocs=2", "--epochs=6", "--train-size=400"]
+
+
+@pytest.fixture(scope="module")
+def translate_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The converted spawn loop's final state, run without a stop."""
+    run_dir = tmp_path_factory.mktemp("translate-reference") / "run"
+    result = subprocess.run([PYTHON, str(TRANSLATE), *TRANSLATE_ARGS, f"--out={run_dir}"], env=base_env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return final_state(run_dir)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM to the parent", "Ctrl-C"])
-def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, tmp_path: Path) -> None:
+def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, translate_reference: dict,
+                                                         tmp_path: Path) -> None:
     # mgpu.spawn, as the converted mp.spawn loop uses it: a SIGTERM to the spawning process alone is passed on
     # to the ranks; Ctrl-C (SIGINT to the whole process group, as a terminal sends it) reaches them directly.
+    # Resumed, it ends as the run that was never stopped.
     run_dir = tmp_path / "run"
-    args = [PYTHON, str(TRANSLATE), "--nprocs=2", "--epochs=6", "--train-size=400", f"--out={run_dir}"]
+    args = [PYTHON, str(TRANSLATE), *TRANSLATE_ARGS, f"--out={run_dir}"]
     proc = subprocess.Popen(args, env=base_env(), cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -166,6 +184,7 @@ def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, tmp_path: 
     resumed = subprocess.run(args, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert final_state(run_dir)["loader"] == {"epoch": 6, "position": 0}
+    assert_identical(final_state(run_dir), translate_reference, ("model", "optimizer", "scheduler", "loader", "early"))
 
 
 def test_converting_the_spawn_loop_changes_a_few_lines() -> None:
