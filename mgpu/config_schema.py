@@ -182,8 +182,8 @@ class PreemptionConfig:
     until the first log line, then the power of two of steps closest below one second."""
     deadline_margin_s: float = 60.0
     """Under Slurm, rank 0 stops the run before the job's time limit even without the signal: when the time
-    left is less than this margin plus the longest checkpoint write so far plus the agreement's delay
-    (mgpu.deadline). 0: rely on the signal alone."""
+    left is less than this margin (at most a tenth of the limit) plus the longest checkpoint write so far
+    plus the agreement's delay (mgpu.deadline). 0: rely on the signal alone."""
 
 
 @dataclass
