@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Mapping, TextIO
@@ -39,6 +40,22 @@ def format_metrics(metrics: Mapping[str, float]) -> str:
     return "  ".join(parts)
 
 
+def _quiet_tensorboard_writer_errors() -> None:
+    """TensorBoard's writer thread dies on an OSError (a full disk) and Python prints its traceback; the
+    Reporter says it in one line at the next call instead (`_tb`). Other threads' errors are printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "_mgpu", False):
+        return
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook._mgpu = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
+
+
 class Reporter:
     """Rank 0's outputs; every method is a no-op elsewhere (`enabled=False`)."""
 
@@ -60,6 +77,7 @@ class Reporter:
         self.tb_dir = tb_dir if enabled else None
         self._tb_failed, self._reopen_at = False, 0.0
         if self.tb_dir is not None:
+            _quiet_tensorboard_writer_errors()
             # purge_step: readers drop events at or after it that an earlier (preempted) run wrote.
             self._tb(lambda: self._open(resume_step + 1 if resume_step else None))
         self._last_bar = 0.0

@@ -73,6 +73,7 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     assert latest is not None and latest.step in (1, 2) and str(latest.path) == named[1]
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # its writer thread's traceback
 def test_tensorboard_on_a_full_disk_loses_points_not_the_run(small_fs: Callable[[int], Path],
                                                               monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
