@@ -47,7 +47,7 @@ def parse_times(text: str) -> tuple[float | None, float | None]:
     return _time(fields[0]), _time(fields[1])
 
 
-def _squeue_end(job_id: str) -> str:
+def _squeue_times(job_id: str) -> str:
     squeue = shutil.which("squeue")
     if squeue is None:
         return ""
@@ -72,7 +72,7 @@ def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: flo
 class JobClock:
     """Rank 0's view of when Slurm will end the job, refreshed in a daemon thread every `poll_s`."""
 
-    def __init__(self, job_id: str, poll_s: float = POLL_S, read: Callable[[str], str] = _squeue_end) -> None:
+    def __init__(self, job_id: str, poll_s: float = POLL_S, read: Callable[[str], str] = _squeue_times) -> None:
         self.job_id, self.poll_s, self.read = job_id, poll_s, read
         self.start_time: float | None = None
         self.end: float | None = None
