@@ -177,7 +177,8 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
 def hang_line(hang: dict[str, Any]) -> str:
     """Who held the others up, where, and in which phase, from a `hang` event."""
     ranks, hosts = (value if isinstance(value, list) else [] for value in (hang.get("ranks"), hang.get("hosts")))
-    phases = hang.get("phases") if isinstance(hang.get("phases"), dict) else {}
+    phases = hang.get("phases")
+    phases = phases if isinstance(phases, dict) else {}
     who = (f"rank(s) {', '.join(map(str, ranks))} on {', '.join(map(str, hosts)) or '?'}" if ranks
            else "no rank identified")
     where = ", ".join(f"{phases[str(r)]}" for r in ranks if str(r) in phases)
@@ -359,7 +360,7 @@ def verify(dir_a: Path, dir_b: Path) -> tuple[int, str]:
         raise MgpuError(f"{dir_a} and {dir_b} logged no step in common (steps {min(prints[0])}..{max(prints[0])} and "
                         f"{min(prints[1])}..{max(prints[1])}): give both runs the same log.every_steps")
     if not verdict.agree:
-        before = verdict.common.index(verdict.first_difference)  # type: ignore[arg-type]
+        before = verdict.common.index(verdict.first_difference)  # type: ignore[arg-type]  # set whenever not agree
         return 1, (f"differ: first at step {verdict.first_difference} ({dir_a}: {verdict.a}, {dir_b}: {verdict.b}); "
                    f"they agree at the {before} logged step(s) before it")
     last_a, last_b = max(prints[0]), max(prints[1])

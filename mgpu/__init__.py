@@ -8,27 +8,28 @@ This package's top level imports nothing heavy: the submission path must not imp
 `Session` is imported on first use.
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names below are, for a type checker
+    from mgpu.config import Config
+    from mgpu.inference import load_model
+    from mgpu.session import Session
+    from mgpu.spawn import spawn
 
 __version__ = "0.1.0"
 __all__ = ["Config", "Session", "load_model", "spawn"]
 
 
+_LAZY = {"spawn": "mgpu.spawn", "load_model": "mgpu.inference", "Session": "mgpu.session", "Config": "mgpu.config"}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "spawn":
-        from mgpu.spawn import spawn
+    if name not in _LAZY:
+        raise AttributeError(f"module 'mgpu' has no attribute {name!r}")
+    import importlib
 
-        return spawn
-    if name == "load_model":
-        from mgpu.inference import load_model
-
-        return load_model
-    if name == "Session":
-        from mgpu.session import Session
-
-        return Session
-    if name == "Config":
-        from mgpu.config import Config
-
-        return Config
-    raise AttributeError(f"module 'mgpu' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    # Importing mgpu.spawn binds the *module* to mgpu.spawn: bind the function over it, or the next
+    # `mgpu.spawn(...)` would call a module.
+    globals()[name] = value
+    return value

@@ -93,7 +93,7 @@ def _drop_locals(error: BaseException) -> None:
             continue
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)
-        pending += [current.__cause__, current.__context__]  # type: ignore[list-item]
+        pending += [current.__cause__, current.__context__]  # type: ignore[list-item]  # None is skipped when popped
 
 
 class CheckpointError(MgpuError):
@@ -162,7 +162,8 @@ class _HashingFile(io.RawIOBase):
 
     def __init__(self, file: BinaryIO) -> None:
         super().__init__()
-        self.file, self.digest, self.error = file, hashlib.sha256(), None
+        self.file, self.digest = file, hashlib.sha256()
+        self.error: OSError | None = None
 
     def writable(self) -> bool:
         return True
@@ -410,7 +411,7 @@ def _checked_extra(state: object, step: object, extra: dict[str, Any] | None) ->
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
     try:
-        return json.loads(json.dumps(extra or {}))  # type: ignore[no-any-return]
+        return json.loads(json.dumps(extra or {}))
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint extra metadata must be JSON-serialisable: {e}") from None
 
@@ -527,7 +528,7 @@ class CheckpointStore:
         with open(path, "wb") as file:
             hashing = _HashingFile(file)
             try:
-                _torch_save(state, hashing)
+                _torch_save(state, hashing)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
             except RuntimeError as error:
                 if hashing.error is not None:
                     raise hashing.error from error

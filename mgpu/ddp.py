@@ -101,7 +101,7 @@ def passes_before_rebuild(ddp: DistributedDataParallel) -> int:
 
 
 def replay_bucket_rebuild(ddp: DistributedDataParallel, synced_passes_done: int,
-                          forward_backward: Callable[[nn.Module], None]) -> int:
+                          forward_backward: Callable[[DistributedDataParallel], None]) -> int:
     """On every rank, right after DDP is built on resume and before the first real step: the passes the
     unbroken run's reducer had seen before its rebuild, their effects undone. Returns how many ran.
 

@@ -241,7 +241,7 @@ def rank_zero_only(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs) if get_rank() == 0 else None
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # wraps() keeps fn's signature
 
 
 def barrier() -> None:

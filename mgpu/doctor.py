@@ -216,7 +216,8 @@ def analyze_env(logs: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]], end
     node_of = {task: str((s or {}).get("node") or (s or {}).get("host") or f"task {task}")
                for task, s in starts.items()}
     scontrol = {node_of[t]: (s or {}).get("scontrol") for t, s in sorted(starts.items())}
-    unresolved, addresses = [], {}
+    unresolved: list[str] = []
+    addresses: dict[str, list[Any]] = {}
     for task, recs in sorted(first.items()):
         for r in recs:
             if r["ev"] != "resolve":
@@ -247,7 +248,7 @@ def analyze_env(logs: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]], end
             for task, recs in first.items()}
     arrived = [t for t in usr2.values() if t is not None]
     lead = end_time - min(arrived) if arrived and end_time is not None else None
-    term_first = any(t_term is not None and (usr2[t] is None or t_term < usr2[t])  # type: ignore[operator]
+    term_first = any(t_term is not None and (usr2[t] is None or t_term < usr2[t])  # type: ignore[operator]  # usr2[t] is not None there
                      for t, t_term in term.items())
     requeue = next((r for _, r in events if r["ev"] == "requeue"), None)
     back = min((float(r["t"]) for (restart, _), recs in logs.items() if restart > 0 for r in recs

@@ -135,7 +135,7 @@ class Doctor:
         """The `event` records of every task's run `restart`, once all `tasks` wrote one."""
         logs = self._logs(mode)
         found = [next((r for r in logs.get((restart, t), []) if r["ev"] == event), None) for t in range(tasks)]
-        return found if all(found) else None  # type: ignore[return-value]
+        return found if all(found) else None  # type: ignore[return-value]  # all(found): no None is left
 
     def _pending_why(self, job_id: str) -> str:
         info = self.job(job_id)

@@ -91,7 +91,7 @@ def _first(environ: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str
     for name in names:
         value = environ.get(name)
         if value not in (None, ""):
-            return name, value  # type: ignore[return-value]
+            return name, value
     return None
 
 
@@ -183,7 +183,7 @@ class SlurmEnvironment(ClusterEnvironment):
         num_nodes = _int(environ, *cls.NUM_NODES, fix=fix, default=len(nodes))
         if num_nodes != len(nodes):
             raise MgpuError(f"{nodelist[0]}={nodelist[1]!r} names {len(nodes)} nodes but "
-                            f"{num_var[0]}={num_nodes}: the job's variables contradict each other")  # type: ignore[index]
+                            f"{num_var[0]}={num_nodes}: the job's variables contradict each other")  # type: ignore[index]  # set when NUM_NODES was read
         tasks_per_node, tasks = cls._tasks_per_node(environ, world_size, num_nodes)
         if len(tasks_per_node) != num_nodes or sum(tasks_per_node) != world_size:
             raise MgpuError(
@@ -232,7 +232,7 @@ class SlurmEnvironment(ClusterEnvironment):
         batch = "SLURM_PROCID" in environ
         if tasks > 1:
             where = "the batch shell" if batch else "salloc's shell"
-            raise MgpuError(f"running in {where} of a {tasks}-task Slurm job ({found[0]}={found[1]}), "  # type: ignore[index]
+            raise MgpuError(f"running in {where} of a {tasks}-task Slurm job ({found[0]}={found[1]}), "  # type: ignore[index]  # tasks > 1 only when found
                             f"not in a task: {cls.SRUN_FIX}")
         host = nodes[0] if batch else environ.get("SLURM_SUBMIT_HOST") or socket.gethostname()
         every_node, gpu_source, gpus_per_node = cls._gpu_shape(environ, 1)

@@ -72,4 +72,4 @@ def evaluate(model: nn.Module, batches: Iterable[Any], common: int, metrics: Cal
                                                    device=device)
     totals = all_reduce(vector).tolist()
     values = sums.compute(totals) if sums.layout else None
-    return broadcast_object(values) if world > 1 else values  # type: ignore[return-value]
+    return broadcast_object(values) if world > 1 else values  # type: ignore[return-value]  # rank 0's values, pickled: the same type

@@ -271,10 +271,10 @@ def timeline(segs: Sequence[Segment], runs: Sequence[SacctRun] = (), now: float 
             out.append(Interval(stop, end, "stopping", i))
         if i + 1 < len(segs):
             nxt = segs[i + 1]
-            same_alloc = run is not None and owners[i + 1] is run
-            gap_end = nxt.start if (same_alloc or owners[i + 1] is None or owners[i + 1].start is None) \
-                else owners[i + 1].start
-            if run is None or owners[i + 1] is None or same_alloc:
+            owner = owners[i + 1]
+            same_alloc = run is not None and owner is run
+            gap_end = nxt.start if (same_alloc or owner is None or owner.start is None) else owner.start
+            if run is None or owner is None or same_alloc:
                 if gap_end > end:
                     out.append(Interval(end, gap_end, "restarting", i))
     # Sources disagree by a second here and there (sacct's whole seconds, clocks of other nodes): every

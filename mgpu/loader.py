@@ -62,7 +62,7 @@ class SampleSeeded(Dataset):
         self.dataset, self.seed, self.epoch = dataset, seed, epoch
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
 
     def __getitem__(self, index: int) -> Any:
         if get_worker_info() is not None:
@@ -114,7 +114,7 @@ def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]], *, num_worke
         if not _reaper_installed:
             atexit.register(_reap_workers)
             _reaper_installed = True
-    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn,
+    return DataLoader(dataset, batch_sampler=batches, num_workers=num_workers, collate_fn=collate_fn,  # type: ignore[arg-type]  # index sequences; the stub wants lists
                       pin_memory=pin_memory, generator=generator, **extra)
 
 
@@ -199,7 +199,7 @@ class ResumableLoader:
             if option in dataloader_options:
                 raise ValueError(f"ResumableLoader owns the sample order: {option}= is not an option here")
         self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
-        self.plan = ShardPlan(len(dataset), batch_size, rank, world_size, seed, shuffle)  # type: ignore[arg-type]
+        self.plan = ShardPlan(len(dataset), batch_size, rank, world_size, seed, shuffle)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
         self.drop_last, self.requeue_signal, self.stopping, self.agreed = drop_last, requeue_signal, stopping, agreed
         self.options = dataloader_options
         self.epoch = 0

@@ -100,7 +100,7 @@ def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoin
     ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why)
     log.info("stopped at step %d: %s", step, why)
     if decision.requeue:
-        outcome = requeue(budgets.job_id)  # type: ignore[arg-type]  (decide() requeues only a job of ours)
+        outcome = requeue(budgets.job_id)  # type: ignore[arg-type]  # decide() requeues only a job of ours
         ledger.write("requeued", step=step, how=outcome.how, message=outcome.message,
                      **({} if progressed else {"after": "no_progress"}))
         log.info("requeue: %s", outcome.message)

@@ -176,7 +176,7 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         ledger.write("requeued", how=outcome.how, message=outcome.message, after=kind)
         if plan is not None and plan.nodes:
             apply_exclusion(job_id, plan.nodes)  # pending now: Slurm takes it (not while running)
-            ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")
+            ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")  # type: ignore[index]  # a plan comes from a hang
         return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "")
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
         return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "

@@ -52,7 +52,7 @@ def _quiet_tensorboard_writer_errors() -> None:
             return
         previous(args)
 
-    hook._mgpu = True  # type: ignore[attr-defined]
+    hook._mgpu = True  # type: ignore[attr-defined]  # a marker on our own hook function
     threading.excepthook = hook
 
 

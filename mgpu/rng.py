@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import os
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -45,7 +45,7 @@ def derived_seed(packed: int, exact: bool, *parts: int | str) -> int:
 
 def capture_rng_state() -> dict[str, Any]:
     """This process's RNG states, in a form `torch.load(weights_only=True)` accepts."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    kind, keys, pos, has_gauss, cached = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
     state: dict[str, Any] = {
         "python": random.getstate(),
         "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),

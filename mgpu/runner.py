@@ -89,7 +89,7 @@ def _dump_nccl_trace(run: RunDir, rank: int) -> None:
     try:
         import torch
 
-        trace = torch._C._distributed_c10d._dump_nccl_trace()  # noqa: SLF001
+        trace = torch._C._distributed_c10d._dump_nccl_trace()  # type: ignore[attr-defined]  # noqa: SLF001  (NCCL builds only: not in torch's stubs)
         (run.logs / f"nccl-trace-rank{rank}.pkl").write_bytes(trace)
     except Exception as error:  # noqa: BLE001  (evidence is best effort; the exit must still happen)
         log.warning("NCCL flight recorder dump failed: %s", error)

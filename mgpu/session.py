@@ -240,7 +240,7 @@ class Session:
         from mgpu.data import eval_shard
         from mgpu.loader import make_loader
 
-        indices = eval_shard(len(dataset), self.rank, self.world_size)  # type: ignore[arg-type]
+        indices = eval_shard(len(dataset), self.rank, self.world_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
         return make_loader(dataset, batches, num_workers=num_workers, seed=self.cfg.train.seed, epoch=0,
                            rank=self.rank, requeue_signal=self.cfg.preemption.signal, collate_fn=collate_fn,
@@ -250,7 +250,7 @@ class Session:
         """*Collective.* `value` (a tensor or a number) reduced over the ranks: sum, mean, max or min."""
         from mgpu.distributed import all_reduce
 
-        return all_reduce(value, op, device=self.device)  # type: ignore[arg-type]
+        return all_reduce(value, op, device=self.device)  # type: ignore[arg-type]  # a str op: an unknown one is a KeyError there
 
     # ------------------------------------------------------------------ stopping together
     def should_stop(self, step: int | None = None, save: bool = True) -> bool:

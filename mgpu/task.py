@@ -80,7 +80,7 @@ class Task(ABC):
         (sums of numerator and denominator over the set, e.g. token accuracy) or `Statistics` (counts summed
         over the set, then computed, e.g. corpus BLEU). Default: the training loss."""
         out = self.loss(model, batch)
-        return {"loss": out["loss"] if isinstance(out, Mapping) else out}  # type: ignore[dict-item]
+        return {"loss": out["loss"] if isinstance(out, Mapping) else out}  # type: ignore[dict-item]  # a LossSum loss is reported as is
 
     def optimizer(self, model: nn.Module) -> torch.optim.Optimizer | None:
         """Your optimizer over `model`'s parameters (any torch.optim class, parameter groups: e.g. no weight
@@ -147,4 +147,4 @@ def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | 
     if size == 0:
         fix = "return None to train without evaluation" if optional else "check the data the task reads"
         raise TaskError(f"{what} is empty ({name} of length 0): {fix}")
-    return dataset  # type: ignore[no-any-return]
+    return dataset

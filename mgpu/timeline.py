@@ -35,6 +35,7 @@ def _unit(span_s: float) -> tuple[float, str]:
 def plot_timeline(events: Sequence[Mapping[str, Any]], path: str | Path, runs: Sequence[SacctRun] = (),
                   title: str = "", now: float | None = None) -> Path:
     """Draw the run into a PNG at `path` (its directory must exist); returns the path."""
+    from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -69,7 +70,7 @@ def plot_timeline(events: Sequence[Mapping[str, Any]], path: str | Path, runs: S
         kinds_seen[seg.kind] = color
     top.set_yticks([0.8, 1.7, 3.0], ["evaluations", "checkpoints", "time"])
     top.set_ylim(0.3, 3.7)
-    handles = [Patch(facecolor=c, label=k) for k, c in COLORS.items() if any(iv.kind == k for iv in intervals)]
+    handles: list[Artist] = [Patch(facecolor=c, label=k) for k, c in COLORS.items() if any(iv.kind == k for iv in intervals)]
     handles += [Line2D([], [], color=c, linestyle="--", label=f"stop: {k}") for k, c in kinds_seen.items()]
     top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     top.set_title(title or "run timeline", fontsize=10)

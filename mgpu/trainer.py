@@ -80,7 +80,7 @@ def to_device(batch: Any, device: torch.device) -> Any:
             moved[key] = to_device(value, device)
         return moved
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        moved = copy.copy(batch)
+        moved = copy.copy(batch)  # type: ignore[assignment]  # a dataclass here, the Mapping branch above
         for f in dataclasses.fields(batch):
             object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))  # frozen ones too
         return moved
@@ -97,10 +97,10 @@ class Trainer:
         self.config_dict = config_to_dict(cfg)
 
         # Checked before anything is built: an empty or streaming dataset fails here in one line.
-        self.train_set: Dataset = sized_dataset(task.train_dataset(), f"{type(task).__name__}.train_dataset()")  # type: ignore[assignment]
+        self.train_set: Dataset = sized_dataset(task.train_dataset(), f"{type(task).__name__}.train_dataset()")  # type: ignore[assignment]  # not optional: never None
         self.eval_set: Dataset | None = sized_dataset(task.eval_dataset(), f"{type(task).__name__}.eval_dataset()",
                                                       optional=True)
-        self.plan = ShardPlan(len(self.train_set), cfg.data.batch_size, self.rank, self.world,  # type: ignore[arg-type]
+        self.plan = ShardPlan(len(self.train_set), cfg.data.batch_size, self.rank, self.world,  # type: ignore[arg-type]  # torch's Dataset declares no __len__
                               cfg.train.seed, cfg.data.shuffle)
 
         # The same initial weights everywhere (DDP also broadcasts rank 0's), then per-rank streams
@@ -158,7 +158,7 @@ class Trainer:
         starts = {self.progress.position, 0} if self.progress.epoch + 1 < self.cfg.train.epochs else {
             self.progress.position}
         if has_norm and min(self.plan.smallest_micro_batch(start) for start in starts) == 1:
-            raise MgpuError(f"with {len(self.train_set)} samples, data.batch_size={self.cfg.data.batch_size} "  # type: ignore[arg-type]
+            raise MgpuError(f"with {len(self.train_set)} samples, data.batch_size={self.cfg.data.batch_size} "  # type: ignore[arg-type]  # torch's Dataset declares no __len__
                             f"and {self.world} ranks, some rank gets a one-sample batch at the end of each epoch, "
                             f"which BatchNorm cannot train on: change data.batch_size")
 
@@ -311,7 +311,7 @@ class Trainer:
         for index, (mb, batch) in enumerate(group):
             last = index == len(group) - 1
             # no_sync: the micro-steps before the last only accumulate locally; DDP reduces once.
-            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()
+            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()  # type: ignore[operator]  # a DDP when world > 1, typed Module
             with sync:
                 self.beat("forward")
                 with self._autocast():
@@ -429,7 +429,7 @@ class Trainer:
         metrics are not per-sample values, Ratios or Statistics (on a two-sample batch)."""
         if self.eval_set is None:
             return
-        probe = list(range(min(2, len(self.eval_set))))  # type: ignore[arg-type]
+        probe = list(range(min(2, len(self.eval_set))))  # type: ignore[arg-type]  # torch's Dataset declares no __len__
         batch = next(iter(self._loader(self.eval_set, [probe], workers=0)))
         self.model.eval()
         log, self.task.log = self.task.log, None  # the probe's texts are not an evaluation's
@@ -443,7 +443,7 @@ class Trainer:
         """Every metric over the whole eval set (mgpu.evaluation), the same on every rank. Raises
         EvalInterrupted when the ranks agree to stop midway."""
         assert self.eval_set is not None
-        size = len(self.eval_set)  # type: ignore[arg-type]
+        size = len(self.eval_set)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
         indices = eval_shard(size, self.rank, self.world)
         batch_size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]

@@ -328,7 +328,7 @@ def report_hang(run: Any, job_id: str, restart: int, rank: int, beats: Sequence[
         return False
     os.close(fd)
     by_rank = {b.rank: b for b in beats}
-    hosts = sorted({by_rank[r].host if r in by_rank else _recorded_host(run, r) for r in stuck} - {None})
+    hosts = sorted({by_rank[r].host if r in by_rank else _recorded_host(run, r) for r in stuck} - {None})  # type: ignore[type-var]  # None is taken out
     frozen = [r for r in stuck if r not in by_rank or by_rank[r].written < detected]
     live = [b for b in beats if b.rank not in frozen] or list(beats)  # a frozen rank's file is out of date
     completed = min((b.step - 1 for b in live), default=None)  # a beat's step is the one in progress

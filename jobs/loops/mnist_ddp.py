@@ -42,14 +42,14 @@ def main() -> None:
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     torch.manual_seed(0)
 
-    model = SmallCNN()
+    net: torch.nn.Module = SmallCNN()
     if world_size > 1 and device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over all GPUs
-    model = DDP(model.to(device), device_ids=[local_rank] if device.type == "cuda" else None)
+        net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)  # BatchNorm statistics over all GPUs
+    model = DDP(net.to(device), device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_set = RandomShift(SyntheticDigits(args.train_size, seed=0))
     val_set = SyntheticDigits(2000, seed=1)
-    sampler = DistributedSampler(train_set, shuffle=True, seed=0)
+    sampler: DistributedSampler[int] = DistributedSampler(train_set, shuffle=True, seed=0)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers)
     val_loader = DataLoader(val_set, batch_size=256, sampler=DistributedSampler(val_set, shuffle=False))
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * len(loader))
@@ -59,7 +59,7 @@ def main() -> None:
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and os.path.exists(checkpoint):
         state = torch.load(checkpoint, map_location=device)
-        model.module.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         start_epoch = state["epoch"] + 1
@@ -85,8 +85,9 @@ def main() -> None:
         accuracy = (correct[0] / correct[1]).item()
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.4f} accuracy {accuracy:.4f}", flush=True)
+            assert writer is not None
             writer.add_scalar("eval/accuracy", accuracy, epoch)
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
+            torch.save({"model": net.state_dict(), "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "epoch": epoch}, checkpoint)
 
     dist.destroy_process_group()

@@ -37,7 +37,7 @@ def main() -> None:
     session = mgpu.Session(args.out, seed=0)
     rank, world_size, device = session.rank, session.world_size, session.device
 
-    model = SmallCNN()
+    model: torch.nn.Module = SmallCNN()
     if world_size > 1 and device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over all GPUs
     model = session.wrap(model)
@@ -76,6 +76,7 @@ def main() -> None:
         accuracy = (correct[0] / correct[1]).item()
         if rank == 0:
             print(f"epoch {epoch}: loss {loss.item():.4f} accuracy {accuracy:.4f}", flush=True)
+            assert writer is not None
             writer.add_scalar("eval/accuracy", accuracy, epoch)
         session.save(state)
 

@@ -39,7 +39,7 @@ class EarlyStopper:
         return self.bad_epochs >= self.patience
 
 
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.Tensor:
+def evaluate(model: Seq2Seq, loader: DataLoader, device: torch.device) -> torch.Tensor:
     """[summed token NLL, tokens, BLEU statistics...] of this rank's share of the validation set."""
     model.eval()
     totals = torch.zeros(12, dtype=torch.float64, device=device)
@@ -89,12 +89,13 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         if session.stopping:
             break
 
-        totals = evaluate(model.module, valid_loader, device)
+        totals = evaluate(model.module, valid_loader, device)  # type: ignore[arg-type]  # DDP's .module is typed Module
         dist.all_reduce(totals)
         valid_loss, bleu = (totals[0] / totals[1]).item(), corpus_bleu(totals[2:].tolist())
         improved = bleu > early_stopper.best
         if rank == 0:
             print(f"epoch {epoch}: valid loss {valid_loss:.4f} bleu {bleu:.2f}", flush=True)
+            assert writer is not None
             writer.add_scalar("valid/loss", valid_loss, epoch)
             writer.add_scalar("valid/bleu", bleu, epoch)
         stop = early_stopper.step(bleu)

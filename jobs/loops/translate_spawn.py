@@ -43,7 +43,7 @@ class EarlyStopper:
         return self.bad_epochs >= self.patience
 
 
-def evaluate(model: nn.Module, loader: DataLoader, device: torch.device) -> torch.Tensor:
+def evaluate(model: Seq2Seq, loader: DataLoader, device: torch.device) -> torch.Tensor:
     """[summed token NLL, tokens, BLEU statistics...] of this rank's share of the validation set."""
     model.eval()
     totals = torch.zeros(12, dtype=torch.float64, device=device)
@@ -66,7 +66,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
 
     train_set, valid_set = SyntheticPairs(args.train_size, seed=0), SyntheticPairs(300, seed=1)
-    sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
+    sampler: DistributedSampler[int] = DistributedSampler(train_set, num_replicas=world_size, rank=rank, shuffle=True, seed=args.seed)
     loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, collate_fn=collate)
     valid_loader = DataLoader(valid_set, batch_size=64, collate_fn=collate,
                               sampler=DistributedSampler(valid_set, num_replicas=world_size, rank=rank, shuffle=False))
@@ -96,6 +96,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         improved = bleu > early_stopper.best
         if rank == 0:
             print(f"epoch {epoch}: valid loss {valid_loss:.4f} bleu {bleu:.2f}", flush=True)
+            assert writer is not None
             writer.add_scalar("valid/loss", valid_loss, epoch)
             writer.add_scalar("valid/bleu", bleu, epoch)
             if improved:

@@ -77,7 +77,7 @@ class RandomShift(Dataset):
         self.dataset, self.pixels = dataset, pixels
 
     def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
+        return len(self.dataset)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         image, label = self.dataset[index]

@@ -11,7 +11,7 @@ sentence reversed, each word mapped through a fixed dictionary, and every fifth 
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -177,7 +177,7 @@ class TranslationTask(Task):
         tokens = batch.target_out != PAD
         nll = F.cross_entropy(logits.transpose(1, 2), batch.target_out, ignore_index=PAD, reduction="sum")
         correct = ((logits.argmax(-1) == batch.target_out) & tokens).sum()
-        hypotheses = model.greedy(batch.source, max_len=batch.target_out.shape[1] + 4)
+        hypotheses = cast(Seq2Seq, model).greedy(batch.source, max_len=batch.target_out.shape[1] + 4)
         references = [[t for t in row if t not in (PAD, EOS)] for row in batch.target_out.tolist()]
         if self.log is not None:
             for source, hypothesis, reference in list(zip(batch.source.tolist(), hypotheses, references))[
