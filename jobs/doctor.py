@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGHUP, on_term)
+    # Ctrl-C (or a SIGINT) cancels the probe jobs however the doctor was started: from a background shell it
+    # inherits SIGINT ignored, which Python keeps (mgpu's training takes SIGINT explicitly too).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     print(f"{PROG}: probing partition {opts.partition}" + (f" (preempted from {opts.preemptor})" if opts.preemptor
                                                            else "") + f"; at most {opts.timeout_s:.0f} s", flush=True)
     try:

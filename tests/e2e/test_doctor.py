@@ -37,23 +37,48 @@ def _doctor_jobs(cluster: SlurmCluster, pid: int | None = None) -> list[str]:
             and line.split()[1].endswith(suffix) and line.split()[2] != "COMPLETING"]
 
 
-def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+def _doctor(args: list[str], timeout: float) -> tuple[subprocess.CompletedProcess[str], int]:
+    """Run the doctor to its end; its result and pid (every probe job it submits is named ...-<pid>)."""
+    cmd = [PYTHON, DOCTOR, *args]
+    with subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err), proc.pid
+
+
+def _run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any], int]:
     facts = tmp_path / "facts.json"
-    cmd = [PYTHON, DOCTOR, "--partition", "main", "--run-root", str(tmp_path / "runs"), "--json", str(facts), *args]
-    result = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stdout}{result.stderr}"
-    return result, json.loads(facts.read_text())
+    result, pid = _doctor(["--partition", "main", "--run-root", str(tmp_path / "runs"), "--json", str(facts), *args],
+                          timeout=900)
+    assert result.returncode == 0, f"{' '.join(result.args)}\n{result.stdout}{result.stderr}"
+    return result, json.loads(facts.read_text()), pid
 
 
-def _no_leftovers(cluster: SlurmCluster, tmp_path: Path) -> None:
-    wait_until("the probe jobs to be gone", lambda: not _doctor_jobs(cluster), timeout=60)
+def _no_leftovers(cluster: SlurmCluster, tmp_path: Path, pid: int) -> None:
+    wait_until("the probe jobs to be gone", lambda: not _doctor_jobs(cluster, pid), timeout=60)
     assert not (tmp_path / "runs" / ".mgpu-doctor").exists()
+
+
+def _since(started: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started - 1))
+
+
+def _sacct_states(cluster: SlurmCluster, since: str, pid: int) -> list[str]:
+    """State of each probe job of the doctor with `pid` that sacct recorded since `since`; only this doctor's:
+    the cluster's history has every earlier test's (and user's) probe jobs too."""
+    rows = cluster.run("sacct", "-n", "-X", "-P", "-S", since, "-o", "JobName,State").stdout.splitlines()
+    return [row.split("|")[1] for row in rows if row.startswith("mgpu-doctor-") and row.split("|")[0].endswith(f"-{pid}")]
 
 
 def test_doctor_full_report_default_policy(slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
                                            tmp_path: Path) -> None:
     slurm_policy(grace=0, user_signal=True)
-    result, facts = _run(tmp_path, "--preemptor-partition", "high")
+    result, facts, pid = _run(tmp_path, "--preemptor-partition", "high")
     out = result.stdout
     pre, env = facts["preemption"], facts["env"]
     assert facts["configured"]["grace_s"] == 0 and facts["configured"]["user_signal"] is True
@@ -76,14 +101,14 @@ def test_doctor_full_report_default_policy(slurm_cluster: SlurmCluster, slurm_po
     assert [r.split(":")[0] for r in facts["risks"]] == [f"a preemption leaves {pre['kill_after_term_s']:.0f} s from "
                                                          "SIGTERM to SIGKILL"], facts["risks"]
     assert out.splitlines()[-1].startswith("  - a preemption leaves")
-    _no_leftovers(slurm_cluster, tmp_path)
+    _no_leftovers(slurm_cluster, tmp_path, pid)
 
 
 @pytest.mark.parametrize("grace, user_signal", [(0, False), (GRACE_S, True), (GRACE_S, False)])
 def test_doctor_preemption_matches_the_policy(slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
                                               tmp_path: Path, grace: int, user_signal: bool) -> None:
     slurm_policy(grace=grace, user_signal=user_signal)
-    result, facts = _run(tmp_path, "--preemptor-partition", "high", "--only", "preemption")
+    result, facts, pid = _run(tmp_path, "--preemptor-partition", "high", "--only", "preemption")
     pre = facts["preemption"]
     assert facts["configured"]["grace_s"] == grace and facts["configured"]["user_signal"] is user_signal
     assert facts["env"] is None and pre["observed"] and pre["requeued"], pre
@@ -105,14 +130,21 @@ def test_doctor_preemption_matches_the_policy(slurm_cluster: SlurmCluster, slurm
         assert pre["user_signal"] == "none" and [s for s, _ in pre["signals"]].count("SIGTERM") >= 2, pre
         assert any(s.startswith("preemption: mgpu stops on the first SIGTERM") for s in settings), settings
         assert "no user signal: SIGTERM first, SIGTERM again" in result.stdout
-    _no_leftovers(slurm_cluster, tmp_path)
+    _no_leftovers(slurm_cluster, tmp_path, pid)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_doctor_interrupted_cancels_its_jobs(slurm_cluster: SlurmCluster, tmp_path: Path, sig: int) -> None:
+    """Started as from a background shell (`doctor.py &` in a script, some CI runners): SIGINT ignored on entry,
+    which Python keeps. The doctor takes SIGINT itself, as mgpu's training does: a SIGINT still cancels."""
     cmd = [PYTHON, DOCTOR, "--partition", "main", "--preemptor-partition", "high", "--run-root", str(tmp_path / "runs")]
-    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 1))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    since = _since(time.time())
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=base_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_ignore_sigint)
     try:
         wait_until("a probe job", lambda: _doctor_jobs(slurm_cluster, proc.pid), timeout=60)
         proc.send_signal(sig)
@@ -126,23 +158,17 @@ def test_doctor_interrupted_cancels_its_jobs(slurm_cluster: SlurmCluster, tmp_pa
     wait_until("its probe jobs to be gone", lambda: not _doctor_jobs(slurm_cluster, proc.pid), timeout=30)
     assert not (tmp_path / "runs" / ".mgpu-doctor").exists()
     # Gone because the doctor cancelled them (not because their files went with the probe directory).
-    states = wait_until("sacct to record them", lambda: [
-        line.split("|")[1] for line in slurm_cluster.run("sacct", "-n", "-X", "-P", "-S", since, "-o",
-                                                         "JobName,State").stdout.splitlines()
-        if line.startswith("mgpu-doctor-") and line.split("|")[0].endswith(f"-{proc.pid}")], timeout=30)
-    assert states and all(state.startswith("CANCELLED") for state in states), states  # type: ignore[union-attr]
+    states = wait_until("sacct to record them", lambda: _sacct_states(slurm_cluster, since, proc.pid), timeout=30)
+    assert states and all(state.startswith("CANCELLED") for state in states), states
 
 
 def test_doctor_bad_partition_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    before = slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()
-    started = time.time()
-    result = subprocess.run([PYTHON, DOCTOR, "--partition", "nosuch", "--run-root", str(tmp_path / "runs")],
-                            cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=60)
+    since = _since(time.time())
+    result, pid = _doctor(["--partition", "nosuch", "--run-root", str(tmp_path / "runs")], timeout=60)
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.splitlines() == ["doctor: error: --partition 'nosuch': Partition nosuch not found (sinfo -s "
                                           "lists the partitions)"]
     assert not (tmp_path / "runs").exists()
-    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started - 1))
-    names = slurm_cluster.run("sacct", "-n", "-X", "-P", "-S", since, "-o", "JobName").stdout.split()
-    assert not [n for n in names if n.startswith("mgpu-doctor-")], names
-    assert set(slurm_cluster.run("squeue", "-h", "-o", "%i").stdout.split()) <= set(before)
+    # Only this doctor's jobs (named ...-<pid>): other tests' probe jobs run and finish in the same window.
+    assert _sacct_states(slurm_cluster, since, pid) == []
+    assert _doctor_jobs(slurm_cluster, pid) == []
