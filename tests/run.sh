@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Set up and run the whole test suite: the README's test command, and what CI runs.
-#   bash tests/run.sh [pytest args...]
+#   bash tests/run.sh                     # everything: mypy, then two pytest lanes side by side (below)
+#   bash tests/run.sh [pytest args...]    # mypy, then one pytest with these args (tests/e2e included unless skipped)
 #   MGPU_SKIP_SLURM=1 bash tests/run.sh [pytest args...]   # no Slurm cluster, tests/e2e not run
 # Creates .venv (torch pinned by constraints.txt to the CPU build), starts the local Slurm test
 # cluster when running as root (slurm/cluster/start.sh installs Debian's slurm-wlm on first use),
-# then runs pytest. Without root the real-Slurm tests skip with the reason; with CI=true they fail,
-# and MGPU_SKIP_SLURM is refused: CI runs everything.
+# runs the type checker (mypy, configured in setup.cfg), then pytest. Without root the real-Slurm tests
+# skip with the reason; with CI=true they fail, and MGPU_SKIP_SLURM is refused: CI runs everything.
+# Without arguments the end-to-end lane (tests/e2e: mostly waiting on Slurm) runs as a second pytest beside
+# the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does.
 # It says what it will install and start before it does any of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,7 +67,27 @@ if [ -n "$cluster" ]; then
 fi
 
 export OMP_NUM_THREADS=1
+echo "tests/run.sh: type checking mgpu/ and jobs/ (mypy)"
+.venv/bin/python -m mypy
 if [ -n "$skip_slurm" ]; then
   exec .venv/bin/python -m pytest --ignore=tests/e2e "$@"
 fi
-exec .venv/bin/python -m pytest "$@"
+if [ $# -gt 0 ]; then
+  exec .venv/bin/python -m pytest "$@"
+fi
+
+# Two lanes at once: the end-to-end tests mostly wait on Slurm while the CPUs idle.
+e2e_log=$(mktemp "${TMPDIR:-/tmp}/mgpu-e2e-lane.XXXXXX")
+.venv/bin/python -m pytest tests/e2e >"$e2e_log" 2>&1 &
+e2e_pid=$!
+trap 'kill "$e2e_pid" 2>/dev/null || true; rm -f "$e2e_log"' EXIT
+echo "tests/run.sh: the end-to-end lane (pytest tests/e2e) runs beside this one; its output follows"
+rc_rest=0
+.venv/bin/python -m pytest --ignore=tests/e2e || rc_rest=$?
+rc_e2e=0
+wait "$e2e_pid" || rc_e2e=$?
+echo
+echo "tests/run.sh: exit status $rc_rest (pytest --ignore=tests/e2e, above) and $rc_e2e (pytest tests/e2e," \
+  "run beside it, below)"
+cat "$e2e_log"
+[ "$rc_rest" = 0 ] && [ "$rc_e2e" = 0 ]

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import ROOT
 
 LOG_STUB = '#!/bin/sh\necho "CALLED {name} $*" | tee -a "{log}"\n'
+# The python stub fails (exit 1) when its arguments end with $FAIL_ON: one lane or mypy failing.
+FAILING = 'case "$*" in *"$FAIL_ON") [ -n "$FAIL_ON" ] && exit 1 ;; esac\nexit 0\n'
 
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
@@ -29,6 +31,8 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
     for path, name in stubs.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         text = LOG_STUB.format(name=name, log=log)
+        if name == "python":
+            text += FAILING
         if name == "start.sh":  # the package list run.sh announces is start.sh's own line
             text += "exit 0\nPKGS=(slurmctld slurmd munge)\n"
         if name == "dpkg-query":
@@ -38,12 +42,13 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
     return repo, log
 
 
-def _run(tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+def _run(tmp_path: Path, args: tuple[str, ...] = ("-q",), **env: str
+         ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     repo, log = _tree(tmp_path)
-    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "MGPU_SKIP_SLURM")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "MGPU_SKIP_SLURM", "FAIL_ON")}
     environ.update(PATH=f"{tmp_path / 'bin'}:{environ.get('PATH', '/usr/bin:/bin')}", **env)
-    result = subprocess.run(["bash", str(repo / "tests" / "run.sh"), "-q"], env=environ, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(["bash", str(repo / "tests" / "run.sh"), *args], env=environ,
+                            capture_output=True, text=True, timeout=60)
     calls = log.read_text().splitlines() if log.exists() else []
     return result, calls
 
@@ -59,16 +64,16 @@ def test_says_what_it_installs_and_starts_first(tmp_path: Path) -> None:
     skip = next(i for i, line in enumerate(out) if "MGPU_SKIP_SLURM=1 bash tests/run.sh" in line)
     first_call = next(i for i, line in enumerate(out) if line.startswith("CALLED"))
     assert max(install, start, skip) < first_call, out  # said before anything ran
-    assert [c.split()[1] for c in calls] == ["python", "start.sh", "python"]
-    assert calls[-1] == "CALLED python -m pytest -q"
+    assert [c.split()[1] for c in calls] == ["python", "start.sh", "python", "python"]
+    assert calls[-2:] == ["CALLED python -m mypy", "CALLED python -m pytest -q"]
 
 
 def test_skip_slurm_starts_no_cluster_and_leaves_out_e2e(tmp_path: Path) -> None:
     result, calls = _run(tmp_path, MGPU_SKIP_SLURM="1")
     assert result.returncode == 0, result.stderr
     assert "MGPU_SKIP_SLURM=1: no Slurm cluster is installed or started; tests/e2e is not run" in result.stdout
-    assert [c.split()[1] for c in calls] == ["python", "python"]  # pip, pytest: no start.sh
-    assert calls[-1] == "CALLED python -m pytest --ignore=tests/e2e -q"
+    assert [c.split()[1] for c in calls] == ["python", "python", "python"]  # pip, mypy, pytest: no start.sh
+    assert calls[-2:] == ["CALLED python -m mypy", "CALLED python -m pytest --ignore=tests/e2e -q"]
 
 
 @pytest.mark.parametrize("env, expect", [
@@ -80,3 +85,24 @@ def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect
     result, calls = _run(tmp_path, **env)
     assert result.returncode == 2 and result.stderr.splitlines() == [f"tests/run.sh: {expect}"]
     assert calls == [] and result.stdout == ""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cluster part of run.sh runs as root only")
+@pytest.mark.parametrize("fail_on, rc", [("", 0), ("pytest tests/e2e", 1), ("--ignore=tests/e2e", 1), ("mypy", 1)])
+def test_without_arguments_two_lanes_run_side_by_side_and_either_fails_it(tmp_path: Path, fail_on: str,
+                                                                           rc: int) -> None:
+    """What CI runs: mypy first (its failure stops the script), then the end-to-end lane and the rest as two
+    pytest processes at once; the script fails if either does, and ends with the end-to-end lane's output."""
+    result, calls = _run(tmp_path, (), FAIL_ON=fail_on)
+    assert result.returncode == rc, result.stdout + result.stderr
+    pytests = sorted(c for c in calls if " -m pytest" in c)
+    if fail_on == "mypy":
+        assert calls[-1] == "CALLED python -m mypy" and not pytests
+        return
+    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e", "CALLED python -m pytest tests/e2e"]
+    out = result.stdout.splitlines()
+    first = 1 if fail_on == "--ignore=tests/e2e" else 0
+    second = 1 if fail_on == "pytest tests/e2e" else 0
+    assert f"tests/run.sh: exit status {first} (pytest --ignore=tests/e2e, above) and {second} (pytest tests/e2e, " \
+           "run beside it, below)" in out, out
+    assert out[-1] == "CALLED python -m pytest tests/e2e"  # the lane's own output comes last
