@@ -581,6 +581,7 @@ def test_case_counts() -> None:
     assert counts == {"submit": 144, "status": 17, "train": 46}, counts
 
 
+@pytest.mark.multiprocess  # `outcomes` runs every case as a process of its own (46 of them import torch)
 @pytest.mark.parametrize("case", [
     pytest.param(case, id=case.id, marks=[pytest.mark.xfail(reason=case.xfail, strict=True)] if case.xfail else [])
     for case in CASES])

@@ -420,6 +420,7 @@ def _phase(directory: Path) -> str:
     return "before best" if not (directory / "best").exists() else "pruning"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_kill_during_save_never_loses_a_complete_checkpoint(tmp_path: Path) -> None:
     trials, expected_write_s = 20, 0.3

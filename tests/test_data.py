@@ -202,6 +202,7 @@ def test_to_device_moves_mappings_of_every_kind_and_every_dataclass_field() -> N
     assert user["input_ids"].device.type == "cpu"  # the batch itself is not changed
 
 
+@pytest.mark.multiprocess
 def test_deterministic_kernels_switch() -> None:
     # In a child: the switch is process-wide. What it sets is what the GPU bit-identity needs (README).
     import subprocess

@@ -341,6 +341,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
+@pytest.mark.multiprocess
 def test_verify_real_runs(runs: dict[str, Path]) -> None:
     same = _status("--verify", str(runs["whole"]), str(runs["stopped"]))
     assert same.returncode == 0, same.stdout + same.stderr
@@ -359,6 +360,7 @@ def test_verify_real_runs(runs: dict[str, Path]) -> None:
     (["{whole}", "--plot", "/nonexistent/x.png"], "--plot '/nonexistent/x.png': no such directory '/nonexistent'"),
     ([], "the following arguments are required: RUN_DIR_OR_JOB_ID"),
 ])
+@pytest.mark.multiprocess
 def test_status_bad_input(runs: dict[str, Path], args: list[str], expect: str) -> None:
     names = {k: str(v) for k, v in runs.items()} | {"root": str(runs["whole"].parent)}
     result = _status(*(a.format(**names) for a in args))
@@ -367,6 +369,7 @@ def test_status_bad_input(runs: dict[str, Path], args: list[str], expect: str) -
     assert result.stdout == ""
 
 
+@pytest.mark.multiprocess
 def test_verify_without_fingerprints(tmp_path: Path, runs: dict[str, Path]) -> None:
     old = tmp_path / "old"
     old.mkdir()
@@ -375,6 +378,7 @@ def test_verify_without_fingerprints(tmp_path: Path, runs: dict[str, Path]) -> N
     assert result.returncode == 2 and "no fingerprints in its ledger" in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_status_goodput_and_timeline_png(runs: dict[str, Path], tmp_path: Path) -> None:
     png = tmp_path / "timeline.png"
     result = _status(str(runs["stopped"]), "--plot", str(png))

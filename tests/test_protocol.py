@@ -122,6 +122,7 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+@pytest.mark.multiprocess
 def test_requeue_budget_is_honoured(tmp_path: Path) -> None:
     env = slurm_env(tmp_path, SLURM_RESTART_COUNT="3", MGPU_MAX_REQUEUES="2")
     result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask"], env=env,
@@ -132,6 +133,7 @@ def test_requeue_budget_is_honoured(tmp_path: Path) -> None:
     assert read_ledger(tmp_path / "events.jsonl")[-1]["event"] == "failed"
 
 
+@pytest.mark.multiprocess
 def test_missing_scontrol_after_a_stop_is_a_clear_error(tmp_path: Path) -> None:
     # A container without Slurm's client commands: only the venv's programs on PATH.
     env = slurm_env(tmp_path, PATH=str(Path(PYTHON).parent))
@@ -144,6 +146,7 @@ def test_missing_scontrol_after_a_stop_is_a_clear_error(tmp_path: Path) -> None:
     assert CheckpointStore(tmp_path / "checkpoints").latest().step == 2  # the checkpoint is kept
 
 
+@pytest.mark.multiprocess
 def test_a_foreign_slurm_job_id_is_never_asked_about(tmp_path: Path) -> None:
     # SLURM_JOB_ID left in a shell from another job (no slurmstepd above us, a task pid that is not ours):
     # the stop must not query or requeue that job. No scontrol on PATH: asking would fail loudly.
@@ -157,6 +160,7 @@ def test_a_foreign_slurm_job_id_is_never_asked_about(tmp_path: Path) -> None:
     assert (decision["what"], decision["requeue"]) == ("not_slurm", False)
 
 
+@pytest.mark.multiprocess
 def test_a_bug_in_the_task_keeps_its_traceback_under_one_line_that_says_what_now(tmp_path: Path) -> None:
     result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.e2e.jobtasks:BuggyBlobTask",
                              "task.args.fail_after=2", "task.args.step_s=0", "log.tensorboard=false"],
@@ -169,6 +173,7 @@ def test_a_bug_in_the_task_keeps_its_traceback_under_one_line_that_says_what_now
                         lines[-1]), lines[-1]
 
 
+@pytest.mark.multiprocess
 def test_a_slurm_jobs_bug_says_it_will_be_requeued(tmp_path: Path) -> None:
     env = slurm_env(tmp_path, MGPU_MAX_FAILURES="2", MGPU_RECOVERY="batch")  # the batch script requeues it
     result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.e2e.jobtasks:BuggyBlobTask",
@@ -180,6 +185,7 @@ def test_a_slurm_jobs_bug_says_it_will_be_requeued(tmp_path: Path) -> None:
         "was cancelled")
 
 
+@pytest.mark.multiprocess
 def test_a_state_a_resume_could_not_load_fails_at_the_first_save(tmp_path: Path) -> None:
     # Days of training would otherwise save it fine and fail only at the first resume.
     result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:UnloadableStateTask",

@@ -93,6 +93,7 @@ def test_stop_requeues_subtract_only_the_failures_that_requeued() -> None:
     assert stop_requeues(MIXED, "7", 0) == 0 and stop_requeues([], None, 2) == 2
 
 
+@pytest.mark.multiprocess
 def test_in_place_restarts_do_not_buy_extra_stop_requeues(tmp_path: Path) -> None:
     """A job at restart 4 with MGPU_MAX_REQUEUES=2 whose ledger shows one failure requeue and two in-place
     restarts has made 3 stop requeues: over its budget, it must not train (it did: 4 - 3 = 1 was counted)."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT, base_env
 
 START_PATH = """
@@ -23,6 +25,7 @@ print(sorted(m for m in sys.modules if m.startswith("torch.distributed.optim")))
 """
 
 
+@pytest.mark.multiprocess
 def test_the_start_path_does_not_import_torch_distributed_optim() -> None:
     """torch.distributed.optim (ZeRO) brings FSDP, DTensor and sympy: about a second of every start, paid by
     every rank at every requeue. It is imported only where optim.zero shards the optimizer."""

@@ -122,6 +122,7 @@ def test_world_size_change_sees_every_sample_once(before: int, after: int, tmp_p
     assert final_state(tmp_path / "run")["world_size"] == after
 
 
+@pytest.mark.multiprocess
 def test_corrupted_latest_falls_back_to_previous(tmp_path: Path) -> None:
     run = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=8", "checkpoint.keep_last=5"]
     assert train(tmp_path, *run).returncode == 0
@@ -141,6 +142,7 @@ def test_corrupted_latest_falls_back_to_previous(tmp_path: Path) -> None:
     assert final_state(tmp_path)["progress"]["step"] == 15
 
 
+@pytest.mark.multiprocess
 def test_truncated_latest_falls_back_to_previous(tmp_path: Path) -> None:
     run = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=8"]
     assert train(tmp_path, *run).returncode == 0
@@ -152,11 +154,13 @@ def test_truncated_latest_falls_back_to_previous(tmp_path: Path) -> None:
     assert resumed[-1]["step"] == 5
 
 
+@pytest.mark.multiprocess
 def test_one_sample_batch_norm_batch_is_refused_up_front(tmp_path: Path) -> None:
     result = train(tmp_path, "task.target=tests.tasks:BlobTask", "data.batch_size=3")  # 40 = 13 * 3 + 1
     assert result.returncode == 2 and "one-sample batch" in result.stdout, result.stdout
 
 
+@pytest.mark.multiprocess
 def test_unsafe_config_change_on_resume_is_refused(tmp_path: Path) -> None:
     run = ["task.target=tests.tasks:BlobTask", "train.epochs=1", "data.batch_size=8"]
     assert train(tmp_path, *run).returncode == 0
@@ -170,6 +174,7 @@ def test_unsafe_config_change_on_resume_is_refused(tmp_path: Path) -> None:
     assert (tmp_path / "config.yaml").read_text() == config  # the refused run did not overwrite it (D11)
 
 
+@pytest.mark.multiprocess
 def test_tensorboard_curve_never_overlaps_across_a_resume(tmp_path: Path) -> None:
     run = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.05", "train.epochs=2", "data.batch_size=2",
            "log.every_steps=1", "checkpoint.every_steps=4", "checkpoint.async_save=false"]
@@ -213,6 +218,7 @@ MALFORMED = [
 ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("text, overrides, message", MALFORMED)
 def test_malformed_config_fails_in_one_line_before_any_group(text: str, overrides: list[str], message: str,
                                                              tmp_path: Path) -> None:
@@ -227,6 +233,7 @@ def test_malformed_config_fails_in_one_line_before_any_group(text: str, override
     assert not run_dir.exists(), "something was created before the config was validated"
 
 
+@pytest.mark.multiprocess
 def test_missing_config_file(tmp_path: Path) -> None:
     result = subprocess.run([PYTHON, TRAIN, "--config", str(tmp_path / "nope.yaml")], env=base_env(), cwd=ROOT,
                             capture_output=True, text=True, timeout=60)
