@@ -73,12 +73,16 @@ def test_submit_local_stops_saves_exits_3_and_resumes(how: str, tmp_path: Path) 
     (preempted,) = [e for e in events if e["event"] == "preempted"]
     saved = {e["step"] for e in events if e["event"] == "checkpoint_saved"}
     assert preempted["step"] in saved and preempted["reasons"] == (["interrupt"] if how == "ctrl-c" else ["sigterm"])
-    again = subprocess.run([PYTHON, *args], cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=600)
+    # The same command resumes; it ends 2 steps later (what follows is ~140 sleep-paced steps nobody checks).
+    again = subprocess.run([PYTHON, *args, f"train.max_steps={preempted['step'] + 2}"], cwd=ROOT, env=base_env(),
+                           capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resumes from its checkpoint at step {preempted['step']}" in again.stdout
     resumed = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
     assert [e["step"] for e in resumed] == [preempted["step"]]
     assert resumed[0]["epoch"] >= 0 and resumed[0]["position"] >= 0  # where in the data (jobs/status.py, tests)
+    (finished,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "finished"]
+    assert finished["step"] == preempted["step"] + 2
 
 
 def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:
