@@ -40,8 +40,9 @@ def test_the_first_ctrl_c_is_a_stop_the_second_interrupts() -> None:
         signal.signal(signal.SIGINT, before)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("every, flag_at, stop_at, change", [
+# (every, flag_at, stop_at, change): the agreement interval, the step rank 1 raises its flag at, the step both
+# ranks must stop at, and (new interval, from step) when the interval changes.
+SCHEDULES = [
     (1, 7, 8, ()),     # every step: shared at the next boundary, read one step later
     (5, 7, 11, ()),    # started at step 10 (a multiple of 5), read at 11
     (5, 10, 11, ()),   # raised just before the start at 10
@@ -51,13 +52,25 @@ def test_the_first_ctrl_c_is_a_stop_the_second_interrupts() -> None:
     # so a flag raised at 13 waited for the start at 24: 12 steps); the flag goes out at 16, read at 17.
     (4, 13, 17, (8, 13)),
     (8, 9, 13, (4, 9)),  # shrinking: the start at 12 (a multiple of 4), read at 13
-])
-def test_every_rank_stops_at_the_same_step(every: int, flag_at: int, stop_at: int, change: tuple[int, ...],
-                                           tmp_path: Path) -> None:
+]
+
+
+@pytest.fixture(scope="module")
+def agreement_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every schedule in turn on one real 2-rank gloo group: one torchrun launch, not one per schedule."""
+    out = tmp_path_factory.mktemp("agreement")
+    schedules = [",".join(map(str, (every, flag_at, *change))) for every, flag_at, _, change in SCHEDULES]
     cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 32000)),
-           str(ROOT / "tests" / "agreement_steps.py"), str(every), str(flag_at), str(tmp_path),
-           *map(str, change)]
-    proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+           str(ROOT / "tests" / "agreement_steps.py"), str(out), *schedules]
+    proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("index", range(len(SCHEDULES)),
+                         ids=[f"every{e}-flag{f}" + (f"-then{c[0]}from{c[1]}" if c else "") for e, f, _, c in SCHEDULES])
+def test_every_rank_stops_at_the_same_step(index: int, agreement_runs: Path) -> None:
+    stop_at = SCHEDULES[index][2]
+    results = [json.loads((agreement_runs / f"{index}-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert results == [{"rank": r, "step": stop_at, "reasons": ["requeue_signal"]} for r in (0, 1)]
