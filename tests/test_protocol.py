@@ -36,6 +36,14 @@ def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
     raise AssertionError(f"rank {rank} never logged its pid in {log}")
 
 
+def trained(run_dir: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+    """Wait until the ranks have trained a step (its progress event is in the ledger)."""
+    deadline = time.monotonic() + timeout
+    while not [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "progress"]:
+        assert proc.poll() is None and time.monotonic() < deadline, "no step trained"
+        time.sleep(0.05)
+
+
 def stop_steps(run_dir: Path, world: int) -> list[int]:
     steps = []
     for rank in range(world):
@@ -68,7 +76,7 @@ def test_signal_to_one_rank_stops_all_at_the_same_step(signame: str, tmp_path: P
     proc = start_torchrun(tmp_path, *SLOW)
     try:
         pid = rank_pid(tmp_path, 1)
-        time.sleep(1.0)
+        trained(tmp_path, proc)  # mid-training, not during start-up: no fixed sleep
         os.kill(pid, getattr(signal, signame))
         out = finish(proc)
     finally:
