@@ -4,6 +4,10 @@
 running afterwards -- unless MGPU_SLURM_STOP_AFTER=1, then stop.sh runs at session end. When the
 cluster cannot be started the tests SKIP with the reason, or FAIL when CI=true.
 
+`references` (session): the uninterrupted runs of job_helpers.SLOW on 2 ranks and SLOW4 on 4 (torchrun on
+this machine, started in the background at first use), `references[world].state()`; test_jobs and test_hangs
+compare with the same 2-rank run instead of training it twice.
+
 `slurm_policy` (function): `slurm_policy(grace=10, user_signal=True)` switches the preemption
 policy via policy.sh; the default -- GraceTime=0 on partition main, preempt_send_user_signal ON --
 is restored after the test.
@@ -20,9 +24,12 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import pytest
+
+if TYPE_CHECKING:
+    from job_helpers import Reference
 
 E2E = Path(__file__).resolve().parent
 CLUSTER = E2E.parent.parent / "slurm" / "cluster"
@@ -113,3 +120,17 @@ def slurm_policy(slurm_cluster: SlurmCluster) -> Iterator[Callable[..., str]]:
     yield set_policy
     if changed:
         slurm_cluster.policy(DEFAULT_GRACE, DEFAULT_USER_SIGNAL)
+
+
+@pytest.fixture(scope="session")
+def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Reference]]:
+    from job_helpers import SLOW, SLOW4, Reference
+
+    base = tmp_path_factory.mktemp("reference")
+    refs = {2: Reference(base / "world2", 2, SLOW)}
+    refs[4] = Reference(base / "world4", 4, SLOW4)
+    try:
+        yield refs
+    finally:
+        for ref in refs.values():
+            ref.close()

@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import pytest
 from job_helpers import (ALL_CPUS, SLOW, SLOW_STEPS, TWO_RANKS, Reference, assert_same_training, cancel, events,
@@ -34,12 +34,9 @@ def hanging(tmp_path: Path, mode: str, rank: int, at: int = 6) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
-    ref = Reference(tmp_path_factory.mktemp("hang-reference") / "run", 2, SLOW)
-    try:
-        yield ref
-    finally:
-        ref.close()
+def reference(references: dict[int, Reference]) -> Reference:
+    """SLOW on 2 ranks, uninterrupted: the session's run (tests/e2e/conftest.py), shared with test_jobs."""
+    return references[2]
 
 
 def the_hang(run_dir: Path) -> dict:

@@ -17,7 +17,7 @@ import re
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING, Callable
 
 import pytest
 from job_helpers import (BLOB, SLOW, SLOW_STEPS, SLOW4, TWO_RANKS, FOUR_RANKS, ALL_CPUS, KILL_WAIT_S, submit, submit_one, preempt, cancel, job_output, events, wait_steps, mid_epoch, checkpoint_state, assert_same_training, assert_resumed_where_stopped, rank_record, assert_placement, Reference)
@@ -31,16 +31,7 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slurm
 
 
-@pytest.fixture(scope="module")
-def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Reference]]:
-    base = tmp_path_factory.mktemp("reference")
-    refs = {2: Reference(base / "world2", 2, SLOW)}
-    refs[4] = Reference(base / "world4", 4, SLOW4)
-    try:
-        yield refs
-    finally:
-        for ref in refs.values():
-            ref.close()
+# `references` (the uninterrupted runs to compare with): tests/e2e/conftest.py, shared with test_hangs.
 
 
 @pytest.fixture(autouse=True)
