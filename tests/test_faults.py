@@ -190,7 +190,9 @@ def augmented_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return CheckpointStore(run_dir / "checkpoints").latest().state
 
 
-@pytest.mark.parametrize("stop_at", [2, 5])  # mid-epoch 0; mid-epoch 1 (7 steps per epoch)
+# Mid-epoch 1 (7 steps per epoch): the workers' per-sample draws of a later epoch, after an epoch boundary.
+# (A mid-epoch-0 stop with workers: test_own_loop's mid-epoch case and the fault matrix's w2 scenarios.)
+@pytest.mark.parametrize("stop_at", [5])
 def test_augmentation_in_workers_resumes_bit_identically(stop_at: int, augmented_reference: dict,
                                                          tmp_path: Path) -> None:
     from tests.test_trainer import assert_identical
