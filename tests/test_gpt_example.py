@@ -107,6 +107,7 @@ def test_task_token_file_errors(tmp_path: Path) -> None:
     assert task.meta["num_tokens"] > 200_000 and (tmp_path / "made" / "stdlib.json").is_file()
 
 
+@pytest.mark.multiprocess
 def test_train_gpt_config_tiny(tmp_path: Path) -> None:
     path = tiny_tokens(tmp_path)
     result = run("jobs/train.py", "--config", "jobs/configs/gpt.yaml", f"task.args.tokens={path}",
