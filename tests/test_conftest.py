@@ -7,6 +7,7 @@ import pytest
 from tests.conftest import ROOT
 
 
+@pytest.mark.multiprocess  # each case is a pytest run of its own (the conftest imports torch)
 @pytest.mark.parametrize("body, message", [
     ("import os; os.environ['MGPU_LEAK'] = '1'", "environment variables leaked"),
     ("import subprocess; subprocess.Popen(['sleep', '30'])", "child processes left running"),
