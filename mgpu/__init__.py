@@ -11,7 +11,7 @@ This package's top level imports nothing heavy: the submission path must not imp
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Session", "load_model", "spawn"]
+__all__ = ["Config", "Session", "State", "load_model", "spawn"]
 
 
 def __getattr__(name: str) -> Any:
@@ -27,6 +27,10 @@ def __getattr__(name: str) -> Any:
         from mgpu.session import Session
 
         return Session
+    if name == "State":
+        from mgpu.train_state import State
+
+        return State
     if name == "Config":
         from mgpu.config import Config
 

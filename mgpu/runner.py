@@ -21,9 +21,24 @@ from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.rundir import RunDir, RunInUse
 
-__all__ = ["claim", "discard", "first_missing", "record_rank", "setup_logging", "start_watchdog"]
+__all__ = ["claim", "discard", "first_missing", "prepare_run_dir", "record_rank", "setup_logging", "start_watchdog"]
 
 log = logging.getLogger("mgpu.train")
+
+
+def prepare_run_dir(run: RunDir) -> Path | None:
+    """Create the run directory (and its logs); returns what this attempt created (removed if it never trains).
+    MgpuError, in one line, for a path that is a file or a directory that cannot be created."""
+    for path in (run.path, run.checkpoints, run.tensorboard):
+        if path.exists() and not path.is_dir():
+            raise MgpuError(f"{path} is a file, not a directory: move it away, or start another run (run.name=...)")
+    created = first_missing(run.path)
+    try:
+        run.logs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MgpuError(f"run directory {run.path}: cannot create it ({error.strerror}): set run.root "
+                        f"(or jobs/submit.py --folder) to a writable directory") from None
+    return created
 
 
 def setup_logging(run: RunDir, rank: int) -> None:
