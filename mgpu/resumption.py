@@ -1,25 +1,33 @@
-"""What a resume says, and what it refuses: the one line for every resume (where, from which checkpoint, on
-how many ranks and what that changed), the note on a finished run run again, and the refusal to save over a
-run's checkpoints that the session did not load. Pure text and file checks; no torch.
+"""A session's way back: find the run's newest checkpoint, put it into the loop's state, say so in one line, and
+refuse what would silently go wrong. The one line for every resume (where, from which checkpoint, on how many
+ranks and what that changed), the note on a finished run run again, the refusal to save over a run's
+checkpoints that the session did not load, and `fresh=True`'s setting aside. No torch at import.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, MutableMapping
 
 from mgpu.errors import MgpuError
+from mgpu.ledger import Ledger
+from mgpu.rundir import RunDir
 
-__all__ = ["batch_size_of", "finished_note", "resume_line", "set_aside", "unloaded_checkpoint"]
+__all__ = ["Resumption", "batch_size_of", "finished_note", "resume_line", "set_aside", "unloaded_checkpoint"]
+
+log = logging.getLogger("mgpu.train")
+UNSEEN = object()
+"""`Resumption.found` before anyone looked."""
 
 
 def batch_size_of(state: Mapping[str, Any]) -> int | None:
     """The per-rank batch size of the state's `session.loader` (None: no such loader)."""
     for value in state.values():
-        plan = getattr(value, "plan", None)
-        if isinstance(getattr(plan, "batch_size", None), int):
-            return int(plan.batch_size)
+        size = getattr(getattr(value, "plan", None), "batch_size", None)
+        if isinstance(size, int):
+            return size
     return None
 
 
@@ -64,3 +72,69 @@ def set_aside(checkpoints: Path) -> Path | None:
     target = checkpoints.with_name(f"{checkpoints.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
     checkpoints.rename(target)
     return target
+
+
+class Resumption:
+    """One rank's resume: what it found (`found`, looked up once), where it resumed (`step`, `path`, `at`)."""
+
+    def __init__(self, run: RunDir, rank: int, world_size: int, seed: int, ledger: Ledger,
+                 checkpointer: Callable[[], Any]) -> None:
+        self.run, self.rank, self.world_size, self.seed, self.ledger = run, rank, world_size, seed, ledger
+        self.checkpointer = checkpointer
+        self.found: Any = UNSEEN
+        self.step = 0
+        self.path: Path | None = None
+        self.skipped: list[tuple[str, str]] = []
+        self.at: dict[str, int] = {}
+        """The epoch and position in the data it resumes at, when the state says (a Progress, a loader)."""
+
+    @property
+    def looked(self) -> bool:
+        return self.found is not UNSEEN
+
+    def latest(self) -> Any:
+        """*Collective.* The newest valid checkpoint (a LoadedCheckpoint), or None; found once."""
+        if self.found is UNSEEN:
+            self.found = self.checkpointer().find_latest()
+        return self.found
+
+    def restore(self, state: MutableMapping[str, Any], missing_ok: set[str], batch_size: int | None) -> Any:
+        """Put the found checkpoint into `state` (mgpu.train_state.restore_state) and say where it resumes."""
+        from mgpu.train_state import restore_state
+
+        loaded = self.latest()
+        if loaded is None:
+            return None
+        restore_state(loaded.state, state, self.rank, self.seed, missing_ok)
+        self.step, self.path = loaded.step, loaded.path
+        self.skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
+        self.at = next(({"epoch": value.epoch, "position": value.position} for value in state.values()
+                        if isinstance(getattr(value, "epoch", None), int)
+                        and isinstance(getattr(value, "position", None), int)), {})
+        if self.rank == 0:
+            log.info("%s", resume_line(loaded.step, self.at, loaded.path, self.world_size,
+                                       loaded.state.get("world_size"), batch_size or batch_size_of(state)))
+            if (note := finished_note(loaded.meta, loaded.step, self.run.path)) is not None:
+                log.warning("%s", note)
+        return loaded
+
+    def start_over(self) -> None:
+        """*Collective.* `load(fresh=True)`: rank 0 sets the run's checkpoints aside, every rank waits for it."""
+        from mgpu.distributed import broadcast_object
+
+        moved = set_aside(self.run.checkpoints) if self.rank == 0 else None
+        broadcast_object(None)
+        self.found = None
+        if moved is not None:
+            log.warning("starting run %s over: its checkpoints are kept in %s", self.run.path, moved)
+            self.ledger.write("fresh_start", set_aside=str(moved))
+
+    def refuse_unloaded(self) -> None:
+        """*Collective.* A first save without a look at the run's checkpoints: MgpuError on every rank where it
+        would replace them."""
+        from mgpu.distributed import broadcast_object
+
+        steps = self.checkpointer().store.list_steps() if self.rank == 0 else None
+        newest = broadcast_object(steps[-1] if steps else None)
+        self.found = None
+        unloaded_checkpoint(newest, self.run.path)

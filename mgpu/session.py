@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import gc
 import logging
 import os
 import sys
@@ -47,8 +46,10 @@ from mgpu.ledger import Ledger
 from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, exit_code, resume_command
 from mgpu.preemption import install_stop_request, uninstall_stop_request
 from mgpu.recovery import Limits, handle_failure
+from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import claim, discard, prepare_run_dir, record_rank, setup_logging, start_watchdog
+from mgpu.runner import (claim, discard, no_beat, prepare_run_dir, process_start, record_rank, release_ddp,
+                         setup_logging, start_watchdog)
 from mgpu.slurm_job import owns_slurm_job
 
 if TYPE_CHECKING:
@@ -65,22 +66,6 @@ if TYPE_CHECKING:
 __all__ = ["Session"]
 
 log = logging.getLogger("mgpu.train")
-_UNSEEN = object()  # latest() not asked yet
-
-
-def _no_beat(phase: str, step: int | None = None) -> None:
-    """Without a watchdog, progress is not recorded."""
-
-
-def _process_start() -> float:
-    """This process's start (Unix time), from /proc (Linux); now, where it cannot be read."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
 
 
 class Session:
@@ -101,7 +86,7 @@ class Session:
         if config is not None and not isinstance(config, Config):
             raise MgpuError(f"Session(config=...) takes a mgpu.Config, got a {type(config).__name__}: "
                             f"mgpu.config_from_dict(...) or mgpu.load_config(path, overrides) makes one")
-        self.timings: dict[str, float] = {"process": _process_start(), "session": time.time()}
+        self.timings: dict[str, float] = {"process": process_start(), "session": time.time()}
         """Unix times of this process's way to its first step (the ledger's `first_step` event has rank 0's)."""
         cfg = copy.deepcopy(config) if config is not None else Config()
         if run_dir is not None:
@@ -120,19 +105,15 @@ class Session:
         self._began = self._finished = False
         self._ended = False  # the run's outcome is recorded: a hang in the teardown after it is not a failure
         self.watchdog: Watchdog | None = None
-        self.beat: Callable[..., None] = _no_beat
+        self.beat: Callable[..., None] = no_beat
         self.stopper: StopController | None = None
         self._checkpointer: Any = None
-        self._found: Any = _UNSEEN  # what latest() found (None: a new run)
         self._ddps: list[weakref.ref[Any]] = []
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
         self.step = 0
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
         self.resume_step = 0
         """The step this process started from (0 for a new run)."""
-        self.resumed_from: Path | None = None
-        self.resume_skipped: list[tuple[str, str]] = []
-        self._resumed_at: dict[str, int] = {}  # epoch and position in the data, when the state says
         self._by_batch = recovery_by_batch_script
         try:
             self._start(env)
@@ -156,6 +137,8 @@ class Session:
         self.budgets.refuse_if_spent(self.run, self.env)
         self.ledger = Ledger(self.run.ledger if self.is_main else None, self.env.job_id, self.env.restart_count)
         self.started = time.time()
+        self.resumption = Resumption(self.run, self.rank, self.world_size, cfg.train.seed, self.ledger,
+                                     lambda: self.checkpointer)
 
         from mgpu.distributed import process_group
         from mgpu.preemption import StopAgreement
@@ -167,7 +150,7 @@ class Session:
         ctx = self._cleanup.enter_context(process_group(
             self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
-        self._cleanup.callback(self._release_ddp)  # runs before the group's teardown (reverse order)
+        self._cleanup.callback(lambda: release_ddp(self._ddps))  # before the group's teardown (reverse order)
         self.timings["group"] = time.time()
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
@@ -344,15 +327,13 @@ class Session:
         """*Collective.* The run's newest checkpoint that verifies (rank 0 checks it), loaded memory-mapped
         on every rank; None for a new run. A look before `load()` (the trainer reads its progress to size
         its schedule): `load()` restores this one."""
-        if self._found is _UNSEEN:
-            self.timings["find"] = time.time()
-            self._found = self.checkpointer.find_latest()
-            self.timings["loaded"] = time.time()
-        return self._found  # type: ignore[no-any-return]
+        self.timings.setdefault("find", time.time())
+        found = self.resumption.latest()
+        self.timings.setdefault("loaded", time.time())
+        return found  # type: ignore[no-any-return]
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
-             override: Mapping[str, Any] | None = None, fresh: bool = False,
-             batch_size: int | None = None) -> State:
+             override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None) -> State:
         """*Collective.* Resume `state` from the run's newest checkpoint, if it has one, and return it as a
         `mgpu.State` (the same mapping; its values also as attributes: `state.best`). Objects with
         `load_state_dict` (model, optimizer, scheduler, scaler, loader, ...) load theirs, dataclasses get
@@ -372,58 +353,30 @@ class Session:
                             f"value), got a {type(state).__name__}")
         check_checkpointable(state)
         if fresh:
-            self._start_over()
-        loaded = self.latest()
+            self.resumption.start_over()
+        self.latest()
+        before = hparams.constructed(state)
+        loaded = self.resumption.restore(state, set(missing_ok), batch_size)
         if loaded is not None:
-            before = hparams.constructed(state)
-            self._restore(loaded, state, set(missing_ok), batch_size)
-            if self.is_main:
-                for line in hparams.overridden_by_checkpoint(before, state, override or {}):
-                    log.warning("%s (to change it on purpose: load(state, override={...}))", line)
+            self.timings["restored"] = time.time()
+            self.step = self.resume_step = loaded.step
+            for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
+                if (ddp := ref()) is not None:
+                    ddp.replay_after(loaded.step)
+            for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
+                log.warning("%s (to change it on purpose: load(state, override={...}))", line)
         changes = hparams.apply(state, override or {})
         self._state = state
         self.begin()
         if changes:
             self.ledger.write("hyperparameters", step=self.step, changes=changes)
-            if self.is_main:
-                log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
+            log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
         return state if isinstance(state, State) else State(state)
 
-    def _restore(self, loaded: LoadedCheckpoint, state: MutableMapping[str, Any], missing_ok: set[str],
-                 batch_size: int | None) -> None:
-        from mgpu.resumption import batch_size_of, finished_note, resume_line
-        from mgpu.train_state import restore_state
-
-        restore_state(loaded.state, state, self.rank, self.cfg.train.seed, missing_ok)
-        self.timings["restored"] = time.time()
-        self.step = self.resume_step = loaded.step
-        for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
-            if (ddp := ref()) is not None:
-                ddp.replay_after(loaded.step)
-        self.resumed_from = loaded.path
-        self.resume_skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
-        # Where in the data it resumes, for the ledger: the trainer's Progress or a loop's loader.
-        self._resumed_at = next(({"epoch": value.epoch, "position": value.position} for value in state.values()
-                                 if isinstance(getattr(value, "epoch", None), int)
-                                 and isinstance(getattr(value, "position", None), int)), {})
-        if self.is_main:
-            saved_world = loaded.state.get("world_size")
-            log.info("%s", resume_line(loaded.step, self._resumed_at, loaded.path, self.world_size, saved_world,
-                                       batch_size or batch_size_of(state)))
-            if (note := finished_note(loaded.meta, loaded.step, self.run.path)) is not None:
-                log.warning("%s", note)
-
-    def _start_over(self) -> None:
-        """`load(fresh=True)`: the run's checkpoints set aside by rank 0, every rank after it."""
-        from mgpu.distributed import broadcast_object
-        from mgpu.resumption import set_aside
-
-        moved = set_aside(self.run.checkpoints) if self.is_main else None
-        broadcast_object(None)  # every rank waits for the move
-        self._found = None
-        if moved is not None:
-            log.warning("starting run %s over: its checkpoints are kept in %s", self.run.path, moved)
-            self.ledger.write("fresh_start", set_aside=str(moved))
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this process resumed from (None: a new run)."""
+        return self.resumption.path
 
     def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None, *, best: bool = False,
              wait: bool = False, reason: str | None = None, meta: dict[str, Any] | None = None) -> Path | None:
@@ -440,8 +393,8 @@ class Session:
             raise MgpuError("Session.save(): nothing to save: pass the state (or load() it first)")
         if not (callable(state) or isinstance(state, Mapping)):
             raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
-        if self._found is _UNSEEN:
-            self._refuse_unloaded()
+        if not self.resumption.looked:
+            self.resumption.refuse_unloaded()
             check_checkpointable(state() if callable(state) else state)
         self._state = state
         self.begin()
@@ -449,16 +402,6 @@ class Session:
         return self.checkpointer.save(lambda: gather_state(objects, self.version), self.step,
                                       reason or ("best" if best else "periodic"), is_best=best, wait=wait,
                                       extra=meta)
-
-    def _refuse_unloaded(self) -> None:
-        """A first save without `load()`: refused (on every rank) where it would replace the run's checkpoints."""
-        from mgpu.distributed import broadcast_object
-        from mgpu.resumption import unloaded_checkpoint
-
-        steps = self.checkpointer.store.list_steps() if self.is_main else None
-        newest = broadcast_object(steps[-1] if steps else None)
-        self._found = None
-        unloaded_checkpoint(newest, self.run.path)
 
     @property
     def version(self) -> str | None:
@@ -482,8 +425,8 @@ class Session:
                                                               "max_failures": self.limits.max_failures},
                           **{"config_path": self.config_path, "git_sha": self.version, **fields})
         if self.resumed_from is not None:
-            self.ledger.write("resumed", step=self.step, **self._resumed_at, **{"from": str(self.resumed_from)},
-                              skipped=self.resume_skipped)
+            self.ledger.write("resumed", step=self.step, **self.resumption.at, **{"from": str(self.resumed_from)},
+                              skipped=self.resumption.skipped)
 
     def finish(self) -> None:
         """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)
@@ -561,16 +504,6 @@ class Session:
         from mgpu.watchdog import HANG_EXIT_CODE
 
         self.watchdog.teardown(exit_code=0 if self._ended else HANG_EXIT_CODE)
-
-    def _release_ddp(self) -> None:
-        # DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo
-        # thread that waits for the GIL the destructor holds (an intermittent hang at exit).
-        for ref in self._ddps:
-            ddp = ref()
-            if ddp is not None:
-                ddp.__dict__.pop("reducer", None)
-                ddp.__dict__.pop("logger", None)
-        gc.collect()
 
     def _discard_if_unused(self, error: BaseException) -> None:
         """Bad input found before the run began leaves no trace of this attempt."""

@@ -23,7 +23,8 @@ log = logging.getLogger("mgpu.train")
 
 
 class Flags(Protocol):
-    pending: bool
+    @property
+    def pending(self) -> bool: ...
 
     def request(self, reason: str) -> None: ...
 
@@ -38,7 +39,9 @@ class Agreement(Protocol):
 
 class Clock(Protocol):
     end: float | None
-    limit_s: float | None
+
+    @property
+    def limit_s(self) -> float | None: ...
 
     def too_close(self, now: float, needed_s: float) -> bool: ...
 
