@@ -141,7 +141,6 @@ class Session:
                                      lambda: self.checkpointer)
 
         from mgpu.distributed import process_group
-        from mgpu.preemption import StopAgreement
         from mgpu.rng import seed_everything, use_deterministic_kernels
         from mgpu.stopping import StopController
 
@@ -163,17 +162,9 @@ class Session:
             self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
             self._cleanup.callback(self._arm_teardown)
             self.beat = self.watchdog.beat
-        agreement = StopAgreement(self.stop)
-        self._cleanup.callback(agreement.drain)
-        clock = None
-        if self.is_main and self.slurm_job and cfg.preemption.deadline_margin_s > 0:
-            from mgpu.deadline import JobClock
-
-            clock = JobClock(self.slurm_job).start()
-            self._cleanup.callback(clock.stop)
-        self.stopper = StopController(
-            self.stop, agreement, clock=clock, check_every=cfg.preemption.check_every_steps,
-            stop_at_step=self.stop_at_step, margin_s=cfg.preemption.deadline_margin_s,
+        self.stopper = StopController.for_rank(
+            self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
+            stop_at_step=self.stop_at_step,
             longest_write_s=lambda: self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0)
         use_deterministic_kernels(cfg.train.deterministic)
         seed_everything(cfg.train.seed + self.rank)

@@ -11,9 +11,10 @@ acts on what it answers. No torch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from mgpu.deadline import time_needed
 
@@ -67,6 +68,24 @@ class StopController:
         self.step_times: collections.deque[float] = collections.deque(maxlen=20)
         self._last_step_at: float | None = None
         self._said_too_short = False
+
+    @classmethod
+    def for_rank(cls, flags: Any, preemption: Any, cleanup: contextlib.ExitStack, *, slurm_job: str | None,
+                 stop_at_step: int | None, longest_write_s: Callable[[], float]) -> "StopController":
+        """*Collective* (the agreement's side group): the real parts for one rank of a run, their teardown in
+        `cleanup`. `preemption`: the config's section; `slurm_job`: rank 0's own Slurm job (its clock), else None."""
+        from mgpu.preemption import StopAgreement
+
+        agreement = StopAgreement(flags)
+        cleanup.callback(agreement.drain)
+        clock = None
+        if slurm_job and preemption.deadline_margin_s > 0:
+            from mgpu.deadline import JobClock
+
+            clock = JobClock(slurm_job).start()
+            cleanup.callback(clock.stop)
+        return cls(flags, agreement, clock=clock, check_every=preemption.check_every_steps, stop_at_step=stop_at_step,
+                   margin_s=preemption.deadline_margin_s, longest_write_s=longest_write_s)
 
     @property
     def agreed(self) -> bool:
