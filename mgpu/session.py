@@ -109,6 +109,7 @@ class Session:
         self.stopper: StopController | None = None
         self._checkpointer: Any = None
         self._ddps: list[weakref.ref[Any]] = []
+        self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
         self.step = 0
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
@@ -179,15 +180,17 @@ class Session:
 
         from mgpu.ddp import wrap
 
-        if isinstance(model, DistributedDataParallel) or any(ref() is model for ref in self._ddps):
-            raise MgpuError("Session.wrap(): the model is in DistributedDataParallel already (wrapped twice): "
-                            "wrap the plain module, once")
         if not isinstance(model, nn.Module):
             raise MgpuError(f"Session.wrap() takes a torch.nn.Module, got a {type(model).__name__}")
+        if isinstance(model, DistributedDataParallel) or model in self._wrapped:  # on one rank as on many
+            raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
+                            "wrap the plain module, once")
         model = model.to(self.device)
         if self.world_size == 1:
+            self._wrapped.add(model)
             return model
         ddp = wrap(model, self.device, find_unused_parameters, static_graph)
+        self._wrapped.add(ddp)
         ddp.replay_after(self.resume_step)
         self._ddps.append(weakref.ref(ddp))
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others

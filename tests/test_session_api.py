@@ -199,8 +199,10 @@ def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
     with pytest.raises(MgpuError, match="Session.config=.... takes a mgpu.Config, got a dict"):
         Session(tmp_path / "x", config={"train": {"seed": 1}}, env=detect_environment({}))  # type: ignore[arg-type]
     s = session(tmp_path / "run")
-    with pytest.raises(MgpuError, match="wrapped twice"):
-        s.wrap(nn.parallel.DistributedDataParallel(nn.Linear(2, 2)))
+    model = s.wrap(nn.Linear(2, 2))
+    for wrapped in (model, nn.parallel.DistributedDataParallel(nn.Linear(2, 2))):  # wrap(wrap(m)), on any world
+        with pytest.raises(MgpuError, match=r"Session.wrap\(\): this model is wrapped already"):
+            s.wrap(wrapped)
     with pytest.raises(MgpuError, match="takes a dataset with len.. and .index..*got a range_iterator"):
         s.loader(iter(range(10)), batch_size=2)  # type: ignore[arg-type]
     with pytest.raises(MgpuError, match="Session.load.. takes a dict .*got a list"):
