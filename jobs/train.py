@@ -9,6 +9,10 @@ Exit codes: 0 finished (or stopped and requeued under Slurm), 1 a failure (its t
 saying what happens next), 2 bad input or a full disk, 3 stopped by a signal and not requeued (the
 checkpoint is written: run the same command to resume), 4 hung (the watchdog ended it; see
 mgpu/watchdog.py). See mgpu/job.py.
+
+Testing: `--stop-at-step K` stops after optimizer step K exactly as a preemption does (every rank at that
+step, the stop's checkpoint, exit 3 outside Slurm), without a signal: run the same command without it to
+resume (mgpu.stopping's test stop).
 """
 
 from __future__ import annotations

@@ -15,12 +15,14 @@ if TYPE_CHECKING:  # what the lazy names below are, for a type checker
     from mgpu.inference import load_model
     from mgpu.session import Session
     from mgpu.spawn import spawn
+    from mgpu.train_state import State
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Session", "load_model", "spawn"]
+__all__ = ["Config", "Session", "State", "load_model", "spawn"]
 
 
-_LAZY = {"spawn": "mgpu.spawn", "load_model": "mgpu.inference", "Session": "mgpu.session", "Config": "mgpu.config"}
+_LAZY = {"spawn": "mgpu.spawn", "load_model": "mgpu.inference", "Session": "mgpu.session", "Config": "mgpu.config",
+         "State": "mgpu.train_state"}
 
 
 def __getattr__(name: str) -> Any:

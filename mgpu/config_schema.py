@@ -244,5 +244,6 @@ SAFE_TO_CHANGE: frozenset[str] = frozenset({
     "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
     "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.keep_snapshot_buffers",
     "data.num_workers", "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
+    "optim.lr", "optim.weight_decay",  # applied to every parameter group after the restore (mgpu.hparams)
 })
 """Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""

@@ -31,7 +31,7 @@ from typing import Any, Callable
 from mgpu.config import Config, config_from_dict
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
-from mgpu.outcome import STOPPED_EXIT_CODE, JobStopped, Outcome, resume_command
+from mgpu.outcome import STOPPED_EXIT_CODE, JobStopped, Outcome, exit_code, resume_command
 
 __all__ = ["JobStopped", "TrainJob", "cli_exit_code", "failure_note", "local_rank", "resume_command", "run_job",
            "run_training"]
@@ -121,34 +121,30 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
 
     Raises SystemExit(0) on every rank once a requeue is under way, JobStopped when the job stays down.
     """
-    from mgpu.preemption import StopRequest
+    from mgpu.preemption import install_stop_request
 
     # First of all, before torch is imported: these handlers stay installed until the process exits, so
     # neither an early signal nor a late one reaches the default action or submitit's handler (which
-    # would checkpoint inside the handler and requeue a second time).
-    stop = StopRequest(cfg.preemption.signal).install()
-    result, outcome = run_training(cfg, config_path, stop_at_step, env, stop)
+    # would checkpoint inside the handler and requeue a second time). The session finds them installed.
+    install_stop_request(cfg.preemption.signal)
+    result, outcome = run_training(cfg, config_path, stop_at_step, env)
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
                "best_metrics": result.best_metrics, "best_step": result.best_step,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
-    if outcome.kind in ("requeued", "other_rank"):
-        raise SystemExit(0)
     if outcome.kind == "stays_down":
         raise JobStopped(outcome.message)
+    if outcome.kind != "finished":
+        raise SystemExit(exit_code(outcome))
     return summary
 
 
 def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
-                 env: ProcessEnv | None = None, stop: Any = None,
+                 env: ProcessEnv | None = None,
                  on_failure: Callable[[BaseException], None] | None = None) -> tuple[Any, Outcome]:
-    """The trainer on a Session: (FitResult, what happens to the job). `stop`: an installed StopRequest
-    (default: one installed for the duration of the call). `on_failure(error)` runs when training raises,
-    while the process group still exists, before the session's own failure handling."""
-    from mgpu.preemption import StopRequest
-
-    if stop is None:  # installed for the duration of the call
-        with StopRequest(cfg.preemption.signal) as own:
-            return run_training(cfg, config_path, stop_at_step, env, own, on_failure)
+    """The trainer on a Session: (FitResult, what happens to the job). The stop signals are the session's
+    (installed by it for the call, unless the process installed them first: mgpu.preemption).
+    `on_failure(error)` runs when training raises, while the process group still exists, before the
+    session's own failure handling."""
     import gc
 
     from mgpu.recovery import Limits
@@ -160,7 +156,7 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     from mgpu.task import build_task, import_task_class
 
     import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
-    session = Session(config=cfg, stop_at_step=stop_at_step, env=env, stop=stop)
+    session = Session(config=cfg, stop_at_step=stop_at_step, env=env, config_path=config_path)
     try:
         from mgpu.trainer import Trainer
 
@@ -168,7 +164,6 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
         if session.is_main:
             # Only now: a resume refused for an unsafe config change leaves the run's config.yaml as it was.
             save_config(cfg, session.run.config)
-        session.begin(config_path=config_path, git_sha=trainer.version)
         result = trainer.fit()
         # DDP's reducer must go while the group is alive (see Session): nothing of the trainer outlives it.
         del trainer

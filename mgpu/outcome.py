@@ -11,11 +11,12 @@ asked about a job only when it is this process's own (`mgpu.slurm_job.owns_slurm
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping, Sequence
 
 from mgpu.environment import ProcessEnv
 from mgpu.ledger import Ledger, read_ledger
@@ -23,7 +24,8 @@ from mgpu.recovery import Limits, failure_requeues, stop_requeues
 from mgpu.requeue import Budget, decide, requeue
 from mgpu.rundir import RunDir
 
-__all__ = ["STOPPED_EXIT_CODE", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop", "resume_command"]
+__all__ = ["STOPPED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop",
+           "exit_code", "resume_command"]
 
 log = logging.getLogger("mgpu.job")
 STOPPED_EXIT_CODE = 3
@@ -34,16 +36,54 @@ class JobStopped(Exception):
     """The job stopped on a signal and will not come back (cancelled, or out of requeues)."""
 
 
+USER_VARIABLES = ("MGPU_MAX_REQUEUES", "MGPU_MAX_FAILURES", "MGPU_RECOVERY")
+"""The environment variables a user sets that change what mgpu does: a resume command keeps them."""
+
+
+def _torchrun_options(environ: Mapping[str, str]) -> list[str]:
+    """torchrun's options, rebuilt from what it tells its workers (node count, processes per node, rendezvous)."""
+    options = ["--nproc-per-node", environ.get("LOCAL_WORLD_SIZE", "1")]
+    nodes = int(environ.get("GROUP_WORLD_SIZE", "1") or 1)
+    if nodes > 1:  # every node runs it, each with its own --node-rank
+        options += ["--nnodes", str(nodes), "--node-rank", environ.get("GROUP_RANK", "0"),
+                    "--master-addr", environ.get("MASTER_ADDR", "localhost"),
+                    "--master-port", environ.get("MASTER_PORT", "29500")]
+    if int(environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) > 0:
+        options += ["--max-restarts", environ["TORCHELASTIC_MAX_RESTARTS"]]
+    return options
+
+
+def _own_command(launcher: str, environ: Mapping[str, str], argv: Sequence[str], orig_argv: Sequence[str] | None,
+                 executable: str, cwd: str) -> str:
+    variables = [f"{name}={shlex.quote(environ[name])}" for name in USER_VARIABLES if environ.get(name)]
+    if launcher == "torchrun":
+        command = [executable, "-m", "torch.distributed.run", *_torchrun_options(environ), *argv]
+    elif orig_argv:  # the interpreter's own command line: `-m package`, `-u` and the rest as typed
+        command = [executable, *orig_argv[1:]]
+    else:
+        command = [executable, *argv]
+    return f"cd {shlex.quote(cwd)} && {' '.join([*variables, shlex.join(command)])}"
+
+
 def resume_command(env: ProcessEnv) -> str:
     """The exact command that continues this run: what the submitter recorded (a template's sbatch options
-    completed from accounting, see mgpu.requeue.resume_command), else this process's own."""
+    completed from accounting, see mgpu.requeue.resume_command), else this process's own, runnable as printed:
+    the interpreter's full path (a virtual environment need not be active), the MGPU_* variables set, and under
+    torchrun its command line rebuilt from its variables."""
     if os.environ.get("MGPU_RESUME_COMMAND"):
         from mgpu.requeue import resume_command as recorded
 
         return recorded(ask=env.rank == 0)
-    if env.launcher == "torchrun":
-        return "the same torchrun command"
-    return f"cd {shlex.quote(os.getcwd())} && {shlex.join([os.path.basename(sys.executable), *sys.argv])}"
+    # A spawned rank's interpreter command line is multiprocessing's; its sys.argv is its parent's.
+    spawned = multiprocessing.parent_process() is not None
+    orig = None if spawned or env.launcher == "torchrun" else getattr(sys, "orig_argv", None)
+    return _own_command(env.launcher, os.environ, sys.argv, orig, sys.executable, os.getcwd())
+
+
+def exit_code(outcome: "Outcome") -> int:
+    """The process's exit code for what happens to the job: 0 finished, requeued (or another rank's end after a
+    stop: rank 0 decides), STOPPED_EXIT_CODE when it stays down after a stop."""
+    return STOPPED_EXIT_CODE if outcome.kind == "stays_down" else 0
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 # torch is imported only by StopAgreement: StopRequest must be installable before the seconds it takes
 # to import torch, or a signal arriving in them would kill the process (or reach submitit's handler).
 
-__all__ = ["REASONS", "StopAgreement", "StopRequest", "signal_number"]
+__all__ = ["REASONS", "StopAgreement", "StopRequest", "install_stop_request", "signal_number",
+           "uninstall_stop_request"]
 
 # Index in the agreement vector -> reason. "test" is the `stop_at_step` hook (a deterministic preemption);
 # "interrupt" is Ctrl-C (SIGINT): a stop like SIGTERM, and a second Ctrl-C interrupts at once; "deadline":
@@ -87,6 +88,29 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+_installed: StopRequest | None = None
+
+
+def install_stop_request(requeue_signal: str = "USR2") -> tuple[StopRequest, bool]:
+    """The one installer of the stop signals in this process: (its StopRequest, whether this call installed
+    it). Called first by whoever starts first (a job before importing torch, else the session); a later call
+    gets the same request, so a signal between the two is not lost. Whoever installed it uninstalls it with
+    `uninstall_stop_request()`."""
+    global _installed
+    if _installed is not None:
+        return _installed, False
+    _installed = StopRequest(requeue_signal).install()
+    return _installed, True
+
+
+def uninstall_stop_request() -> None:
+    """Give the stop signals back to their previous handlers (the installer's call, at its end)."""
+    global _installed
+    if _installed is not None:
+        _installed.uninstall()
+        _installed = None
 
 
 def _decode_list(flags: list[int]) -> set[str]:

@@ -10,11 +10,13 @@ continues the same run. A new run takes a new `run.name`.
     <run dir>/events.jsonl       the ledger (mgpu.ledger)
     <run dir>/logs/rank<N>.log   every rank's log; rank<N>.json: its view of the launcher
     <run dir>/.owner             which job is using the run now (see `RunDir.claim`)
+    <run dir>/.owner.lock        held for the moment of a claim: two starts take turns (O_EXCL)
     <run dir>/.failure-<job>-<restart>  who handles a failed run (see mgpu.job)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -23,16 +25,25 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from mgpu.errors import MgpuError
 from mgpu.fsutil import write_atomic
 
-__all__ = ["Owner", "RunDir", "RunInUse", "owner_alive"]
+__all__ = ["Owner", "OwnerUnknown", "RunDir", "RunInUse", "owner_alive"]
+
+LOCK_WAIT_S = 30.0
+"""How long a claim waits for another start's claim in progress (it takes milliseconds)."""
+LOCK_STALE_S = 120.0
+"""A lock this old belongs to a start that died in the middle of its claim: it is broken."""
 
 
 class RunInUse(MgpuError):
     """Another live job or process is using the run directory."""
+
+
+class OwnerUnknown(Exception):
+    """Whether the run's owner lives cannot be told (squeue failed): not the same as gone."""
 
 
 @dataclass(frozen=True)
@@ -66,20 +77,26 @@ def _pid_start(pid: int) -> str | None:
 
 
 def _squeue_state(job_id: str) -> str | None:
-    """Slurm's state of a job while it is queued or running; None once it is gone (or unknown)."""
+    """Slurm's state of a job while it is queued or running; None once it is gone. OwnerUnknown when squeue
+    cannot say (missing, timed out, failed): a live job must not count as gone because Slurm did not answer."""
     squeue = shutil.which("squeue")
     if squeue is None:
-        return None
+        raise OwnerUnknown("squeue is not on PATH")
     try:
         proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
+    except (OSError, subprocess.SubprocessError) as error:
+        raise OwnerUnknown(f"squeue failed: {type(error).__name__}") from None
+    if proc.returncode != 0:
+        if "invalid job id" in proc.stderr.lower():
+            return None  # Slurm forgot the job: it ended a while ago
+        raise OwnerUnknown(f"squeue exited {proc.returncode}: {' '.join(proc.stderr.split())[:200]}")
     states = proc.stdout.split()
-    return states[0] if proc.returncode == 0 and states else None
+    return states[0] if states else None
 
 
 def owner_alive(owner: Owner, squeue_state: Callable[[str], str | None] = _squeue_state) -> bool:
-    """Whether `owner` may still write to the run: its Slurm job is queued or running, or its process lives."""
+    """Whether `owner` may still write to the run: its Slurm job is queued or running, or its process lives.
+    OwnerUnknown when Slurm cannot tell."""
     if owner.slurm:
         return squeue_state(owner.job_id) is not None
     if owner.host != socket.gethostname():
@@ -143,28 +160,69 @@ class RunDir:
         except (OSError, ValueError, TypeError):
             return None
 
+    @property
+    def claim_lock(self) -> Path:
+        return self.path / ".owner.lock"
+
     def check_free(self, job_id: str | None = None,
                    squeue_state: Callable[[str], str | None] = _squeue_state) -> None:
-        """RunInUse if a live job or process other than this one (Slurm job `job_id`) holds the run."""
+        """RunInUse if a live job or process other than this one (Slurm job `job_id`) holds the run, or if
+        Slurm cannot say whether the job that holds it still lives."""
         owner = self.owner()
-        if owner is None or not owner_alive(owner, squeue_state):
+        if owner is None:
             return
         if owner.job_id == job_id if owner.slurm else (owner.host, owner.pid) == (socket.gethostname(), os.getpid()):
             return  # our own job, requeued (a new process, the same job id), or this very process
+        since = time.strftime('%Y-%m-%d %H:%M', time.localtime(owner.since))
+        try:
+            alive = owner_alive(owner, squeue_state)
+        except OwnerUnknown as unknown:
+            raise RunInUse(f"run {self.path} is held by {owner.describe()} since {since}, and whether it still runs "
+                           f"cannot be told ({unknown}): try again when Slurm answers; if that job is over, remove "
+                           f"{self.owner_file}") from None
+        if not alive:
+            return
         fix = f"wait for it or stop it (scancel {owner.job_id})" if owner.slurm else "wait for it or stop it"
-        raise RunInUse(f"run {self.path} is in use by {owner.describe()} since "
-                       f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(owner.since))}: {fix}, or start "
-                       f"another run (run.name=...)")
+        raise RunInUse(f"run {self.path} is in use by {owner.describe()} since {since}: {fix}, or start another run "
+                       f"(run.name=...)")
 
     def claim(self, job_id: str, slurm: bool,
               squeue_state: Callable[[str], str | None] = _squeue_state) -> Owner:
         """Take the run for this process (rank 0), unless someone alive holds it. A requeued job (same id)
-        takes it back; a killed run's claim is stale once its job or process is gone."""
-        self.check_free(job_id, squeue_state)
-        owner = Owner.this_process(job_id, slurm)
+        takes it back; a killed run's claim is stale once its job or process is gone. Two starts take turns
+        (an O_EXCL lock file around the check and the write): they cannot both win."""
         self.path.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.owner_file, json.dumps(asdict(owner)).encode())
+        with self._claim_lock():
+            self.check_free(job_id, squeue_state)
+            owner = Owner.this_process(job_id, slurm)
+            write_atomic(self.owner_file, json.dumps(asdict(owner)).encode())
         return owner
+
+    @contextlib.contextmanager
+    def _claim_lock(self) -> Iterator[None]:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fd = os.open(self.claim_lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                break
+            except FileExistsError:
+                try:
+                    age = time.time() - self.claim_lock.stat().st_mtime
+                except FileNotFoundError:
+                    continue  # released just now
+                if age > LOCK_STALE_S:
+                    self.claim_lock.unlink(missing_ok=True)  # its start died in the middle of the claim
+                    continue
+                if time.monotonic() > deadline:
+                    raise RunInUse(f"run {self.path}: another start is claiming it ({self.claim_lock} exists, "
+                                   f"{age:.0f} s old): try again, or remove that file if no start is running") from None
+                time.sleep(0.05)
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            os.close(fd)
+            yield
+        finally:
+            self.claim_lock.unlink(missing_ok=True)
 
     def release(self, job_id: str) -> None:
         """Drop this process's claim once the run is over (a requeued job keeps it: it comes back)."""

@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import os
 import shutil
 import socket
 import sys
+import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +24,51 @@ from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.rundir import RunDir, RunInUse
 
-__all__ = ["claim", "discard", "first_missing", "record_rank", "setup_logging", "start_watchdog"]
+__all__ = ["claim", "discard", "first_missing", "no_beat", "prepare_run_dir", "process_start", "record_rank",
+           "release_ddp", "setup_logging", "start_watchdog"]
 
 log = logging.getLogger("mgpu.train")
+
+
+def no_beat(phase: str, step: int | None = None) -> None:
+    """Without a watchdog, progress is not recorded."""
+
+
+def process_start() -> float:
+    """This process's start (Unix time), from /proc (Linux); now, where it cannot be read."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
+
+
+def release_ddp(ddps: list[weakref.ref[Any]]) -> None:
+    """DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo thread
+    that waits for the GIL the destructor holds (an intermittent hang at exit)."""
+    for ref in ddps:
+        ddp = ref()
+        if ddp is not None:
+            ddp.__dict__.pop("reducer", None)
+            ddp.__dict__.pop("logger", None)
+    gc.collect()
+
+
+def prepare_run_dir(run: RunDir) -> Path | None:
+    """Create the run directory (and its logs); returns what this attempt created (removed if it never trains).
+    MgpuError, in one line, for a path that is a file or a directory that cannot be created."""
+    for path in (run.path, run.checkpoints, run.tensorboard):
+        if path.exists() and not path.is_dir():
+            raise MgpuError(f"{path} is a file, not a directory: move it away, or start another run (run.name=...)")
+    created = first_missing(run.path)
+    try:
+        run.logs.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise MgpuError(f"run directory {run.path}: cannot create it ({error.strerror}): set run.root "
+                        f"(or jobs/submit.py --folder) to a writable directory") from None
+    return created
 
 
 def setup_logging(run: RunDir, rank: int) -> None:

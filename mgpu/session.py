@@ -5,13 +5,17 @@ checkpoints, and coming back. mgpu's trainer is built on it; a loop of your own 
         model = session.wrap(Net())                            # on this rank's device, in DDP
         optimizer = torch.optim.AdamW(model.parameters())
         loader = session.loader(train_set, batch_size=64, num_workers=2)
-        state = {"model": model, "optimizer": optimizer, "loader": loader, "best": None}
-        session.load(state)                                    # resume in place, if the run has a checkpoint
-        for epoch in loader.epochs(10):
+        state = session.load({"model": model, "optimizer": optimizer, "loader": loader, "best": 0.0})
+        for epoch in loader.epochs(10):                        # resumed in place, if the run has a checkpoint
             for batch in loader:
                 ...forward, backward, optimizer.step()...
                 if session.should_stop():                      # every rank gets the same answer, same step
                     break
+            if session.stopping:
+                break
+            accuracy = ...
+            if accuracy > state.best:                          # a plain value lives in the state: restored
+                state.best = accuracy
             session.save(state)
     # leaving the block (or session.finish()) after a stop: the job requeues (exit 0) or stays down (exit 3,
     # with the command that resumes); an exception: the failure is recorded, within the budget requeued,
@@ -22,15 +26,14 @@ What a Session guarantees, and what it does not, is in README ("Your own loop").
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import copy
-import gc
 import logging
 import os
 import sys
 import time
 import weakref
+from collections.abc import MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
@@ -40,11 +43,13 @@ from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
 from mgpu.fsutil import write_atomic
 from mgpu.ledger import Ledger
-from mgpu.outcome import STOPPED_EXIT_CODE, JobStopped, Outcome, StopBudgets, decide_after_stop, resume_command
-from mgpu.preemption import StopRequest
+from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, exit_code, resume_command
+from mgpu.preemption import install_stop_request, uninstall_stop_request
 from mgpu.recovery import Limits, handle_failure
+from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import claim, discard, first_missing, record_rank, setup_logging, start_watchdog
+from mgpu.runner import (claim, discard, no_beat, prepare_run_dir, process_start, record_rank, release_ddp,
+                         setup_logging, start_watchdog)
 from mgpu.slurm_job import owns_slurm_job
 
 if TYPE_CHECKING:
@@ -54,26 +59,13 @@ if TYPE_CHECKING:
 
     from mgpu.checkpoint import LoadedCheckpoint
     from mgpu.loader import ResumableLoader
+    from mgpu.stopping import StopController
+    from mgpu.train_state import State
     from mgpu.watchdog import Watchdog
 
 __all__ = ["Session"]
 
 log = logging.getLogger("mgpu.train")
-
-
-def _no_beat(phase: str, step: int | None = None) -> None:
-    """Without a watchdog, progress is not recorded."""
-
-
-def _process_start() -> float:
-    """This process's start (Unix time), from /proc (Linux); now, where it cannot be read."""
-    try:
-        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
-        return time.time()
 
 
 class Session:
@@ -85,75 +77,80 @@ class Session:
     command again, or a requeued job, continues from its newest checkpoint. `seed`: every rank's
     generators are seeded from it (rank r: seed + r). `config`: a `mgpu.Config` for everything else
     (`distributed`, `preemption`, `checkpoint`, `watchdog`, `train.seed`, `train.deterministic`, `run`).
+    `stop_at_step`: testing, a stop as if preempted after that step (`jobs/train.py --stop-at-step`).
     """
 
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
-                 stop_at_step: int | None = None, env: ProcessEnv | None = None, stop: StopRequest | None = None,
-                 recovery_by_batch_script: bool | None = None) -> None:
-        self.timings: dict[str, float] = {"process": _process_start(), "session": time.time()}
+                 stop_at_step: int | None = None, env: ProcessEnv | None = None,
+                 recovery_by_batch_script: bool | None = None, config_path: str | None = None) -> None:
+        if config is not None and not isinstance(config, Config):
+            raise MgpuError(f"Session(config=...) takes a mgpu.Config, got a {type(config).__name__}: "
+                            f"mgpu.config_from_dict(...) or mgpu.load_config(path, overrides) makes one")
+        self.timings: dict[str, float] = {"process": process_start(), "session": time.time()}
         """Unix times of this process's way to its first step (the ledger's `first_step` event has rank 0's)."""
         cfg = copy.deepcopy(config) if config is not None else Config()
         if run_dir is not None:
             cfg.run.dir = str(run_dir)
         if seed is not None:
             cfg.train.seed = seed
-        self.cfg = cfg
+        self.cfg, self.config_path, self.stop_at_step = cfg, config_path, stop_at_step
         # First of all, before anything slow: from here on a signal is a stop request, never the default
         # action or submitit's handler (which would checkpoint inside the handler and requeue a second time).
-        self.stop = stop if stop is not None else StopRequest(cfg.preemption.signal).install()
-        self._own_stop = stop is None
+        self.stop, installed = install_stop_request(cfg.preemption.signal)
         self._cleanup = contextlib.ExitStack()
-        self._cleanup.callback(self._uninstall_stop)
+        if installed:
+            self._cleanup.callback(uninstall_stop_request)
+        # Everything this rank holds, declared before anything can fail (the cleanup reads it).
         self._created: Path | None = None
-        self._began = False
+        self._began = self._finished = False
+        self._ended = False  # the run's outcome is recorded: a hang in the teardown after it is not a failure
+        self.watchdog: Watchdog | None = None
+        self.beat: Callable[..., None] = no_beat
+        self.stopper: StopController | None = None
+        self._checkpointer: Any = None
+        self._ddps: list[weakref.ref[Any]] = []
+        self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
+        self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+        self.step = 0
+        """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
+        self.resume_step = 0
+        """The step this process started from (0 for a new run)."""
+        self._by_batch = recovery_by_batch_script
         try:
-            self._start(env, stop_at_step, recovery_by_batch_script)
+            self._start(env)
         except BaseException as error:
             self._cleanup.close()
             self._discard_if_unused(error)
             raise
 
-    def _uninstall_stop(self) -> None:
-        if self._own_stop:
-            self.stop.uninstall()
-
-    def _start(self, env: ProcessEnv | None, stop_at_step: int | None, by_batch: bool | None) -> None:
+    def _start(self, env: ProcessEnv | None) -> None:
         cfg = self.cfg
         self.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
         self.env = env or detect_environment()
         self.rank, self.world_size, self.local_rank = self.env.rank, self.env.world_size, self.env.local_rank
         self.is_main = self.rank == 0
         self.run = RunDir.of(cfg.run)
-        for path in (self.run.path, self.run.checkpoints, self.run.tensorboard):
-            if path.exists() and not path.is_dir():
-                raise MgpuError(f"{path} is a file, not a directory: move it away, or start another run "
-                                f"(run.name=...)")
-        self._created = first_missing(self.run.path)  # what this attempt creates, removed if it never trains
-        try:
-            self.run.logs.mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise MgpuError(f"run directory {self.run.path}: cannot create it ({error.strerror}): set run.root "
-                            f"(or jobs/submit.py --folder) to a writable directory") from None
+        self._created = prepare_run_dir(self.run)  # what this attempt creates, removed if it never trains
         setup_logging(self.run, self.rank)
         self.slurm_job = self.env.job_id if owns_slurm_job() else None
         """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
         self.budgets = StopBudgets.read(self.run, self.env, self.slurm_job, self.limits)
         self.budgets.refuse_if_spent(self.run, self.env)
-        self._by_batch = by_batch
         self.ledger = Ledger(self.run.ledger if self.is_main else None, self.env.job_id, self.env.restart_count)
         self.started = time.time()
+        self.resumption = Resumption(self.run, self.rank, self.world_size, cfg.train.seed, self.ledger,
+                                     lambda: self.checkpointer)
 
         from mgpu.distributed import process_group
-        from mgpu.preemption import StopAgreement
         from mgpu.rng import seed_everything, use_deterministic_kernels
+        from mgpu.stopping import StopController
 
         # The watchdog outlives the group's teardown, which it bounds (see _arm_teardown): stopped after it.
-        self.watchdog: Watchdog | None = None
         self._cleanup.callback(lambda: self.watchdog.stop() if self.watchdog is not None else None)
         ctx = self._cleanup.enter_context(process_group(
             self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
-        self._cleanup.callback(self._release_ddp)  # runs before the group's teardown (reverse order)
+        self._cleanup.callback(lambda: release_ddp(self._ddps))  # before the group's teardown (reverse order)
         self.timings["group"] = time.time()
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
@@ -165,48 +162,35 @@ class Session:
         if cfg.watchdog.enabled:
             self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
             self._cleanup.callback(self._arm_teardown)
-        self.beat: Callable[..., None] = self.watchdog.beat if self.watchdog is not None else _no_beat
-        self.agreement = StopAgreement(self.stop)
-        self._cleanup.callback(self.agreement.drain)
-        self.clock = None
-        if self.is_main and self.slurm_job and cfg.preemption.deadline_margin_s > 0:
-            from mgpu.deadline import JobClock
-
-            self.clock = JobClock(self.slurm_job).start()
-            self._cleanup.callback(self.clock.stop)
-        self._step_times: collections.deque[float] = collections.deque(maxlen=20)
-        self._last_step_at: float | None = None
-        self._check_every = cfg.preemption.check_every_steps  # None: about once a second
-        self.stop_at_step = stop_at_step
+            self.beat = self.watchdog.beat
+        self.stopper = StopController.for_rank(
+            self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
+            stop_at_step=self.stop_at_step,
+            longest_write_s=lambda: self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0)
         use_deterministic_kernels(cfg.train.deterministic)
         seed_everything(cfg.train.seed + self.rank)
-        self._checkpointer: Any = None
-        self._ddps: list[weakref.ref[Any]] = []
-        self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
-        self.step = 0
-        """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
-        self.resume_step = 0
-        """The step this process started from (0 for a new run)."""
-        self.resumed_from: Path | None = None
-        self.resume_skipped: list[tuple[str, str]] = []
-        self._deadline_too_short = False  # said once: the time limit is too short for a deadline stop
-        self._resumed_at: dict[str, int] = {}  # epoch and position in the data, when the state says
-        self.reasons: set[str] = set()
-        """The stop reasons the ranks agreed on (empty: no stop)."""
-        self._finished = False
-        self._ended = False  # the run's outcome is recorded: a hang in the teardown after it is not a failure
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
         """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
-        resumed on 3+ ranks its first forward runs once more, thrown away, so that it reduces exactly as
-        the unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works."""
+        resumed on 3+ ranks it reduces exactly as the unbroken run did (mgpu.ddp). Call after `load()`, or
+        before it: either works. Once per model: the plain module, not one `wrap` returned."""
+        from torch import nn
+        from torch.nn.parallel import DistributedDataParallel
+
         from mgpu.ddp import wrap
 
+        if not isinstance(model, nn.Module):
+            raise MgpuError(f"Session.wrap() takes a torch.nn.Module, got a {type(model).__name__}")
+        if isinstance(model, DistributedDataParallel) or model in self._wrapped:  # on one rank as on many
+            raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
+                            "wrap the plain module, once")
         model = model.to(self.device)
         if self.world_size == 1:
+            self._wrapped.add(model)
             return model
         ddp = wrap(model, self.device, find_unused_parameters, static_graph)
+        self._wrapped.add(ddp)
         ddp.replay_after(self.resume_step)
         self._ddps.append(weakref.ref(ddp))
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
@@ -224,13 +208,19 @@ class Session:
                **dataloader_options: Any) -> ResumableLoader:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
         number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader."""
+        from torch.utils.data import IterableDataset
+
         from mgpu.loader import ResumableLoader
 
+        if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+            raise MgpuError(f"Session.loader() takes a dataset with len() and [index] (a map-style Dataset), got a "
+                            f"{type(dataset).__name__}: it resumes by sample index, which a stream or an iterator "
+                            f"does not have")
         options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
         return ResumableLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
                                seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
                                num_workers=num_workers, collate_fn=collate_fn,
-                               requeue_signal=self.cfg.preemption.signal, stopping=self._stopping,
+                               requeue_signal=self.cfg.preemption.signal, stopping=lambda: self.stop_requested,
                                agreed=lambda: self.stopping, **options)
 
     def eval_loader(self, dataset: Dataset, batch_size: int, *, num_workers: int = 0,
@@ -261,69 +251,44 @@ class Session:
         the caller saves it), so nothing the loop does after it (an evaluation, its DataLoader's random
         draw) can change what resumes. `step`: the step just done, for a loop that counts its own
         (default: one more than the last call)."""
+        stopper = self._live("should_stop()")
         self.step = self.step + 1 if step is None else step
-        now = time.monotonic()
-        if self._last_step_at is not None:
-            self._step_times.append(now - self._last_step_at)
-        self._last_step_at = now
         if self.step == self.resume_step + 1:
             self._after_first_step()
-        self._check_deadline()
-        if self.stop_at_step is not None and self.step == self.stop_at_step:
-            reasons = {"test"}  # a deterministic stop, the same step on every rank: nothing to agree on
-        else:
-            reasons = self.agreement.at_step(self.step, self._check_every)
+        reasons = stopper.at_step(self.step)
         if self.watchdog is not None:
             # The step's end; a loop whose forwards the watchdog does not see (no `wrap`) advances its step here.
             self.beat("agree", self.step if self.watchdog.step < self.step else None)
-        if reasons:
-            self.reasons |= reasons
-            if save and self._state is not None:
-                self.save(reason="preemption", wait=True)
-            return True
-        return False
+        if reasons and save and self._state is not None:
+            self.save(reason="preemption", wait=True)
+        return bool(reasons)
 
     def poll_stop(self) -> bool:
         """*Collective*, between steps (e.g. every evaluation batch that every rank has): whether the ranks
         agreed to stop, pipelined like `should_stop`. A long evaluation then does not hold a stop."""
+        stopper = self._live("poll_stop()")
         self.beat("agree")
-        self._check_deadline()
-        reasons = self.agreement.poll()
-        self.reasons |= reasons
-        return bool(reasons)
-
-    def _check_deadline(self) -> None:
-        """Rank 0, under Slurm: request a stop when the job's end is closer than what a stop needs."""
-        if self.clock is None or self.stop.pending or not self._step_times:
-            return
-        from mgpu.deadline import time_needed
-
-        every = self.agreement.auto_every if self._check_every is None else self._check_every
-        longest = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
-        needed = time_needed(max(self._step_times), every, longest, self.cfg.preemption.deadline_margin_s,
-                             self.clock.limit_s)
-        if self.clock.too_short(needed):
-            if not self._deadline_too_short:
-                self._deadline_too_short = True
-                log.warning("a stop needs %.0f s, more than half the job's time limit (%.0f s): no stop before "
-                            "the limit, only on Slurm's signal (--signal); give the job a longer --time",
-                            needed, self.clock.limit_s or 0)
-            return
-        if self.clock.too_close(time.time(), needed):
-            log.info("stopping before the job's time limit: %.0f s left, a stop needs %.0f s (steps of %.1f s, a "
-                     "checkpoint write of %.1f s, preemption.deadline_margin_s %.0f)",
-                     (self.clock.end or 0) - time.time(), needed, max(self._step_times), longest,
-                     self.cfg.preemption.deadline_margin_s)
-            self.stop.request("deadline")
+        return bool(stopper.poll())
 
     @property
     def stopping(self) -> bool:
         """The ranks agreed to stop (after `should_stop()` or `poll_stop()` said so)."""
-        return bool(self.reasons)
+        return self.stopper is not None and self.stopper.agreed
 
-    def _stopping(self) -> bool:
-        # For the loaders: a stop is requested on this rank, or agreed (a dead worker is then not a crash).
-        return bool(self.reasons) or self.stop.pending
+    @property
+    def stop_requested(self) -> bool:
+        """A stop is requested on this rank, or agreed: a DataLoader worker that dies now is not a crash."""
+        return self.stopper is not None and self.stopper.requested
+
+    @property
+    def reasons(self) -> set[str]:
+        """The stop reasons the ranks agreed on (empty: no stop)."""
+        return set(self.stopper.reasons) if self.stopper is not None else set()
+
+    def _live(self, what: str) -> StopController:
+        if self._finished or self.stopper is None:
+            raise MgpuError(f"Session.{what} after finish(): the session has ended (its process group is gone)")
+        return self.stopper
 
     def _after_first_step(self) -> None:
         """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
@@ -332,8 +297,9 @@ class Session:
 
         seconds = None
         if self.watchdog is not None and self.world_size > 1:
+            assert self.stopper is not None
             seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
-            set_collective_timeout(timedelta(seconds=seconds), self.agreement.group)
+            set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]
         self.timings["first_step"] = time.time()
         self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
                           timings={k: round(v, 3) for k, v in self.timings.items()})
@@ -353,40 +319,58 @@ class Session:
 
     def latest(self) -> LoadedCheckpoint | None:
         """*Collective.* The run's newest checkpoint that verifies (rank 0 checks it), loaded memory-mapped
-        on every rank; None for a new run. `restore()` puts it back."""
-        self.timings["find"] = time.time()
-        loaded = self.checkpointer.find_latest()
-        self.timings["loaded"] = time.time()
-        return loaded
+        on every rank; None for a new run. A look before `load()` (the trainer reads its progress to size
+        its schedule): `load()` restores this one."""
+        self.timings.setdefault("find", time.time())
+        found = self.resumption.latest()
+        self.timings.setdefault("loaded", time.time())
+        return found  # type: ignore[no-any-return]
 
-    def restore(self, loaded: LoadedCheckpoint, state: dict[str, Any]) -> None:
-        """Put `loaded` back into `state` (see `load`) and this rank's random generators."""
-        from mgpu.train_state import restore_state
+    def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
+             override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None) -> State:
+        """*Collective.* Resume `state` from the run's newest checkpoint, if it has one, and return it as a
+        `mgpu.State` (the same mapping; its values also as attributes: `state.best`). Objects with
+        `load_state_dict` (model, optimizer, scheduler, scaler, loader, ...) load theirs, dataclasses get
+        their fields back in place, plain values are replaced in the state: read them from it. A value a
+        checkpoint cannot hold is refused here, before any training. `state` is also what a stop saves.
 
-        restore_state(loaded.state, state, self.rank, self.cfg.train.seed)
-        self.timings["restored"] = time.time()
-        self.step = self.resume_step = loaded.step
-        for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
-            if (ddp := ref()) is not None:
-                ddp.replay_after(loaded.step)
-        self.resumed_from = loaded.path
-        self.resume_skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
-        # Where in the data it resumes, for the ledger: the trainer's Progress or a loop's loader.
-        self._resumed_at = next(({"epoch": value.epoch, "position": value.position} for value in state.values()
-                                 if isinstance(getattr(value, "epoch", None), int)
-                                 and isinstance(getattr(value, "position", None), int)), {})
-        self._state = state
+        `missing_ok`: keys the checkpoint may lack (added to the loop since; left as they are; any other
+        missing key is an error). `override`: optimizer hyperparameters set in every parameter group after
+        the restore, e.g. `{"lr": 1e-4}` (recorded in the ledger; see mgpu.hparams). `fresh`: start the run
+        over: its checkpoints are set aside (renamed), nothing is restored. `batch_size`: samples per rank
+        per optimizer step, for the resume line (default: the state's `session.loader`'s)."""
+        from mgpu import hparams
+        from mgpu.train_state import State, check_checkpointable
 
-    def load(self, state: dict[str, Any]) -> bool:
-        """*Collective.* Resume `state` in place from the newest checkpoint, if the run has one: objects with
-        `load_state_dict` (model, optimizer, scheduler, scaler, loader, ...) load theirs, other values are
-        replaced in the dict. Returns whether it resumed. `state` is also what a stop saves."""
-        loaded = self.latest()
+        if not isinstance(state, MutableMapping):
+            raise MgpuError(f"Session.load() takes a dict of what to checkpoint (name -> model, optimizer, loader, "
+                            f"value), got a {type(state).__name__}")
+        check_checkpointable(state)
+        if fresh:
+            self.resumption.start_over()
+        self.latest()
+        before = hparams.constructed(state)
+        loaded = self.resumption.restore(state, set(missing_ok), batch_size)
         if loaded is not None:
-            self.restore(loaded, state)
+            self.timings["restored"] = time.time()
+            self.step = self.resume_step = loaded.step
+            for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
+                if (ddp := ref()) is not None:
+                    ddp.replay_after(loaded.step)
+            for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
+                log.warning("%s (to change it on purpose: load(state, override={...}))", line)
+        changes = hparams.apply(state, override or {})
         self._state = state
         self.begin()
-        return loaded is not None
+        if changes:
+            self.ledger.write("hyperparameters", step=self.step, changes=changes)
+            log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
+        return state if isinstance(state, State) else State(state)
+
+    @property
+    def resumed_from(self) -> Path | None:
+        """The checkpoint this process resumed from (None: a new run)."""
+        return self.resumption.path
 
     def save(self, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None, *, best: bool = False,
              wait: bool = False, reason: str | None = None, meta: dict[str, Any] | None = None) -> Path | None:
@@ -394,12 +378,18 @@ class Session:
         `state_dict()` in it, its plain values, and every rank's RNG state; atomic and verified, written
         in the background unless `wait`. `best`: also the run's best checkpoint. Returns the path once
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
-        again; a save with `wait` that fails raises the same one-line error on every rank."""
-        from mgpu.train_state import gather_state
+        again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
+        run whose checkpoint this session did not `load()`."""
+        from mgpu.train_state import check_checkpointable, gather_state
 
         state = self._state if state is None else state
         if state is None:
             raise MgpuError("Session.save(): nothing to save: pass the state (or load() it first)")
+        if not (callable(state) or isinstance(state, Mapping)):
+            raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
+        if not self.resumption.looked:
+            self.resumption.refuse_unloaded()
+            check_checkpointable(state() if callable(state) else state)
         self._state = state
         self.begin()
         objects = state() if callable(state) else state
@@ -427,10 +417,10 @@ class Session:
                           launcher=self.env.launcher, device=str(self.device), backend=self.backend,
                           run_dir=str(self.run.path), limits={"max_requeues": self.limits.max_requeues,
                                                               "max_failures": self.limits.max_failures},
-                          **{"git_sha": self.version, **fields})
+                          **{"config_path": self.config_path, "git_sha": self.version, **fields})
         if self.resumed_from is not None:
-            self.ledger.write("resumed", step=self.step, **self._resumed_at, **{"from": str(self.resumed_from)},
-                              skipped=self.resume_skipped)
+            self.ledger.write("resumed", step=self.step, **self.resumption.at, **{"from": str(self.resumed_from)},
+                              skipped=self.resumption.skipped)
 
     def finish(self) -> None:
         """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)
@@ -439,11 +429,10 @@ class Session:
         than 0 after a stop), and with code 3, after one line with the command that resumes, when it stays
         down. The context manager calls it on leaving the block."""
         outcome = self.end()
-        if outcome.kind in ("requeued", "other_rank"):
-            raise SystemExit(0)
         if outcome.kind == "stays_down":
             print(f"mgpu: {outcome.message}", file=sys.stderr, flush=True)
-            raise SystemExit(STOPPED_EXIT_CODE)
+        if outcome.kind != "finished":
+            raise SystemExit(exit_code(outcome))
 
     def end(self, status: str | None = None, **fields: Any) -> Outcome:
         """`finish()` without acting on the outcome: returns what happens to the job (the trainer's way out).
@@ -457,11 +446,12 @@ class Session:
             self.fail(error)
             raise
         self._finished = self._ended = True
-        self._close()
+        self._cleanup.close()
         return outcome
 
     def _conclude(self, status: str | None, fields: dict[str, Any]) -> Outcome:
-        stopped = bool(self.reasons) if status is None else status == "stopped"
+        reasons = self.reasons
+        stopped = bool(reasons) if status is None else status == "stopped"
         path = None
         if self._state is not None:
             path = self.save(reason="preemption" if stopped else "final", wait=True)
@@ -471,12 +461,12 @@ class Session:
             if self.is_main:
                 self.run.release(self.env.job_id)
             return Outcome("finished")
-        log.info("stopping at step %d (%s; signals on this rank: %s)", self.step, ", ".join(sorted(self.reasons)),
+        log.info("stopping at step %d (%s; signals on this rank: %s)", self.step, ", ".join(sorted(reasons)),
                  [name for name, _ in self.stop.received])
-        self.ledger.write("preempted", step=self.step, reasons=sorted(self.reasons),
+        self.ledger.write("preempted", step=self.step, reasons=sorted(reasons),
                           signals=[name for name, _ in self.stop.received],
                           signal_times=[round(t, 3) for _, t in self.stop.received])
-        outcome = decide_after_stop(set(self.reasons), self.step, self.resume_step, str(path) if path else None,
+        outcome = decide_after_stop(reasons, self.step, self.resume_step, str(path) if path else None,
                                     self.budgets, self.env, self.ledger)
         if outcome.kind == "stays_down":
             self.run.release(self.env.job_id)
@@ -498,11 +488,8 @@ class Session:
             _, what = handle_failure(self.run, self.slurm_job, self.env.restart_count, self.limits,
                                      f"rank {self.rank} failed: {type(error).__name__}: {error}", rank=self.rank)
             log.error("rank %d failed: %s: %s; %s", self.rank, type(error).__name__, error, what)
-        self._close()
-        self._discard_if_unused(error)
-
-    def _close(self) -> None:
         self._cleanup.close()
+        self._discard_if_unused(error)
 
     def _arm_teardown(self) -> None:
         """From here the watchdog bounds the group's teardown (a dead peer can block it): past its allowance,
@@ -511,16 +498,6 @@ class Session:
         from mgpu.watchdog import HANG_EXIT_CODE
 
         self.watchdog.teardown(exit_code=0 if self._ended else HANG_EXIT_CODE)
-
-    def _release_ddp(self) -> None:
-        # DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo
-        # thread that waits for the GIL the destructor holds (an intermittent hang at exit).
-        for ref in self._ddps:
-            ddp = ref()
-            if ddp is not None:
-                ddp.__dict__.pop("reducer", None)
-                ddp.__dict__.pop("logger", None)
-        gc.collect()
 
     def _discard_if_unused(self, error: BaseException) -> None:
         """Bad input found before the run began leaves no trace of this attempt."""

@@ -9,16 +9,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field, is_dataclass
+from collections.abc import Iterator, MutableMapping
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
+
+import torch
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 
-__all__ = ["RESERVED", "Progress", "code_version", "gather_state", "restore_state"]
+from mgpu.errors import MgpuError
+
+__all__ = ["RESERVED", "Progress", "State", "check_checkpointable", "code_version", "gather_state", "restore_state"]
 
 FORMAT = 1
 
@@ -82,6 +87,86 @@ def _unwrapped(value: Any) -> Any:
     return value.module if isinstance(value, DistributedDataParallel) else value
 
 
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def _is_dataclass_object(value: Any) -> bool:
+    return is_dataclass(value) and not isinstance(value, type)
+
+
+def _unstorable(value: Any, where: str) -> tuple[str, Any] | None:
+    """(where, the value) of the first part of `value` a checkpoint cannot hold and give back; None: all can."""
+    value = _unwrapped(value)
+    if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
+        return None
+    if isinstance(value, _PLAIN):
+        return None
+    if _is_dataclass_object(value):
+        parts: Any = ((f"{where}.{f.name}", getattr(value, f.name)) for f in fields(value))
+    elif isinstance(value, Mapping):
+        parts = ((f"{where}[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        parts = ((f"{where}[{i}]", item) for i, item in enumerate(value))
+    else:
+        return where, value
+    return next((bad for part, item in parts if (bad := _unstorable(item, part)) is not None), None)
+
+
+def check_checkpointable(objects: Mapping[str, Any]) -> None:
+    """MgpuError naming the first value of `objects` that a checkpoint cannot save and give back (an object of
+    a class of the loop's own without `state_dict`/`load_state_dict`), and the fix. Before any training."""
+    for name in objects:
+        if name in RESERVED:
+            raise MgpuError(f"state[{name!r}]: {name!r} is a name every checkpoint uses ({', '.join(RESERVED)}): "
+                            f"rename it")
+    for name, value in objects.items():
+        bad = _unstorable(value, f"state[{name!r}]")
+        if bad is None:
+            continue
+        where, what = bad
+        kind = type(what).__name__
+        raise MgpuError(f"{where} is a {kind}, which a checkpoint cannot save and restore: give {kind} "
+                        f"state_dict() and load_state_dict(state) methods, or make it a @dataclass (its fields "
+                        f"are saved and set back in place)")
+
+
+class State(MutableMapping[str, Any]):
+    """What `Session.load()` returns: the state mapping given to it, with its values also readable and
+    settable as attributes (`state.best`). A plain value restored from a checkpoint lives here, not in a
+    variable of the loop's: read it back from here, and keep it here when it changes (that is what is
+    saved)."""
+
+    def __init__(self, values: MutableMapping[str, Any]) -> None:
+        object.__setattr__(self, "_values", values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(f"the state has no {name!r} (it has {', '.join(map(repr, self._values))})") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        self._values[name] = value
+
+    def __getitem__(self, key: str) -> Any:
+        return self._values[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._values[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._values[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        return f"State({self._values!r})"
+
+
 def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, Any] | None:
     """The checkpoint's content on rank 0 (None elsewhere). A collective: every rank must call it.
 
@@ -110,19 +195,35 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
     return state
 
 
-def restore_state(state: Mapping[str, Any], objects: dict[str, Any], rank: int, seed: int) -> None:
+def _set_fields(target: Any, saved: Mapping[str, Any]) -> None:
+    """A dataclass's fields set back in place (frozen ones too), nested dataclasses field by field."""
+    for key, value in saved.items():
+        current = getattr(target, key, None)
+        if _is_dataclass_object(current) and isinstance(value, Mapping):
+            _set_fields(current, value)
+        else:
+            object.__setattr__(target, key, value)
+
+
+def restore_state(state: Mapping[str, Any], objects: MutableMapping[str, Any], rank: int, seed: int,
+                  missing_ok: frozenset[str] | set[str] = frozenset()) -> None:
     """Load a checkpoint into the live objects of `objects` (a dataclass's fields are set in place), and
-    replace its plain values with the saved ones in the dict. Then this rank's RNG state; a rank the saved run did not have gets a
-    fresh seed. A name the checkpoint does not hold is left as it is."""
+    replace its plain values with the saved ones in the mapping. Then this rank's RNG state; a rank the saved
+    run did not have gets a fresh seed. A name the checkpoint does not hold is an MgpuError naming it, unless
+    it is in `missing_ok` (left as it is: a deliberate change of what the loop keeps)."""
+    missing = [name for name in objects if name not in state and name not in missing_ok]
+    if missing:
+        raise MgpuError(f"the checkpoint holds no {', '.join(map(repr, missing))} (it has "
+                        f"{', '.join(repr(k) for k in state if k not in RESERVED)}): a state key added since it was "
+                        f"saved starts fresh only when you say so: load(state, missing_ok={set(missing)!r})")
     for name, value in objects.items():
         if name not in state:
             continue
         target = _unwrapped(value)
         if hasattr(target, "load_state_dict"):
             target.load_state_dict(state[name])
-        elif is_dataclass(target) and not isinstance(target, type):
-            for key, value in state[name].items():  # in place: the loop's own references see it
-                setattr(target, key, value)
+        elif _is_dataclass_object(target):
+            _set_fields(target, state[name])  # in place: the loop's own references see it
         else:
             objects[name] = state[name]
     if rank < len(state["rng"]):

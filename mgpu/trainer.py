@@ -118,20 +118,20 @@ class Trainer:
         self.precision = resolve_precision(cfg.train.precision, self.device, warn=self.is_main)
         self.optimizer = self._optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
-        self.progress, resumed = self._resume()
+        loaded = session.latest()  # a look first: where the run stands sizes its schedule
+        self.progress, override = self._resume_point(loaded)
         self.total_steps = self._total_steps()
         self._check_batch_norm_batches()
         self.scheduler = self._scheduler()
-        if resumed is not None:
-            objects = self._objects()
-            session.restore(resumed, objects)
-            self.progress = objects["progress"]
-        else:
+        self._check_eval_metric()  # before the run counts as started (load): a broken metric leaves no trace
+        if loaded is None:
             seed_everything(cfg.train.seed + self.rank)
+        # The one way back: the session restores what _objects() names (and changes what `override` says).
+        session.load(self._objects(), override=override, batch_size=cfg.data.batch_size * cfg.train.grad_accum)
         # DDP (several ranks); on a run resumed on 3+ ranks it reduces as the unbroken run did (mgpu.ddp).
         self.ddp: nn.Module = session.wrap(self.model, find_unused_parameters=cfg.train.find_unused_parameters,
                                            static_graph=cfg.train.static_graph)
-        self.resume_step = self.progress.step if resumed is not None else 0
+        self.resume_step = session.resume_step
         self.resumed_from = session.resumed_from
         wandb = {"id": wandb_run_id(self.run.path), "project": cfg.log.wandb_project, "dir": str(self.run.path),
                  "name": self.run.path.name, "config": self.config_dict} if cfg.log.wandb else None
@@ -149,7 +149,8 @@ class Trainer:
         self._step_lr = self.optimizer.param_groups[0]["lr"]
         self.step_ends: collections.deque[float] = collections.deque(maxlen=STEP_ENDS_KEPT)
         """perf_counter() at the end of each of this run's latest optimizer steps (benchmarks read it)."""
-        self._check_eval_metric()  # before the run counts as started: a broken metric leaves no trace
+        self._last_eval = -1  # the step of the last evaluation
+        self._last_metrics: dict[str, float] = {}  # its metrics
 
     # ------------------------------------------------------------------ setup
     def _check_batch_norm_batches(self) -> None:
@@ -197,16 +198,19 @@ class Trainer:
         return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
                 "progress": self.progress, "config": self.config_dict}
 
-    def _resume(self) -> tuple[Progress, LoadedCheckpoint | None]:
-        """The newest valid checkpoint (see mgpu.checkpointer), checked against this run's config."""
-        loaded = self.session.latest()
+    def _resume_point(self, loaded: LoadedCheckpoint | None) -> tuple[Progress, dict[str, Any]]:
+        """Where the newest checkpoint stands (see mgpu.checkpointer), checked against this run's config, and
+        the optimizer hyperparameters the config changes on purpose (`optim.lr`, `optim.weight_decay`)."""
         if loaded is None:
-            return Progress(), None
-        changes = check_resume_compatible(loaded.state["config"], self.config_dict)
+            return Progress(), {}
+        saved = loaded.state["config"]
+        changes = check_resume_compatible(saved, self.config_dict)
         if self.is_main:
             for change in changes:
                 log.info("config changed on resume (safe): %s", change)
-        return Progress(**loaded.state["progress"]), loaded
+        optim = self.config_dict["optim"]
+        override = {key: optim[key] for key in ("lr", "weight_decay") if saved.get("optim", {}).get(key) != optim[key]}
+        return Progress(**loaded.state["progress"]), override
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole run: done so far + what is left from here on this world size."""
@@ -231,7 +235,7 @@ class Trainer:
 
     def _batches(self, dataset: Dataset, indices: list[list[int]]) -> Batches:
         return Batches(lambda start, workers: self._loader(dataset, indices[start:], workers), len(indices),
-                       self.cfg.data.num_workers, self.session._stopping, self.cfg.preemption.signal)
+                       self.cfg.data.num_workers, lambda: self.session.stop_requested, self.cfg.preemption.signal)
 
     def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
         """Groups of `grad_accum` micro-batches, epoch after epoch, from the current position."""
@@ -293,13 +297,13 @@ class Trainer:
                 if last:
                     break
                 self.beat("data", p.step + 1)  # the next step begins with fetching its batches
-            if status == "finished" and self.eval_set is not None and p.step != getattr(self, "_last_eval", -1):
+            if status == "finished" and self.eval_set is not None and p.step != self._last_eval:
                 _, stopped = self._evaluate_or_stop()
                 status = "stopped" if stopped else status
             path = self._save("preemption" if status == "stopped" else "final", wait=True)
         finally:
             self.reporter.close()
-        metrics = getattr(self, "_last_metrics", {})
+        metrics = self._last_metrics
         return FitResult(status, p.step, p.epoch, frozenset(session.reasons), path, metrics, self.resume_step,
                          dict(p.best_metrics), p.best_step)
 
@@ -499,5 +503,5 @@ class Trainer:
     def _save(self, reason: str, is_best: bool = False, wait: bool = False) -> Path | None:
         """Checkpoint the current step (a collective; see Session.save)."""
         p = self.progress
-        meta = {"epoch": p.epoch, "metrics": getattr(self, "_last_metrics", {})}
+        meta = {"epoch": p.epoch, "metrics": self._last_metrics}
         return self.session.save(self._objects, best=is_best, wait=wait, reason=reason, meta=meta)

@@ -68,9 +68,8 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
         loader = session.loader(Noisy(96, seed=0), batch_size=4, num_workers=args.workers)
         evaluation = session.eval_loader(Noisy(30, seed=1), batch_size=8)
-        state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
-                 "best": None, "bad_evals": 0, "ballast": torch.zeros(args.ballast_mb << 18)}
-        session.load(state)
+        state = session.load({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+                              "best": None, "bad_evals": 0, "ballast": torch.zeros(args.ballast_mb << 18)})
         accumulate = 2
         for epoch in loader.epochs(args.epochs):
             model.train()
@@ -99,11 +98,11 @@ def main() -> None:
                     sums += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
             correct, total = session.all_reduce(sums).tolist()
             accuracy = correct / total
-            if state["best"] is None or accuracy > state["best"]:
-                state["best"], state["bad_evals"] = accuracy, 0
+            if state.best is None or accuracy > state.best:  # plain values live in the state: restored
+                state.best, state.bad_evals = accuracy, 0
                 session.save(state, best=True)
             else:
-                state["bad_evals"] += 1
+                state.bad_evals += 1
             if session.is_main:
                 print(f"epoch {epoch} accuracy {accuracy:.4f}", flush=True)
 

@@ -332,8 +332,8 @@ def test_resume_compares_canonical_values() -> None:
 
 
 @pytest.mark.parametrize("overrides, listed", [
-    (["optim.lr=0.002", "data.batch_size=64", "train.epochs=9"],
-     "data.batch_size (32 -> 64), optim.lr (0.001 -> 0.002);"),  # in the config's section order
+    (["optim.momentum=0.5", "data.batch_size=64", "train.epochs=9", "optim.lr=0.002"],
+     "data.batch_size (32 -> 64), optim.momentum (0.9 -> 0.5);"),  # in the config's section order; lr may change
     (["task.args.n=6"], "task.args.n (5 -> 6);"),
     (["task.args.extra=1"], "task.args.extra (<missing> -> 1);"),
     (["train.seed=1", "train.grad_accum=2", "train.precision=fp32", "schedule.name=cosine"],

@@ -96,6 +96,10 @@ def test_a_users_loop_stops_on_a_signal_and_resumes_bit_identically(
     assert stopped_at != reference["loader"]
     resumed = run_ranks(args)
     assert [rc for rc, _ in resumed] == [0, 0], resumed
+    # One line says where it resumed (the loader's epoch and sample) and from which checkpoint.
+    assert re.search(rf"resumed at step {signal_at + 1} \(epoch {stopped_at['epoch']}, sample "
+                     rf"{stopped_at['position']}\) from \S+/checkpoints/step_0*{signal_at + 1} on 2 ranks$",
+                     resumed[0][1], re.M), resumed[0][1][-2000:]
     (event,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
     assert {"epoch": event["epoch"], "position": event["position"]} == stopped_at, event
     assert_identical(final_state(run_dir), reference, ("model", "optimizer", "scheduler", "loader", "best", "bad_evals"))

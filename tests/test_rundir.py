@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,89 @@ def test_an_unreadable_claim_is_no_claim(tmp_path: Path) -> None:
     run.owner_file.write_text("{not json")
     assert run.owner() is None
     run.claim("1", slurm=True, squeue_state=queue())
+
+
+def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
+    # Both find the same stale claim (job 0, gone) and ask Slurm about it at the same moment (a barrier): the
+    # claim is one step under a lock (O_EXCL), so the second sees the first's claim, alive, and is refused.
+    import threading
+
+    run = RunDir(tmp_path)
+    run.claim("0", slurm=True, squeue_state=queue())
+    barrier = threading.Barrier(2)
+
+    def slurm(job_id: str) -> str | None:
+        if job_id == "0":
+            with contextlib.suppress(threading.BrokenBarrierError):
+                barrier.wait(timeout=2)  # the old check-then-write let both through here
+            return None
+        return "RUNNING"
+
+    outcomes: dict[str, str] = {}
+
+    def start(job_id: str) -> None:
+        try:
+            run.claim(job_id, slurm=True, squeue_state=slurm)
+            outcomes[job_id] = "won"
+        except RunInUse as refused:
+            outcomes[job_id] = str(refused)
+
+    threads = [threading.Thread(target=start, args=(job,)) for job in ("1", "2")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sorted(outcomes.values()).count("won") == 1, outcomes
+    (winner,) = [job for job, outcome in outcomes.items() if outcome == "won"]
+    assert run.owner() is not None and run.owner().job_id == winner
+    assert not run.claim_lock.exists()
+
+
+def fake_squeue(directory: Path, stderr: str, code: int) -> str:
+    directory.mkdir()
+    script = directory / "squeue"
+    script.write_text(f"#!/bin/sh\necho '{stderr}' >&2\nexit {code}\n")
+    script.chmod(0o755)
+    return f"{directory}:{os.environ['PATH']}"
+
+
+def test_a_failing_squeue_does_not_make_a_live_owner_dead(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run = RunDir(tmp_path / "run")
+    run.claim("100", slurm=True, squeue_state=queue())
+    claim = run.owner_file.read_text()
+    monkeypatch.setenv("PATH", fake_squeue(tmp_path / "down", "slurm_load_jobs error: Unable to contact slurm "
+                                           "controller (connect failure)", 1))
+    with pytest.raises(RunInUse, match=r"held by Slurm job 100 since .*, and whether it still runs cannot be told "
+                                       r"\(squeue exited 1: slurm_load_jobs error: Unable to contact slurm controller "
+                                       r"\(connect failure\)\): try again when Slurm answers; if that job is over, "
+                                       r"remove .*\.owner$"):
+        run.claim("200", slurm=True)
+    assert run.owner_file.read_text() == claim
+    monkeypatch.setenv("PATH", fake_squeue(tmp_path / "forgot", "slurm_load_jobs error: Invalid job id specified", 1))
+    run.claim("200", slurm=True)  # Slurm answered: it no longer knows the job, so the claim is stale
+    assert run.owner().job_id == "200"
+
+
+def test_a_second_start_on_a_held_run_names_the_holder(tmp_path: Path) -> None:
+    # A real jobs/train.py against a run that a live process holds: one line, exit 2 (it used to be an
+    # AttributeError, exit 1, which the batch script retried).
+    from tests.conftest import ROOT, base_env
+
+    run = RunDir(tmp_path / "run")
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        owner = Owner.this_process("local", slurm=False)
+        run.path.mkdir()
+        run.owner_file.write_text(json.dumps({**owner.__dict__, "pid": child.pid, "pid_start": Path(
+            f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[19]}))
+        result = subprocess.run([sys.executable, str(ROOT / "jobs" / "train.py"), f"run.dir={run.path}",
+                                 "task.target=tests.tasks:BlobTask"], env=base_env(), cwd=ROOT, capture_output=True,
+                                text=True, timeout=120)
+    finally:
+        child.kill()
+        child.wait()
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"train: error: run {run.path} is in use by process {child.pid} on {socket.gethostname()} since "
+        f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(owner.since))}: wait for it or stop it, or start another "
+        f"run (run.name=...)"], result.stderr

@@ -168,12 +168,26 @@ def test_unsafe_config_change_on_resume_is_refused(tmp_path: Path) -> None:
     assert train(tmp_path, *run).returncode == 0
     before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").iterdir())
     config = (tmp_path / "config.yaml").read_text()
-    result = train(tmp_path, *run, "optim.lr=0.5")
+    result = train(tmp_path, *run, "optim.momentum=0.5")
     assert result.returncode == 2
     errors = [line for line in result.stdout.splitlines() if "error" in line]
-    assert len(errors) == 1 and "optim.lr" in errors[0], result.stdout
+    assert len(errors) == 1 and "optim.momentum" in errors[0], result.stdout
     assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "checkpoints").iterdir()) == before
     assert (tmp_path / "config.yaml").read_text() == config  # the refused run did not overwrite it (D11)
+
+
+@pytest.mark.multiprocess
+def test_an_lr_change_on_resume_is_applied_and_recorded(tmp_path: Path) -> None:
+    # The documented way to change the LR of a running run: optim.lr on the resumed command (it was refused).
+    run = ["task.target=tests.tasks:BlobTask", "data.batch_size=8", "log.every_steps=1"]
+    assert train(tmp_path, *run, "train.epochs=1").returncode == 0
+    result = train(tmp_path, *run, "train.epochs=2", "optim.lr=0.5")
+    assert result.returncode == 0, result.stdout
+    events = read_ledger(tmp_path / "events.jsonl")
+    (change,) = [e for e in events if e["event"] == "hyperparameters"]
+    assert change["step"] == 5 and change["changes"] == ["optimizer lr: 0.001 -> 0.5"], change
+    assert {e["metrics"]["lr"] for e in events if e["event"] == "progress" and e["step"] > 5} == {0.5}
+    assert "hyperparameters changed at step 5: optimizer lr: 0.001 -> 0.5" in result.stdout
 
 
 @pytest.mark.multiprocess

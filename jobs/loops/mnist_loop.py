@@ -49,8 +49,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr, total_steps=args.epochs * len(loader))
     writer = SummaryWriter(os.path.join(args.out, "tensorboard")) if rank == 0 else None
 
-    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader}
-    session.load(state)
+    state = session.load({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader})
 
     for epoch in loader.epochs(args.epochs):
         model.train()

@@ -1,0 +1,140 @@
+"""A session's way back: find the run's newest checkpoint, put it into the loop's state, say so in one line, and
+refuse what would silently go wrong. The one line for every resume (where, from which checkpoint, on how many
+ranks and what that changed), the note on a finished run run again, the refusal to save over a run's
+checkpoints that the session did not load, and `fresh=True`'s setting aside. No torch at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, MutableMapping
+
+from mgpu.errors import MgpuError
+from mgpu.ledger import Ledger
+from mgpu.rundir import RunDir
+
+__all__ = ["Resumption", "batch_size_of", "finished_note", "resume_line", "set_aside", "unloaded_checkpoint"]
+
+log = logging.getLogger("mgpu.train")
+UNSEEN = object()
+"""`Resumption.found` before anyone looked."""
+
+
+def batch_size_of(state: Mapping[str, Any]) -> int | None:
+    """The per-rank batch size of the state's `session.loader` (None: no such loader)."""
+    for value in state.values():
+        size = getattr(getattr(value, "plan", None), "batch_size", None)
+        if isinstance(size, int):
+            return size
+    return None
+
+
+def resume_line(step: int, where: Mapping[str, int], checkpoint: Path, world: int, saved_world: int | None,
+                batch_size: int | None) -> str:
+    """`resumed at step 120 (epoch 1, sample 384) from <checkpoint> on 2 ranks (saved on 4: the global batch is
+    now 128 samples, was 256)`. `batch_size`: samples per rank per optimizer step (None: unknown)."""
+    at = f"resumed at step {step}"
+    if "epoch" in where:
+        at += f" (epoch {where['epoch']}, sample {where.get('position', 0)})"
+    line = f"{at} from {checkpoint} on {world} rank{'s' if world != 1 else ''}"
+    if saved_world is not None and saved_world != world:
+        line += f" (saved on {saved_world}"
+        if batch_size:
+            line += (f": the global batch is now {batch_size * world} samples, was {batch_size * saved_world}; "
+                     f"to keep it, scale the per-rank batch or the accumulation by {saved_world}/{world}")
+        line += ")"
+    return line
+
+
+def finished_note(meta: Mapping[str, Any], step: int, run: Path) -> str | None:
+    """A note when the checkpoint (its `meta.json`) is a finished run's final one (None otherwise)."""
+    if meta.get("extra", {}).get("reason") != "final":
+        return None
+    return (f"run {run} had finished at step {step} (its final checkpoint): it goes on only where the loop has "
+            f"more to do (more epochs or steps); to train it anew, load(state, fresh=True) or another run directory")
+
+
+def unloaded_checkpoint(step: int | None, run: Path) -> None:
+    """MgpuError when the run has a checkpoint (`step`: its newest) and this session saves without loading it."""
+    if step is None:
+        return
+    raise MgpuError(f"run {run} has a checkpoint (step {step}) that this session did not load: call "
+                    f"session.load(state) before training to resume it, or session.load(state, fresh=True) to "
+                    f"start the run over (its checkpoints are set aside), or use another run directory")
+
+
+def set_aside(checkpoints: Path) -> Path | None:
+    """Move a run's checkpoints out of the way of a fresh start (kept, renamed); the new name, or None."""
+    if not checkpoints.exists() or not any(checkpoints.iterdir()):
+        return None
+    target = checkpoints.with_name(f"{checkpoints.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    checkpoints.rename(target)
+    return target
+
+
+class Resumption:
+    """One rank's resume: what it found (`found`, looked up once), where it resumed (`step`, `path`, `at`)."""
+
+    def __init__(self, run: RunDir, rank: int, world_size: int, seed: int, ledger: Ledger,
+                 checkpointer: Callable[[], Any]) -> None:
+        self.run, self.rank, self.world_size, self.seed, self.ledger = run, rank, world_size, seed, ledger
+        self.checkpointer = checkpointer
+        self.found: Any = UNSEEN
+        self.step = 0
+        self.path: Path | None = None
+        self.skipped: list[tuple[str, str]] = []
+        self.at: dict[str, int] = {}
+        """The epoch and position in the data it resumes at, when the state says (a Progress, a loader)."""
+
+    @property
+    def looked(self) -> bool:
+        return self.found is not UNSEEN
+
+    def latest(self) -> Any:
+        """*Collective.* The newest valid checkpoint (a LoadedCheckpoint), or None; found once."""
+        if self.found is UNSEEN:
+            self.found = self.checkpointer().find_latest()
+        return self.found
+
+    def restore(self, state: MutableMapping[str, Any], missing_ok: set[str], batch_size: int | None) -> Any:
+        """Put the found checkpoint into `state` (mgpu.train_state.restore_state) and say where it resumes."""
+        from mgpu.train_state import restore_state
+
+        loaded = self.latest()
+        if loaded is None:
+            return None
+        restore_state(loaded.state, state, self.rank, self.seed, missing_ok)
+        self.step, self.path = loaded.step, loaded.path
+        self.skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
+        self.at = next(({"epoch": value.epoch, "position": value.position} for value in state.values()
+                        if isinstance(getattr(value, "epoch", None), int)
+                        and isinstance(getattr(value, "position", None), int)), {})
+        if self.rank == 0:
+            log.info("%s", resume_line(loaded.step, self.at, loaded.path, self.world_size,
+                                       loaded.state.get("world_size"), batch_size or batch_size_of(state)))
+            if (note := finished_note(loaded.meta, loaded.step, self.run.path)) is not None:
+                log.warning("%s", note)
+        return loaded
+
+    def start_over(self) -> None:
+        """*Collective.* `load(fresh=True)`: rank 0 sets the run's checkpoints aside, every rank waits for it."""
+        from mgpu.distributed import broadcast_object
+
+        moved = set_aside(self.run.checkpoints) if self.rank == 0 else None
+        broadcast_object(None)
+        self.found = None
+        if moved is not None:
+            log.warning("starting run %s over: its checkpoints are kept in %s", self.run.path, moved)
+            self.ledger.write("fresh_start", set_aside=str(moved))
+
+    def refuse_unloaded(self) -> None:
+        """*Collective.* A first save without a look at the run's checkpoints: MgpuError on every rank where it
+        would replace them."""
+        from mgpu.distributed import broadcast_object
+
+        steps = self.checkpointer().store.list_steps() if self.rank == 0 else None
+        newest = broadcast_object(steps[-1] if steps else None)
+        self.found = None
+        unloaded_checkpoint(newest, self.run.path)

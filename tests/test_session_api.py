@@ -1,0 +1,224 @@
+"""mgpu.Session's API without silent wrong results, in process (a world of one, a real gloo group): plain values
+come back, a state a checkpoint cannot hold is refused at load(), a save over checkpoints the session did not load
+is refused, a key the checkpoint lacks is named, hyperparameters change only on purpose, misuse is one line."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from mgpu.config import Config
+from mgpu.errors import MgpuError
+from mgpu.ledger import read_ledger
+from mgpu.resumption import resume_line
+from mgpu.session import Session
+
+
+@pytest.fixture(autouse=True)
+def world_of_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                 "MGPU_RESUME_COMMAND", "MGPU_RUN_DIR_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's own side effect
+    yield
+
+
+def session(run: Path, **options: Any) -> Session:
+    config = Config()
+    config.watchdog.enabled = False
+    from mgpu.environment import detect_environment
+
+    return Session(run, seed=0, config=config, env=detect_environment({}), **options)
+
+
+def parts(lr: float = 0.01) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+
+def train(state: Any, s: Session, steps: int) -> None:
+    for _ in range(steps):
+        loss = state["model"](torch.ones(3, 4)).sum()
+        loss.backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state["scheduler"].step()
+        s.should_stop()
+
+
+def said(capsys: pytest.CaptureFixture[str]) -> str:
+    """What rank 0 printed (its log lines go to stdout)."""
+    return capsys.readouterr().out
+
+
+def test_plain_values_come_back_to_the_loop(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    with session(run) as s:
+        state = s.load({**parts(), "best": 0.0})
+        train(state, s, 3)
+        state.best = 0.75  # the blog's best_score, kept where it is saved
+        s.save(state, wait=True)
+    with session(run) as s:
+        given = {**parts(), "best": 0.0}
+        state = s.load(given)
+        assert state.best == 0.75 and state["best"] == 0.75 and given["best"] == 0.75  # one mapping, restored
+        assert s.step == 3
+    assert f"resumed at step 3 from {run / 'checkpoints'}" in said(capsys)
+
+
+class EarlyStopper:  # the blog's: a plain class, no state_dict
+    def __init__(self) -> None:
+        self.best, self.bad = 0.0, 0
+
+
+@pytest.mark.parametrize("value, where", [
+    (EarlyStopper(), "state['early']"),
+    ([1, {"deep": EarlyStopper()}], "state['early'][1]['deep']"),
+])
+def test_a_state_a_checkpoint_cannot_hold_is_refused_at_load(tmp_path: Path, value: Any, where: str) -> None:
+    run = tmp_path / "run"
+    s = session(run)
+    with pytest.raises(MgpuError) as info:
+        with s:
+            s.load({**parts(), "early": value})
+            raise AssertionError("load() accepted it")  # before any training
+    message = str(info.value)
+    assert message.startswith(f"{where} is a EarlyStopper, which a checkpoint cannot save and restore")
+    assert "state_dict() and load_state_dict(state)" in message and "@dataclass" in message
+    assert "add_safe_globals" not in message
+    assert not (run / "checkpoints").exists()
+
+
+@dataclasses.dataclass
+class Inner:
+    seen: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class Stopper:
+    best: float = 0.0
+    bad: int = 0
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def test_a_dataclass_is_saved_and_restored_in_place(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with session(run) as s:
+        stopper = Stopper()
+        state = s.load({**parts(), "early": stopper})
+        train(state, s, 2)
+        stopper.best, stopper.bad, stopper.inner.seen = 0.5, 2, [1, 2]
+        s.save(state, wait=True)
+    with session(run) as s:
+        stopper = Stopper()
+        inner = stopper.inner
+        s.load({**parts(), "early": stopper})
+        assert stopper == Stopper(0.5, 2, Inner([1, 2])) and stopper.inner is inner  # the loop's own objects
+
+
+def test_a_save_over_checkpoints_this_session_did_not_load_is_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with session(run) as s:
+        state = s.load(parts())
+        train(state, s, 3)
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    s = session(run)
+    with pytest.raises(MgpuError, match=r"has a checkpoint \(step 3\) that this session did not load: call "
+                                        r"session.load\(state\) .* fresh=True"):
+        with s:  # a loop that forgot load(): trains from 0 and saves
+            state = parts()
+            train(state, s, 3)
+            s.save(state, wait=True)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == saved
+    with session(run) as s:  # the explicit new start: the old checkpoints are kept aside
+        state = s.load(parts(), fresh=True)
+        assert s.step == 0
+        train(state, s, 1)
+    (aside,) = run.glob("checkpoints.replaced-*")
+    assert sorted(p.name for p in aside.iterdir()) == saved
+    assert [e["step"] for e in read_ledger(run / "events.jsonl") if e["event"] == "finished"] == [3, 1]
+
+
+def test_a_state_key_the_checkpoint_lacks_is_named(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    with session(run) as s:
+        train(s.load(parts()), s, 2)
+    s = session(run)
+    with pytest.raises(MgpuError, match=r"the checkpoint holds no 'ema' .*load\(state, missing_ok=\{'ema'\}\)"):
+        with s:
+            s.load({**parts(), "ema": 0.0})
+    with session(run) as s:
+        state = s.load({**parts(), "ema": 0.5}, missing_ok={"ema"})
+        assert state.ema == 0.5 and s.step == 2
+
+
+def test_learning_rate_changes_only_on_purpose_and_is_recorded(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    with session(run) as s:
+        train(s.load(parts(lr=0.01)), s, 3)  # the schedule's factor is now 1/4
+    with session(run) as s:
+        state = s.load(parts(lr=0.001))  # an edited --lr: the checkpoint's wins, with a warning
+        assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.01 / 4)
+        train(state, s, 1)
+    assert "optimizer lr: the loop set 0.001, the checkpoint's 0.01 is used" in said(capsys)
+    with session(run) as s:
+        state = s.load(parts(lr=0.01), override={"lr": 0.1, "momentum": 0.5})
+        group = state.optimizer.param_groups[0]
+        assert (group["initial_lr"], group["momentum"], state.scheduler.base_lrs) == (0.1, 0.5, [0.1])
+        assert group["lr"] == pytest.approx(0.1 / 5)  # the schedule goes on from where it stands, at the new scale
+        train(state, s, 1)
+        assert state.optimizer.param_groups[0]["lr"] == pytest.approx(0.1 / 6)
+    (event,) = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "hyperparameters"]
+    assert event["step"] == 4 and event["changes"] == ["optimizer lr: 0.01 -> 0.1", "optimizer momentum: 0.9 -> 0.5"]
+    with pytest.raises(MgpuError, match="override 'nesterov_x': optimizer .SGD. has no hyperparameter"):
+        with session(run) as s:
+            s.load(parts(), override={"nesterov_x": True})
+
+
+def test_a_finished_run_run_again_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    with session(run) as s:
+        train(s.load(parts()), s, 2)
+    with session(run) as s:
+        s.load(parts())
+    assert f"run {run} had finished at step 2 (its final checkpoint)" in said(capsys)
+
+
+def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
+    from mgpu.environment import detect_environment
+
+    with pytest.raises(MgpuError, match="Session.config=.... takes a mgpu.Config, got a dict"):
+        Session(tmp_path / "x", config={"train": {"seed": 1}}, env=detect_environment({}))  # type: ignore[arg-type]
+    s = session(tmp_path / "run")
+    model = s.wrap(nn.Linear(2, 2))
+    for wrapped in (model, nn.parallel.DistributedDataParallel(nn.Linear(2, 2))):  # wrap(wrap(m)), on any world
+        with pytest.raises(MgpuError, match=r"Session.wrap\(\): this model is wrapped already"):
+            s.wrap(wrapped)
+    with pytest.raises(MgpuError, match="takes a dataset with len.. and .index..*got a range_iterator"):
+        s.loader(iter(range(10)), batch_size=2)  # type: ignore[arg-type]
+    with pytest.raises(MgpuError, match="Session.load.. takes a dict .*got a list"):
+        s.load([parts()["model"]])  # type: ignore[arg-type]
+    with pytest.raises(MgpuError, match="Session.save.. takes the state mapping .*got a list"):
+        s.save([parts()["model"]])  # type: ignore[arg-type]
+    s.finish()
+    with pytest.raises(MgpuError, match=r"Session.should_stop\(\) after finish\(\)"):
+        s.should_stop()
+
+
+@pytest.mark.parametrize("world, saved, batch, expected", [
+    (2, 2, 64, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks"),
+    (2, 4, 64, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch is "
+               "now 128 samples, was 256; to keep it, scale the per-rank batch or the accumulation by 4/2)"),
+    (1, 2, None, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 1 rank (saved on 2)"),
+])
+def test_the_resume_line(world: int, saved: int, batch: int | None, expected: str) -> None:
+    assert resume_line(7, {"epoch": 1, "position": 96}, Path("/r/step_7"), world, saved, batch) == expected
