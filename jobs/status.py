@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +30,7 @@ from mgpu.errors import MgpuError, exit_with  # noqa: E402
 from mgpu.goodput import SACCT_FIELDS, SacctRun, goodput, goodput_lines, parse_sacct  # noqa: E402
 from mgpu.ledger import read_ledger  # noqa: E402
 from mgpu.recovery import Limits, failure_requeues  # noqa: E402
+from mgpu.slurm import client, is_alive  # noqa: E402
 
 __all__ = ["budgets", "describe", "find_run_dirs", "job_limits", "progress_line", "scheduler_state", "summarize",
            "verify"]
@@ -39,9 +38,7 @@ __all__ = ["budgets", "describe", "find_run_dirs", "job_limits", "progress_line"
 _SLURM_ID = re.compile(r"\d+(_\d+)?\Z")  # \Z, not $: "123\n" is no job id
 _EXPORT = re.compile(r"^export (MGPU_MAX_REQUEUES|MGPU_MAX_FAILURES)=(\S*)\s*(?:#.*)?$", re.M)
 PROG = "status"
-QUERY_TIMEOUT_S = 15
 LIVE_S = 900
-_ALIVE = {"PENDING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED", "RESIZING"}
 
 
 def _job_ids(run_dir: Path) -> set[str]:
@@ -212,28 +209,7 @@ def scheduler_state(job_id: str) -> str | None:
     """Slurm's state of the job (squeue while queued or running, then sacct), or None if unknown."""
     if not _SLURM_ID.match(job_id):
         return None
-    for command in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id]):
-        if shutil.which(command[0]) is None:
-            continue
-        try:
-            out = subprocess.run(command, capture_output=True, text=True, timeout=15, check=False).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        lines = [line.strip() for line in out.splitlines() if line.strip()]
-        if lines:
-            return lines[-1].split()[0]
-    return None
-
-
-def _query(command: list[str]) -> str | None:
-    """A read-only Slurm query's stdout, or None (not installed, failed, too slow)."""
-    if shutil.which(command[0]) is None:
-        return None
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
+    return client().state(job_id)
 
 
 def job_limits(script: str) -> Limits | None:
@@ -275,7 +251,7 @@ def _sacct_runs(events: list[dict[str, Any]]) -> tuple[list[SacctRun], bool]:
     if not ids:
         return [], False
     since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(events[0]["time"] - 7 * 86400))
-    out = _query(["sacct", "-D", "-X", "-n", "-P", "-S", since, "-o", ",".join(SACCT_FIELDS), "-j", ",".join(ids)])
+    out = client().sacct(ids, SACCT_FIELDS, since=since, duplicates=True)
     return (parse_sacct(out), True) if out is not None else ([], False)
 
 
@@ -326,7 +302,7 @@ def describe(run_dir: Path, now: float | None = None) -> list[str]:
                     and isinstance(e.get("limits"), dict)]
         limits = _recorded_limits(recorded[-1]) if recorded else None
         if limits is None:
-            script = _query(["scontrol", "write", "batch_script", str(job_id), "-"]) if sched in _ALIVE else None
+            script = client().batch_script(str(job_id)) if is_alive(sched) else None
             limits = job_limits(script) if script else None
         lines.append(f"budgets     {budgets(events, str(job_id), summary['restart'], limits)}")
     if "hangs" in summary:

@@ -25,7 +25,6 @@ import argparse
 import logging
 import os
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -144,7 +143,7 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         kind = "hang" if hang else "failure"
         budget = Budget(failure_requeues(events, job_id), limits.max_failures, "failure")
         view = query_job(job_id)
-        decision = decide(set(), job_id, restart, budget, run=lambda cmd: _replay(cmd, view))
+        decision = decide(set(), view, restart, budget)
         bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
         plan = None
         if bad and decision.requeue:
@@ -181,13 +180,6 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
         return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
                         f"{resume_command(ask=False)}")
-
-
-def _replay(cmd: list[str], view: JobView) -> "subprocess.CompletedProcess[str]":
-    """Answer decide()'s `scontrol show job` with the view already read (one query, one answer)."""
-    fields = (f"JobState={view.state} Reason={view.reason} Restarts={view.restarts} "
-              f"PreemptTime={view.preempt_time or 'None'}")
-    return subprocess.CompletedProcess(cmd, 0, fields, "")
 
 
 def _run_dir(args: argparse.Namespace) -> RunDir | None:

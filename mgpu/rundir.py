@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -66,22 +64,18 @@ def _pid_start(pid: int) -> str | None:
 
 
 def _squeue_state(job_id: str) -> str | None:
-    """Slurm's state of a job while it is queued or running; None once it is gone (or unknown)."""
-    squeue = shutil.which("squeue")
-    if squeue is None:
-        return None
-    try:
-        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    states = proc.stdout.split()
-    return states[0] if proc.returncode == 0 and states else None
+    """Slurm's state of a job (mgpu.slurm's client: squeue, then accounting); None when unknown."""
+    from mgpu.slurm import client
+
+    return client().state(job_id)
 
 
 def owner_alive(owner: Owner, squeue_state: Callable[[str], str | None] = _squeue_state) -> bool:
     """Whether `owner` may still write to the run: its Slurm job is queued or running, or its process lives."""
     if owner.slurm:
-        return squeue_state(owner.job_id) is not None
+        from mgpu.slurm import is_alive  # one meaning of alive: a job that ended is not, though squeue lists it
+
+        return is_alive(squeue_state(owner.job_id))
     if owner.host != socket.gethostname():
         return False  # cannot be checked from here; a local run on another machine is not ours to guard
     return _pid_start(owner.pid) == owner.pid_start

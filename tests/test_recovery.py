@@ -258,22 +258,23 @@ def test_unavailable_nodes_from_their_state(monkeypatch: pytest.MonkeyPatch) -> 
     import subprocess
 
     from mgpu.exclusion import unavailable_nodes
+    from mgpu.slurm import SlurmClient
 
     states = {"n1": "IDLE", "n2": "ALLOCATED", "n3": "DOWN*", "n4": "IDLE+DRAIN", "n5": "MIXED+DRAIN", "n6": "FUTURE",
               "n7": "IDLE+POWERED_DOWN", "n8": "IDLE*", "n9": "DOWN+NOT_RESPONDING", "n10": "MIXED+COMPLETING"}
     calls: list[list[str]] = []
 
-    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         calls.append(cmd[1:])
         return subprocess.CompletedProcess(cmd, 0, "".join(f"NodeName={n} Arch=x86_64 State={s} Partitions=main\n"
                                                            for n, s in states.items()), "")
 
-    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
-    assert unavailable_nodes(list(states), run) == {"n3", "n4", "n5", "n6", "n8", "n9"}
+    slurm = SlurmClient(run=run, which=lambda name: name)
+    assert unavailable_nodes(list(states), slurm) == {"n3", "n4", "n5", "n6", "n8", "n9"}
     assert calls == [["show", "node", "-o", ",".join(states)]]
-    assert unavailable_nodes([], run) == set() and len(calls) == 1
-    failing = lambda cmd: subprocess.CompletedProcess(cmd, 1, "", "scontrol: error")  # noqa: E731
-    assert unavailable_nodes(["n1"], failing) == set()  # unknown: counted as usable, as before
+    assert unavailable_nodes([], slurm) == set() and len(calls) == 1
+    failing = lambda cmd, timeout: subprocess.CompletedProcess(cmd, 1, "", "scontrol: error")  # noqa: E731
+    assert unavailable_nodes(["n1"], SlurmClient(run=failing, which=lambda name: name)) == set()  # unknown: usable
 
 
 def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
