@@ -151,14 +151,23 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [], nodes, view.num_nodes,
                                   unavailable_nodes(nodes))
         if plan is not None and plan.nodes is None and "would leave" in plan.why:
-            why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
-                   f"resume with: {resume_command()}")
-            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
-            return "none", why
+            if not (may_restart and decision.event not in ("preempted", "time_limit")):
+                why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
+                       f"resume with: {resume_command()}")
+                ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
+                return "none", why
+            # The allocation is intact and a hang is often transient (a stalled filesystem, a slow peer): a
+            # restart in place, counted against the failure budget (decide() said it is not spent), is worth
+            # more than a job that stays down. A node that hangs every time spends the budget, then stays down.
+            plan = replace(plan, why=f"{plan.why}: restarting in place instead ({budget.describe()}); if it hangs "
+                                     f"again, check {bad} (scontrol show node {bad})")
         # A step that failed while the job is being preempted or reaching its time limit (e.g. a rank killed by
         # the user signal before it could install a handler) must not start again here: the allocation is ending.
         in_place = may_restart and not (plan and plan.nodes) and decision.event not in ("preempted", "time_limit")
         action: Action = ("restart" if in_place else "requeued") if decision.requeue else "none"
+        if action == "none" and bad and plan is None and budget.spent:
+            decision = replace(decision, why=f"{decision.why}; the hangs were pinned on {bad}: check it (scontrol "
+                                             f"show node {bad})")
         if action == "none" and decision.event != "requeued_by_slurm":  # the job stays down: say how it continues
             cancelled = decision.event in ("cancelled", "interrupted")
             decision = replace(decision, why=f"{decision.why}; " + ("to resume: " if cancelled else

@@ -183,13 +183,37 @@ def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, 
 
 def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path: Path, running_job: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch script that cannot start the step again (no --may-restart): the job stays down, saying why.
     monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
     monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
-    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=False)
     assert action == "none" and outcome.startswith("after a hang: excluding n2 would leave 1 of the 2 nodes"), outcome
     assert outcome.endswith(f"the job stays down: check n2 (scontrol show node n2), then resume with: {RESUME}")
+
+
+def test_a_hang_on_a_node_that_cannot_be_excluded_restarts_in_place_until_the_budget_is_spent(
+        tmp_path: Path, running_job: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on the test cluster: a SIGSTOPped rank blamed on its node, correctly; excluding the node would leave
+    # the 2-node job one node, so the job stayed down although the allocation was intact. Now: restarts in place,
+    # each counted against --max-failures (2 here), then it stays down naming the node.
+    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
+    run = RunDir(tmp_path)
+    actions = []
+    for attempt in range(3):
+        Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
+        actions.append(handle_failure(run, "7", 0, Limits(max_failures=2), "exit 4", may_restart=True))
+    assert [action for action, _ in actions] == ["restart", "restart", "none"], actions
+    events = ledger_events(run)
+    assert [e["after"] for e in events if e["event"] == "restarted"] == ["hang", "hang"]
+    first = [e for e in events if e["event"] == "stop_decision"][0]
+    assert "excluding n2 would leave 1 of the 2 nodes" in first["reason"] and "restarting in place instead (failure " \
+        "requeue 1 of 2)" in first["reason"], first
+    assert actions[2][1].startswith("terminated, but the failure budget is spent (2 of 2 failure requeues used); the "
+                                    "hangs were pinned on n2: check it (scontrol show node n2)"), actions[2][1]
+    assert actions[2][1].endswith(f"resume with: {RESUME}")
 
 
 @pytest.mark.parametrize("view, action", [
@@ -283,7 +307,7 @@ def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
     monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: {"n3"})
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
-    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=False)
     assert action == "none", outcome  # excluding n2 would have left the job pending on the drained n3
     assert "would leave 1 of the 2 nodes the job needs in its partition (n1; down or drained: n3)" in outcome
 
