@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
 import sys
 from dataclasses import dataclass, replace
@@ -38,12 +39,26 @@ from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_com
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "stop_requeues"]
+__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "peer_consequence",
+           "stop_requeues"]
 
 log = logging.getLogger("mgpu.job")
 DEFAULT_MAX_FAILURES = 3
 FAILURE_KINDS = ("failure", "no_progress", "hang")
 """What a comeback after counts against MGPU_MAX_FAILURES (a preemption or time limit does not)."""
+
+
+_CONSEQUENCE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|"
+                          r"NCCL communicator was aborted|Socket Timeout|timed out in call to|"
+                          r"failed to recv, got 0 bytes|Watchdog caught collective operation timeout", re.I)
+_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def peer_consequence(error: BaseException) -> bool:
+    """A rank's error that only says another rank went away (gloo's `Connection closed by peer`, a collective
+    timeout): the consequence of a failure, not its cause. The ledger records the cause from the rank that had
+    it; this one is kept, marked, for when no rank could say more."""
+    return type(error).__name__ in _CONSEQUENCE_TYPES or _CONSEQUENCE.search(str(error)) is not None
 
 
 @dataclass(frozen=True)
@@ -136,9 +151,7 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             return "none", (f"nothing to do: the run recorded {handled['event']} "
                             f"({handled.get('reason') or handled.get('error')})")
         ledger = Ledger(run.ledger, job_id, restart)
-        who = {} if rank is None else {"rank": rank}
-        if rank not in (None, 0):
-            ledger.write("failed", error=message, **who)
+        who = {} if rank is None else {"rank": rank}  # the failing rank wrote its own `failed` (Session.fail)
         hang = next((e for e in reversed(attempt) if e.get("event") == "hang"), None)
         kind = "hang" if hang else "failure"
         budget = Budget(failure_requeues(events, job_id), limits.max_failures, "failure")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.ledger import Ledger
+from mgpu.ledger import Ledger, read_ledger
 from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure, stop_requeues
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import ancestors, owns_slurm_job
@@ -323,3 +323,21 @@ def test_the_run_directory_a_session_announced(tmp_path: Path, monkeypatch: pyte
     assert _run_dir(args) is None  # the session never started: nothing to requeue
     announced.write_text(str(tmp_path / "runs" / "mine") + "\n")
     assert _run_dir(args) == RunDir(tmp_path / "runs" / "mine")
+
+
+@pytest.mark.multiprocess
+def test_the_ledger_records_the_failing_ranks_own_error(tmp_path: Path) -> None:
+    # Rank 1's loss raises its own error; rank 0 only sees gloo's `Connection closed by peer`. Before, the ledger
+    # had rank 0's consequence alone; now rank 1's cause, and rank 0's error marked as a consequence.
+    from mgpu.recovery import peer_consequence
+    from tests.test_faults import finish_step, start_step
+
+    results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:CrashingBlobTask", "train.epochs=2",
+                                     "data.batch_size=4", "log.tensorboard=false"), timeout=150)
+    assert [rc for rc, _ in results] == [1, 1]
+    failed = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "failed"]
+    own = [e for e in failed if not e.get("consequence")]
+    assert [(e["rank"], e["error"]) for e in own] == [(1, "ValueError: rank 1's own bug at loss call 3")], failed
+    assert all(e["rank"] == 0 for e in failed if e.get("consequence")), failed
+    assert not peer_consequence(ValueError("rank 1's own bug")) and peer_consequence(RuntimeError(
+        "[pair.cc:553] Connection closed by peer [127.0.0.1]:38817"))
