@@ -279,6 +279,8 @@ class Watchdog:
         self.step, self.phase, self.since = 0, "start", clock()
         self._step_started: float | None = None  # the current step's first beat
         self._eval_mark = 0.0  # the current evaluation batch's beat
+        self._in_eval = False  # an evaluation runs: `agree` is its stop agreement, not a step's end
+        self._step_timed = True  # the current step's time is recorded (nothing to record before the first)
         self._step_times: deque[float] = deque(maxlen=50)
         self._eval_times: deque[float] = deque(maxlen=50)
         self._teardown: tuple[float, int] | None = None  # (allowance, exit code) once the teardown began
@@ -306,17 +308,28 @@ class Watchdog:
     def beat(self, phase: str, step: int | None = None) -> None:
         """Progress: this rank is now in `phase` (of optimizer step `step`, when it changes)."""
         now = self.clock()
-        if self.phase == "optimizer" and phase != "optimizer" and self._step_started is not None:
+        if self.phase == "optimizer" and phase != "optimizer" and self._step_started is not None \
+                and not self._step_timed:
             # The step ends with its optimizer phase (and what runs until the next beat: the log line's
             # all-reduce, the stop agreement); an evaluation or checkpoint after it is not part of it.
             self._step_times.append(now - self._step_started)
+            self._step_timed = True
+        if step is not None and step != self.step and self._step_started is not None and not self._step_timed \
+                and not self._in_eval and self.phase not in CHECKPOINT_PHASES:
+            # A loop of one's own beats no optimizer phase (mgpu.Session: `model` at a step's first forward,
+            # `agree` at its end): its step lasts until the next one begins.
+            self._step_times.append(now - self._step_started)
         if phase == "eval":
-            if self.phase in EVAL_PHASES:  # the previous batch, with the stop agreement after it if any
+            if self._in_eval:  # the previous batch, with the stop agreement after it if any
                 self._eval_times.append(now - self._eval_mark)
             self._eval_mark = now
+            self._in_eval = True
+        elif phase != "agree":  # `agree` belongs to what it follows: an evaluation batch, or a step's end
+            self._in_eval = False
         if step is not None:
             self.step = step
             self._step_started = now
+            self._step_timed = False
         self.phase, self.since = phase, now
 
     def allowance(self) -> float:
@@ -325,7 +338,7 @@ class Watchdog:
             return self._teardown[0]
         if self.phase in CHECKPOINT_PHASES:
             return self.checkpoint_s
-        if self.phase in EVAL_PHASES:
+        if self.phase == "eval" or (self.phase == "agree" and self._in_eval):
             if not self._eval_times:
                 return self.eval_s
             return max(self.eval_s, self.step_multiple * statistics.median(self._eval_times))

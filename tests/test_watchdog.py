@@ -480,3 +480,32 @@ def test_a_pause_within_the_allowance_outlasts_a_shorter_collective_timeout(tmp_
     assert not [e for e in events if e["event"] == "hang"]
     (first,) = [e for e in events if e["event"] == "first_step"]
     assert 70 <= first["collective_timeout_s"] < 100, first
+
+
+def test_an_own_loop_between_steps_has_the_step_allowance_not_the_evaluations() -> None:
+    # mgpu.Session beats `model` at a step's first forward and `agree` at its end (should_stop), no optimizer
+    # phase. Before: the allowance between two steps was eval_s (300 s), and no step time was ever learned.
+    clock = Clock()
+    dog = watchdog(clock, eval_s=300)
+    for step in range(1, 9):
+        dog.beat("model", step)
+        clock.tick(0.15)
+        dog.beat("agree")
+        clock.tick(0.05)
+    assert dog.phase == "agree" and dog.allowance() == pytest.approx(2.0)  # 10 x 0.2 s, not 300
+    dog.beat("eval")  # an evaluation after it: its own allowance, its agreement too
+    clock.tick(0.1)
+    dog.beat("agree")
+    assert dog.allowance() == 300
+    dog.beat("model", 9)
+    assert dog.allowance() == pytest.approx(2.0)
+
+
+def test_a_world_of_one_own_loop_learns_its_steps_from_its_agreements() -> None:
+    # Without DDP there is no `model` beat: each should_stop beats `agree` with the step it ends.
+    clock = Clock()
+    dog = watchdog(clock, eval_s=300)
+    for step in range(1, 9):
+        dog.beat("agree", step)
+        clock.tick(0.3)
+    assert dog.allowance() == pytest.approx(3.0)
