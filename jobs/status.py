@@ -16,36 +16,29 @@ arguments, or an unreadable ledger, or runs --verify cannot compare).
 from __future__ import annotations
 
 import argparse
-import re
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mgpu.config import control_problem  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
-from mgpu.goodput import SACCT_FIELDS, SacctRun, goodput, goodput_lines, parse_sacct  # noqa: E402
 from mgpu.ledger import read_ledger  # noqa: E402
-from mgpu.recovery import Limits, failure_requeues  # noqa: E402
+from mgpu.rundir import RunDir  # noqa: E402
+from mgpu.runview import (SLURM_ID, RunView, budgets, describe, is_run_dir, job_limits, progress_line,  # noqa: E402
+                          sacct_runs, scheduler_state, summarize, verify)
 
 __all__ = ["budgets", "describe", "find_run_dirs", "job_limits", "progress_line", "scheduler_state", "summarize",
-           "verify"]
+           "verify"]  # the read model's names stay importable from here (mgpu.runview holds them)
 
-_SLURM_ID = re.compile(r"\d+(_\d+)?\Z")  # \Z, not $: "123\n" is no job id
-_EXPORT = re.compile(r"^export (MGPU_MAX_REQUEUES|MGPU_MAX_FAILURES)=(\S*)\s*(?:#.*)?$", re.M)
 PROG = "status"
-QUERY_TIMEOUT_S = 15
-LIVE_S = 900
-_ALIVE = {"PENDING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_HOLD", "CONFIGURING", "SUSPENDED", "RESIZING"}
+_SLURM_ID = SLURM_ID
 
 
 def _job_ids(run_dir: Path) -> set[str]:
-    return {str(e.get("job_id")) for e in read_ledger(run_dir / "events.jsonl") if e.get("job_id")}
+    return {str(e.get("job_id")) for e in read_ledger(RunDir(run_dir).ledger) if e.get("job_id")}
 
 
 def find_run_dirs(arg: str, folder: str | Path = "runs") -> list[Path]:
@@ -69,307 +62,6 @@ def find_run_dirs(arg: str, folder: str | Path = "runs") -> list[Path]:
                         f"(pass --folder, the root the job was submitted with)")
     return [run_dir for _, run_dir in sorted(found, key=lambda item: (item[0], str(item[1])))]
 
-
-def _int(value: Any) -> int:
-    """A ledger field read as a count: 0 for anything that is not an int (a malformed line)."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else 0
-
-
-def _num(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-
-
-def _metrics(metrics: Any, limit: int = 3) -> str:
-    """`accuracy 0.812, loss 0.583`: the first few numeric metrics, 4 significant digits."""
-    if not isinstance(metrics, dict):
-        return ""
-    shown = [f"{k} {v:.4g}" for k, v in metrics.items() if _num(v) is not None][:limit]
-    return ", ".join(shown)
-
-
-def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[str, Any]:
-    """The facts status and `submit.py --wait` show, from the ledger's events (oldest first)."""
-    now = time.time() if now is None else now
-    if not events:
-        return {"state": "not started", "events": 0}
-    last = events[-1]
-    restart = max(_int(e.get("restart")) for e in events)
-    summary: dict[str, Any] = {
-        "events": len(events), "job_id": last.get("job_id"), "restart": restart,
-        "requeues": sum(e["event"] == "requeued" for e in events),
-        "last_event": last["event"], "last_event_age_s": now - last["time"],
-        "launcher": next((e.get("launcher") for e in reversed(events) if e["event"] == "started"), None),
-    }
-    state = "running"
-    for event in reversed(events):
-        name = event["event"]
-        if name == "finished":
-            status = event.get("status")
-            state = "finished" if status in (None, "finished") else f"finished ({status})"
-        elif name == "failed":
-            state = f"failed: {event.get('error', '?')}"
-        elif name == "preempted":
-            state = "stopped by a signal (requeue pending)"
-        elif name not in ("started", "resumed"):
-            continue
-        break
-    summary["state"] = state
-    stepped = [e for e in events if isinstance(e.get("step"), int)]
-    # The current segment (since the newest start): its highest step is where training is; a background
-    # save or an evaluation may be written after a newer progress event.
-    begin = max((i for i, e in enumerate(events) if e["event"] == "started"), default=0)
-    current_steps = [e["step"] for e in events[begin:] if isinstance(e.get("step"), int)]
-    if stepped:
-        summary["step"] = max(current_steps) if current_steps else stepped[-1]["step"]
-        summary["epoch"] = next((e["epoch"] for e in reversed(stepped) if "epoch" in e), None)
-    saves = [e for e in events if e["event"] == "checkpoint_saved"]
-    if saves:
-        summary["checkpoint"] = {"step": saves[-1].get("step"), "age_s": now - saves[-1]["time"],
-                                 "reason": saves[-1].get("reason"), "path": saves[-1].get("path")}
-    heartbeat = next((e for e in reversed(events[begin:]) if e["event"] == "progress"), None)
-    if heartbeat is not None and isinstance(heartbeat.get("metrics"), dict):
-        m = heartbeat["metrics"]
-        summary["heartbeat"] = {"step": heartbeat.get("step"), "age_s": now - heartbeat["time"],
-                                **{k: m[k] for k in ("samples_per_s", "tokens_per_s", "step_time_s", "loss")
-                                   if _num(m.get(k)) is not None}}
-    # Throughput over the current run (since the last start/resume): steps between two ledger events.
-    current = [e for e in events if _int(e.get("restart")) == restart]
-    start = next((e for e in reversed(current) if e["event"] in ("started", "resumed")), None)
-    if start is not None and stepped:
-        begin_step = _int(start.get("step")) if start["event"] == "resumed" else 0
-        end = stepped[-1]
-        if end["time"] > start["time"] and end["step"] > begin_step:
-            summary["steps_per_s"] = (end["step"] - begin_step) / (end["time"] - start["time"])
-            summary["throughput_window_s"] = end["time"] - start["time"]
-    step_time = summary.get("heartbeat", {}).get("step_time_s")
-    if step_time:
-        summary["steps_per_s"] = 1.0 / step_time  # the trainer's own measure, evaluations and saves left out
-    totals = [e["total_steps"] for e in events if isinstance(e.get("total_steps"), int)]
-    if totals and "step" in summary:
-        summary["total_steps"] = totals[-1]
-        if state == "running" and step_time and totals[-1] >= summary["step"]:
-            summary["eta_s"] = (totals[-1] - summary["step"]) * step_time
-    evals = [e for e in events if e["event"] == "evaluated" and isinstance(e.get("metrics"), dict)]
-    if evals:
-        summary["last_eval"] = {"step": evals[-1].get("step"), "metrics": evals[-1]["metrics"]}
-        best = [e for e in evals if e.get("best") is True]
-        if best:
-            summary["best_eval"] = {"step": best[-1].get("step"), "metrics": best[-1]["metrics"]}
-    hangs = [e for e in events if e["event"] == "hang"]
-    if hangs:
-        summary["hangs"] = {"count": len(hangs), "last": hangs[-1]}
-    excluded = [e for e in events if e["event"] == "node_excluded"]
-    if excluded:
-        nodes = excluded[-1].get("excluded")
-        summary["excluded"] = nodes if isinstance(nodes, list) else [excluded[-1].get("node")]
-    return summary
-
-
-def hang_line(hang: dict[str, Any]) -> str:
-    """Who held the others up, where, and in which phase, from a `hang` event."""
-    ranks, hosts = (value if isinstance(value, list) else [] for value in (hang.get("ranks"), hang.get("hosts")))
-    phases = hang.get("phases")
-    phases = phases if isinstance(phases, dict) else {}
-    who = (f"rank(s) {', '.join(map(str, ranks))} on {', '.join(map(str, hosts)) or '?'}" if ranks
-           else "no rank identified")
-    where = ", ".join(f"{phases[str(r)]}" for r in ranks if str(r) in phases)
-    return (f"after step {hang.get('step')}: {who}" + (f" in {where}" if where else "")
-            + (f", found after {hang['waited_s']} s" if isinstance(hang.get("waited_s"), (int, float)) else ""))
-
-
-def progress_line(summary: dict[str, Any]) -> str:
-    """One line: state, step, throughput, ETA, evaluation, restarts. Nothing in it changes unless the ledger
-    does (no ages): `submit.py --wait` prints it again only when it differs."""
-    parts = [summary["state"]]
-    if "step" in summary:
-        total = f"/{summary['total_steps']}" if "total_steps" in summary else ""
-        parts.append(f"step {summary['step']}{total}")
-    beat = summary.get("heartbeat", {})
-    if "samples_per_s" in beat:
-        parts.append(f"{beat['samples_per_s']:.4g} samples/s")
-    elif "steps_per_s" in summary:
-        parts.append(f"{summary['steps_per_s']:.3g} steps/s")
-    if "eta_s" in summary:
-        parts.append(f"ETA {_age(summary['eta_s'])}")
-    if "checkpoint" in summary:
-        parts.append(f"checkpoint step {summary['checkpoint']['step']}")
-    if "last_eval" in summary:
-        parts.append(f"eval {_metrics(summary['last_eval']['metrics'], 1)}")
-    if summary.get("restart"):
-        parts.append(f"restart {summary['restart']}")
-    return ", ".join(parts)
-
-
-def scheduler_state(job_id: str) -> str | None:
-    """Slurm's state of the job (squeue while queued or running, then sacct), or None if unknown."""
-    if not _SLURM_ID.match(job_id):
-        return None
-    for command in (["squeue", "-h", "-j", job_id, "-o", "%T"], ["sacct", "-n", "-X", "-P", "-o", "State", "-j", job_id]):
-        if shutil.which(command[0]) is None:
-            continue
-        try:
-            out = subprocess.run(command, capture_output=True, text=True, timeout=15, check=False).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        lines = [line.strip() for line in out.splitlines() if line.strip()]
-        if lines:
-            return lines[-1].split()[0]
-    return None
-
-
-def _query(command: list[str]) -> str | None:
-    """A read-only Slurm query's stdout, or None (not installed, failed, too slow)."""
-    if shutil.which(command[0]) is None:
-        return None
-    try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=QUERY_TIMEOUT_S, check=False)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return proc.stdout if proc.returncode == 0 else None
-
-
-def job_limits(script: str) -> Limits | None:
-    """The requeue limits a batch script exports (jobs/submit.py's setup lines); None if it sets neither."""
-    found = dict(_EXPORT.findall(script))
-    if not found:
-        return None
-    try:
-        return Limits.from_environ({k: v.strip("'\"") for k, v in found.items()})
-    except MgpuError:
-        return None
-
-
-def _recorded_limits(record: dict[str, Any]) -> Limits | None:
-    """The limits a `started` event recorded (None if they do not read as limits)."""
-    try:
-        return Limits(max_failures=int(record["max_failures"]),
-                      max_requeues=None if record.get("max_requeues") is None else int(record["max_requeues"]))
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
-def budgets(events: list[dict[str, Any]], job_id: str, restart: int, limits: Limits | None) -> str:
-    """The job's requeue budgets as mgpu.job counts them: stop requeues are Slurm's restarts less the
-    failure requeues the ledger counts; failure requeues per job."""
-    failures = failure_requeues(events, job_id)
-    stops = max(0, restart - failures)
-    shown = limits or Limits()
-    stop_text = (f"{stops} used, no limit" if shown.max_requeues is None
-                 else f"{stops} of {shown.max_requeues} used, {max(0, shown.max_requeues - stops)} left")
-    fail_text = f"{failures} of {shown.max_failures} used, {max(0, shown.max_failures - failures)} left"
-    source = "" if limits is not None else " (the defaults: the job's own limits are not known here)"
-    return f"requeues after stops {stop_text}; after failures {fail_text}{source}"
-
-
-def _sacct_runs(events: list[dict[str, Any]]) -> tuple[list[SacctRun], bool]:
-    """sacct's runs of the ledger's Slurm jobs, and whether sacct answered."""
-    ids = sorted({str(e.get("job_id")) for e in events if _SLURM_ID.match(str(e.get("job_id"))) is not None})
-    if not ids:
-        return [], False
-    since = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(events[0]["time"] - 7 * 86400))
-    out = _query(["sacct", "-D", "-X", "-n", "-P", "-S", since, "-o", ",".join(SACCT_FIELDS), "-j", ",".join(ids)])
-    return (parse_sacct(out), True) if out is not None else ([], False)
-
-
-def describe(run_dir: Path, now: float | None = None) -> list[str]:
-    """The lines `status.py` prints for one run directory."""
-    events = read_ledger(run_dir / "events.jsonl")
-    now = time.time() if now is None else now
-    summary = summarize(events, now)
-    lines = [f"run         {run_dir}"]
-    job_id = summary.get("job_id") or run_dir.name.rsplit("-", 1)[-1]
-    # A Slurm job id (torchrun inside srun has one too); submitit's local executor numbers its jobs alike.
-    slurm = summary.get("launcher") != "submitit-local" and _SLURM_ID.match(str(job_id)) is not None
-    sched = scheduler_state(str(job_id)) if slurm else None
-    lines.append(f"job         {job_id}" + (f" (slurm: {sched})" if sched else ""))
-    lines.append(f"state       {summary['state']}")
-    if not summary["events"]:
-        return lines
-    if "step" in summary:
-        total = f" of {summary['total_steps']}" if "total_steps" in summary else ""
-        epoch = f", epoch {summary['epoch']}" if summary.get("epoch") is not None else ""
-        beat = summary.get("heartbeat")
-        seen = f"; logged {_age(beat['age_s'])} ago" if beat else ""
-        lines.append(f"progress    step {summary['step']}{total}{epoch}{seen}")
-    beat = summary.get("heartbeat", {})
-    if "step_time_s" in beat:
-        rate = ", ".join(f"{beat[k]:.4g} {unit}" for k, unit in (("samples_per_s", "samples/s"),
-                                                                  ("tokens_per_s", "tokens/s")) if k in beat)
-        eta = f"; ETA {_age(summary['eta_s'])} at this rate" if "eta_s" in summary else ""
-        lines.append(f"throughput  {rate + ', ' if rate else ''}{beat['step_time_s']:.3g} s/step{eta}")
-    elif "steps_per_s" in summary:
-        lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {_age(summary['throughput_window_s'])}")
-    if "last_eval" in summary:
-        last, best = summary["last_eval"], summary.get("best_eval")
-        text = f"step {last['step']}: {_metrics(last['metrics'])}"
-        if best is not None:
-            same = best["step"] == last["step"]
-            text += "  (best)" if same else f"; best step {best['step']}: {_metrics(best['metrics'])}"
-        lines.append(f"evaluation  {text}")
-    if "checkpoint" in summary:
-        ckpt = summary["checkpoint"]
-        lines.append(f"checkpoint  step {ckpt['step']}, {_age(ckpt['age_s'])} ago ({ckpt['reason']})")
-    else:
-        lines.append("checkpoint  none yet")
-    lines.append(f"requeues    {summary['restart']} restart(s), {summary['requeues']} requeue event(s)")
-    if slurm:
-        # The limits the job's ranks read (their `started` event); else its batch script, kept while it is alive.
-        recorded = [e["limits"] for e in events if e.get("event") == "started" and str(e.get("job_id")) == str(job_id)
-                    and isinstance(e.get("limits"), dict)]
-        limits = _recorded_limits(recorded[-1]) if recorded else None
-        if limits is None:
-            script = _query(["scontrol", "write", "batch_script", str(job_id), "-"]) if sched in _ALIVE else None
-            limits = job_limits(script) if script else None
-        lines.append(f"budgets     {budgets(events, str(job_id), summary['restart'], limits)}")
-    if "hangs" in summary:
-        lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")
-    if "excluded" in summary:
-        lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
-    lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
-    runs, sacct_known = _sacct_runs(events) if slurm else ([], False)
-    # A running segment counts until now; without Slurm's word, only while the ledger is recent (a killed
-    # local run also looks "running").
-    live = sched in ("RUNNING", "COMPLETING") or (sched is None and summary["state"] == "running"
-                                                  and summary["last_event_age_s"] < LIVE_S)
-    lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known))
-    return lines
-
-
-def verify(dir_a: Path, dir_b: Path) -> tuple[int, str]:
-    """(exit code, line): whether two runs had the same weights at every step both logged."""
-    from mgpu.goodput import compare_fingerprints, fingerprints
-
-    prints = []
-    for run_dir in (dir_a, dir_b):
-        found = fingerprints(read_ledger(run_dir / "events.jsonl"))
-        if not found:
-            raise MgpuError(f"{run_dir}: no fingerprints in its ledger (the trainer writes one with every progress "
-                            "event, every log.every_steps): nothing to compare")
-        prints.append(found)
-    verdict = compare_fingerprints(*prints)
-    if not verdict.common:
-        raise MgpuError(f"{dir_a} and {dir_b} logged no step in common (steps {min(prints[0])}..{max(prints[0])} and "
-                        f"{min(prints[1])}..{max(prints[1])}): give both runs the same log.every_steps")
-    if not verdict.agree:
-        before = verdict.common.index(verdict.first_difference)  # type: ignore[arg-type]  # set whenever not agree
-        return 1, (f"differ: first at step {verdict.first_difference} ({dir_a}: {verdict.a}, {dir_b}: {verdict.b}); "
-                   f"they agree at the {before} logged step(s) before it")
-    last_a, last_b = max(prints[0]), max(prints[1])
-    tail = "" if last_a == last_b else (f"; {dir_b if last_b < last_a else dir_a} logged up to step "
-                                        f"{min(last_a, last_b)} only")
-    return 0, (f"agree: the same weights at all {len(verdict.common)} steps both runs logged "
-               f"({verdict.common[0]}..{verdict.common[-1]}){tail}")
-
-
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, like every other input error
         exit_with(MgpuError(message), PROG)
@@ -384,6 +76,9 @@ def _check_target(target: str, folder: str) -> None:
         if problem := control_problem(value):
             raise MgpuError(f"{flag} {value!r}: {problem}")
     if Path(target).is_dir():
+        if not is_run_dir(Path(target)):
+            raise MgpuError(f"{target!r}: not a run directory (no events.jsonl, config.yaml, logs/ or checkpoints/ in "
+                            "it); give a run directory or a job id")
         return
     if "/" in target or target in (".", ".."):
         raise MgpuError(f"{target!r}: no such run directory (or pass a job id and --folder)")
@@ -400,7 +95,7 @@ def _check_run_dir(flag: str, value: str) -> Path:
     path = Path(value)
     if not path.is_dir():
         raise MgpuError(f"{flag} {value!r}: no such run directory")
-    if not (path / "events.jsonl").is_file():
+    if not RunDir(path).ledger.is_file():
         raise MgpuError(f"{flag} {value!r}: no events.jsonl in it: not a run directory")
     return path
 
@@ -452,27 +147,29 @@ def main(argv: list[str] | None = None) -> int:
             raise MgpuError(f"--plot draws one run; {args.target!r} has {len(run_dirs)}: give one run directory")
         shown = []
         for run_dir in run_dirs:
-            skipped: list[int] = []
-            read_ledger(run_dir / "events.jsonl", skipped)  # for the note; describe() reads it itself
-            shown.append((run_dir, describe(run_dir), skipped))
+            view = RunView.load(run_dir)  # the ledger, read once for everything below
+            shown.append((view, describe(view)))
     except MgpuError as error:
         exit_with(error, PROG)
-    for i, (run_dir, lines, skipped) in enumerate(shown):
+    for i, (view, lines) in enumerate(shown):
         print(("\n" if i else "") + "\n".join(lines))
-        if skipped:
-            listed = ", ".join(map(str, skipped[:5])) + (", ..." if len(skipped) > 5 else "")
-            print(f"{PROG}: note: {run_dir / 'events.jsonl'}: skipped {len(skipped)} malformed line(s) "
+        if view.skipped:
+            listed = ", ".join(map(str, view.skipped[:5])) + (", ..." if len(view.skipped) > 5 else "")
+            print(f"{PROG}: note: {view.run.ledger}: skipped {len(view.skipped)} malformed line(s) "
                   f"(line {listed})", file=sys.stderr)
     if plot is not None:
         from mgpu.timeline import plot_timeline
 
-        run_dir = run_dirs[0]
-        events = read_ledger(run_dir / "events.jsonl")
-        runs, _ = _sacct_runs(events)
+        view = shown[0][0]
         try:
-            plot_timeline(events, plot, runs, title=str(run_dir))
+            runs, _ = sacct_runs(view.events)
+            plot_timeline(view.events, plot, runs, title=str(view.run.path))
         except OSError as error:
             exit_with(MgpuError(f"--plot {str(plot)!r}: cannot write: {error.strerror or error}"), PROG)
+        except (OverflowError, ValueError) as error:  # matplotlib's dates from a ledger time no clock can show
+            exit_with(MgpuError(f"--plot {str(plot)!r}: the ledger holds a time that cannot be drawn ({error})"), PROG)
+        except MgpuError as error:
+            exit_with(error, PROG)
         print(f"timeline    {plot}")
     return 0
 

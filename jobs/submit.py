@@ -253,8 +253,7 @@ def _print_job(job: Any, cfg: Any, cluster: str) -> Path:
 
 def follow(jobs: list[Any], run_dirs: list[Path], cluster: str, poll_s: float) -> bool:
     """Print state changes and progress until every job ends; True if all completed."""
-    from jobs.status import progress_line, scheduler_state, summarize
-    from mgpu.ledger import read_ledger
+    from mgpu.runview import RunView, progress_line, scheduler_state, summarize
 
     shown: dict[int, tuple[str, str]] = {}
     final: dict[int, bool] = {}
@@ -264,7 +263,7 @@ def follow(jobs: list[Any], run_dirs: list[Path], cluster: str, poll_s: float) -
         for i, (job, run_dir) in enumerate(zip(jobs, run_dirs)):
             if i in final:
                 continue
-            summary = summarize(read_ledger(run_dir / "events.jsonl"))
+            summary = summarize(RunView.load(run_dir).events)
             if cluster == "slurm":
                 state = (job.watcher.get_state(job.job_id, mode="cache").split() or ["UNKNOWN"])[0].upper()
                 if state == "UNKNOWN":  # no accounting: squeue while queued, then the ledger decides

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import shutil
-import subprocess
 import threading
 import time
 from typing import Callable
@@ -48,15 +46,9 @@ def parse_times(text: str) -> tuple[float | None, float | None]:
 
 
 def _squeue_times(job_id: str) -> str:
-    squeue = shutil.which("squeue")
-    if squeue is None:
-        return ""
-    try:
-        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%S %e"], capture_output=True, text=True,
-                              timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return proc.stdout if proc.returncode == 0 else ""
+    from mgpu.slurm import client
+
+    return client().times(job_id)
 
 
 def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: float,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Collection, Sequence
 
 from mgpu.hostlist import HostlistError, expand_hostlist
-from mgpu.requeue import RequeueError, Runner, _run, _scontrol
+from mgpu.slurm import SlurmClient, client
 
 __all__ = ["ExclusionPlan", "apply_exclusion", "partition_nodes", "plan_exclusion", "unavailable_nodes"]
 
@@ -45,14 +45,13 @@ def plan_exclusion(bad: str, already: Sequence[str], partition: Sequence[str], n
     return ExclusionPlan(merged, f"excluding {bad} (now excluded: {', '.join(merged)})")
 
 
-def unavailable_nodes(nodes: Sequence[str], run: Runner = _run) -> set[str]:
+def unavailable_nodes(nodes: Sequence[str], slurm: SlurmClient | None = None) -> set[str]:
     """Those of `nodes` that take no new job now (down, drained or draining, failing, not responding);
     none when Slurm cannot say (the plan then counts them as usable, as before)."""
     if not nodes:
         return set()
-    proc = run([_scontrol(), "show", "node", "-o", ",".join(nodes)])
     wanted, found = set(nodes), set()
-    for line in proc.stdout.splitlines() if proc.returncode == 0 else []:
+    for line in (slurm or client()).show_nodes(nodes).splitlines():
         fields = dict(token.split("=", 1) for token in line.split() if "=" in token)
         state = fields.get("State", "")
         flags = {flag.rstrip("*~#!%$@^-") for flag in state.split("+")}
@@ -61,21 +60,18 @@ def unavailable_nodes(nodes: Sequence[str], run: Runner = _run) -> set[str]:
     return found
 
 
-def partition_nodes(partition: str, run: Runner = _run) -> list[str]:
+def partition_nodes(partition: str, slurm: SlurmClient | None = None) -> list[str]:
     """The nodes of a Slurm partition ([] when they cannot be read)."""
     if not partition:
         return []
-    proc = run([_scontrol(), "show", "partition", "-o", partition.split(",")[0]])
-    fields = dict(token.split("=", 1) for token in proc.stdout.split() if "=" in token) if proc.returncode == 0 else {}
+    text = (slurm or client()).show_partition(partition.split(",")[0])
+    fields = dict(token.split("=", 1) for token in text.split() if "=" in token)
     try:
         return expand_hostlist(fields.get("Nodes", "")) if fields.get("Nodes") not in (None, "", "(null)") else []
     except HostlistError:
         return []
 
 
-def apply_exclusion(job_id: str, nodes: Sequence[str], run: Runner = _run) -> None:
+def apply_exclusion(job_id: str, nodes: Sequence[str], slurm: SlurmClient | None = None) -> None:
     """Set the job's ExcNodeList (the job must be pending: right after `scontrol requeue`)."""
-    proc = run([_scontrol(), "update", f"JobId={job_id}", f"ExcNodeList={','.join(nodes)}"])
-    if proc.returncode != 0:
-        raise RequeueError(f"scontrol update JobId={job_id} ExcNodeList={','.join(nodes)} failed: "
-                           f"{(proc.stderr or proc.stdout).strip()}")
+    (slurm or client()).exclude(job_id, nodes)

@@ -1,4 +1,5 @@
-"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0.
+"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0 (and by a rank with an error of
+its own, the watchdog rank that reports a hang, and the batch script's recovery).
 
 Every event has `time` (unix seconds), `event` and the job's `job_id` and `restart`; the rest
 depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.
@@ -6,6 +7,9 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     started          world_size, nodes, launcher, device, backend, run_dir, config_path, git_sha, limits
                      (max_requeues, max_failures: the job's requeue limits as the ranks read them)
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
+    fresh_start      set_aside (where the run's earlier checkpoints were moved: an explicit `fresh` start)
+    hyperparameters  step, changes ("optimizer lr: 0.001 -> 0.5"...: an explicit change on resume, applied
+                     over the restored optimizer state)
     first_step       step (the first step this run completed), collective_timeout_s, timings (rank 0's Unix
                      times: process start, session start, group formed, checkpoint find/loaded/restored,
                      first batch, first step done: the way back to training, measured)
@@ -17,12 +21,22 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      and the next due save tries again (a stop's save that fails ends the run: `failed`)
     preempted        step, reasons (mgpu.preemption.REASONS agreed by all ranks), signals and signal_times
                      (seen by rank 0)
-    stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...), requeue, reason
-    requeued         step, how ("self" | "slurm"), message
+    stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...; node_excluded: a
+                     hang's node that cannot be excluded keeps the job down), requeue, reason, action ("restart" |
+                     "requeued" | "none"), error, rank (mgpu.recovery, after a failed step)
+    requeued         step, how ("self" | "slurm"), message, after (a failure's kind: "failure" | "no_progress" |
+                     "hang"; absent after a stop)
+    restarted        after ("failure" | "hang"), message: the step starts again in the same allocation (counted
+                     against the failure budget)
+    node_excluded    node, excluded (the job's whole ExcNodeList now), reason
+    hang             ranks (the stuck ones), hosts, step (the last step every live rank completed), phases and
+                     steps (per rank), frozen, missing, detected_by, waited_s, allowance_s (mgpu.watchdog)
     evaluated        step, metrics
     early_stopped    step, metric, best
     finished         step, epoch, seconds
-    failed           step, error, retry (false: bad input or a full disk, a requeue would fail the same way)
+    failed           error, retry (false: bad input or a full disk, a requeue would fail the same way), rank
+                     (every rank whose error is its own writes one), consequence (true: only another rank's
+                     going away, gloo's `Connection closed by peer`; the cause is the other rank's event)
 """
 
 from __future__ import annotations
@@ -38,7 +52,12 @@ from typing import Any
 from mgpu.errors import MgpuError
 from mgpu.fsutil import read_bounded
 
-__all__ = ["MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
+__all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
+
+EVENTS = ("started", "resumed", "fresh_start", "hyperparameters", "first_step", "progress", "checkpoint_saved", "checkpoint_failed", "preempted",
+          "stop_decision", "requeued", "restarted", "node_excluded", "hang", "evaluated", "early_stopped", "finished",
+          "failed")
+"""Every event mgpu writes (tests/test_goodput.py checks it against the code's writes and this docstring)."""
 
 MAX_LEDGER_BYTES = 256 << 20  # a few hundred bytes an event: a million events
 

@@ -21,7 +21,7 @@ from typing import Literal, Mapping, Sequence
 from mgpu.environment import ProcessEnv
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.recovery import Limits, failure_requeues, stop_requeues
-from mgpu.requeue import Budget, decide, requeue
+from mgpu.requeue import Budget, decide, query_job, requeue
 from mgpu.rundir import RunDir
 
 __all__ = ["STOPPED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop",
@@ -135,7 +135,7 @@ def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoin
         return Outcome("other_rank")  # a non-zero exit here would make srun kill rank 0 before it acts
     progressed = step > resumed_step
     budget = budgets.stops if progressed else Budget(budgets.failures_used, budgets.limits.max_failures, "failure")
-    decision = decide(reasons, budgets.job_id, env.restart_count, budget)
+    decision = decide(reasons, query_job(budgets.job_id) if budgets.job_id else None, env.restart_count, budget)
     why = decision.why if progressed else f"{decision.why} (this run made no progress)"
     ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why)
     log.info("stopped at step %d: %s", step, why)

@@ -24,8 +24,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import signal
-import subprocess
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -39,12 +39,26 @@ from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_com
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "stop_requeues"]
+__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "peer_consequence",
+           "stop_requeues"]
 
 log = logging.getLogger("mgpu.job")
 DEFAULT_MAX_FAILURES = 3
 FAILURE_KINDS = ("failure", "no_progress", "hang")
 """What a comeback after counts against MGPU_MAX_FAILURES (a preemption or time limit does not)."""
+
+
+_CONSEQUENCE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|"
+                          r"NCCL communicator was aborted|Socket Timeout|timed out in call to|"
+                          r"failed to recv, got 0 bytes|Watchdog caught collective operation timeout", re.I)
+_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def peer_consequence(error: BaseException) -> bool:
+    """A rank's error that only says another rank went away (gloo's `Connection closed by peer`, a collective
+    timeout): the consequence of a failure, not its cause. The ledger records the cause from the rank that had
+    it; this one is kept, marked, for when no rank could say more."""
+    return type(error).__name__ in _CONSEQUENCE_TYPES or _CONSEQUENCE.search(str(error)) is not None
 
 
 @dataclass(frozen=True)
@@ -137,14 +151,12 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             return "none", (f"nothing to do: the run recorded {handled['event']} "
                             f"({handled.get('reason') or handled.get('error')})")
         ledger = Ledger(run.ledger, job_id, restart)
-        who = {} if rank is None else {"rank": rank}
-        if rank not in (None, 0):
-            ledger.write("failed", error=message, **who)
+        who = {} if rank is None else {"rank": rank}  # the failing rank wrote its own `failed` (Session.fail)
         hang = next((e for e in reversed(attempt) if e.get("event") == "hang"), None)
         kind = "hang" if hang else "failure"
         budget = Budget(failure_requeues(events, job_id), limits.max_failures, "failure")
         view = query_job(job_id)
-        decision = decide(set(), job_id, restart, budget, run=lambda cmd: _replay(cmd, view))
+        decision = decide(set(), view, restart, budget)
         bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
         plan = None
         if bad and decision.requeue:
@@ -152,14 +164,23 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [], nodes, view.num_nodes,
                                   unavailable_nodes(nodes))
         if plan is not None and plan.nodes is None and "would leave" in plan.why:
-            why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
-                   f"resume with: {resume_command()}")
-            ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
-            return "none", why
+            if not (may_restart and decision.event not in ("preempted", "time_limit")):
+                why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
+                       f"resume with: {resume_command()}")
+                ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
+                return "none", why
+            # The allocation is intact and a hang is often transient (a stalled filesystem, a slow peer): a
+            # restart in place, counted against the failure budget (decide() said it is not spent), is worth
+            # more than a job that stays down. A node that hangs every time spends the budget, then stays down.
+            plan = replace(plan, why=f"{plan.why}: restarting in place instead ({budget.describe()}); if it hangs "
+                                     f"again, check {bad} (scontrol show node {bad})")
         # A step that failed while the job is being preempted or reaching its time limit (e.g. a rank killed by
         # the user signal before it could install a handler) must not start again here: the allocation is ending.
         in_place = may_restart and not (plan and plan.nodes) and decision.event not in ("preempted", "time_limit")
         action: Action = ("restart" if in_place else "requeued") if decision.requeue else "none"
+        if action == "none" and bad and plan is None and budget.spent:
+            decision = replace(decision, why=f"{decision.why}; the hangs were pinned on {bad}: check it (scontrol "
+                                             f"show node {bad})")
         if action == "none" and decision.event != "requeued_by_slurm":  # the job stays down: say how it continues
             cancelled = decision.event in ("cancelled", "interrupted")
             decision = replace(decision, why=f"{decision.why}; " + ("to resume: " if cancelled else
@@ -181,13 +202,6 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
         return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
                         f"{resume_command(ask=False)}")
-
-
-def _replay(cmd: list[str], view: JobView) -> "subprocess.CompletedProcess[str]":
-    """Answer decide()'s `scontrol show job` with the view already read (one query, one answer)."""
-    fields = (f"JobState={view.state} Reason={view.reason} Restarts={view.restarts} "
-              f"PreemptTime={view.preempt_time or 'None'}")
-    return subprocess.CompletedProcess(cmd, 0, fields, "")
 
 
 def _run_dir(args: argparse.Namespace) -> RunDir | None:

@@ -24,39 +24,19 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
-import subprocess
-import time
 from dataclasses import dataclass
-from typing import Callable, Literal, Mapping
+from typing import Literal, Mapping
 
-from mgpu.errors import MgpuError
+from mgpu.slurm import JobView, RequeueOutcome, SlurmClient, SlurmError, client, parse_job_view
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "query_job",
-           "requeue", "resume_command", "sbatch_options"]
+__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "parse_job_view",
+           "query_job", "requeue", "resume_command", "sbatch_options"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
                 "terminated", "not_slurm"]
-Runner = Callable[[list[str]], "subprocess.CompletedProcess[str]"]
-
-
-class RequeueError(MgpuError):
-    """Slurm cannot be asked or told (e.g. scontrol is missing in the container)."""
-
-
-@dataclass(frozen=True)
-class JobView:
-    """The fields of `scontrol show job` the decision needs."""
-
-    state: str
-    reason: str
-    restarts: int
-    preempt_time: str | None
-    excluded: str = ""
-    """ExcNodeList, a Slurm node list ("" for none)."""
-    num_nodes: int = 1
-    partition: str = ""
+RequeueError = SlurmError
+"""Slurm cannot be asked or told (the name callers catch; mgpu.slurm's error)."""
 
 
 @dataclass(frozen=True)
@@ -65,25 +45,6 @@ class Decision:
     requeue: bool
     """True: this job must run `scontrol requeue` on itself to come back."""
     why: str
-
-
-@dataclass(frozen=True)
-class RequeueOutcome:
-    how: Literal["self", "slurm"]
-    message: str
-
-
-def _run(cmd: list[str]) -> "subprocess.CompletedProcess[str]":
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=30)
-
-
-def _scontrol() -> str:
-    path = shutil.which("scontrol")
-    if path is None:
-        raise RequeueError("scontrol not found on PATH (inside a container? bind-mount Slurm's client "
-                           "commands): cannot ask Slurm about the job or requeue it; the checkpoint is kept; "
-                           f"to resume: {resume_command(ask=False)}")
-    return path
 
 
 # What slurm/*.sbatch put in MGPU_RESUME_COMMAND where the options given to sbatch belong: a batch script
@@ -113,7 +74,7 @@ def sbatch_options(submit_line: str, args: list[str]) -> list[str] | None:
     return ["sbatch", *words[1:]]
 
 
-def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, run: Runner | None = None) -> str:
+def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, slurm: SlurmClient | None = None) -> str:
     """The exact command that continues the run, as the submitter recorded it in MGPU_RESUME_COMMAND.
 
     slurm/*.sbatch cannot know the sbatch options it was submitted with and leave a placeholder: with
@@ -131,37 +92,17 @@ def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, r
         return recorded
     try:
         args = shlex.split(found["args"])
-        sacct = shutil.which("sacct")
-        proc = (run or _run)([sacct, "-n", "-X", "-P", "-o", "SubmitLine", "-j", found["job"]]) if sacct else None
-        lines = proc.stdout.splitlines() if proc is not None and proc.returncode == 0 else []
+        out = (slurm or client()).sacct([found["job"]], ["SubmitLine"])
+        lines = out.splitlines() if out else []
         words = sbatch_options(lines[0].strip(), args) if lines else None
-    except (OSError, ValueError, subprocess.SubprocessError):
+    except ValueError:
         words = None
     return recorded if words is None else f"{found['head']}{shlex.join(words)}{found['args']}"
 
 
-def parse_job_view(text: str) -> JobView:
-    """`scontrol show job -o` output -> JobView."""
-    fields = dict(token.split("=", 1) for token in text.split() if "=" in token)
-    preempt = fields.get("PreemptTime")
-    excluded = fields.get("ExcNodeList", "(null)")
-    return JobView(state=fields.get("JobState", "UNKNOWN"), reason=fields.get("Reason", "None"),
-                   restarts=int(fields.get("Restarts", "0")),
-                   preempt_time=None if preempt in (None, "None", "-", "Unknown") else preempt,
-                   excluded="" if excluded == "(null)" else excluded,
-                   num_nodes=int(fields.get("NumNodes", "1").split("-")[0] or 1), partition=fields.get("Partition", ""))
-
-
-def query_job(job_id: str, run: Runner = _run) -> JobView:
-    cmd = [_scontrol(), "show", "job", "-o", job_id]
-    proc = run(cmd)
-    if proc.returncode < 0:
-        # Killed by a signal Slurm sent the whole step (e.g. the TERM that follows USR2 at preemption).
-        time.sleep(0.5)
-        proc = run(cmd)
-    if proc.returncode != 0:
-        raise RequeueError(f"scontrol show job {job_id} failed: {(proc.stderr or proc.stdout).strip()}")
-    return parse_job_view(proc.stdout)
+def query_job(job_id: str) -> JobView:
+    """Slurm's view of the job, through the process's client (mgpu.slurm)."""
+    return client().job(job_id)
 
 
 def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
@@ -202,16 +143,15 @@ class Budget:
         return f"{self.noun[:-1]} {self.used + 1}{limit}"
 
 
-def decide(reasons: set[str], job_id: str | None, restarts_at_start: int, budget: Budget,
-           run: Runner = _run) -> Decision:
-    """Whether this job should requeue itself after stopping for `reasons` (mgpu.preemption.REASONS).
+def decide(reasons: set[str], view: JobView | None, restarts_at_start: int, budget: Budget) -> Decision:
+    """Whether this job should requeue itself after stopping for `reasons` (mgpu.preemption.REASONS). Pure.
 
-    `job_id`: this process's own Slurm job (None: not a Slurm job, see mgpu.slurm_job);
+    `view`: Slurm's view of this process's own Slurm job (None: not a Slurm job, see mgpu.slurm_job);
     `restarts_at_start`: SLURM_RESTART_COUNT of this run, to recognise a requeue Slurm already made.
     """
-    if job_id is None:
+    if view is None:
         return Decision("not_slurm", False, "not a Slurm job: run the same command again to resume")
-    event = classify(reasons, query_job(job_id, run), restarts_at_start)
+    event = classify(reasons, view, restarts_at_start)
     if event == "requeued_by_slurm":
         return Decision(event, False, "Slurm is requeueing the job (preemption or an outside requeue)")
     if event in ("cancelled", "interrupted"):
@@ -222,13 +162,6 @@ def decide(reasons: set[str], job_id: str | None, restarts_at_start: int, budget
     return Decision(event, True, f"{event}: requeueing, {budget.describe()}")
 
 
-def requeue(job_id: str, run: Runner = _run) -> RequeueOutcome:
-    """`scontrol requeue <job id>` (array-aware: `<array job>_<task>` requeues that task only)."""
-    proc = run([_scontrol(), "requeue", job_id])
-    if proc.returncode == 0:
-        return RequeueOutcome("self", f"requeued job {job_id}")
-    message = (proc.stderr or proc.stdout).strip()
-    if "pending" in message.lower():
-        # GraceTime=0: Slurm requeued the job already; ours arrives second and fails harmlessly.
-        return RequeueOutcome("slurm", f"Slurm had already requeued job {job_id} ({message})")
-    raise RequeueError(f"scontrol requeue {job_id} failed: {message}")
+def requeue(job_id: str) -> RequeueOutcome:
+    """`scontrol requeue <job id>` through the process's client (array-aware)."""
+    return client().requeue(job_id)

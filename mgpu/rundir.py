@@ -19,9 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
-import subprocess
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -79,17 +77,15 @@ def _pid_start(pid: int) -> str | None:
 def _squeue_state(job_id: str) -> str | None:
     """Slurm's state of a job while it is queued or running; None once it is gone. OwnerUnknown when squeue
     cannot say (missing, timed out, failed): a live job must not count as gone because Slurm did not answer."""
-    squeue = shutil.which("squeue")
-    if squeue is None:
-        raise OwnerUnknown("squeue is not on PATH")
-    try:
-        proc = subprocess.run([squeue, "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=15)
-    except (OSError, subprocess.SubprocessError) as error:
-        raise OwnerUnknown(f"squeue failed: {type(error).__name__}") from None
+    from mgpu.slurm import client  # the one Slurm client: its runner, timeout and retries
+
+    proc = client().call("squeue", "-h", "-j", job_id, "-o", "%T")
+    if proc is None:
+        raise OwnerUnknown("squeue is not on PATH or gave no answer")
     if proc.returncode != 0:
-        if "invalid job id" in proc.stderr.lower():
+        if "invalid job id" in (proc.stderr or "").lower():
             return None  # Slurm forgot the job: it ended a while ago
-        raise OwnerUnknown(f"squeue exited {proc.returncode}: {' '.join(proc.stderr.split())[:200]}")
+        raise OwnerUnknown(f"squeue exited {proc.returncode}: {' '.join((proc.stderr or '').split())[:200]}")
     states = proc.stdout.split()
     return states[0] if states else None
 
@@ -98,7 +94,9 @@ def owner_alive(owner: Owner, squeue_state: Callable[[str], str | None] = _squeu
     """Whether `owner` may still write to the run: its Slurm job is queued or running, or its process lives.
     OwnerUnknown when Slurm cannot tell."""
     if owner.slurm:
-        return squeue_state(owner.job_id) is not None
+        from mgpu.slurm import is_alive  # one meaning of alive: a job that ended is not, though squeue lists it
+
+        return is_alive(squeue_state(owner.job_id))
     if owner.host != socket.gethostname():
         return False  # cannot be checked from here; a local run on another machine is not ours to guard
     return _pid_start(owner.pid) == owner.pid_start

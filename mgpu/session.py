@@ -479,10 +479,15 @@ class Session:
         if self._finished:
             return
         self._finished = True
-        if self.is_main:
-            # retry: whether a requeue can help; bad input or a full disk fails the same way again.
-            self.ledger.write("failed", error=f"{type(error).__name__}: {error}",
-                              retry=not isinstance(error, MgpuError))
+        from mgpu.recovery import peer_consequence
+
+        consequence = peer_consequence(error)
+        if self.is_main or not (consequence or isinstance(error, MgpuError)):
+            # Every rank with an error of its own records it (rank 0's is often only the consequence: `Connection
+            # closed by peer`); retry: whether a requeue can help; bad input or a full disk fails the same way again.
+            Ledger(self.run.ledger, self.env.job_id, self.env.restart_count).write(
+                "failed", error=f"{type(error).__name__}: {error}", retry=not isinstance(error, MgpuError),
+                rank=self.rank, **({"consequence": True} if consequence else {}))
         by_batch = self._by_batch if self._by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
         if self.slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
             _, what = handle_failure(self.run, self.slurm_job, self.env.restart_count, self.limits,

@@ -21,7 +21,6 @@ import multiprocessing
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 from typing import Any, Callable, Sequence
@@ -35,10 +34,15 @@ KILL_AFTER_S = 30.0
 """After the time limit's SIGTERM, the ranks' grace period before SIGKILL (Slurm's KillWait)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+def _host_store() -> Any:
+    """The ranks' rendezvous store, hosted here as torchrun's agent hosts it: bound to a port the system
+    picks and kept for the ranks' lifetime. (A port found by binding and closing a probe could be taken by
+    anyone before rank 0 binds it again.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
 
 
 def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, port: int, parent: int) -> None:
@@ -48,8 +52,9 @@ def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, 
         pass
     if os.getppid() != parent:  # it died before the line above: nobody waits for this rank
         os._exit(1)
+    # TORCHELASTIC_USE_AGENT_STORE: rank 0 joins the store this process hosts instead of binding its own.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     fn(rank, *args)
 
 
@@ -73,7 +78,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
     if nprocs == 1 and time_limit_s is None:
         fn(0, *args)
         return
-    port = _free_port()
+    store = _host_store()
+    port = int(store.port)
     context = multiprocessing.get_context("spawn")
     procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid()), name=f"rank{rank}")
              for rank in range(nprocs)]
@@ -92,6 +98,7 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
             proc.start()
         _wait(procs, send, time_limit_s, signal_lead_s, requeue_signal)
     finally:
+        del store
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     codes = [proc.exitcode for proc in procs]
@@ -105,17 +112,27 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
 
 def _wait(procs: list[Any], send: Callable[[int], None], time_limit_s: float | None, lead_s: float,
           requeue_signal: str) -> None:
-    """Until every rank exits; with a time limit, its signals on the way (each sent once)."""
+    """Until every rank exits; with a time limit, its signals on the way (each sent once). A rank that fails
+    (an exit other than 0 or 3) stops the others, as srun --kill-on-bad-exit does: SIGTERM (a stop: they
+    save if they can), SIGKILL after KILL_AFTER_S."""
     from mgpu.preemption import signal_number
 
     started = time.monotonic()
     due = [] if time_limit_s is None else [(time_limit_s - lead_s, signal_number(requeue_signal)),
                                            (time_limit_s, signal.SIGTERM), (time_limit_s + KILL_AFTER_S, signal.SIGKILL)]
-    for proc in procs:
-        while proc.is_alive():
-            proc.join(timeout=0.5)
-            while due and time.monotonic() - started >= due[0][0]:
-                send(due.pop(0)[1])
+    failed_at: float | None = None
+    while any(proc.is_alive() for proc in procs):
+        next(proc for proc in procs if proc.is_alive()).join(timeout=0.5)
+        now = time.monotonic()
+        if failed_at is None and any(proc.exitcode not in (None, 0, STOPPED_EXIT_CODE) for proc in procs):
+            failed_at = now
+            failed = [proc.name for proc in procs if proc.exitcode not in (None, 0, STOPPED_EXIT_CODE)]
+            print(f"mgpu.spawn: {', '.join(failed)} failed: stopping the other ranks", file=sys.stderr, flush=True)
+            send(signal.SIGTERM)
+        if failed_at is not None and now - failed_at >= KILL_AFTER_S:
+            send(signal.SIGKILL)
+        while due and now - started >= due[0][0]:
+            send(due.pop(0)[1])
 
 
 def _run_script(rank: int, script: str, argv: list[str]) -> None:

@@ -3,23 +3,32 @@ leaves evidence and ends the step, so that the job comes back (mgpu.recovery) in
 30-minute collective timeout.
 
 The training thread beats (`beat(phase, step)`: a few attribute writes) at each micro-step's forward and
-backward, each optimizer step, each evaluation batch and each checkpoint. A daemon thread per rank
-writes `logs/heartbeat-rank<N>.json` every few seconds and checks how long ago the last beat was, against
-an allowance learned from the run itself: `step_multiple` times the median step time with the floor
-`floor_s` (`first_step_s` before a run's first step); `step_multiple` times the median evaluation batch
-time with the floor `eval_s` (`eval_s` for a run's first evaluation batch); `checkpoint_s` while a
-checkpoint is gathered or written. A step's time runs from its first beat to the end of its optimizer
-phase: the evaluation or checkpoint that may follow it has its own allowance and is not part of it.
+backward, each optimizer step, each evaluation batch and each checkpoint. A watch thread per rank compares,
+with nothing but clocks, how long ago the last beat was against an allowance learned from the run itself:
+`step_multiple` times the median step time with the floor `floor_s` (`first_step_s` before a run's first
+step); `step_multiple` times the median evaluation batch time with the floor `eval_s` (`eval_s` for a run's
+first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written. A step's time runs from
+its first beat to the end of its optimizer phase: the evaluation or checkpoint that may follow it has its own
+allowance and is not part of it.
+
+Heartbeats go on a board, never on the run's shared filesystem (one stalled `open()` there would block every
+rank's watchdog at once, and attribute caching would make a live rank look stale): the rendezvous store
+(a TCPStore, through a connection of the watchdog's own with a 5 s timeout) in a world of several ranks, a
+node-local tmpfs directory otherwise. A publisher thread writes this rank's heartbeat every WRITE_EVERY_S;
+the watch thread does no I/O at all, so a stalled board or filesystem can delay evidence, never detection.
+Everything that touches a file, a socket or a log handler runs on a helper thread with a bound.
+
 Past the allowance, the rank:
 
 1. writes the Python stack of every thread (faulthandler) to its log, and asks every other rank to do the
-   same (`logs/.stacks-requested`, looked at once a poll): it leaves only once every live rank has, since
+   same (`.stacks-requested` on the board, looked at once a poll): it leaves only once every live rank has, since
    its exit ends the step (srun --kill-on-bad-exit) before a rank that waits for it would see its own hang;
-2. reads every rank's heartbeat file and names the stuck ranks: a file that stopped changing (a frozen
+2. reads every rank's heartbeat and names the stuck ranks: a heartbeat that stopped changing (a frozen
    process: SIGSTOP, a D-state read, C code holding the GIL), or ranks behind the others (still in a
    forward while the others wait in the gradient all-reduce of that step);
 3. one rank (the first to claim `.hang-<job>-<restart>`) writes a `hang` event to the ledger: the stuck
-   ranks, their hosts, the last step every rank completed, each rank's phase;
+   ranks, their hosts, the last step every rank completed, each rank's phase (steps 1-3 on a helper thread,
+   bounded: on a filesystem that does not answer they are cut short, never the exit);
 4. exits with HANG_EXIT_CODE: srun ends the step (--kill-on-bad-exit), and the batch script excludes a
    node that alone is to blame and requeues, or starts the step again in the same allocation.
 
@@ -34,22 +43,26 @@ with the code it was given, without blaming anybody (the others may have left al
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import json
 import logging
 import os
 import socket
 import statistics
+import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 
 if TYPE_CHECKING:
     from mgpu.config_schema import WatchdogConfig
 
-__all__ = ["HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Heartbeat", "Watchdog", "blame"]
+__all__ = ["HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Board", "DirBoard", "Heartbeat", "StoreBoard", "Watchdog", "blame",
+           "default_board"]
 
 log = logging.getLogger("mgpu.train")
 HANG_EXIT_CODE = 4
@@ -66,8 +79,10 @@ EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledg
 TEARDOWN_S = 60.0
 """Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
 STACKS_REQUESTED = ".stacks-requested"
-"""In `logs/`: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for its
-stacks."""
+"""On the board: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for
+its stacks."""
+STORE_TIMEOUT_S = 5.0
+"""Every operation of the watchdog on the rendezvous store (its own connection) ends within this."""
 EVAL_PHASES = ("eval", "agree")
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 
@@ -107,16 +122,155 @@ def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = No
     return sorted(behind)
 
 
+class Board(Protocol):
+    """Where the ranks' heartbeats meet: never the run's shared filesystem, whose one stalled `open()` would
+    blind every rank's watchdog at once. Every call may fail (OSError, RuntimeError) and is bounded."""
+
+    def publish(self, rank: int, beat: str) -> None: ...
+    def read(self, world: int) -> dict[int, str]: ...
+    def request_stacks(self, at: float) -> None: ...
+    def stacks_requested(self) -> float | None: ...
+    def close(self, rank: int) -> None: ...
+
+
+class DirBoard:
+    """Heartbeat files in a node-local directory (tmpfs: /dev/shm, else $TMPDIR): for a world on one node. A
+    create and a rename per rank every WRITE_EVERY_S, on memory, never on the shared filesystem."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+
+    def _put(self, name: str, text: str) -> None:
+        tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.path / name)
+
+    def publish(self, rank: int, beat: str) -> None:
+        self._put(f"heartbeat-rank{rank}.json", beat)
+
+    def read(self, world: int) -> dict[int, str]:
+        found = {}
+        for rank in range(world):
+            try:
+                found[rank] = (self.path / f"heartbeat-rank{rank}.json").read_text()
+            except OSError:
+                continue
+        return found
+
+    def request_stacks(self, at: float) -> None:
+        self._put(STACKS_REQUESTED, repr(at))
+
+    def stacks_requested(self) -> float | None:
+        try:
+            return float((self.path / STACKS_REQUESTED).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def close(self, rank: int) -> None:
+        (self.path / f"heartbeat-rank{rank}.json").unlink(missing_ok=True)
+
+
+class StoreBoard:
+    """Heartbeats in the c10d rendezvous store (a TCPStore: memory, no cache), through a connection of the
+    watchdog's own whose every operation times out after `STORE_TIMEOUT_S`. One `set` per rank every
+    WRITE_EVERY_S and no filesystem operation at all: the load is on the store's host, in memory."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @classmethod
+    def connect(cls, host: str, port: int, namespace: str, timeout_s: float = 0.0) -> "StoreBoard":
+        import torch.distributed as dist
+
+        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout_s or STORE_TIMEOUT_S))
+        return cls(dist.PrefixStore(namespace, client))
+
+    def publish(self, rank: int, beat: str) -> None:
+        self.store.set(f"hb/{rank}", beat)
+
+    def read(self, world: int) -> dict[int, str]:
+        keys = [f"hb/{rank}" for rank in range(world)]
+        if self.store.check(keys):  # one round trip when every rank has beaten (a missing key's get waits)
+            return {rank: bytes(value).decode() for rank, value in enumerate(self.store.multi_get(keys))}
+        return {rank: bytes(self.store.get(key)).decode() for rank, key in enumerate(keys) if self.store.check([key])}
+
+    def request_stacks(self, at: float) -> None:
+        self.store.set(STACKS_REQUESTED, repr(at))
+
+    def stacks_requested(self) -> float | None:
+        if not self.store.check([STACKS_REQUESTED]):
+            return None
+        return float(bytes(self.store.get(STACKS_REQUESTED)).decode())
+
+    def close(self, rank: int) -> None:
+        pass  # the store ends with the step's rendezvous; its host may be gone already
+
+
+def node_local_dir(key: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A directory on this node's memory (/dev/shm), else $TMPDIR, for this run's attempt `key`."""
+    environ = os.environ if environ is None else environ
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(environ.get("TMPDIR") or tempfile.gettempdir())
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return base / f"mgpu-{os.getuid()}" / f"watchdog-{digest}"
+
+
+def default_board(world: int, key: str) -> Board:
+    """The rendezvous store when the process group is formed across several ranks, else a node-local
+    directory (a world of one, or no store to be found)."""
+    if world > 1:
+        try:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            if dist.is_initialized():
+                store = _get_default_store()
+                while hasattr(store, "underlying_store"):
+                    store = store.underlying_store
+                if hasattr(store, "host") and hasattr(store, "port"):
+                    namespace = "mgpu-watchdog/" + hashlib.sha1(key.encode()).hexdigest()[:16] + "/"
+                    return StoreBoard.connect(store.host, store.port, namespace)
+        except (ImportError, RuntimeError, ValueError) as error:
+            log.warning("the watchdog cannot reach the rendezvous store (%s): heartbeats stay on this node", error)
+    return DirBoard(node_local_dir(key))
+
+
+def attempt_key(logs: Path, environ: Mapping[str, str] | None = None) -> str:
+    """What names one attempt of one run: its logs, its Slurm job and restart, torchrun's restart."""
+    environ = os.environ if environ is None else environ
+    return "|".join([str(logs.resolve()), environ.get("SLURM_JOB_ID", ""), environ.get("SLURM_RESTART_COUNT", ""),
+                     environ.get("TORCHELASTIC_RESTART_COUNT", ""), environ.get("MGPU_RESTART", "")])
+
+
+def _bounded(work: Callable[[], Any], timeout: float, name: str = "mgpu-watchdog-evidence") -> bool:
+    """Run `work` on a daemon thread for at most `timeout` s: True if it ended. Whatever touches a file, a
+    socket or a log handler (whose lock a stalled training thread may hold) goes through here."""
+    worker = threading.Thread(target=work, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout=timeout)
+    return not worker.is_alive()
+
+
 class Watchdog:
     """One rank's watchdog; `start()` it once the process group is formed, `teardown()` before the group's
-    teardown and `stop()` after it."""
+    teardown and `stop()` after it.
 
-    def __init__(self, rank: int, world: int, logs: Path, *, step_multiple: float, floor_s: float,
+    Two threads: the watch thread only compares clocks (no file, no socket, no log line: nothing it calls can
+    block), and starts bounded helpers for evidence; the publisher thread writes this rank's heartbeat to the
+    `board` and looks for another rank's request for stacks. A publisher stalled on the board makes this rank
+    look frozen to the others, which is what they can know; it never keeps this rank's own hang unnoticed."""
+
+    def __init__(self, rank: int, world: int, board: "Board | Path", *, step_multiple: float, floor_s: float,
                  first_step_s: float, checkpoint_s: float, eval_s: float | None = None,
                  on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
                  log_file: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit,
                  clock: Callable[[], float] = time.time) -> None:
-        self.rank, self.world, self.logs = rank, world, logs
+        self.rank, self.world = rank, world
+        # A path: heartbeat files there (a test's directory, or a node-local one); else the board given.
+        self._board: Board | None = DirBoard(board) if isinstance(board, Path) else board
+        self._board_path = board if isinstance(board, Path) else None
         self.step_multiple, self.floor_s = step_multiple, floor_s
         self.first_step_s, self.checkpoint_s = first_step_s, checkpoint_s
         # None: the first step's allowance, as before evaluation had its own (a caller not passing it yet).
@@ -125,39 +279,57 @@ class Watchdog:
         self.step, self.phase, self.since = 0, "start", clock()
         self._step_started: float | None = None  # the current step's first beat
         self._eval_mark = 0.0  # the current evaluation batch's beat
+        self._in_eval = False  # an evaluation runs: `agree` is its stop agreement, not a step's end
+        self._step_timed = True  # the current step's time is recorded (nothing to record before the first)
         self._step_times: deque[float] = deque(maxlen=50)
         self._eval_times: deque[float] = deque(maxlen=50)
         self._teardown: tuple[float, int] | None = None  # (allowance, exit code) once the teardown began
         self._stop = threading.Event()
+        self._publish_now = threading.Event()  # the publisher writes at once (stacks written, a hang found)
+        self._asked = threading.Event()  # another rank asked for this rank's stacks
         self._thread: threading.Thread | None = None
+        self._publisher: threading.Thread | None = None
         self._created = time.time()  # a stacks request older than this one is a former run's
         self._stacks = False  # this rank's stacks are in its log
+        self.published = 0.0  # wall time of the last heartbeat the board took
         self.host = socket.gethostname()
 
     @classmethod
     def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
                     on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
-                    log_file: Callable[[], Any] | None = None) -> "Watchdog":
-        """A watchdog with the allowances of the config's `watchdog` section."""
-        return cls(rank, world, logs, step_multiple=config.step_multiple, floor_s=config.floor_s,
-                   first_step_s=config.first_step_s, checkpoint_s=config.checkpoint_s, eval_s=config.eval_s,
-                   on_hang=on_hang, log_file=log_file)
+                    log_file: Callable[[], Any] | None = None, board: "Board | None" = None) -> "Watchdog":
+        """A watchdog with the allowances of the config's `watchdog` section, its heartbeats on `board`
+        (default: the rendezvous store, or a node-local directory; `logs` only names the attempt)."""
+        return cls(rank, world, board if board is not None else default_board(world, attempt_key(logs)),
+                   step_multiple=config.step_multiple, floor_s=config.floor_s, first_step_s=config.first_step_s,
+                   checkpoint_s=config.checkpoint_s, eval_s=config.eval_s, on_hang=on_hang, log_file=log_file)
 
     # ------------------------------------------------------------------ the training thread's side
     def beat(self, phase: str, step: int | None = None) -> None:
         """Progress: this rank is now in `phase` (of optimizer step `step`, when it changes)."""
         now = self.clock()
-        if self.phase == "optimizer" and phase != "optimizer" and self._step_started is not None:
+        if self.phase == "optimizer" and phase != "optimizer" and self._step_started is not None \
+                and not self._step_timed:
             # The step ends with its optimizer phase (and what runs until the next beat: the log line's
             # all-reduce, the stop agreement); an evaluation or checkpoint after it is not part of it.
             self._step_times.append(now - self._step_started)
+            self._step_timed = True
+        if step is not None and step != self.step and self._step_started is not None and not self._step_timed \
+                and not self._in_eval and self.phase not in CHECKPOINT_PHASES:
+            # A loop of one's own beats no optimizer phase (mgpu.Session: `model` at a step's first forward,
+            # `agree` at its end): its step lasts until the next one begins.
+            self._step_times.append(now - self._step_started)
         if phase == "eval":
-            if self.phase in EVAL_PHASES:  # the previous batch, with the stop agreement after it if any
+            if self._in_eval:  # the previous batch, with the stop agreement after it if any
                 self._eval_times.append(now - self._eval_mark)
             self._eval_mark = now
+            self._in_eval = True
+        elif phase != "agree":  # `agree` belongs to what it follows: an evaluation batch, or a step's end
+            self._in_eval = False
         if step is not None:
             self.step = step
             self._step_started = now
+            self._step_timed = False
         self.phase, self.since = phase, now
 
     def allowance(self) -> float:
@@ -166,7 +338,7 @@ class Watchdog:
             return self._teardown[0]
         if self.phase in CHECKPOINT_PHASES:
             return self.checkpoint_s
-        if self.phase in EVAL_PHASES:
+        if self.phase == "eval" or (self.phase == "agree" and self._in_eval):
             if not self._eval_times:
                 return self.eval_s
             return max(self.eval_s, self.step_multiple * statistics.median(self._eval_times))
@@ -194,53 +366,70 @@ class Watchdog:
         self._teardown = (allowance_s, exit_code)
         self.beat("teardown")
 
-    # ------------------------------------------------------------------ the watchdog thread
+    # ------------------------------------------------------------------ the threads
     def start(self) -> "Watchdog":
-        self._write()  # at once: a rank frozen before its thread's first write is then seen as stale
+        # The first heartbeat at once (a rank frozen before its publisher's first write is then seen as
+        # stale), but bounded: the caller is the training thread.
+        _bounded(self._publish, STORE_TIMEOUT_S, "mgpu-watchdog-publish")
+        self._publisher = threading.Thread(target=self._publish_loop, name="mgpu-watchdog-publish", daemon=True)
+        self._publisher.start()
         self._thread = threading.Thread(target=self._watch, name="mgpu-watchdog", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-        (self.logs / f"heartbeat-rank{self.rank}.json").unlink(missing_ok=True)
+        self._publish_now.set()
+        for thread in (self._thread, self._publisher):
+            if thread is not None:
+                thread.join(timeout=10 if thread is self._thread else 1)
+        board = self._board
+        if board is not None:
+            _bounded(lambda: board.close(self.rank), 1.0, "mgpu-watchdog-close")
 
-    def _write(self) -> None:
-        beat = {"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step, "phase": self.phase,
-                "since": round(self.since, 3), "written": round(time.time(), 3), "stacks": self._stacks}
-        path = self.logs / f"heartbeat-rank{self.rank}.json"
-        tmp = path.with_name(f".{path.name}.tmp")
+    def _beat_text(self) -> str:
+        return json.dumps({"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
+                           "phase": self.phase, "since": round(self.since, 3), "written": round(time.time(), 3),
+                           "stacks": self._stacks})
+
+    def _publish(self) -> None:
+        if self._board is None:
+            return
         try:
-            # No fsync: a heartbeat is worth nothing after a crash, and a hung filesystem must not hang
-            # the thread that watches for hangs.
-            tmp.write_text(json.dumps(beat))
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a full disk: the others then see this rank as frozen, which is what they can know
+            self._board.publish(self.rank, self._beat_text())
+            self.published = time.time()
+            requested = self._board.stacks_requested()
+            if requested is not None and requested > self._created and not self._stacks:
+                self._asked.set()
+        except (OSError, RuntimeError, ValueError):
+            pass  # the others then see this rank as frozen, which is what they can know
+
+    def _publish_loop(self) -> None:
+        while not self._stop.is_set():
+            self._publish()
+            self._publish_now.wait(min(1.0, WRITE_EVERY_S))
+            self._publish_now.clear()
 
     def read_all(self) -> list[Heartbeat]:
+        """Every rank's last heartbeat the board holds (bounded: the board's own timeout)."""
+        if self._board is None:
+            return []
         beats = []
-        for rank in range(self.world):
+        for text in self._board.read(self.world).values():
             try:
-                beats.append(Heartbeat(**json.loads((self.logs / f"heartbeat-rank{rank}.json").read_text())))
-            except (OSError, ValueError, TypeError):
+                beats.append(Heartbeat(**json.loads(text)))
+            except (ValueError, TypeError):
                 continue
         return beats
 
     def _watch(self) -> None:
-        last_write = 0.0
-        while not self._stop.wait(min(1.0, WRITE_EVERY_S)):
-            now = self.clock()
-            if not self._stacks and self._stacks_requested():
-                log.error("another rank found a hang: dumping every thread's stack")
-                self._bounded(self._dump_stacks, EVIDENCE_S)
-                last_write = 0.0  # tell the one waiting for it at once
-            if now - last_write >= WRITE_EVERY_S:
-                self._write()
-                last_write = now
-            waited = now - self.since
+        # Nothing here may block: clocks, events, and bounded helpers only.
+        while not self._stop.wait(0.5):
+            if self._asked.is_set() and not self._stacks:
+                _bounded(lambda: self._dump_stacks("another rank found a hang: dumping every thread's stack"),
+                         EVIDENCE_S)
+                self._publish_now.set()  # tell the one waiting for it at once
+            waited = self.clock() - self.since
             if waited > self.allowance():
                 if self.phase == "teardown" and self._teardown is not None:
                     self._stuck_in_teardown(waited, self._teardown[1])
@@ -248,45 +437,22 @@ class Watchdog:
                     self._hung(waited)
                 return
 
-    def _stacks_requested(self) -> bool:
-        try:
-            return float((self.logs / STACKS_REQUESTED).read_text()) > self._created
-        except (OSError, ValueError):
-            return False
-
-    def _request_stacks(self, detected: float) -> None:
-        path = self.logs / STACKS_REQUESTED
-        tmp = path.with_name(f"{path.name}.{self.rank}.tmp")
-        try:
-            tmp.write_text(repr(detected))
-            os.replace(tmp, path)
-        except OSError:
-            pass
-
-    @staticmethod
-    def _bounded(work: Callable[[], None], timeout: float) -> None:
-        # Evidence is best effort and bounded: on a hung filesystem, writing it could block forever too.
-        worker = threading.Thread(target=work, name="mgpu-watchdog-evidence", daemon=True)
-        worker.start()
-        worker.join(timeout=timeout)
+    def _leave(self, code: int) -> None:
+        _bounded(logging.shutdown, 2.0, "mgpu-watchdog-shutdown")  # a log on a stalled filesystem cannot keep us
+        self.exit(code)
 
     def _hung(self, waited: float) -> None:
-        self._bounded(lambda: self._evidence(waited), STALE_AFTER_S + EVIDENCE_S)
-        try:
-            logging.shutdown()
-        finally:
-            self.exit(HANG_EXIT_CODE)
+        _bounded(lambda: self._evidence(waited), STALE_AFTER_S + EVIDENCE_S)
+        self._leave(HANG_EXIT_CODE)
 
     def _stuck_in_teardown(self, waited: float, code: int) -> None:
-        log.error("the process group's teardown made no progress for %.0f s (allowance %.0f s): dumping every "
-                  "thread's stack and exiting with code %d", waited, self.allowance(), code)
-        self._bounded(self._dump_stacks, EVIDENCE_S)
-        try:
-            logging.shutdown()
-        finally:
-            self.exit(code)
+        message = (f"the process group's teardown made no progress for {waited:.0f} s (allowance "
+                   f"{self.allowance():.0f} s): dumping every thread's stack and exiting with code {code}")
+        _bounded(lambda: self._dump_stacks(message), EVIDENCE_S)
+        self._leave(code)
 
-    def _dump_stacks(self) -> None:
+    def _dump_stacks(self, message: str) -> None:
+        log.error("%s", message)
         file = self.log_file() if self.log_file is not None else None
         if file is not None and not self._stacks:
             faulthandler.dump_traceback(file=file, all_threads=True)
@@ -294,21 +460,26 @@ class Watchdog:
         self._stacks = True
 
     def _evidence(self, waited: float) -> None:
-        log.error("no progress for %.0f s in phase %s of step %d (allowance %.0f s): dumping every thread's stack",
-                  waited, self.phase, self.step, self.allowance())
         detected = time.time()
-        self._request_stacks(detected)
-        self._dump_stacks()
-        # A live rank's thread rewrites its file within WRITE_EVERY_S, with its stacks written; one that does
-        # not by STALE_AFTER_S is frozen. Waiting for them also lets the others' watchdogs reach the same view.
+        board = self._board
+        if board is not None:  # first, so that the others start on their stacks while this rank writes its own
+            _bounded(lambda: board.request_stacks(detected), STORE_TIMEOUT_S)
+        self._dump_stacks(f"no progress for {waited:.0f} s in phase {self.phase} of step {self.step} (allowance "
+                          f"{self.allowance():.0f} s): dumping every thread's stack")
+        # A live rank's publisher rewrites its heartbeat within WRITE_EVERY_S, with its stacks written; one that
+        # does not by STALE_AFTER_S is frozen. Waiting for them also lets the others' watchdogs reach the same view.
+        beats: list[Heartbeat] = []
         while True:
-            self._write()  # this thread is alive, whatever its training thread does
-            beats = self.read_all()
+            self._publish_now.set()  # this rank's publisher is alive, whatever its training thread does
+            try:
+                beats = self.read_all()
+            except (OSError, RuntimeError):
+                beats = []  # the board is out of reach: nobody can be blamed on what it held
             if (len(beats) == self.world and all(b.written >= detected and b.stacks for b in beats)) or \
                     time.time() > detected + STALE_AFTER_S:
                 break
             time.sleep(0.25)
-        stuck = blame(beats, detected, self.world)
+        stuck = blame(beats, detected, self.world) if beats else []
         self.on_hang(beats, stuck, waited, detected)
 
 

@@ -292,3 +292,17 @@ class UnevenBlobTask(BlobTask):
         time.sleep(self.step_s * (self.slow_factor if me == self.slow_rank else 1.0)
                    + (self.pause_s if me == self.slow_rank and self.calls == self.pause_at else 0.0))
         return super().loss(model, batch)
+
+
+class CrashingBlobTask(BlobTask):
+    """BlobTask whose rank `rank` raises its own error at its `at`-th loss call (a bug in one rank's code)."""
+
+    def __init__(self, at: int = 3, rank: int = 1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at, self.rank, self.calls = at, rank, 0
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at and (dist.get_rank() if dist.is_initialized() else 0) == self.rank:
+            raise ValueError(f"rank {self.rank}'s own bug at loss call {self.at}")
+        return super().loss(model, batch)

@@ -407,3 +407,67 @@ def test_status_budgets_come_from_the_limits_the_job_recorded(tmp_path: Path) ->
     (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     lines = describe(run_dir, now=now)
     assert f"budgets     {budgets(events, '991234', 0, Limits(5, 2))}" in lines, lines
+
+
+# ------------------------------------------------------------------------- the read model (mgpu.runview)
+def test_the_event_vocabulary_is_what_the_code_writes() -> None:
+    # Every `<ledger>.write("<event>"` in the package is in mgpu.ledger.EVENTS and documented in its docstring,
+    # and every event listed there is written somewhere (hang, restarted, node_excluded were missing before).
+    import re
+
+    import mgpu.ledger as ledger
+
+    written = set()
+    for path in (ROOT / "mgpu").glob("*.py"):
+        written |= set(re.findall(r"(?:ledger|Ledger\([^()]*\))\.write\(\s*\"([a-z_]+)\"", path.read_text()))
+    assert written == set(ledger.EVENTS)
+    documented = set(re.findall(r"^    ([a-z_]+) ", ledger.__doc__ or "", re.M))
+    assert documented == set(ledger.EVENTS)
+
+
+def test_status_on_a_directory_that_is_no_run(tmp_path: Path) -> None:
+    result = _status("/etc")
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert result.stderr == ("status: error: '/etc': not a run directory (no events.jsonl, config.yaml, logs/ or "
+                             "checkpoints/ in it); give a run directory or a job id\n")
+    (tmp_path / "config.yaml").write_text("run: {}\n")  # submitted, not started: a run all the same
+    result = _status(str(tmp_path))
+    assert result.returncode == 0 and "state       not started" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("plot", [False, True])
+def test_a_ledger_time_no_clock_can_show_is_one_line(tmp_path: Path, plot: bool) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "events.jsonl").write_text(json.dumps({"time": 1e308, "event": "started", "job_id": "5", "restart": 0})
+                                      + "\n" + json.dumps({"time": 1e308, "event": "progress", "step": 3, "job_id": "5"}) + "\n")
+    result = _status(str(run), *(["--plot", str(tmp_path / "t.png")] if plot else []))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.splitlines() == ["status: error: the ledger holds a time no clock can show (1e+308): is "
+                                          "events.jsonl a run's ledger?"], result.stderr
+
+
+def test_status_reads_each_ledger_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    import jobs.status
+    import mgpu.runview
+
+    (tmp_path / "events.jsonl").write_text(json.dumps({"time": 1, "event": "started", "job_id": "local",
+                                                       "restart": 0}) + "\n")
+    reads: list[Path] = []
+    real = mgpu.runview.read_ledger
+    monkeypatch.setattr(mgpu.runview, "read_ledger", lambda path, *a: reads.append(path) or real(path, *a))
+    monkeypatch.setattr(jobs.status, "read_ledger", lambda path, *a: reads.append(path) or real(path, *a))
+    assert jobs.status.main([str(tmp_path)]) == 0
+    assert reads == [tmp_path / "events.jsonl"]  # three reads before
+
+
+def test_the_failing_ranks_own_error_is_the_state_shown() -> None:
+    from mgpu.runview import summarize
+
+    events = [{"time": 1, "event": "started", "job_id": "local", "restart": 0},
+              {"time": 5, "event": "failed", "job_id": "local", "restart": 0, "rank": 1, "retry": True,
+               "error": "ValueError: rank 1's own bug"},
+              {"time": 6, "event": "failed", "job_id": "local", "restart": 0, "rank": 0, "retry": True,
+               "consequence": True, "error": "RuntimeError: Connection closed by peer"}]
+    assert summarize(events, now=10)["state"] == "failed (rank 1): ValueError: rank 1's own bug"

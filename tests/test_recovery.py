@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.ledger import Ledger
+from mgpu.ledger import Ledger, read_ledger
 from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure, stop_requeues
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import ancestors, owns_slurm_job
@@ -184,13 +184,37 @@ def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, 
 
 def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path: Path, running_job: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # A batch script that cannot start the step again (no --may-restart): the job stays down, saying why.
     monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
     monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
-    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=False)
     assert action == "none" and outcome.startswith("after a hang: excluding n2 would leave 1 of the 2 nodes"), outcome
     assert outcome.endswith(f"the job stays down: check n2 (scontrol show node n2), then resume with: {RESUME}")
+
+
+def test_a_hang_on_a_node_that_cannot_be_excluded_restarts_in_place_until_the_budget_is_spent(
+        tmp_path: Path, running_job: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Seen on the test cluster: a SIGSTOPped rank blamed on its node, correctly; excluding the node would leave
+    # the 2-node job one node, so the job stayed down although the allocation was intact. Now: restarts in place,
+    # each counted against --max-failures (2 here), then it stays down naming the node.
+    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
+    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
+    run = RunDir(tmp_path)
+    actions = []
+    for attempt in range(3):
+        Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
+        actions.append(handle_failure(run, "7", 0, Limits(max_failures=2), "exit 4", may_restart=True))
+    assert [action for action, _ in actions] == ["restart", "restart", "none"], actions
+    events = ledger_events(run)
+    assert [e["after"] for e in events if e["event"] == "restarted"] == ["hang", "hang"]
+    first = [e for e in events if e["event"] == "stop_decision"][0]
+    assert "excluding n2 would leave 1 of the 2 nodes" in first["reason"] and "restarting in place instead (failure " \
+        "requeue 1 of 2)" in first["reason"], first
+    assert actions[2][1].startswith("terminated, but the failure budget is spent (2 of 2 failure requeues used); the "
+                                    "hangs were pinned on n2: check it (scontrol show node n2)"), actions[2][1]
+    assert actions[2][1].endswith(f"resume with: {RESUME}")
 
 
 @pytest.mark.parametrize("view, action", [
@@ -259,22 +283,23 @@ def test_unavailable_nodes_from_their_state(monkeypatch: pytest.MonkeyPatch) -> 
     import subprocess
 
     from mgpu.exclusion import unavailable_nodes
+    from mgpu.slurm import SlurmClient
 
     states = {"n1": "IDLE", "n2": "ALLOCATED", "n3": "DOWN*", "n4": "IDLE+DRAIN", "n5": "MIXED+DRAIN", "n6": "FUTURE",
               "n7": "IDLE+POWERED_DOWN", "n8": "IDLE*", "n9": "DOWN+NOT_RESPONDING", "n10": "MIXED+COMPLETING"}
     calls: list[list[str]] = []
 
-    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         calls.append(cmd[1:])
         return subprocess.CompletedProcess(cmd, 0, "".join(f"NodeName={n} Arch=x86_64 State={s} Partitions=main\n"
                                                            for n, s in states.items()), "")
 
-    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
-    assert unavailable_nodes(list(states), run) == {"n3", "n4", "n5", "n6", "n8", "n9"}
+    slurm = SlurmClient(run=run, which=lambda name: name)
+    assert unavailable_nodes(list(states), slurm) == {"n3", "n4", "n5", "n6", "n8", "n9"}
     assert calls == [["show", "node", "-o", ",".join(states)]]
-    assert unavailable_nodes([], run) == set() and len(calls) == 1
-    failing = lambda cmd: subprocess.CompletedProcess(cmd, 1, "", "scontrol: error")  # noqa: E731
-    assert unavailable_nodes(["n1"], failing) == set()  # unknown: counted as usable, as before
+    assert unavailable_nodes([], slurm) == set() and len(calls) == 1
+    failing = lambda cmd, timeout: subprocess.CompletedProcess(cmd, 1, "", "scontrol: error")  # noqa: E731
+    assert unavailable_nodes(["n1"], SlurmClient(run=failing, which=lambda name: name)) == set()  # unknown: usable
 
 
 def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
@@ -283,7 +308,7 @@ def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
     monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: {"n3"})
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
-    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=True)
+    action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=False)
     assert action == "none", outcome  # excluding n2 would have left the job pending on the drained n3
     assert "would leave 1 of the 2 nodes the job needs in its partition (n1; down or drained: n3)" in outcome
 
@@ -299,3 +324,21 @@ def test_the_run_directory_a_session_announced(tmp_path: Path, monkeypatch: pyte
     assert _run_dir(args) is None  # the session never started: nothing to requeue
     announced.write_text(str(tmp_path / "runs" / "mine") + "\n")
     assert _run_dir(args) == RunDir(tmp_path / "runs" / "mine")
+
+
+@pytest.mark.multiprocess
+def test_the_ledger_records_the_failing_ranks_own_error(tmp_path: Path) -> None:
+    # Rank 1's loss raises its own error; rank 0 only sees gloo's `Connection closed by peer`. Before, the ledger
+    # had rank 0's consequence alone; now rank 1's cause, and rank 0's error marked as a consequence.
+    from mgpu.recovery import peer_consequence
+    from tests.test_faults import finish_step, start_step
+
+    results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:CrashingBlobTask", "train.epochs=2",
+                                     "data.batch_size=4", "log.tensorboard=false"), timeout=150)
+    assert [rc for rc, _ in results] == [1, 1]
+    failed = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "failed"]
+    own = [e for e in failed if not e.get("consequence")]
+    assert [(e["rank"], e["error"]) for e in own] == [(1, "ValueError: rank 1's own bug at loss call 3")], failed
+    assert all(e["rank"] == 0 for e in failed if e.get("consequence")), failed
+    assert not peer_consequence(ValueError("rank 1's own bug")) and peer_consequence(RuntimeError(
+        "[pair.cc:553] Connection closed by peer [127.0.0.1]:38817"))

@@ -8,8 +8,9 @@ import subprocess
 
 import pytest
 
-from mgpu.requeue import (Budget, JobView, RequeueError, classify, decide, parse_job_view, requeue, resume_command,
-                          sbatch_options)
+from mgpu.requeue import (Budget, JobView, RequeueError, classify, decide, parse_job_view, query_job, requeue,
+                          resume_command, sbatch_options)
+from mgpu.slurm import SlurmClient
 
 RUNNING = JobView("RUNNING", "None", 0, None)
 CASES = [
@@ -34,16 +35,17 @@ def test_classify(reasons: set[str], view: JobView, restarts: int, event: str) -
     assert classify(reasons, view, restarts) == event
 
 
-def fake_scontrol(show: str, requeue_rc: int = 0, requeue_err: str = "") -> tuple[list[list[str]], object]:
+def fake_scontrol(show: str, requeue_rc: int = 0, requeue_err: str = "") -> tuple[list[list[str]], SlurmClient]:
+    """A client whose scontrol answers `show` and the requeue as given (the real one would act on a real job)."""
     calls: list[list[str]] = []
 
-    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         calls.append(cmd[1:])
         if cmd[1] == "show":
             return subprocess.CompletedProcess(cmd, 0, show, "")
         return subprocess.CompletedProcess(cmd, requeue_rc, "", requeue_err)
 
-    return calls, run
+    return calls, SlurmClient(run=run, which=lambda name: name, retry_wait_s=0)
 
 
 SHOW = "JobId=7 JobName=x JobState={state} Reason={reason} Restarts={restarts} PreemptTime={preempt} Requeue=1"
@@ -55,14 +57,11 @@ SHOW = "JobId=7 JobName=x JobState={state} Reason={reason} Restarts={restarts} P
     (SHOW.format(state="COMPLETING", reason="None", restarts=0, preempt="None"), 0, 3, False, "cancelled"),
     (SHOW.format(state="COMPLETING", reason="None", restarts=1, preempt="-"), 0, 3, False, "Slurm is requeueing"),
 ])
-def test_decide(show: str, restarts: int, budget: int, requeue_wanted: bool, words: str,
-                monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
-    calls, run = fake_scontrol(show)
-    decision = decide({"requeue_signal"} if "RUNNING" in show else {"sigterm"}, "7", restarts,
-                      Budget(restarts, budget), run)
+def test_decide(show: str, restarts: int, budget: int, requeue_wanted: bool, words: str) -> None:
+    # Pure: a job view in, a decision out (the view is what `scontrol show job -o` said).
+    decision = decide({"requeue_signal"} if "RUNNING" in show else {"sigterm"}, parse_job_view(show), restarts,
+                      Budget(restarts, budget))
     assert decision.requeue is requeue_wanted and words in decision.why
-    assert calls == [["show", "job", "-o", "7"]]
 
 
 def test_not_slurm_never_requeues() -> None:
@@ -70,27 +69,26 @@ def test_not_slurm_never_requeues() -> None:
     assert decision.event == "not_slurm" and not decision.requeue and "same command" in decision.why
 
 
-def test_requeue_names_the_array_task(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
-    calls, run = fake_scontrol("")
-    assert requeue("4200_7", run).how == "self"
+def test_requeue_names_the_array_task() -> None:
+    calls, slurm = fake_scontrol("")
+    assert slurm.requeue("4200_7").how == "self"
     assert calls == [["requeue", "4200_7"]]
 
 
-def test_requeue_already_pending_is_harmless(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
-    _, run = fake_scontrol("", 1, "scontrol: error: Job is pending execution")
-    assert requeue("7", run).how == "slurm"
+def test_requeue_already_pending_is_harmless() -> None:
+    _, slurm = fake_scontrol("", 1, "scontrol: error: Job is pending execution")
+    assert slurm.requeue("7").how == "slurm"
 
 
 def test_missing_scontrol_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("shutil.which", lambda name: None)
     monkeypatch.setenv("MGPU_RESUME_COMMAND", "cd /r && python jobs/submit.py --nodes 2")
+    monkeypatch.setattr("mgpu.slurm._client", SlurmClient(which=lambda name: None))
     with pytest.raises(RequeueError, match="scontrol not found on PATH.*; to resume: cd /r && python jobs/submit.py "
                                            "--nodes 2$"):
         requeue("7")
     with pytest.raises(RequeueError, match="scontrol not found"):
-        decide({"sigterm"}, "7", 0, Budget(0, 3))
+        query_job("7")
 
 
 def test_parse_job_view() -> None:
@@ -105,10 +103,8 @@ def test_parse_job_view() -> None:
     (Budget(3, 3, "failure"), True, "failure budget is spent (3 of 3 failure requeues used)"),
     (Budget(0, 0), True, "requeue budget is spent (0 of 0 requeues used)"),
 ])
-def test_budget_kinds(budget: Budget, spent: bool, words: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mgpu.requeue._scontrol", lambda: "scontrol")
-    _, run = fake_scontrol(SHOW.format(state="RUNNING", reason="None", restarts=0, preempt="None"))
-    decision = decide({"requeue_signal"}, "7", 0, budget, run)
+def test_budget_kinds(budget: Budget, spent: bool, words: str) -> None:
+    decision = decide({"requeue_signal"}, JobView("RUNNING", "None", 0, None), 0, budget)
     assert budget.spent is spent and decision.requeue is not spent and words in decision.why
 
 
@@ -133,14 +129,14 @@ OPEN = ("cd /r && PYTHON=.venv/bin/python sbatch <the sbatch options of job 12> 
 OWN = {"MGPU_RESUME_COMMAND": OPEN, "SLURM_JOB_ID": "12", "SLURM_TASK_PID": str(os.getpid())}
 
 
-def sacct(line: str, rc: int = 0) -> tuple[list[list[str]], object]:
+def sacct(line: str, rc: int = 0) -> tuple[list[list[str]], SlurmClient]:
     calls: list[list[str]] = []
 
-    def run(cmd: list[str]) -> subprocess.CompletedProcess[str]:
+    def run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
         calls.append(cmd[1:])
         return subprocess.CompletedProcess(cmd, rc, line, "sacct: error" if rc else "")
 
-    return calls, run
+    return calls, SlurmClient(run=run, which=lambda name: f"/usr/bin/{name}", retry_wait_s=0)
 
 
 @pytest.mark.parametrize("environ, line, ask, expected", [
@@ -159,21 +155,18 @@ def sacct(line: str, rc: int = 0) -> tuple[list[list[str]], object]:
      "cd /r && python jobs/submit.py --nodes 2"),                   # submit.py's command is exact already
     ({"SLURM_JOB_ID": "12"}, "", True, "the command that submitted job 12 (MGPU_RESUME_COMMAND is not set)"),
 ])
-def test_resume_command(environ: dict[str, str], line: str, ask: bool, expected: str,
-                        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    calls, run = sacct(line)
-    assert resume_command(environ, ask=ask, run=run) == expected
+def test_resume_command(environ: dict[str, str], line: str, ask: bool, expected: str) -> None:
+    calls, slurm = sacct(line)
+    assert resume_command(environ, ask=ask, slurm=slurm) == expected
     asked = ask and "<the sbatch options" in environ.get("MGPU_RESUME_COMMAND", "") and environ["SLURM_TASK_PID"] \
         == str(os.getpid()) and environ["SLURM_JOB_ID"] == "12"
-    assert calls == ([["-n", "-X", "-P", "-o", "SubmitLine", "-j", "12"]] if asked else [])
+    assert calls == ([["-X", "-n", "-P", "-o", "SubmitLine", "-j", "12"]] if asked else [])
 
 
-def test_resume_command_survives_a_failing_sacct(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
-    assert resume_command(OWN, run=sacct("", rc=1)[1]) == OPEN
+def test_resume_command_survives_a_failing_sacct() -> None:
+    assert resume_command(OWN, slurm=sacct("", rc=1)[1]) == OPEN
 
-    def timeout(cmd: list[str]) -> subprocess.CompletedProcess[str]:
-        raise subprocess.TimeoutExpired(cmd, 30)
+    def timeout(cmd: list[str], seconds: float) -> subprocess.CompletedProcess[str]:
+        raise subprocess.TimeoutExpired(cmd, seconds)
 
-    assert resume_command(OWN, run=timeout) == OPEN
+    assert resume_command(OWN, slurm=SlurmClient(run=timeout, which=lambda name: name, retry_wait_s=0)) == OPEN

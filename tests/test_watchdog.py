@@ -17,7 +17,7 @@ import torch.distributed as dist
 from mgpu.config import load_config
 from mgpu.config_schema import WatchdogConfig
 from mgpu.ledger import read_ledger
-from mgpu.watchdog import HANG_EXIT_CODE, Heartbeat, Watchdog, blame
+from mgpu.watchdog import EVIDENCE_S, HANG_EXIT_CODE, STALE_AFTER_S, Heartbeat, Watchdog, blame
 from tests.tasks import BlobTask
 from tests.test_faults import finish_step, start_step
 
@@ -225,6 +225,64 @@ def test_a_teardown_that_ends_in_time_is_left_alone(tmp_path: Path) -> None:
     assert not (tmp_path / "heartbeat-rank0.json").exists()
 
 
+# ------------------------------------------------------------------------- a filesystem that does not answer
+STALLED = r"""
+import os, sys, time, logging
+from pathlib import Path
+from mgpu.watchdog import Watchdog
+logs = Path(sys.argv[1])
+# A log whose writes block: a FIFO nobody reads, its pipe buffer filled (a stalled NFS write blocks the same).
+fd = os.open(logs / "rank0.log", os.O_RDWR | os.O_NONBLOCK)
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except BlockingIOError:
+    pass
+os.set_blocking(fd, True)
+stream = os.fdopen(fd, "w")
+logging.getLogger("mgpu").addHandler(logging.StreamHandler(stream))
+dog = Watchdog(0, 1, logs / "board", step_multiple=10, floor_s=1, first_step_s=2, checkpoint_s=2,
+               on_hang=lambda *args: time.sleep(3600),  # the ledger's write on the same filesystem
+               log_file=lambda: stream).start()
+print("started", flush=True)
+dog.beat("forward", 1)
+time.sleep(60)  # hung in the step
+print("not ended", flush=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_hang_is_ended_when_the_run_directory_does_not_answer(tmp_path: Path) -> None:
+    # Every write of the evidence blocks (the log, the ledger): the hang is still found and the rank leaves
+    # with HANG_EXIT_CODE within the evidence's bound, not never (before: logging.shutdown() blocked the exit).
+    import subprocess
+    import sys
+
+    os.mkfifo(tmp_path / "rank0.log")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", STALLED, str(tmp_path)], capture_output=True, text=True,
+                          timeout=90, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    elapsed = time.monotonic() - started
+    assert proc.returncode == HANG_EXIT_CODE, proc.stdout + proc.stderr
+    assert "started" in proc.stdout and "not ended" not in proc.stdout
+    assert elapsed < 2 + 1 + STALE_AFTER_S + EVIDENCE_S + 2 + 15, elapsed  # allowance, poll, evidence, shutdown
+
+
+@pytest.mark.multiprocess
+def test_a_heartbeat_path_that_blocks_does_not_blind_the_watchdog(tmp_path: Path) -> None:
+    # The issue's reproduction: a FIFO where the heartbeat used to be written (logs/.heartbeat-rank<N>.json.tmp),
+    # as an open() on a stalled NFS blocks. Before, the watchdog never started training and a 30 s hang under
+    # a 2 s allowance was never found; now heartbeats never touch the run directory.
+    (tmp_path / "logs").mkdir()
+    for rank in range(2):
+        os.mkfifo(tmp_path / "logs" / f".heartbeat-rank{rank}.json.tmp")
+    procs = start_step(tmp_path, 2, *HANG, "task.args.mode=sleep", "task.args.rank=1", "task.args.at=8")
+    results = finish_step(procs, timeout=120)
+    assert [rc for rc, _ in results] == [HANG_EXIT_CODE] * 2, results[0][1][-2000:] + results[1][1][-2000:]
+    (hang,) = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    assert hang["ranks"] == [1] and hang["phases"]["1"] == "forward", hang
+
+
 @pytest.mark.parametrize("configured, step_s, eval_s, expected", [
     (300, None, 300, 650),     # the defaults: the largest allowance (600 s) and the time to notice and leave evidence
     (2000, None, 300, 2000),   # a longer one asked for is kept
@@ -422,3 +480,32 @@ def test_a_pause_within_the_allowance_outlasts_a_shorter_collective_timeout(tmp_
     assert not [e for e in events if e["event"] == "hang"]
     (first,) = [e for e in events if e["event"] == "first_step"]
     assert 70 <= first["collective_timeout_s"] < 100, first
+
+
+def test_an_own_loop_between_steps_has_the_step_allowance_not_the_evaluations() -> None:
+    # mgpu.Session beats `model` at a step's first forward and `agree` at its end (should_stop), no optimizer
+    # phase. Before: the allowance between two steps was eval_s (300 s), and no step time was ever learned.
+    clock = Clock()
+    dog = watchdog(clock, eval_s=300)
+    for step in range(1, 9):
+        dog.beat("model", step)
+        clock.tick(0.15)
+        dog.beat("agree")
+        clock.tick(0.05)
+    assert dog.phase == "agree" and dog.allowance() == pytest.approx(2.0)  # 10 x 0.2 s, not 300
+    dog.beat("eval")  # an evaluation after it: its own allowance, its agreement too
+    clock.tick(0.1)
+    dog.beat("agree")
+    assert dog.allowance() == 300
+    dog.beat("model", 9)
+    assert dog.allowance() == pytest.approx(2.0)
+
+
+def test_a_world_of_one_own_loop_learns_its_steps_from_its_agreements() -> None:
+    # Without DDP there is no `model` beat: each should_stop beats `agree` with the step it ends.
+    clock = Clock()
+    dog = watchdog(clock, eval_s=300)
+    for step in range(1, 9):
+        dog.beat("agree", step)
+        clock.tick(0.3)
+    assert dog.allowance() == pytest.approx(3.0)
