@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import itertools
 import logging
 import multiprocessing
 import signal
@@ -172,10 +173,11 @@ class Batches:
 class ResumableLoader:
     """A DataLoader for a loop of your own: this rank's share of each epoch, resumable at the exact sample.
 
-    Every epoch is one permutation of the whole dataset (a function of seed and epoch only, see
-    mgpu.data); rank r takes the r-th slice of each global batch (`batch_size` samples per rank), and
-    `position` counts the global samples consumed, so a checkpoint taken between two batches resumes at
-    the next one on any number of ranks. Iterate it once per epoch (or `for epoch in loader.epochs(N)`);
+    Every epoch is one order of the whole dataset (a function of seed and epoch only: a permutation for a
+    map-style dataset, mgpu.data; a shard order and a rebuilt shuffle buffer for an mgpu.stream.ShardedStream);
+    rank r takes the r-th slice of each global batch (`batch_size` samples per rank), and `position` counts
+    the global samples consumed, so a checkpoint taken between two batches resumes at the next one on any
+    number of ranks and workers. Iterate it once per epoch (or `for epoch in loader.epochs(N)`);
     `state_dict()` goes into the session's checkpoint with the model. Workers survive the step's signals
     and seed each sample from (seed, epoch, sample), as the trainer's do. `dataloader_options` go to each
     epoch's torch DataLoader (pin_memory, prefetch_factor, persistent_workers, ...; not the sampler,
@@ -193,41 +195,61 @@ class ResumableLoader:
                  **dataloader_options: Any) -> None:
         """`stopping()`: a stop is requested on this rank (a worker that dies then is not a crash); `agreed()`:
         the ranks agreed to stop (`epochs()` ends)."""
-        from mgpu.data import ShardPlan
+        from mgpu.data import plan_for
+        from mgpu.stream import ShardedStream
 
         for option in ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last", "generator"):
             if option in dataloader_options:
                 raise ValueError(f"ResumableLoader owns the sample order: {option}= is not an option here")
-        self.dataset, self.num_workers, self.collate_fn = dataset, num_workers, collate_fn
-        self.plan = ShardPlan(len(dataset), batch_size, rank, world_size, seed, shuffle)  # type: ignore[arg-type]
+        self.stream_fingerprint = dataset.fingerprint() if isinstance(dataset, ShardedStream) else None
+        self.dataset, self.plan = plan_for(dataset, batch_size, rank, world_size, seed, shuffle)
+        self.num_workers, self.collate_fn = num_workers, collate_fn
         self.drop_last, self.requeue_signal, self.stopping, self.agreed = drop_last, requeue_signal, stopping, agreed
         self.options = dataloader_options
         self.epoch = 0
         self.position = 0
         """Global samples of `epoch` consumed so far (all ranks together)."""
+        self.start_position = 0
+        """Where this process's pass over `epoch` began: 0, or the position a resumed run starts from. An
+        epoch's mean over what this run saw covers `position - start_position` samples, not the epoch's."""
         self.last: Any = None
         """The `mgpu.data.MicroBatch` of the batch yielded last: its indices, real samples, global count."""
 
-    def _micro_batches(self, start: int) -> list[Any]:
-        micro = list(self.plan.micro_batches(self.epoch, start))
-        if self.drop_last:
-            micro = [m for m in micro if m.global_count == self.plan.global_batch]
-        return micro
+    @property
+    def samples_per_epoch(self) -> int:
+        """Global samples one whole epoch trains on (the short last batch left out with drop_last)."""
+        n = self.plan.num_samples
+        return n - n % self.plan.global_batch if self.drop_last else n
+
+    def _batches_from(self, start: int) -> int:
+        """How many micro-batches are left from global position `start` (the same on every rank)."""
+        return -(-(self.samples_per_epoch - start) // self.plan.global_batch) if start < self.samples_per_epoch else 0
+
+    def _micro_batches(self, start: int) -> Iterator[Any]:
+        # Lazy: a stream's epoch may hold millions of samples, and a resume must not walk them.
+        for m in self.plan.micro_batches(self.epoch, start):
+            if self.drop_last and m.global_count < self.plan.global_batch:
+                return
+            yield m
 
     def __len__(self) -> int:
         """Batches of a whole epoch on this rank (the same on every rank)."""
-        return len(self._micro_batches(0))
+        return self._batches_from(0)
 
     def __iter__(self) -> Iterator[Any]:
-        micro = self._micro_batches(self.position)
-        indices = [m.indices for m in micro]
+        self.start_position = self.position
+        position = self.position
 
         def build(start: int, workers: int) -> DataLoader:
-            return make_loader(self.dataset, indices[start:], num_workers=workers, seed=self.plan.seed,
+            indices = _IndexBatches(lambda: (m.indices for m in itertools.islice(self._micro_batches(position),
+                                                                                 start, None)))
+            return make_loader(self.dataset, indices, num_workers=workers, seed=self.plan.seed,  # type: ignore[arg-type]
                                epoch=self.epoch, rank=self.plan.rank, requeue_signal=self.requeue_signal,
                                collate_fn=self.collate_fn, **self.options)
 
-        for mb, batch in zip(micro, Batches(build, len(micro), self.num_workers, self.stopping, self.requeue_signal)):
+        count = self._batches_from(position)
+        batches = Batches(build, count, self.num_workers, self.stopping, self.requeue_signal)
+        for mb, batch in zip(self._micro_batches(position), batches):
             self.last, self.position = mb, mb.end_position
             yield batch
         # Only a loop that ran to the end of the epoch gets here (a `break` leaves the position as it is).
@@ -245,8 +267,30 @@ class ResumableLoader:
         if epoch != self.epoch:
             self.epoch, self.position = epoch, 0
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
+        if self.stream_fingerprint is not None:
+            state.update(samples=self.plan.num_samples, stream=self.stream_fingerprint)
+        return state
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state.get("stream")
+        if saved is not None and saved != self.stream_fingerprint:
+            from mgpu.stream import StreamError
+
+            now = "a map-style dataset" if self.stream_fingerprint is None else \
+                f"a stream of {self.plan.num_samples} samples ({self.stream_fingerprint})"
+            raise StreamError(f"the checkpoint's loader read a stream of {state.get('samples')} samples ({saved}), "
+                              f"this run gives {now}: the same files (names, order, sizes) are needed to resume "
+                              "at the exact sample")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class _IndexBatches:
+    """A batch sampler made on each iteration by `make()` (lazy, so a resume deep in an epoch is O(1))."""
+
+    def __init__(self, make: Callable[[], Iterator[list[int]]]) -> None:
+        self.make = make
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return self.make()
