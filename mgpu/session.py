@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
 
     from mgpu.checkpoint import LoadedCheckpoint
-    from mgpu.loader import ResumableLoader
+    from mgpu.loader import ResumableLoader, StatefulStreamLoader
     from mgpu.watchdog import Watchdog
 
 __all__ = ["Session"]
@@ -221,13 +221,14 @@ class Session:
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
                num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-               **dataloader_options: Any) -> ResumableLoader:
+               **dataloader_options: Any) -> ResumableLoader | StatefulStreamLoader:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
-        number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader."""
-        from mgpu.loader import ResumableLoader
+        number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader (map-style, and
+        mgpu.stream.ShardedStream) and StatefulStreamLoader (an IterableDataset with state_dict())."""
+        from mgpu.loader import open_loader
 
         options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
-        return ResumableLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
+        return open_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
                                seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
                                num_workers=num_workers, collate_fn=collate_fn,
                                requeue_signal=self.cfg.preemption.signal, stopping=self._stopping,
