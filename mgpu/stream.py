@@ -7,7 +7,8 @@ The design (why world-size and worker-count changes stay exact): every sample ha
 place in the canonical concatenation of the files (shard k, record o -> base[k] + o). Each epoch has
 one *order* of those ids that depends on (seed, epoch) only, never on ranks or workers:
 
-1. the shards are permuted by (seed, epoch), and read front to back in that order;
+1. the shards are permuted by (seed, epoch) and concatenated; `interleave` lanes read that sequence at once,
+   each through its own contiguous stretch (a few shards), taking turns: nearby reads come from far apart;
 2. a shuffle buffer of `shuffle_buffer` samples: the read sequence is cut into windows of that size and
    each window is permuted by (seed, epoch, window). The buffer's contents at any point are therefore a
    function of (seed, epoch, position): a resume rebuilds it by reading only the current window, and
@@ -143,10 +144,14 @@ class EpochOrder(Sequence[int]):
     """The sample ids of one epoch in training order (see the module's docstring); O(1) per position, a
     window's permutation computed on first use (the last two kept)."""
 
-    def __init__(self, counts: Sequence[int], seed: int, epoch: int, window: int, shuffle: bool = True) -> None:
+    def __init__(self, counts: Sequence[int], seed: int, epoch: int, window: int, shuffle: bool = True,
+                 interleave: int = 1) -> None:
         if window < 1:
             raise StreamError(f"shuffle_buffer={window}: it holds at least one sample")
+        if interleave < 1:
+            raise StreamError(f"interleave={interleave}: read at least one lane")
         self.seed, self.epoch, self.window, self.shuffle = seed, epoch, window if shuffle else 1, shuffle
+        self.lanes = interleave if shuffle else 1
         self.bases = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         if shuffle:
             generator = torch.Generator().manual_seed(stream_seed("shards", seed, epoch))
@@ -155,6 +160,7 @@ class EpochOrder(Sequence[int]):
             self.shard_order = list(range(len(counts)))
         self.starts = np.concatenate([[0], np.cumsum([counts[k] for k in self.shard_order], dtype=np.int64)]).tolist()
         self.total = int(self.bases[-1])
+        self.lane_length, self.longer_lanes = divmod(self.total, self.lanes)
         self._windows: dict[int, list[int]] = {}
 
     def __len__(self) -> int:
@@ -178,26 +184,52 @@ class EpochOrder(Sequence[int]):
         w, within = divmod(position, self.window)
         return w * self.window + self._permutation(w)[within]
 
+    def sequence_position(self, q: int) -> int:
+        """Where read `q` lies in the shards' concatenation: `lanes` readers, each through a contiguous
+        stretch (lengths differing by at most one), taken in turn, so a window mixes `lanes` places."""
+        rounds = self.lanes * self.lane_length
+        lane, index = (q % self.lanes, q // self.lanes) if q < rounds else (q - rounds, self.lane_length)
+        return lane * self.lane_length + min(lane, self.longer_lanes) + index
+
     def id_at_read(self, q: int) -> int:
+        q = self.sequence_position(q)
         k = bisect.bisect_right(self.starts, q) - 1
         return int(self.bases[self.shard_order[k]] + q - self.starts[k])
 
     def __getitem__(self, position: Any) -> Any:
         if isinstance(position, slice):
-            return [self[p] for p in range(*position.indices(self.total))]
+            return self._ids(range(*position.indices(self.total)))
         if not 0 <= position < self.total:
             raise IndexError(f"position {position} outside an epoch of {self.total} samples")
         return self.id_at_read(self.read_position(position))
 
+    def _ids(self, positions: range) -> list[int]:
+        """`[self[p] for p in positions]`, in numpy (a batch's ids: the loader asks for a slice per batch)."""
+        if not len(positions):
+            return []
+        p = np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
+        if self.shuffle:
+            w, within = np.divmod(p, self.window)
+            q = w * self.window
+            for window in np.unique(w).tolist():
+                chosen = w == window
+                q[chosen] += np.asarray(self._permutation(window), dtype=np.int64)[within[chosen]]
+        else:
+            q = p
+        rounds = self.lanes * self.lane_length
+        lane = np.where(q < rounds, q % self.lanes, q - rounds)
+        index = np.where(q < rounds, q // self.lanes, self.lane_length)
+        q = lane * self.lane_length + np.minimum(lane, self.longer_lanes) + index
+        k = np.searchsorted(np.asarray(self.starts), q, side="right") - 1
+        bases = np.asarray(self.bases, dtype=np.int64)[np.asarray(self.shard_order, dtype=np.int64)[k]]
+        return (bases + q - np.asarray(self.starts, dtype=np.int64)[k]).tolist()
+
     def cursors(self, position: int) -> list[int]:
-        """Per shard (canonical order): how many of its samples are consumed once `position` samples are.
-        Exact at window boundaries; inside a window, the samples consumed so far are scattered over it."""
+        """Per shard (canonical order): how many of its samples are consumed once `position` samples are
+        (a report: the position alone is what a resume needs). O(position)."""
         consumed = [0] * len(self.shard_order)
-        for p in range(position - position % self.window, position):
+        for p in range(position):
             consumed[self.locate(self[p])[0]] += 1
-        done = position - position % self.window
-        for k, shard in enumerate(self.shard_order):
-            consumed[shard] += max(0, min(done, self.starts[k + 1]) - self.starts[k])
         return consumed
 
     def locate(self, sample_id: int) -> tuple[int, int]:
@@ -217,12 +249,13 @@ def _expand(files: str | Sequence[str | Path]) -> list[str]:
 
 class ShardedStream(IterableDataset):
     """Samples from a list of files (a glob or a list, in that order), read by `reader` (one ShardReader
-    for all, or a mapping from file suffix such as ".jsonl" to its reader). No __len__: mgpu's loaders ask
+    for all, or a mapping from file suffix such as ".jsonl" to its reader); `shuffle_buffer` samples mixed at
+    a time, from `interleave` places in the epoch's shard sequence (see the module's docstring). No __len__: mgpu's loaders ask
     `samples` and read by id; iterating it directly (a plain DataLoader) yields epoch `set_epoch()`'s order,
     positions dealt to workers in turn."""
 
     def __init__(self, files: str | Sequence[str | Path], reader: ShardReader | Mapping[str, ShardReader], *,
-                 shuffle_buffer: int = 10_000, seed: int = 0) -> None:
+                 shuffle_buffer: int = 10_000, interleave: int = 8, seed: int = 0) -> None:
         self.files = _expand(files)
         if not self.files:
             raise StreamError("a ShardedStream needs at least one file")
@@ -238,7 +271,9 @@ class ShardedStream(IterableDataset):
             raise StreamError(f"the {len(self.files)} shard(s) hold no sample (first: {self.files[0]})")
         if shuffle_buffer < 1:
             raise StreamError(f"shuffle_buffer={shuffle_buffer}: it holds at least one sample")
-        self.shuffle_buffer, self.seed, self.epoch = shuffle_buffer, seed, 0
+        if interleave < 1:
+            raise StreamError(f"interleave={interleave}: read at least one lane")
+        self.shuffle_buffer, self.interleave, self.seed, self.epoch = shuffle_buffer, interleave, seed, 0
         self.bases = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
 
     @staticmethod
@@ -257,11 +292,12 @@ class ShardedStream(IterableDataset):
 
     def fingerprint(self) -> str:
         """The files and their sample counts, in order: a resume refuses a stream that changed."""
-        text = json.dumps([[Path(f).name, c] for f, c in zip(self.files, self.counts)])
+        text = json.dumps([[[Path(f).name, c] for f, c in zip(self.files, self.counts)], self.shuffle_buffer,
+                           self.interleave])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def order(self, seed: int, epoch: int, shuffle: bool = True) -> EpochOrder:
-        return EpochOrder(self.counts, seed, epoch, self.shuffle_buffer, shuffle)
+        return EpochOrder(self.counts, seed, epoch, self.shuffle_buffer, shuffle, self.interleave)
 
     def read(self, sample_id: int) -> Any:
         shard = bisect.bisect_right(self.bases, sample_id) - 1

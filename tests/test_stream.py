@@ -43,13 +43,14 @@ class CountingReader:
         return (path, index)
 
 
-@pytest.mark.parametrize("counts, window, shuffle", [
-    ([10], 1, True), ([10], 4, True), ([7, 0, 13, 1], 5, True), ([3] * 20, 7, True), ([100, 50], 1000, True),
-    ([5, 6, 7], 4, False), ([1], 1, True),
+@pytest.mark.parametrize("counts, window, shuffle, lanes", [
+    ([10], 1, True, 1), ([10], 4, True, 3), ([7, 0, 13, 1], 5, True, 1), ([7, 0, 13, 1], 5, True, 4),
+    ([3] * 20, 7, True, 8), ([100, 50], 1000, True, 7), ([5, 6, 7], 4, False, 2), ([1], 1, True, 5),
+    ([2, 3], 2, True, 50),
 ])
-def test_an_epochs_order_holds_every_sample_once(counts: list[int], window: int, shuffle: bool) -> None:
+def test_an_epochs_order_holds_every_sample_once(counts: list[int], window: int, shuffle: bool, lanes: int) -> None:
     for epoch in range(3):
-        order = EpochOrder(counts, seed=5, epoch=epoch, window=window, shuffle=shuffle)
+        order = EpochOrder(counts, seed=5, epoch=epoch, window=window, shuffle=shuffle, interleave=lanes)
         assert sorted(order[0:len(order)]) == list(range(sum(counts)))
         if not shuffle:
             assert order[0:len(order)] == list(range(sum(counts)))
@@ -78,12 +79,23 @@ def test_shards_are_read_one_after_another_in_a_permuted_order() -> None:
     assert order.shard_order != list(range(8))
 
 
-@pytest.mark.parametrize("position", [0, 1, 15, 16, 17, 63, 100])
-def test_cursors_count_each_shards_consumed_samples(position: int) -> None:
-    counts = [30, 20, 50]
-    order = EpochOrder(counts, seed=4, epoch=1, window=16)
-    expected = Counter(order.locate(i)[0] for i in order[0:position])
-    assert order.cursors(position) == [expected[k] for k in range(3)]
+def test_interleaved_lanes_take_turns_each_reading_its_own_stretch_in_order() -> None:
+    counts = [10] * 8
+    order = EpochOrder(counts, seed=0, epoch=0, window=1, interleave=4)  # window 1: the read order itself
+    reads = [order.locate(order[p]) for p in range(80)]
+    for lane in range(4):
+        mine = reads[lane::4]  # 20 reads: two whole shards, front to back
+        assert [shard for shard, _ in mine] == [order.shard_order[2 * lane]] * 10 + [order.shard_order[2 * lane + 1]] * 10
+        assert [index for _, index in mine] == list(range(10)) * 2
+    assert len({shard for shard, _ in reads[:4]}) == 4
+
+
+@pytest.mark.parametrize("position, done", [(0, 0), (30, 3), (80, 8)])
+def test_cursors_count_each_shards_consumed_samples(position: int, done: int) -> None:
+    order = EpochOrder([10] * 8, seed=4, epoch=1, window=10)
+    cursors = order.cursors(position)
+    assert [cursors[k] for k in order.shard_order] == [10] * done + [0] * (8 - done)
+    assert sum(EpochOrder([10] * 8, seed=4, epoch=1, window=10, interleave=3).cursors(37)) == 37
 
 
 def exactly_once_over_resumes(plan_of: Any, num_samples: int, worlds: list[int], stops: list[int],
@@ -109,7 +121,7 @@ def exactly_once_over_resumes(plan_of: Any, num_samples: int, worlds: list[int],
 def test_a_streams_plan_takes_every_sample_once_across_world_size_changes(worlds: list[int],
                                                                           stops: list[int]) -> None:
     counts = [23, 7, 31, 0, 12]
-    stream_order = lambda seed, epoch, shuffle: EpochOrder(counts, seed, epoch, 9, shuffle)  # noqa: E731
+    stream_order = lambda seed, epoch, shuffle: EpochOrder(counts, seed, epoch, 9, shuffle, 3)  # noqa: E731
     seen = exactly_once_over_resumes(lambda r, w: ShardPlan(sum(counts), 3, r, w, 0, True, stream_order),
                                      sum(counts), worlds, stops, 3)
     assert seen == Counter(range(sum(counts)))
@@ -307,11 +319,25 @@ def test_random_resume_points_table() -> None:
         counts = [rng.randrange(0, 30) for _ in range(rng.randrange(1, 9))]
         if not sum(counts):
             continue
-        window = rng.randrange(1, 40)
+        window, lanes = rng.randrange(1, 40), rng.randrange(1, 6)
         worlds = [rng.randrange(1, 6) for _ in range(rng.randrange(1, 5))]
         stops = [rng.randrange(0, 6) for _ in worlds[1:]]
         batch = rng.randrange(1, 5)
-        order = lambda seed, epoch, shuffle, c=counts, w=window: EpochOrder(c, seed, epoch, w, shuffle)  # noqa: E731
+        order = lambda seed, epoch, shuffle, c=counts, w=window, k=lanes: EpochOrder(c, seed, epoch, w, shuffle, k)  # noqa: E731
         seen = exactly_once_over_resumes(lambda r, w: ShardPlan(sum(counts), batch, r, w, 3, True, order),
                                          sum(counts), worlds, stops, batch)
         assert seen == Counter(range(sum(counts))), (counts, window, worlds, stops, batch)
+
+
+def test_a_slice_of_the_order_equals_its_positions_one_by_one() -> None:
+    """The loader asks for a batch's ids as a slice (computed in numpy); it must be the scalar path's."""
+    rng = random.Random(7)
+    for _ in range(200):
+        counts = [rng.randrange(0, 30) for _ in range(rng.randrange(1, 9))]
+        if not sum(counts):
+            continue
+        order = EpochOrder(counts, rng.randrange(5), rng.randrange(3), rng.randrange(1, 40), rng.random() < 0.8,
+                           rng.randrange(1, 6))
+        begin = rng.randrange(len(order))
+        end = rng.randrange(begin, len(order) + 1)
+        assert order[begin:end] == [order[p] for p in range(begin, end)], (counts, begin, end)

@@ -115,14 +115,15 @@ class TokenWindows(Dataset):
 class GptTask(Task):
     def __init__(self, tokens: str | None = None, stdlib_tokens: str = "runs/data/stdlib.bin", block_size: int = 128,
                  n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.1, stream: bool = False,
-                 shards: int = 8, shuffle_buffer: int = 256) -> None:
+                 shards: int = 8, shuffle_buffer: int = 256, interleave: int = 8) -> None:
         """`tokens`: a file from jobs/make_tokens.py; None: the stdlib corpus, made at `stdlib_tokens` if missing.
         `stream`: train on the same windows read as `shards` token files through mgpu.stream.ShardedStream
-        (shard order per epoch, a shuffle buffer of `shuffle_buffer` windows; no __len__) instead of a
+        (shard order per epoch, `interleave` shards read at once, a shuffle buffer of `shuffle_buffer` windows;
+        no __len__) instead of a
         map-style dataset with a global permutation per epoch."""
         if n_embd % n_head:
             raise TaskError(f"task.args: n_embd={n_embd} must be a multiple of n_head={n_head}")
-        self.stream, self.shards, self.shuffle_buffer = stream, shards, shuffle_buffer
+        self.stream, self.shards, self.shuffle_buffer, self.interleave = stream, shards, shuffle_buffer, interleave
         self.path = Path(tokens if tokens is not None else stdlib_tokens)
         self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout = \
             block_size, n_layer, n_head, n_embd, dropout
@@ -149,7 +150,7 @@ class GptTask(Task):
         try:
             files = write_shards(self.path, out, self.shards, self.block_size, self.n_train)
             return ShardedStream(files, StreamWindows(self.block_size, self.meta["dtype"]),
-                                 shuffle_buffer=self.shuffle_buffer)
+                                 shuffle_buffer=self.shuffle_buffer, interleave=self.interleave)
         except (TokenError, StreamError) as error:
             raise TaskError(f"task.args (stream): {error}") from None
 
