@@ -79,6 +79,7 @@ class TokenWindows:
             else:
                 dtype = self.dtype or self._sidecar_dtype(path)
                 tokens = np.memmap(path, dtype=dtype, mode="r") if Path(path).stat().st_size else np.zeros(0)
+            tokens = tokens.view(np.ndarray)  # the same mapped pages, without np.memmap's per-slice bookkeeping
             if tokens.ndim != 1:
                 raise StreamError(f"{path}: a token shard is one flat array, this one has shape {tokens.shape}")
             self._open[path] = tokens
@@ -161,17 +162,19 @@ class EpochOrder(Sequence[int]):
         self.starts = np.concatenate([[0], np.cumsum([counts[k] for k in self.shard_order], dtype=np.int64)]).tolist()
         self.total = int(self.bases[-1])
         self.lane_length, self.longer_lanes = divmod(self.total, self.lanes)
-        self._windows: dict[int, list[int]] = {}
+        self._windows: dict[int, np.ndarray] = {}
+        self._starts = np.asarray(self.starts, np.int64)
+        self._order_bases = np.asarray(self.bases, np.int64)[self.shard_order]  # each read shard's first id
 
     def __len__(self) -> int:
         return self.total
 
-    def _permutation(self, w: int) -> list[int]:
+    def _permutation(self, w: int) -> np.ndarray:
         perm = self._windows.get(w)
         if perm is None:
             size = min(self.window, self.total - w * self.window)
             generator = torch.Generator().manual_seed(stream_seed("window", self.seed, self.epoch, w))
-            perm = torch.randperm(size, generator=generator).tolist()
+            perm = torch.randperm(size, generator=generator).numpy()
             if len(self._windows) >= 2:
                 self._windows.pop(next(iter(self._windows)))
             self._windows[w] = perm
@@ -182,7 +185,7 @@ class EpochOrder(Sequence[int]):
         if not self.shuffle:
             return position
         w, within = divmod(position, self.window)
-        return w * self.window + self._permutation(w)[within]
+        return w * self.window + int(self._permutation(w)[within])
 
     def sequence_position(self, q: int) -> int:
         """Where read `q` lies in the shards' concatenation: `lanes` readers, each through a contiguous
@@ -204,25 +207,24 @@ class EpochOrder(Sequence[int]):
         return self.id_at_read(self.read_position(position))
 
     def _ids(self, positions: range) -> list[int]:
-        """`[self[p] for p in positions]`, in numpy (a batch's ids: the loader asks for a slice per batch)."""
-        if not len(positions):
-            return []
+        """`[self[p] for p in positions]` (the loader asks for a batch's ids as a slice); in numpy when long."""
+        if len(positions) < 256:  # a batch: numpy's per-call overhead costs more than it saves
+            return [self.id_at_read(self.read_position(p)) for p in positions]
         p = np.arange(positions.start, positions.stop, positions.step, dtype=np.int64)
         if self.shuffle:
             w, within = np.divmod(p, self.window)
             q = w * self.window
             for window in np.unique(w).tolist():
                 chosen = w == window
-                q[chosen] += np.asarray(self._permutation(window), dtype=np.int64)[within[chosen]]
+                q[chosen] += self._permutation(window)[within[chosen]]
         else:
             q = p
         rounds = self.lanes * self.lane_length
         lane = np.where(q < rounds, q % self.lanes, q - rounds)
         index = np.where(q < rounds, q // self.lanes, self.lane_length)
         q = lane * self.lane_length + np.minimum(lane, self.longer_lanes) + index
-        k = np.searchsorted(np.asarray(self.starts), q, side="right") - 1
-        bases = np.asarray(self.bases, dtype=np.int64)[np.asarray(self.shard_order, dtype=np.int64)[k]]
-        return (bases + q - np.asarray(self.starts, dtype=np.int64)[k]).tolist()
+        k = np.searchsorted(self._starts, q, side="right") - 1
+        return (self._order_bases[k] + q - self._starts[k]).tolist()
 
     def cursors(self, position: int) -> list[int]:
         """Per shard (canonical order): how many of its samples are consumed once `position` samples are
