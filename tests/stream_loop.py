@@ -3,10 +3,11 @@ a tiny next-token model with dropout, AdamW, a save every few steps, and a per-s
 `step epoch id` for each real sample it trained on to RUN_DIR/ids/rank-R.txt. One process per rank:
 
     python tests/stream_loop.py RUN_DIR DATA_DIR [--epochs 2] [--workers 0] [--batch-size 3]
-        [--signal-at K] [--shuffle-buffer 16]
+        [--signal-at K] [--shuffle-buffer 16] [--stateful]
 
 --signal-at K: right after optimizer step K the last rank sends SIGTERM to its whole process group (every
-rank and DataLoader worker the test started), as slurmstepd does.
+rank and DataLoader worker the test started), as slurmstepd does. --stateful: the shards through a Stateful
+IterableDataset of the loop's own (mgpu.loader.StatefulStreamLoader) instead of mgpu.stream.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -36,6 +38,35 @@ def sample_id(window: torch.Tensor) -> int:
     return first // 1000 * 100 + first % 1000 // BLOCK
 
 
+class StatefulShards(IterableDataset):
+    """The same shards as a user's Stateful stream (no mgpu.stream): rank r's worker w of W reads shards
+    r * W + w, r * W + w + R * W, ...; its state is its (shard, window) cursor."""
+
+    def __init__(self, files: list[str], rank: int, world: int) -> None:
+        self.files, self.rank, self.world = files, rank, world
+        self.reader = TokenWindows(BLOCK, "uint16")
+        self.cursor = {"shard": 0, "item": 0}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = self.files[self.rank * workers + worker::self.world * workers]
+        while self.cursor["shard"] < len(mine):
+            path = mine[self.cursor["shard"]]
+            while self.cursor["item"] < self.reader.count(path):
+                window = self.reader.read(path, self.cursor["item"])
+                self.cursor["item"] += 1
+                yield window
+            self.cursor = {"shard": self.cursor["shard"] + 1, "item": 0}
+        self.cursor = {"shard": 0, "item": 0}
+
+    def state_dict(self) -> dict:
+        return dict(self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = dict(state)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("run_dir")
@@ -45,13 +76,15 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=3)
     parser.add_argument("--shuffle-buffer", type=int, default=16)
     parser.add_argument("--signal-at", type=int)
+    parser.add_argument("--stateful", action="store_true", help="a Stateful IterableDataset of the shards instead")
     args = parser.parse_args()
     config = mgpu.Config()
     config.preemption.check_every_steps = 1
 
-    stream = ShardedStream(sorted(glob.glob(f"{args.data_dir}/*.bin")), TokenWindows(BLOCK, "uint16"),
-                           shuffle_buffer=args.shuffle_buffer)
+    files = sorted(glob.glob(f"{args.data_dir}/*.bin"))
     with mgpu.Session(args.run_dir, seed=5, config=config) as session:
+        stream: IterableDataset = StatefulShards(files, session.rank, session.world_size) if args.stateful else \
+            ShardedStream(files, TokenWindows(BLOCK, "uint16"), shuffle_buffer=args.shuffle_buffer)
         model = session.wrap(nn.Sequential(nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         loader = session.loader(stream, batch_size=args.batch_size, num_workers=args.workers, collate_fn=torch.stack)
@@ -62,7 +95,7 @@ def main() -> None:
         with open(log_dir / f"rank-{session.rank}.txt", "a") as ids:
             for epoch in loader.epochs(args.epochs):
                 for windows in loader:
-                    real = loader.last.real
+                    real = len(windows) if args.stateful else loader.last.real
                     tokens = windows % 64
                     logits = model(tokens[:, :-1])
                     losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)

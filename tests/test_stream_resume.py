@@ -31,8 +31,8 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return data
 
 
-def run(run_dir: Path, shards: Path, world: int, workers: int, signal_at: int | None = None) -> None:
-    argv = [LOOP, str(run_dir), str(shards), f"--workers={workers}"]
+def run(run_dir: Path, shards: Path, world: int, workers: int, signal_at: int | None = None, *extra: str) -> None:
+    argv = [LOOP, str(run_dir), str(shards), f"--workers={workers}", *extra]
     results = wait_ranks(start_ranks(argv + ([f"--signal-at={signal_at}"] if signal_at else []), world), timeout=240)
     codes = [rc for rc, _ in results]
     expected = [0] * world if signal_at is None else [3] + [0] * (world - 1)  # rank 0 says "stopped"
@@ -43,14 +43,17 @@ def run(run_dir: Path, shards: Path, world: int, workers: int, signal_at: int | 
 
 def ids_per_epoch(run_dir: Path) -> dict[int, Counter]:
     """Every sample every rank logged it trained on, in all legs (a step trained after the stop's checkpoint
-    would be trained again after the resume and count twice)."""
-    resumed_at = [e["step"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
+    would be trained again after the resume and count twice), of a run that was resumed."""
+    assert any(e["event"] == "resumed" for e in read_ledger(run_dir / "events.jsonl")), "never resumed"
+    return ids_per_epoch_unchecked(run_dir)
+
+
+def ids_per_epoch_unchecked(run_dir: Path) -> dict[int, Counter]:
     seen: dict[int, Counter] = {}
     for log in sorted((run_dir / "ids").glob("rank-*.txt")):
         for line in log.read_text().splitlines():
             _step, epoch, sample = map(int, line.split())
             seen.setdefault(epoch, Counter())[sample] += 1
-    assert resumed_at, "the run was never resumed"
     return seen
 
 
@@ -90,3 +93,17 @@ def test_a_world_size_change_4_2_3_keeps_every_sample_once(shards: Path, tmp_pat
     run(run_dir, shards, 3, 4)
     assert stops(run_dir) == [5, 10]
     assert ids_per_epoch(run_dir) == {0: ALL_IDS, 1: ALL_IDS}
+
+
+def test_a_stateful_stream_resumes_per_rank_and_worker_as_the_unbroken_run(shards: Path, tmp_path: Path) -> None:
+    """A user's Stateful IterableDataset: each rank's and each worker's state goes into the checkpoint (gathered
+    from every rank) and comes back; the epoch ends on every rank when one rank's stream ends."""
+    reference, broken = tmp_path / "unbroken", tmp_path / "broken"
+    run(reference, shards, 2, 2, None, "--stateful")
+    run(broken, shards, 2, 2, 3, "--stateful")  # mid-epoch: workers 0 and 1 of each rank partway
+    run(broken, shards, 2, 2, 11, "--stateful")
+    run(broken, shards, 2, 2, None, "--stateful")
+    assert stops(broken) == [4, 12]
+    seen, expected = ids_per_epoch(broken), ids_per_epoch_unchecked(reference)
+    assert seen == expected and all(max(c.values()) == 1 for c in seen.values())
+    assert_identical(final(broken)["model"], final(reference)["model"], "model")
