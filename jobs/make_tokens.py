@@ -98,6 +98,37 @@ def read_meta(path: str | Path) -> dict:
     return meta
 
 
+def write_shards(path: str | Path, out_dir: str | Path, shards: int, block_size: int, windows: int) -> list[Path]:
+    """Cut the first `windows` windows of `block_size + 1` tokens of token file `path` into `shards` token files
+    (OUT_DIR/shard-000.bin, ... with sidecars), each a whole number of windows: read as windows of the same
+    size (mgpu.stream.TokenWindows), the shards hold exactly the windows the map-style dataset indexes.
+    Files already there with the same source and range are kept (ranks that do it at once are safe)."""
+    meta = read_meta(path)
+    if not 1 <= shards <= windows:
+        raise TokenError(f"{shards} shards of {windows} windows: use 1 to {windows} shards")
+    tokens = np.memmap(path, dtype=meta["dtype"], mode="r")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    bounds = [windows * k // shards for k in range(shards + 1)]
+    written = []
+    for k in range(shards):
+        first, last = bounds[k], bounds[k + 1]
+        shard = out / f"shard-{k:03d}.bin"
+        source = f"{meta['source_sha256']}[windows {first}:{last} of {block_size}]"
+        try:
+            if json.loads(sidecar_path(shard).read_text())["source"] == source and shard.is_file():
+                written.append(shard)
+                continue
+        except (OSError, ValueError, KeyError):
+            pass
+        piece = np.asarray(tokens[first * block_size:last * block_size + 1])
+        fields = {**meta, "num_tokens": int(piece.size), "source": source}
+        write_atomic(sidecar_path(shard), (json.dumps(fields, indent=2) + "\n").encode())
+        write_atomic(shard, piece.tobytes())
+        written.append(shard)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,

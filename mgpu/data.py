@@ -14,14 +14,14 @@ the gradient is the exact mean over the samples of the optimizer step, whatever 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from mgpu.rng import derived_seed
 
-__all__ = ["MicroBatch", "ShardPlan", "epoch_permutation", "eval_shard"]
+__all__ = ["MicroBatch", "ShardPlan", "epoch_permutation", "eval_shard", "plan_for"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,8 @@ class ShardPlan:
     world_size: int
     seed: int = 0
     shuffle: bool = True
+    order: Callable[[int, int, bool], Sequence[int]] | None = field(default=None, compare=False)
+    """(seed, epoch, shuffle) -> the epoch's sample order; None: `epoch_permutation` (a stream's: mgpu.stream)."""
 
     @property
     def global_batch(self) -> int:
@@ -67,7 +69,12 @@ class ShardPlan:
         """This rank's micro-batches of `epoch`, from global position `start` to the end of the epoch."""
         if not 0 <= start <= self.num_samples:
             raise ValueError(f"position {start} outside an epoch of {self.num_samples} samples")
-        order = epoch_permutation(self.num_samples, self.seed, epoch, self.shuffle)
+        if self.order is None:
+            order: Sequence[int] = epoch_permutation(self.num_samples, self.seed, epoch, self.shuffle)
+        else:
+            order = self.order(self.seed, epoch, self.shuffle)
+            if len(order) != self.num_samples:
+                raise ValueError(f"an order of {len(order)} samples for a plan of {self.num_samples}")
         position = start
         while position < self.num_samples:
             count = min(self.global_batch, self.num_samples - position)
@@ -90,6 +97,17 @@ class ShardPlan:
     def micro_steps_left(self, start: int) -> int:
         """Micro-steps from `start` to the end of the epoch (the same on every rank)."""
         return -(-(self.num_samples - start) // self.global_batch)
+
+
+def plan_for(dataset: Any, batch_size: int, rank: int, world_size: int, seed: int, shuffle: bool
+             ) -> tuple[Any, ShardPlan]:
+    """The map-style dataset a loader indexes and the plan that walks it: `dataset` itself with a global
+    permutation per epoch, or for an mgpu.stream.ShardedStream its samples by id in the stream's order."""
+    from mgpu.stream import ShardedStream
+
+    if isinstance(dataset, ShardedStream):
+        return dataset.by_id(), ShardPlan(dataset.samples, batch_size, rank, world_size, seed, shuffle, dataset.order)
+    return dataset, ShardPlan(len(dataset), batch_size, rank, world_size, seed, shuffle)
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> list[int]:

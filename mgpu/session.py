@@ -58,7 +58,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset
 
     from mgpu.checkpoint import LoadedCheckpoint
-    from mgpu.loader import ResumableLoader
+    from mgpu.loader import ResumableLoader, StatefulStreamLoader
     from mgpu.stopping import StopController
     from mgpu.train_state import State
     from mgpu.watchdog import Watchdog
@@ -205,23 +205,25 @@ class Session:
 
     def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
                num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
-               **dataloader_options: Any) -> ResumableLoader:
+               **dataloader_options: Any) -> ResumableLoader | StatefulStreamLoader:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
-        number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader."""
+        number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader (map-style, and
+        mgpu.stream.ShardedStream) and StatefulStreamLoader (an IterableDataset with state_dict())."""
         from torch.utils.data import IterableDataset
 
-        from mgpu.loader import ResumableLoader
+        from mgpu.loader import open_loader
 
-        if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-            raise MgpuError(f"Session.loader() takes a dataset with len() and [index] (a map-style Dataset), got a "
-                            f"{type(dataset).__name__}: it resumes by sample index, which a stream or an iterator "
-                            f"does not have")
+        if not isinstance(dataset, IterableDataset) and not (hasattr(dataset, "__len__")
+                                                             and hasattr(dataset, "__getitem__")):
+            raise MgpuError(f"Session.loader() takes a dataset with len() and [index] (a map-style Dataset) or an "
+                            f"IterableDataset (mgpu.stream.ShardedStream, or one with state_dict()), got a "
+                            f"{type(dataset).__name__}: an iterator cannot say where a resume starts")
         options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
-        return ResumableLoader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
-                               seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
-                               num_workers=num_workers, collate_fn=collate_fn,
-                               requeue_signal=self.cfg.preemption.signal, stopping=lambda: self.stop_requested,
-                               agreed=lambda: self.stopping, **options)
+        return open_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
+                           seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
+                           num_workers=num_workers, collate_fn=collate_fn,
+                           requeue_signal=self.cfg.preemption.signal, stopping=lambda: self.stop_requested,
+                           agreed=lambda: self.stopping, **options)
 
     def eval_loader(self, dataset: Dataset, batch_size: int, *, num_workers: int = 0,
                     collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_options: Any) -> DataLoader:

@@ -58,7 +58,8 @@ class Task(ABC):
 
     @abstractmethod
     def train_dataset(self) -> Dataset:
-        """A map-style dataset (`len` and integer indexing). Must be the same on every rank."""
+        """A map-style dataset (`len` and integer indexing), or an mgpu.stream.ShardedStream. Must be the same
+        on every rank."""
 
     def eval_dataset(self) -> Dataset | None:
         """The held-out dataset for `metrics`, or None for no evaluation."""
@@ -135,10 +136,14 @@ def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | 
     if dataset is None and optional:
         return None
     name = type(dataset).__name__
+    from mgpu.stream import ShardedStream
+
+    if isinstance(dataset, ShardedStream) and not optional:
+        return dataset  # type: ignore[return-value]  # resumed by sample id (mgpu.stream)
     if isinstance(dataset, IterableDataset):
-        raise TaskError(f"{what} returned an IterableDataset ({name}): mgpu shards and resumes by sample index, "
-                        "so give it __len__ and __getitem__ (a stream of tokens becomes windows of a token file, "
-                        "as in jobs/tasks/gpt.py)")
+        raise TaskError(f"{what} returned an IterableDataset ({name}), which the trainer cannot resume at the exact "
+                        "sample: read its files through mgpu.stream.ShardedStream (as jobs/tasks/gpt.py does with "
+                        "stream: true), or give it __len__ and __getitem__")
     try:
         size = len(dataset)
     except TypeError:

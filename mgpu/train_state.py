@@ -60,14 +60,18 @@ def code_version(root: Path | None = None) -> str | None:
     return sha + ("+dirty" if dirty else "")
 
 
-def _all_rank_rng_states() -> list[dict[str, Any]]:
-    """Every rank's RNG state (a collective); a list of one in a world of one."""
-    mine = capture_rng_state()
+def _gathered(mine: Any) -> list[Any]:
+    """Every rank's `mine` (a collective); a list of one in a world of one."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return [mine]
     states: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(states, mine)
     return states
+
+
+def _all_rank_rng_states() -> list[dict[str, Any]]:
+    """Every rank's RNG state (a collective); a list of one in a world of one."""
+    return _gathered(capture_rng_state())
 
 
 RESERVED = ("format", "rng", "world_size", "code_version")
@@ -174,6 +178,10 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
     DDP is saved as its module), a dataclass (saved as a dict), or a plain value. Every rank's RNG
     state is added, so a resumed rank draws what the saved one would have drawn next."""
     rng = _all_rank_rng_states()
+    # A value whose state differs per rank (a stateful stream's loader) says so with `rank_state_dict()`:
+    # every rank's goes into the checkpoint, and its `load_state_dict` takes them all and picks its own.
+    per_rank = {name: _gathered(value.rank_state_dict()) for name, value in objects.items()
+                if callable(getattr(value, "rank_state_dict", None))}
     for value in objects.values():
         if _is_zero(value):
             value.consolidate_state_dict(to=0)  # the shards meet on rank 0
@@ -182,7 +190,9 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
     state: dict[str, Any] = {"format": FORMAT, "rng": rng, "world_size": len(rng), "code_version": version}
     for name, value in objects.items():
         value = _unwrapped(value)
-        if hasattr(value, "state_dict"):
+        if name in per_rank:
+            state[name] = {"per_rank": per_rank[name]}
+        elif hasattr(value, "state_dict"):
             state[name] = value.state_dict()
             if _is_zero(value):
                 # ZeRO keeps every rank's consolidated shard until the next consolidation: a second full

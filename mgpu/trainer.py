@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import LoadedCheckpoint
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
-from mgpu.data import MicroBatch, ShardPlan, eval_shard
+from mgpu.data import MicroBatch, eval_shard, plan_for
 from mgpu.distributed import all_reduce
 from mgpu.errors import MgpuError
 from mgpu.evaluation import EvalInterrupted, check_metrics, evaluate
@@ -97,11 +97,12 @@ class Trainer:
         self.config_dict = config_to_dict(cfg)
 
         # Checked before anything is built: an empty or streaming dataset fails here in one line.
-        self.train_set: Dataset = sized_dataset(task.train_dataset(), f"{type(task).__name__}.train_dataset()")  # type: ignore[assignment]  # not optional: never None
+        train_set = sized_dataset(task.train_dataset(), f"{type(task).__name__}.train_dataset()")
         self.eval_set: Dataset | None = sized_dataset(task.eval_dataset(), f"{type(task).__name__}.eval_dataset()",
                                                       optional=True)
-        self.plan = ShardPlan(len(self.train_set), cfg.data.batch_size, self.rank, self.world,  # type: ignore[arg-type]  # torch's Dataset declares no __len__
-                              cfg.train.seed, cfg.data.shuffle)
+        # A stream (mgpu.stream) is trained as its samples by id, in the stream's own order per epoch.
+        self.train_set, self.plan = plan_for(train_set, cfg.data.batch_size, self.rank, self.world, cfg.train.seed,
+                                             cfg.data.shuffle)
 
         # The same initial weights everywhere (DDP also broadcasts rank 0's), then per-rank streams
         # so dropout and augmentation differ between ranks.

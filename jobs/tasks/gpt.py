@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from jobs.make_tokens import TokenError, make_stdlib_tokens, read_meta
+from jobs.make_tokens import TokenError, make_stdlib_tokens, read_meta, write_shards
+from mgpu.stream import ShardedStream, StreamError
+from mgpu.stream import TokenWindows as StreamWindows
 from mgpu.task import Task, TaskError
 
 EVAL_FRACTION = 0.1
@@ -112,10 +114,16 @@ class TokenWindows(Dataset):
 
 class GptTask(Task):
     def __init__(self, tokens: str | None = None, stdlib_tokens: str = "runs/data/stdlib.bin", block_size: int = 128,
-                 n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.1) -> None:
-        """`tokens`: a file from jobs/make_tokens.py; None: the stdlib corpus, made at `stdlib_tokens` if missing."""
+                 n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.1, stream: bool = False,
+                 shards: int = 8, shuffle_buffer: int = 256, interleave: int = 8) -> None:
+        """`tokens`: a file from jobs/make_tokens.py; None: the stdlib corpus, made at `stdlib_tokens` if missing.
+        `stream`: train on the same windows read as `shards` token files through mgpu.stream.ShardedStream
+        (shard order per epoch, `interleave` shards read at once, a shuffle buffer of `shuffle_buffer` windows;
+        no __len__) instead of a
+        map-style dataset with a global permutation per epoch."""
         if n_embd % n_head:
             raise TaskError(f"task.args: n_embd={n_embd} must be a multiple of n_head={n_head}")
+        self.stream, self.shards, self.shuffle_buffer, self.interleave = stream, shards, shuffle_buffer, interleave
         self.path = Path(tokens if tokens is not None else stdlib_tokens)
         self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout = \
             block_size, n_layer, n_head, n_embd, dropout
@@ -135,8 +143,16 @@ class GptTask(Task):
     def build_model(self) -> nn.Module:
         return GPT(self.meta["vocab_size"], self.block_size, self.n_layer, self.n_head, self.n_embd, self.dropout)
 
-    def train_dataset(self) -> TokenWindows:
-        return TokenWindows(self.path, self.meta["dtype"], self.block_size, 0, self.n_train)
+    def train_dataset(self) -> TokenWindows | ShardedStream:
+        if not self.stream:
+            return TokenWindows(self.path, self.meta["dtype"], self.block_size, 0, self.n_train)
+        out = self.path.with_name(f"{self.path.stem}-shards-b{self.block_size}-n{self.shards}")
+        try:
+            files = write_shards(self.path, out, self.shards, self.block_size, self.n_train)
+            return ShardedStream(files, StreamWindows(self.block_size, self.meta["dtype"]),
+                                 shuffle_buffer=self.shuffle_buffer, interleave=self.interleave)
+        except (TokenError, StreamError) as error:
+            raise TaskError(f"task.args (stream): {error}") from None
 
     def eval_dataset(self) -> TokenWindows:
         return TokenWindows(self.path, self.meta["dtype"], self.block_size, self.n_train, self.n_eval)

@@ -1,0 +1,52 @@
+"""The GPT example as a stream (jobs/configs/gpt_stream.yaml): the same training windows as the map-style task,
+read as token shards; through the trainer, stopped and resumed, it agrees with an unbroken run at every logged
+step (jobs/status.py --verify)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import make_tokens
+from jobs.tasks.gpt import GptTask
+from mgpu.stream import ShardedStream
+from mgpu.task import TaskError
+from tests.test_gpt_example import run, tiny_tokens
+
+
+def test_the_stream_holds_exactly_the_map_style_training_windows(tmp_path: Path) -> None:
+    path = tiny_tokens(tmp_path)
+    windowed = GptTask(tokens=str(path), block_size=16)
+    streamed = GptTask(tokens=str(path), block_size=16, stream=True, shards=5)
+    stream = streamed.train_dataset()
+    assert isinstance(stream, ShardedStream) and not hasattr(stream, "__len__")
+    train = windowed.train_dataset()
+    assert stream.samples == len(train) and len(stream.files) == 5
+    assert all(torch.equal(stream.read(i), train[i]) for i in range(len(train)))
+    again = GptTask(tokens=str(path), block_size=16, stream=True, shards=5).train_dataset()  # kept, not rewritten
+    assert [Path(f).stat().st_mtime_ns for f in again.files] == [Path(f).stat().st_mtime_ns for f in stream.files]
+    with pytest.raises(TaskError, match="shards of"):
+        GptTask(tokens=str(path), block_size=16, stream=True, shards=10**6).train_dataset()
+    with pytest.raises(make_tokens.TokenError, match="shards of"):
+        make_tokens.write_shards(path, tmp_path / "x", 0, 16, 10)
+
+
+TINY = ["task.args.block_size=16", "task.args.n_layer=1", "task.args.n_embd=32", "task.args.shuffle_buffer=8",
+        "task.args.shards=3", "data.batch_size=4", "train.max_steps=8", "eval.every_steps=100", "log.every_steps=1",
+        "log.tensorboard=false", "checkpoint.every_steps=100"]
+
+
+@pytest.mark.multiprocess
+def test_the_stream_config_stopped_and_resumed_agrees_with_an_unbroken_run(tmp_path: Path) -> None:
+    path = tiny_tokens(tmp_path)
+    args = ["jobs/train.py", "--config", "jobs/configs/gpt_stream.yaml", f"task.args.tokens={path}", *TINY]
+    unbroken = run(*args, f"run.dir={tmp_path / 'unbroken'}", timeout=180)
+    assert unbroken.returncode == 0, unbroken.stdout + unbroken.stderr
+    stopped = run(*args, f"run.dir={tmp_path / 'broken'}", "--stop-at-step", "3", timeout=180)
+    assert stopped.returncode == 3, stopped.stdout + stopped.stderr
+    resumed = run(*args, f"run.dir={tmp_path / 'broken'}", timeout=180)
+    assert resumed.returncode == 0 and "from step 3 (epoch 0, sample 12)" in resumed.stdout, resumed.stdout
+    verdict = run("jobs/status.py", "--verify", str(tmp_path / "unbroken"), str(tmp_path / "broken"))
+    assert verdict.returncode == 0 and "agree" in verdict.stdout and "(1..8)" in verdict.stdout, verdict.stdout

@@ -1,0 +1,120 @@
+"""A user's IterableDataset with the Stateful protocol (state_dict/load_state_dict) through the loop's loader:
+per-worker states taken at the batch the loop trains on, a resume that continues the unbroken run's batches
+(the next worker first), and one-line refusals where the state cannot carry over. In-process: real
+DataLoader workers, a world of one (gloo not needed); the per-rank gather through mgpu.train_state."""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+from torch.utils.data import IterableDataset, get_worker_info
+
+from mgpu.loader import ResumableLoader, StatefulStreamLoader, open_loader
+from mgpu.stream import StreamError
+from mgpu.train_state import gather_state, restore_state
+
+
+class Shards(IterableDataset):
+    """Items of `sizes[k]` per shard k (item = k * 1000 + i); worker w of W reads shards w, w + W, ...; the state
+    is the worker's (shard, item) cursor, as a Stateful source keeps it."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sizes
+        self.cursor = {"shard": 0, "item": 0}
+
+    def __iter__(self) -> Iterator[int]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        mine = list(range(worker, len(self.sizes), workers))
+        while self.cursor["shard"] < len(mine):
+            shard = mine[self.cursor["shard"]]
+            while self.cursor["item"] < self.sizes[shard]:
+                item = shard * 1000 + self.cursor["item"]
+                self.cursor["item"] += 1
+                yield item
+            self.cursor = {"shard": self.cursor["shard"] + 1, "item": 0}
+        self.cursor = {"shard": 0, "item": 0}  # the next epoch starts over
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.cursor)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.cursor = dict(state)
+
+
+class Plain(IterableDataset):
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(3))
+
+
+SIZES = [7, 3, 10, 1, 6, 9, 2]
+
+
+def make(workers: int, world: int = 1, rank: int = 0) -> StatefulStreamLoader:
+    loader = open_loader(Shards(SIZES), 4, rank=rank, world_size=world, num_workers=workers, collate_fn=list)
+    assert isinstance(loader, StatefulStreamLoader)
+    return loader
+
+
+def take(loader: StatefulStreamLoader, count: int) -> list[list[int]]:
+    got = []
+    for batch in loader:
+        got.append(batch)
+        if len(got) == count:
+            break
+    return got
+
+
+@pytest.mark.parametrize("workers, stop", [(0, 3), (2, 3), (2, 4), (3, 1), (3, 7), (4, 5)])
+def test_a_stateful_stream_resumes_with_the_unbroken_runs_batches(workers: int, stop: int) -> None:
+    unbroken = take(make(workers), 100)
+    assert sorted(sum(unbroken, [])) == sorted(k * 1000 + i for k, n in enumerate(SIZES) for i in range(n))
+    first = make(workers)
+    got = take(first, stop)
+    saved = first.state_dict()
+    resumed = make(workers)
+    resumed.load_state_dict(saved)
+    assert resumed.position == stop
+    rest = take(resumed, 100)
+    assert resumed.start_position == stop and resumed.epoch == 1
+    assert got + rest == unbroken
+
+
+def test_the_state_goes_through_the_checkpoints_per_rank_gather() -> None:
+    first = make(2)
+    take(first, 3)
+    state = gather_state({"loader": first}, None)
+    assert state is not None and len(state["loader"]["per_rank"]) == 1
+    resumed = make(2)
+    restore_state(state, {"loader": resumed}, rank=0, seed=0)
+    assert (resumed.epoch, resumed.position) == (0, 3)
+
+
+def test_what_cannot_carry_over_is_refused_in_one_line() -> None:
+    first = make(2)
+    take(first, 2)
+    saved = first.state_dict()
+    with pytest.raises(StreamError, match=r"saved by 2 DataLoader worker\(s\) per rank, this run has num_workers=3"):
+        make(3).load_state_dict(saved)
+    with pytest.raises(StreamError, match=r"saved by 1 rank\(s\), this run has 2"):
+        make(2, world=2).load_state_dict(saved)
+    with pytest.raises(StreamError, match="Plain is an IterableDataset without state_dict"):
+        open_loader(Plain(), 4, rank=0, world_size=1)
+    with pytest.raises(StreamError, match="not a stateful stream"):
+        make(0).load_state_dict(ResumableLoader(list(range(5)), 2, rank=0, world_size=1).state_dict())  # type: ignore[arg-type]
+
+
+def test_zero_and_one_worker_share_a_state() -> None:
+    first = make(0)
+    got = take(first, 2)
+    resumed = make(1)
+    resumed.load_state_dict(first.state_dict())
+    assert got + take(resumed, 100) == take(make(0), 100)
+
+
+def test_every_epoch_starts_from_the_beginning() -> None:
+    loader = make(2)
+    one = take(loader, 100)
+    two = take(loader, 100)
+    assert loader.epoch == 2 and one == two
