@@ -197,12 +197,20 @@ class Session:
         self._ended = False  # the run's outcome is recorded: a hang in the teardown after it is not a failure
 
     # ------------------------------------------------------------------ the model and the data
-    def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
+    def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
+             parallel: str = "ddp", shard_hook: Callable[[Any, Any], Any] | None = None) -> nn.Module:
         """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
         resumed on 3+ ranks its first forward runs once more, thrown away, so that it reduces exactly as
-        the unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works."""
+        the unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works.
+
+        `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
+        way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
         from mgpu.ddp import wrap
 
+        if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
+            return self._shard(model, shard_hook)
+        if parallel != "ddp":
+            raise MgpuError(f"Session.wrap(parallel={parallel!r}): use 'ddp' or 'fsdp'")
         model = model.to(self.device)
         if self.world_size == 1:
             return model
@@ -212,6 +220,26 @@ class Session:
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
             ddp.register_forward_pre_hook(lambda module, args: self._beat_model())
         return ddp
+
+    # ------------------------------------------------------------------ [fsdp hook] sharding (mgpu.fsdp)
+    def _shard(self, model: nn.Module, hook: Callable[[Any, Any], Any] | None) -> nn.Module:
+        from mgpu.fsdp import shard
+
+        if self._checkpointer is not None and not self.sharded:
+            raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
+                            "checkpoints are sharded)")
+        self._fsdp = True
+        sharded = shard(model, self.device, hook)
+        if self.watchdog is not None:
+            sharded.register_forward_pre_hook(lambda module, args: self._beat_model())
+        return sharded
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this run's checkpoints are sharded (checkpoint.format, or auto and an FSDP2 model)."""
+        form = self.cfg.checkpoint.format
+        return form == "sharded" or (form == "auto" and (getattr(self, "_fsdp", False)
+                                                         or self.cfg.train.parallel == "fsdp"))
 
     def _beat_model(self) -> None:
         # A loop that beats nothing else starts its step here; a step's first forward starts it, not each one.
@@ -345,6 +373,14 @@ class Session:
             from mgpu.checkpointer import Checkpointer
 
             c = self.cfg.checkpoint
+            if self.sharded:  # [fsdp hook] every rank writes its shard (mgpu.sharded)
+                from mgpu.sharded import ShardedCheckpointer
+
+                self._checkpointer = ShardedCheckpointer(self.run.checkpoints, self.rank, self.world_size,
+                                                         self.ledger, keep_last=c.keep_last, async_save=c.async_save,
+                                                         beat=self.beat, version=self.version)
+                self._cleanup.callback(self._checkpointer.close)
+                return self._checkpointer
             self._checkpointer = Checkpointer(self.run, self.rank, self.world_size, self.ledger,
                                               keep_last=c.keep_last, async_save=c.async_save,
                                               keep_snapshot_buffers=c.keep_snapshot_buffers, beat=self.beat)
@@ -363,7 +399,12 @@ class Session:
         """Put `loaded` back into `state` (see `load`) and this rank's random generators."""
         from mgpu.train_state import restore_state
 
-        restore_state(loaded.state, state, self.rank, self.cfg.train.seed)
+        if loaded.meta.get("kind") == "sharded":  # [fsdp hook] models and optimizers through DCP
+            from mgpu.sharded import restore_sharded
+
+            restore_sharded(loaded, state, self.rank, self.cfg.train.seed)
+        else:
+            restore_state(loaded.state, state, self.rank, self.cfg.train.seed)
         self.timings["restored"] = time.time()
         self.step = self.resume_step = loaded.step
         for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
@@ -403,6 +444,9 @@ class Session:
         self._state = state
         self.begin()
         objects = state() if callable(state) else state
+        if self.sharded:  # [fsdp hook] every rank contributes its shard
+            return self.checkpointer.save_objects(objects, self.step, reason or ("best" if best else "periodic"),
+                                                  is_best=best, wait=wait, extra=meta)
         return self.checkpointer.save(lambda: gather_state(objects, self.version), self.step,
                                       reason or ("best" if best else "periodic"), is_best=best, wait=wait,
                                       extra=meta)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel
 
@@ -49,7 +49,8 @@ from mgpu.fsutil import fsync_path, write_durably
 from mgpu.ledger import Ledger
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 
-__all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "restore_sharded", "split_objects"]
+__all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "consolidate", "is_sharded_checkpoint",
+           "restore_sharded", "split_objects"]
 
 KIND = "sharded"
 FORMAT = 1
@@ -102,17 +103,26 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def _load_bytes_safely(planner: Any, read_item: Any, value: io.BytesIO) -> None:
+    from torch.distributed.checkpoint._traverse import set_element
+
+    loaded = torch.load(value, weights_only=True)
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = loaded
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DCP's default planner, except that non-tensor values load with torch.load(weights_only=True)."""
 
-    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
-        from torch.distributed.checkpoint._traverse import set_element
+    load_bytes = _load_bytes_safely
 
-        loaded = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = loaded
+
+class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+    """The planner that rebuilds a whole state from the metadata (one process), loading values safely."""
+
+    load_bytes = _load_bytes_safely
 
 
 # ---------------------------------------------------------------------------------------------- state layout
@@ -537,3 +547,41 @@ def restore_sharded(loaded: LoadedCheckpoint, objects: dict[str, Any], rank: int
         step = int(common.get("progress", {}).get("step", loaded.step))
         seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))
 
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether the step directory `path` holds a sharded checkpoint (by its meta.json)."""
+    try:
+        return json.loads((Path(path) / META_FILE).read_text()).get("kind") == KIND
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def consolidate(path: Path, verify: bool = True) -> dict[str, Any]:
+    """The whole of the sharded checkpoint at `path` in one process, as plain tensors (no process group): its
+    common state, every saved module's full state_dict under its name, the optimizers' state (`"optim"`,
+    keyed by parameter name) and `"rng"`, every saved rank's RNG state. Every file verified first (`verify`)."""
+    path = Path(path)
+    step = int(path.name.split("_")[-1])
+    try:
+        meta = _read_meta(path, step)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"checkpoint {path} is invalid: {_one_line(error, 300)}") from None
+    for saved in range(meta["world_size"]) if verify else ():
+        problem = _verify_rank(path, saved, meta)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is invalid: {problem}")
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    flat: dict[str, Any] = {}
+    _load_state_dict(flat, storage_reader=SafeReader(path), planner=_SafeEmptyPlanner(), no_dist=True)
+    state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
+    for key, value in flat.get("model", {}).items():
+        name, _, rest = key.partition(".")
+        state.setdefault(name, {})[rest] = value
+    if "optim" in flat:
+        state["optim"] = flat["optim"]
+    state["rng"] = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["rng"]
+                    for r in range(meta["world_size"])]
+    return state
