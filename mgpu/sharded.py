@@ -460,7 +460,7 @@ class ShardedCheckpointer:
                 try:
                     return self._load(path, step, meta, tuple(skipped))
                 except Exception as error:  # noqa: BLE001  (alike on every rank: the files verified)
-                    reason = f"does not load with weights_only=True: {_one_line(error, 200)}"
+                    reason = f"does not load safely: {_one_line(error, 200)}"
             if self.rank == 0:
                 log.warning("skipping checkpoint %s: %s", path, reason)
             skipped.append((path, reason))
@@ -490,6 +490,7 @@ class ShardedCheckpointer:
 
     def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...]
               ) -> LoadedCheckpoint:
+        SafeReader(path).read_metadata()  # DCP's pickle read through the allow-list now: a refusal falls back
         state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
         own = path / _rank_file(self.rank)
         state["rank_pieces"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
@@ -574,6 +575,10 @@ def consolidate(path: Path, verify: bool = True) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {path} is invalid: {problem}")
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    try:
+        SafeReader(path).read_metadata()
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"checkpoint {path} does not load safely: {_one_line(error, 200)}") from None
     flat: dict[str, Any] = {}
     _load_state_dict(flat, storage_reader=SafeReader(path), planner=_SafeEmptyPlanner(), no_dist=True)
     state = torch.load(path / COMMON, map_location="cpu", weights_only=True)

@@ -89,7 +89,13 @@ def test_sharded_checkpoint_reshards_onto_other_world_sizes(tmp_path: Path) -> N
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("point,victim", [("write", 1), ("manifest", 0), ("install", 0)])
 def test_sigkill_during_a_sharded_save_leaves_a_latest_that_loads(point: str, victim: int, tmp_path: Path) -> None:
-    results = ranks(2, "kill", str(tmp_path), point, str(victim), timeout=120)
+    procs = start_ranks(["-m", "tests.sharded_worker", "kill", str(tmp_path), point, str(victim)], 2)
+    try:
+        procs[victim].wait(timeout=120)
+    finally:  # as srun --kill-on-bad-exit: a rank killed, the others go too
+        for proc in procs:
+            proc.kill()
+    results = wait_ranks(procs, 10)
     assert results[victim][0] == -9, results
     directory = tmp_path / "checkpoints"
     assert (directory / "latest").read_text().strip() == "step_00000001"
