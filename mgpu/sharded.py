@@ -590,3 +590,55 @@ def consolidate(path: Path, verify: bool = True) -> dict[str, Any]:
     state["rng"] = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["rng"]
                     for r in range(meta["world_size"])]
     return state
+
+
+def consolidated_model(directory: Path, which: str = "best", name: str = "model") -> dict[str, Any] | None:
+    """The full state_dict of module `name` in a run's best (else latest) checkpoint, when it is sharded (None:
+    the run's checkpoints are single files). The latest falls back past a damaged checkpoint; `best` does not."""
+    store = CheckpointStore(Path(directory))
+    best = store._pointer("best") if which == "best" else None
+    path = store.directory / best if best else store.latest_path()
+    if path is None or not is_sharded_checkpoint(path):
+        return None
+    if not best:
+        loaded = ShardedCheckpointer(store.directory, 0, 1, Ledger(None, None, 0)).find_latest()
+        path = loaded.path if loaded is not None else path
+    state = consolidate(path)
+    if name not in state:
+        raise CheckpointError(f"checkpoint {path} holds no module named {name!r} (it has {sorted(state)})")
+    return state[name]  # type: ignore[no-any-return]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mgpu.sharded CHECKPOINT_DIR OUT.pt`: a sharded checkpoint (a step directory, or a run's
+    checkpoints/ for its latest) consolidated into one torch.save file (weights_only-loadable)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m mgpu.sharded", description=main.__doc__)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args(argv)
+    path = args.checkpoint
+    if not (path / META_FILE).is_file():
+        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        loaded = ShardedCheckpointer(directory, 0, 1, Ledger(None, None, 0)).find_latest() \
+            if directory.is_dir() else None
+        if loaded is None:
+            print(f"mgpu.sharded: {path}: no sharded checkpoint there", flush=True)
+            return 2
+        path = loaded.path
+    try:
+        state = consolidate(path)
+    except CheckpointError as error:
+        print(f"mgpu.sharded: {error}", flush=True)
+        return 2
+    tmp = args.out.with_name(f".{args.out.name}.tmp")
+    torch.save(state, tmp)
+    fsync_path(tmp)
+    os.replace(tmp, args.out)
+    print(f"{path} -> {args.out} ({args.out.stat().st_size} bytes)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
