@@ -163,3 +163,20 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on(group: None,
     for key, value in before.items():
         assert torch.equal(saved["model"][key], value), key
     assert not torch.equal(state["model"].state_dict()["0.weight"], before["0.weight"])
+
+
+def test_a_sharded_run_exports_and_loads_for_inference(group: None, tmp_path: Path) -> None:
+    import mgpu
+    from mgpu.sharded import main
+
+    store, state = save_steps(tmp_path, [1, 2])
+    store.close()
+    weights = mgpu.load_model(tmp_path, which="latest")
+    assert set(weights) == set(state["model"].state_dict())
+    fresh = mgpu.load_model(tmp_path, objects(seed=3)["model"], which="latest")
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    assert main([str(tmp_path), str(tmp_path / "out.pt")]) == 0
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert exported["progress"] == {"step": 2} and torch.equal(exported["model"]["0.weight"], weights["0.weight"])
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "x.pt")]) == 2 and not (tmp_path / "x.pt").exists()
