@@ -255,8 +255,17 @@ class ShardedCheckpointer:
         self.beat("checkpoint")
         modules, optimizers, rest = split_objects(objects)
         common = _common_state(rest, self.world, self.version) if self.rank == 0 else None
-        if common is not None and not self._checked_loadable:
-            check_loadable(common)  # a state a resume could not read fails at the first save, not at the resume
+        if not self._checked_loadable:
+            # A state a resume could not read fails at the first save, not at the resume: on every rank.
+            problem = None
+            if common is not None:
+                try:
+                    check_loadable(common)
+                except CheckpointError as error:
+                    problem = str(error)
+            problem = self._broadcast(problem)
+            if problem is not None:
+                raise CheckpointError(problem)
         _sync_buffers(modules)
         state = _dcp_state(modules, optimizers)
         pieces = {"rng": capture_rng_state()}
@@ -280,11 +289,15 @@ class ShardedCheckpointer:
         return None
 
     def _agree(self, flag: bool) -> bool:
+        return bool(self._broadcast(flag))
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (the training thread's group)."""
         if self.world == 1:
-            return flag
-        holder = [flag]
+            return value
+        holder = [value]
         dist.broadcast_object_list(holder, src=0)
-        return bool(holder[0])
+        return holder[0]
 
     def _make_tmp(self, step: int) -> Path:
         """Rank 0 creates the save's temporary directory; every rank learns its name (a collective)."""
@@ -349,7 +362,12 @@ class ShardedCheckpointer:
             upload.result()
         except BaseException as failure:  # noqa: BLE001
             error = _describe(failure, job.tmp)
-        self._outcome = self._finish(job, error)
+        try:
+            self._outcome = self._finish(job, error)
+        except BaseException as failure:  # noqa: BLE001  (a peer gone mid-save: reported, never a silent success)
+            self._failed_step = job.step
+            self._outcome = f"sharded checkpoint step {job.step} not written: {_describe(failure, job.tmp)}"
+            log.error("%s", self._outcome)
 
     def _finish(self, job: "_Job", error: str | None) -> str | None:
         """Every rank: its own files fsync'd and hashed into its manifest; rank 0 installs once all are. The
