@@ -106,3 +106,20 @@ def test_sigkill_during_a_sharded_save_leaves_a_latest_that_loads(point: str, vi
     # The killed save's temporary directory goes with the next save (or stays out of every listing).
     assert [p.name for p in directory.iterdir() if p.name.startswith("step_")] == ["step_00000001"]
 
+
+
+@pytest.mark.multiprocess
+def test_ddp_with_sharded_checkpoints_resumes_bit_identically(tmp_path: Path) -> None:
+    """checkpoint.format=sharded under DDP: each replicated tensor written once (DCP's deduplication), resumed
+    as the single-file form is."""
+    ddp = [*BLOBS, "checkpoint.format=sharded"]
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    assert train(unbroken, *ddp, ranks=2, timeout=240).returncode == 0
+    first = train(broken, *ddp, "--stop-at-step=5", ranks=2, timeout=240)
+    assert "exitcode  : 3" in first.stdout, first.stdout
+    assert sorted(p.name for p in (broken / "checkpoints" / "step_00000005").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+    assert train(broken, *ddp, ranks=2, timeout=240).returncode == 0
+    a, b = final(unbroken), final(broken)
+    for key in ("model", "optim", "scheduler", "progress"):
+        assert_identical(a[key], b[key], key)
