@@ -57,10 +57,11 @@ def test_fsdp_resume_is_bit_identical(stop_at: int, unbroken: tuple[Path, dict[s
 
 @pytest.mark.multiprocess
 def test_fsdp_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
-    first = train(tmp_path, *FSDP, "--stop-at-step=2", ranks=2, timeout=240)
+    args = [*FSDP, "task.args.size=42"]  # no one-sample batch for BatchNorm on 1 rank either
+    first = train(tmp_path, *args, "--stop-at-step=2", ranks=2, timeout=240)
     assert "exitcode  : 3" in first.stdout, first.stdout
     saved = final(tmp_path)
-    second = train(tmp_path, *FSDP, "train.max_steps=3", ranks=1, timeout=240)
+    second = train(tmp_path, *args, "train.max_steps=3", ranks=1, timeout=240)
     assert second.returncode == 0, second.stdout
     events = read_ledger(tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "resumed"] == [2]
@@ -123,3 +124,42 @@ def test_ddp_with_sharded_checkpoints_resumes_bit_identically(tmp_path: Path) ->
     a, b = final(unbroken), final(broken)
     for key in ("model", "optim", "scheduler", "progress"):
         assert_identical(a[key], b[key], key)
+
+
+@pytest.mark.multiprocess
+def test_a_users_loop_with_fsdp_resumes_bit_identically(tmp_path: Path) -> None:
+    """Session.wrap(model, parallel="fsdp"), the one changed line: stopped, resumed, equal to an unbroken run."""
+    from tests.test_own_loop import OWN_LOOP
+
+    def run(run_dir: Path, *argv: str) -> list[tuple[int, str]]:
+        return wait_ranks(start_ranks([OWN_LOOP, str(run_dir), "--parallel", "fsdp", *argv], 2), 240)
+
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    first = run(unbroken)
+    assert [rc for rc, _ in first] == [0, 0], first
+    stopped = run(broken, "--stop-at-step", "7")
+    assert [rc for rc, _ in stopped] == [3, 0], stopped  # stopped (not a Slurm job): rank 0 says so
+    resumed = run(broken)
+    assert [rc for rc, _ in resumed] == [0, 0], resumed
+    a, b = final(unbroken), final(broken)
+    for key in ("model", "optim", "scheduler", "loader", "best", "bad_evals"):
+        assert_identical(a[key], b[key], key)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_trains_as_ddp_does(unbroken: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """Accumulation, the per-sample weighting, clipping and evaluation under FSDP2 give DDP's loss, gradient
+    norm and eval metrics at every step (to float rounding: the reductions run in another order)."""
+    result = train(tmp_path, *[arg for arg in FSDP if arg != "train.parallel=fsdp"], ranks=2, timeout=240)
+    assert result.returncode == 0, result.stdout
+
+    def logged(run: Path) -> dict[tuple[str, int], dict[str, float]]:
+        return {(e["event"], e["step"]): e["metrics"] for e in read_ledger(run / "events.jsonl")
+                if e["event"] in ("progress", "evaluated")}
+
+    fsdp, ddp = logged(unbroken[0]), logged(tmp_path)
+    assert set(fsdp) == set(ddp) and len(fsdp) == 12 + 4
+    for key, metrics in ddp.items():
+        for name in ("loss", "grad_norm", "accuracy"):
+            if name in metrics:
+                assert fsdp[key][name] == pytest.approx(metrics[name], rel=1e-4, abs=1e-6), (key, name)
