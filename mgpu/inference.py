@@ -18,7 +18,7 @@ def load_model(run_dir: str | Path, model: Any = None, which: Literal["best", "l
     from mgpu.checkpoint import CheckpointStore
 
     store = CheckpointStore(RunDir(Path(run_dir)).checkpoints)
-    from mgpu.sharded import consolidated_model  # [fsdp hook] a sharded run's weights, consolidated
+    from mgpu.sharded_export import consolidated_model  # [fsdp hook] a sharded run's weights, consolidated
 
     sharded = consolidated_model(store.directory, which)
     if sharded is not None:

@@ -12,7 +12,8 @@ stale `.tmp-*` removal), built under a temporary name every rank writes into:
 Rank 0 renames the directory into place only after every rank reported its manifest durable, so a killed
 save leaves a `.tmp-*` (removed later) and the `latest` of before. A load verifies in parallel (saved rank r's
 files by current rank r % W), falls back to the previous checkpoint when any file is damaged, and never
-unpickles anything but tensors, numbers, strings and DCP's own metadata classes. DCP reshards the models and
+unpickles anything but tensors, numbers, strings and DCP's own metadata classes (one process reads a whole
+sharded checkpoint with mgpu.sharded_export). DCP reshards the models and
 optimizers onto any world size; a rank the saved run did not have gets a fresh, derived RNG stream.
 
 `async_save`: dcp.async_save stages the state to host memory in a thread (the next forward or optimizer step
@@ -49,8 +50,7 @@ from mgpu.fsutil import fsync_path, write_durably
 from mgpu.ledger import Ledger
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 
-__all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "consolidate", "is_sharded_checkpoint",
-           "restore_sharded", "split_objects"]
+__all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "restore_sharded", "split_objects"]
 
 KIND = "sharded"
 FORMAT = 1
@@ -565,98 +565,3 @@ def restore_sharded(loaded: LoadedCheckpoint, objects: dict[str, Any], rank: int
     else:  # the world grew: as mgpu.train_state does for a single-file checkpoint
         step = int(common.get("progress", {}).get("step", loaded.step))
         seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))
-
-
-
-# ---------------------------------------------------------------------------------------------- one process
-def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether the step directory `path` holds a sharded checkpoint (by its meta.json)."""
-    try:
-        return json.loads((Path(path) / META_FILE).read_text()).get("kind") == KIND
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def consolidate(path: Path, verify: bool = True) -> dict[str, Any]:
-    """The whole of the sharded checkpoint at `path` in one process, as plain tensors (no process group): its
-    common state, every saved module's full state_dict under its name, the optimizers' state (`"optim"`,
-    keyed by parameter name) and `"rng"`, every saved rank's RNG state. Every file verified first (`verify`)."""
-    path = Path(path)
-    step = int(path.name.split("_")[-1])
-    try:
-        meta = _read_meta(path, step)
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {path} is invalid: {_one_line(error, 300)}") from None
-    for saved in range(meta["world_size"]) if verify else ():
-        problem = _verify_rank(path, saved, meta)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {path} is invalid: {problem}")
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    try:
-        SafeReader(path).read_metadata()
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(f"checkpoint {path} does not load safely: {_one_line(error, 200)}") from None
-    flat: dict[str, Any] = {}
-    _load_state_dict(flat, storage_reader=SafeReader(path), planner=_SafeEmptyPlanner(), no_dist=True)
-    state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
-    for key, value in flat.get("model", {}).items():
-        name, _, rest = key.partition(".")
-        state.setdefault(name, {})[rest] = value
-    if "optim" in flat:
-        state["optim"] = flat["optim"]
-    state["rng"] = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["rng"]
-                    for r in range(meta["world_size"])]
-    return state
-
-
-def consolidated_model(directory: Path, which: str = "best", name: str = "model") -> dict[str, Any] | None:
-    """The full state_dict of module `name` in a run's best (else latest) checkpoint, when it is sharded (None:
-    the run's checkpoints are single files). The latest falls back past a damaged checkpoint; `best` does not."""
-    store = CheckpointStore(Path(directory))
-    best = store._pointer("best") if which == "best" else None
-    path = store.directory / best if best else store.latest_path()
-    if path is None or not is_sharded_checkpoint(path):
-        return None
-    if not best:
-        loaded = ShardedCheckpointer(store.directory, 0, 1, Ledger(None, None, 0)).find_latest()
-        path = loaded.path if loaded is not None else path
-    state = consolidate(path)
-    if name not in state:
-        raise CheckpointError(f"checkpoint {path} holds no module named {name!r} (it has {sorted(state)})")
-    return state[name]  # type: ignore[no-any-return]
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m mgpu.sharded CHECKPOINT_DIR OUT.pt`: a sharded checkpoint (a step directory, or a run's
-    checkpoints/ for its latest) consolidated into one torch.save file (weights_only-loadable)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m mgpu.sharded", description=main.__doc__)
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args(argv)
-    path = args.checkpoint
-    if not (path / META_FILE).is_file():
-        directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        loaded = ShardedCheckpointer(directory, 0, 1, Ledger(None, None, 0)).find_latest() \
-            if directory.is_dir() else None
-        if loaded is None:
-            print(f"mgpu.sharded: {path}: no sharded checkpoint there", flush=True)
-            return 2
-        path = loaded.path
-    try:
-        state = consolidate(path)
-    except CheckpointError as error:
-        print(f"mgpu.sharded: {error}", flush=True)
-        return 2
-    tmp = args.out.with_name(f".{args.out.name}.tmp")
-    torch.save(state, tmp)
-    fsync_path(tmp)
-    os.replace(tmp, args.out)
-    print(f"{path} -> {args.out} ({args.out.stat().st_size} bytes)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.sharded import ShardedCheckpointer, consolidate
+from mgpu.sharded import ShardedCheckpointer
+from mgpu.sharded_export import consolidate
 from tests.conftest import start_ranks, wait_ranks
 from tests.test_trainer import BLOBS, assert_identical, train
 

@@ -17,7 +17,8 @@ from torch import nn
 
 from mgpu.checkpoint import CheckpointError
 from mgpu.ledger import Ledger
-from mgpu.sharded import SafeReader, ShardedCheckpointer, consolidate, restore_sharded
+from mgpu.sharded import SafeReader, ShardedCheckpointer, restore_sharded
+from mgpu.sharded_export import consolidate
 
 
 @pytest.fixture
@@ -167,7 +168,7 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on(group: None,
 
 def test_a_sharded_run_exports_and_loads_for_inference(group: None, tmp_path: Path) -> None:
     import mgpu
-    from mgpu.sharded import main
+    from mgpu.sharded_export import main
 
     store, state = save_steps(tmp_path, [1, 2])
     store.close()
