@@ -91,6 +91,10 @@ class TrainConfig:
     """DDP's find_unused_parameters: needed when some parameters get no gradient in a step."""
     static_graph: bool = False
     """DDP's static_graph: the set of used parameters is the same every step."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """How the model is spread over the ranks: ddp (a whole copy on every rank, gradients all-reduced) or fsdp
+    (FSDP2's fully_shard: parameters, gradients and optimizer state sharded; each top-level child block, then
+    the root, unless the task's `shard` says otherwise). fsdp checkpoints are sharded (checkpoint.format)."""
     deterministic: bool = False
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN deterministic and no autotuning,
     CUBLAS_WORKSPACE_CONFIG=:4096:8): what a bit-identical resume needs on GPUs; slower. CPU runs are
@@ -125,6 +129,10 @@ class CheckpointConfig:
     """Also keep the checkpoint with the best eval.metric."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
+    format: Literal["auto", "single", "sharded"] = "auto"
+    """single: rank 0 writes one state.pt; sharded: every rank writes its shard through
+    torch.distributed.checkpoint (resumable on any number of ranks; DDP's replicated tensors written once,
+    spread over the ranks); auto: sharded under train.parallel=fsdp, else single."""
     keep_snapshot_buffers: bool = True
     """Keep the background save's host copy of the state between saves (one copy; pinned on GPUs) so the
     next snapshot skips allocating it; false frees it once each write ends, so host memory holds that copy

@@ -42,19 +42,21 @@ def check_metrics(values: Any, samples: int, task: str, metric: str) -> None:
 
 def evaluate(model: nn.Module, batches: Iterable[Any], common: int, metrics: Callable[[nn.Module, Any], Any],
              poll_stop: Callable[[], bool], beat: Callable[..., None], autocast: Any, device: torch.device,
-             world: int) -> dict[str, float]:
+             world: int, even_forwards: int = 0) -> dict[str, float]:
     """Every metric over the whole eval set, the same on every rank (a collective).
 
     `batches`: this rank's (on device); `common`: how many batches every rank has, between which the ranks
     agree on a stop (EvalInterrupted): a long evaluation must not hold a stop past Slurm's KillWait.
     The plain module, not DDP: ranks run different numbers of batches, and DDP's forward may run
     collectives (buffer broadcast) that would then never match up; every rank evaluates with rank 0's
-    buffers (mgpu.ddp.sync_buffers)."""
+    buffers (mgpu.ddp.sync_buffers). `even_forwards`: a sharded (FSDP2) model's forward is a collective, so a
+    rank with fewer batches runs its last one again, the result thrown away, up to this many forwards."""
     sums = Sums()
     beat("eval")  # the evaluation's own allowance from here on, the buffers' broadcast and first fetch included
     if world > 1:
         sync_buffers(model)
     model.eval()
+    last, done = None, 0
     try:
         with torch.no_grad(), autocast:
             for index, batch in enumerate(batches):
@@ -63,6 +65,12 @@ def evaluate(model: nn.Module, batches: Iterable[Any], common: int, metrics: Cal
                 if index < common and poll_stop():
                     raise EvalInterrupted()
                 sums.add(metrics(model, batch))
+                last, done = batch, index + 1
+            if done < even_forwards and last is None:
+                raise MgpuError("the eval set has fewer samples than there are ranks, which a sharded model "
+                                "cannot evaluate (every rank's forward takes part): give it more samples")
+            for _ in range(even_forwards - done):
+                metrics(model, last)  # thrown away: only to meet the other ranks' all-gathers
     finally:
         model.train()
     # Rank 0 (which always has samples) knows the layout and how to compute each value; the others add theirs.

@@ -18,6 +18,11 @@ def load_model(run_dir: str | Path, model: Any = None, which: Literal["best", "l
     from mgpu.checkpoint import CheckpointStore
 
     store = CheckpointStore(RunDir(Path(run_dir)).checkpoints)
+    from mgpu.sharded_export import consolidated_model  # [fsdp hook] a sharded run's weights, consolidated
+
+    sharded = consolidated_model(store.directory, which)
+    if sharded is not None:
+        return sharded if model is None else (model.load_state_dict(sharded), model)[1]
     loaded = (store.best() if which == "best" else None) or store.latest()
     if loaded is None:
         raise MgpuError(f"{run_dir}: no checkpoint to load (is it a run directory? it has no checkpoints/)")

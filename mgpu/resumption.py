@@ -105,7 +105,12 @@ class Resumption:
         loaded = self.latest()
         if loaded is None:
             return None
-        restore_state(loaded.state, state, self.rank, self.seed, missing_ok)
+        if loaded.meta.get("kind") == "sharded":  # models and optimizers through DCP, resharded (mgpu.sharded)
+            from mgpu.sharded import restore_sharded
+
+            restore_sharded(loaded, state, self.rank, self.seed, missing_ok)
+        else:
+            restore_state(loaded.state, state, self.rank, self.seed, missing_ok)
         self.step, self.path = loaded.step, loaded.path
         self.skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
         self.at = next(({"epoch": value.epoch, "position": value.position} for value in state.values()

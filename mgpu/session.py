@@ -171,10 +171,14 @@ class Session:
         seed_everything(cfg.train.seed + self.rank)
 
     # ------------------------------------------------------------------ the model and the data
-    def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
+    def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
+             parallel: str = "ddp", shard_hook: Callable[[Any, Any], Any] | None = None) -> nn.Module:
         """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
         resumed on 3+ ranks it reduces exactly as the unbroken run did (mgpu.ddp). Call after `load()`, or
-        before it: either works. Once per model: the plain module, not one `wrap` returned."""
+        before it: either works. Once per model: the plain module, not one `wrap` returned.
+
+        `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
+        way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
         from torch import nn
         from torch.nn.parallel import DistributedDataParallel
 
@@ -185,6 +189,10 @@ class Session:
         if isinstance(model, DistributedDataParallel) or model in self._wrapped:  # on one rank as on many
             raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
                             "wrap the plain module, once")
+        if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
+            return self._shard(model, shard_hook)
+        if parallel != "ddp":
+            raise MgpuError(f"Session.wrap(parallel={parallel!r}): use 'ddp' or 'fsdp'")
         model = model.to(self.device)
         if self.world_size == 1:
             self._wrapped.add(model)
@@ -196,6 +204,26 @@ class Session:
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
             ddp.register_forward_pre_hook(lambda module, args: self._beat_model())
         return ddp
+
+    # ------------------------------------------------------------------ [fsdp hook] sharding (mgpu.fsdp)
+    def _shard(self, model: nn.Module, hook: Callable[[Any, Any], Any] | None) -> nn.Module:
+        from mgpu.fsdp import shard
+
+        if self._checkpointer is not None and not self.sharded:
+            raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
+                            "checkpoints are sharded)")
+        self._fsdp = True
+        sharded = shard(model, self.device, hook)
+        if self.watchdog is not None:
+            sharded.register_forward_pre_hook(lambda module, args: self._beat_model())
+        return sharded
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this run's checkpoints are sharded (checkpoint.format, or auto and an FSDP2 model)."""
+        form = self.cfg.checkpoint.format
+        return form == "sharded" or (form == "auto" and (getattr(self, "_fsdp", False)
+                                                         or self.cfg.train.parallel == "fsdp"))
 
     def _beat_model(self) -> None:
         # A loop that beats nothing else starts its step here; a step's first forward starts it, not each one.
@@ -313,6 +341,14 @@ class Session:
             from mgpu.checkpointer import Checkpointer
 
             c = self.cfg.checkpoint
+            if self.sharded:  # [fsdp hook] every rank writes its shard (mgpu.sharded)
+                from mgpu.sharded import ShardedCheckpointer
+
+                self._checkpointer = ShardedCheckpointer(self.run.checkpoints, self.rank, self.world_size,
+                                                         self.ledger, keep_last=c.keep_last, async_save=c.async_save,
+                                                         beat=self.beat, version=self.version)
+                self._cleanup.callback(self._checkpointer.close)
+                return self._checkpointer
             self._checkpointer = Checkpointer(self.run, self.rank, self.world_size, self.ledger,
                                               keep_last=c.keep_last, async_save=c.async_save,
                                               keep_snapshot_buffers=c.keep_snapshot_buffers, beat=self.beat)
@@ -395,6 +431,9 @@ class Session:
         self._state = state
         self.begin()
         objects = state() if callable(state) else state
+        if self.sharded:  # [fsdp hook] every rank contributes its shard
+            return self.checkpointer.save_objects(objects, self.step, reason or ("best" if best else "periodic"),
+                                                  is_best=best, wait=wait, extra=meta)
         return self.checkpointer.save(lambda: gather_state(objects, self.version), self.step,
                                       reason or ("best" if best else "periodic"), is_best=best, wait=wait,
                                       extra=meta)

@@ -95,6 +95,12 @@ class Task(ABC):
         it). None: the config's (`schedule.*`). `total_steps`: the run's optimizer steps."""
         return None
 
+    def shard(self, model: nn.Module, mesh: Any) -> nn.Module | None:
+        """Under train.parallel=fsdp: shard `model` your own way with torch.distributed.fsdp.fully_shard over
+        `mesh` (which submodules, mp_policy, reshard_after_forward), the root last, and return it. None:
+        mgpu's default (each top-level child with parameters, then the root)."""
+        return None
+
     def collate_fn(self) -> Callable[[list[Any]], Any] | None:
         """How samples form a batch (None: torch's default collate)."""
         return None

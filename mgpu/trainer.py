@@ -32,6 +32,7 @@ from mgpu.data import MicroBatch, eval_shard, plan_for
 from mgpu.distributed import all_reduce
 from mgpu.errors import MgpuError
 from mgpu.evaluation import EvalInterrupted, check_metrics, evaluate
+from mgpu.fsdp import local_grads, no_sync, plain, weights_fingerprint
 from mgpu.loader import Batches, make_loader
 from mgpu.metrics import LossSum, Sums
 from mgpu.optim import build_optimizer, build_scheduler
@@ -115,6 +116,12 @@ class Trainer:
                 # PyTorch's SyncBatchNorm has no CPU kernel; the same config must still run on a laptop.
                 log.warning("train.sync_batchnorm ignored: SyncBatchNorm needs GPUs; BatchNorm stays per rank")
         self.model: nn.Module = model.to(self.device)
+        self.fsdp = cfg.train.parallel == "fsdp"
+        if self.fsdp:  # [fsdp hook] sharded before the optimizer is built over its parameters (mgpu.fsdp)
+            if cfg.optim.zero:
+                raise MgpuError("optim.zero=true with train.parallel=fsdp: FSDP2 shards the optimizer state "
+                                "already; set optim.zero=false")
+            self.model = session.wrap(self.model, parallel="fsdp", shard_hook=task.shard)
         # once: asking CUDA every step would cost each step
         self.precision = resolve_precision(cfg.train.precision, self.device, warn=self.is_main)
         self.optimizer = self._optimizer()
@@ -130,8 +137,8 @@ class Trainer:
         # The one way back: the session restores what _objects() names (and changes what `override` says).
         session.load(self._objects(), override=override, batch_size=cfg.data.batch_size * cfg.train.grad_accum)
         # DDP (several ranks); on a run resumed on 3+ ranks it reduces as the unbroken run did (mgpu.ddp).
-        self.ddp: nn.Module = session.wrap(self.model, find_unused_parameters=cfg.train.find_unused_parameters,
-                                           static_graph=cfg.train.static_graph)
+        self.ddp: nn.Module = self.model if self.fsdp else session.wrap(
+            self.model, find_unused_parameters=cfg.train.find_unused_parameters, static_graph=cfg.train.static_graph)
         self.resume_step = session.resume_step
         self.resumed_from = session.resumed_from
         wandb = {"id": wandb_run_id(self.run.path), "project": cfg.log.wandb_project, "dir": str(self.run.path),
@@ -316,7 +323,7 @@ class Trainer:
         for index, (mb, batch) in enumerate(group):
             last = index == len(group) - 1
             # no_sync: the micro-steps before the last only accumulate locally; DDP reduces once.
-            sync = self.ddp.no_sync() if (self.world > 1 and not last) else contextlib.nullcontext()  # type: ignore[operator]  # a DDP when world > 1, typed Module
+            sync = no_sync(self.ddp) if (self.world > 1 and not last) else contextlib.nullcontext()
             with sync:
                 self.beat("forward")
                 with self._autocast():
@@ -353,7 +360,7 @@ class Trainer:
                 reduction.wait()
             # DDP averaged the summed losses' gradients over ranks: world / units makes it the mean over every unit.
             factor = torch.where(weight > 0, self.world / weight.clamp(min=1e-300), torch.zeros_like(weight))
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            grads = local_grads(self.model)  # a sharded gradient's local part: the factor is the same everywhere
             for dtype in {g.dtype for g in grads}:
                 torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
         self.beat("optimizer")
@@ -361,8 +368,8 @@ class Trainer:
         max_norm = self.cfg.train.clip_grad_norm
         if max_norm is not None or self._log_due(self.progress.step + 1):
             # Without clipping the norm is only for the log line: not computed on other steps.
-            self._grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                             max_norm if max_norm is not None else math.inf)
+            self._grad_norm = plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                                   max_norm if max_norm is not None else math.inf))
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -401,13 +408,15 @@ class Trainer:
             metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens
         metrics.update(self._train_sums.compute(totals[3:].tolist()))
         p = self.progress
+        # [fsdp hook] sharded weights: every rank takes part in the fingerprint
+        fingerprint = weights_fingerprint(self.model) if self.fsdp else self._fingerprint() if self.is_main else None
         self.reporter.scalars(p.step, metrics, "train")
         self.reporter.progress(p.step, p.epoch, metrics)
         if self.is_main:
             # The heartbeat status reads, and a fingerprint of the weights two runs can be compared by.
             self.ledger.write("progress", step=p.step, epoch=p.epoch, total_steps=self.total_steps,
                               metrics={k: round(v, 6) for k, v in metrics.items()},
-                              fingerprint=self._fingerprint())
+                              fingerprint=fingerprint)
         if not self.reporter.bar:
             self.reporter.line(f"step {p.step}/{self.total_steps} epoch {p.epoch}  {format_metrics(metrics)}")
         self._loss_sum.zero_()
@@ -454,8 +463,10 @@ class Trainer:
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
         common = -(-(size // self.world) // batch_size)  # batches of the rank with the fewest samples
         on_device = (to_device(batch, self.device) for batch in self._batches(self.eval_set, batches))
+        # [fsdp hook] a sharded model's forward is a collective: every rank runs as many as rank 0 has batches
+        most = math.ceil(math.ceil(size / self.world) / batch_size) if self.fsdp else 0
         return evaluate(self.model, on_device, common, self.task.metrics, self.session.poll_stop, self.beat,
-                        self._autocast(), self.device, self.world)
+                        self._autocast(), self.device, self.world, even_forwards=most)
 
     def _evaluate_or_stop(self) -> tuple[bool, bool]:
         """(early stopping says stop, the ranks agreed to stop midway: the evaluation is left pending)."""

@@ -57,13 +57,15 @@ def main() -> None:
     parser.add_argument("--stop-at-step", type=int)
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep after each optimizer step (pacing)")
     parser.add_argument("--deadline-margin", type=float, default=60.0)
+    parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
     args = parser.parse_args()
     config = mgpu.Config()
     config.preemption.check_every_steps = args.agree_every
     config.preemption.deadline_margin_s = args.deadline_margin
 
     with mgpu.Session(args.run_dir, seed=3, config=config, stop_at_step=args.stop_at_step) as session:
-        model = session.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2)))
+        model = session.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2)),
+                             parallel=args.parallel)
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
         loader = session.loader(Noisy(96, seed=0), batch_size=4, num_workers=args.workers)

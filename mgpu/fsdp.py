@@ -1,0 +1,111 @@
+"""FSDP2 (`fully_shard`) for mgpu's trainer and for a loop of one's own: sharding a model, and the few places
+where a loop written for DDP must do something else with sharded parameters (DTensors).
+
+    model = session.wrap(Net(), parallel="fsdp")   # instead of session.wrap(Net()): the one line that changes
+    optimizer = torch.optim.AdamW(model.parameters())   # after sharding: over the sharded parameters
+
+Default sharding: every top-level child that has parameters is its own FSDP unit, then the root (torchtitan's
+per-block layout for a model whose children are its blocks). A task shards its own way with `Task.shard`.
+Buffers (BatchNorm statistics) are not sharded: as DDP does, every forward starts from rank 0's, so that every
+rank evaluates and checkpoints the same ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["is_sharded", "local_grads", "no_sync", "plain", "shard", "weights_fingerprint"]
+
+ShardHook = Callable[[nn.Module, Any], "nn.Module | None"]
+
+
+def _fully_shard() -> Any:
+    from torch.distributed.fsdp import fully_shard
+
+    return fully_shard
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether `module` was sharded with fully_shard (FSDP2)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(module, FSDPModule)
+
+
+def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None) -> nn.Module:
+    """`model` (on `device`) sharded over every rank with FSDP2. `hook(model, mesh)`: the task's own layout
+    (fully_shard what it wants, mixed precision, reshard_after_forward); it must leave the root sharded, or
+    return None for the default."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    fully_shard = _fully_shard()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mesh = init_device_mesh(device.type, (world,))
+    model = model.to(device)
+    done = hook(model, mesh) if hook is not None else None
+    if done is None:
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+        model = done
+    if not is_sharded(model):
+        raise ValueError("the shard hook must fully_shard the root module (or return None for the default)")
+    if world > 1 and any(True for _ in model.buffers()):
+        model.register_forward_pre_hook(_broadcast_buffers)
+    return model
+
+
+def _broadcast_buffers(module: nn.Module, args: Any) -> None:
+    # As DDP's broadcast_buffers: rank 0's BatchNorm statistics at every forward (FSDP2 leaves them per rank).
+    if torch.is_grad_enabled() and module.training:
+        for buffer in module.buffers():
+            dist.broadcast(buffer, src=0)
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Accumulate gradients locally (no reduction) in this block: DDP's `no_sync`, FSDP2's
+    `set_requires_gradient_sync(False)`; nothing for a plain module."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)  # type: ignore[operator]
+    elif hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+    else:
+        yield
+
+
+def plain(value: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value as a plain tensor (a collective for a sharded one); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def local_grads(model: nn.Module) -> list[torch.Tensor]:
+    """This rank's gradient tensors (a DTensor's local shard): scaling them all by one factor, the same on
+    every rank, scales the whole gradient."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+
+def weights_fingerprint(model: nn.Module) -> str:
+    """A cheap digest of the weights (float64 sums of every full parameter, hex), the same for the same weights
+    however they are sharded. A collective when `model` is sharded: call it on every rank."""
+    with torch.no_grad():
+        sums = torch.stack([plain(param.detach()).double().sum() for param in model.parameters()])
+        total = (sums * torch.arange(1, len(sums) + 1, dtype=torch.float64, device=sums.device)).sum().item()
+    return float(total).hex()

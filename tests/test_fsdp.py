@@ -1,0 +1,166 @@
+"""FSDP2 and sharded checkpoints across real processes (gloo): the trainer stopped and resumed bit-identically,
+a sharded checkpoint resumed on other world sizes, a damaged shard, a SIGKILL in the middle of a sharded save."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from mgpu.ledger import Ledger, read_ledger
+from mgpu.sharded import ShardedCheckpointer
+from mgpu.sharded_export import consolidate
+from tests.conftest import start_ranks, wait_ranks
+from tests.test_trainer import BLOBS, assert_identical, train
+
+# BLOBS (2 ranks: 4 steps an epoch, 12 in all, accumulation, clipping, warmup, batch norm, dropout) under FSDP2,
+# with an eval set that rank 0 has one batch more of than rank 1 (19 samples, 3 a batch: 4 and 3).
+FSDP = [*BLOBS, "train.parallel=fsdp", "task.args.eval_size=19", "eval.every_steps=3"]
+
+
+def final(run_dir: Path) -> dict[str, Any]:
+    loaded = ShardedCheckpointer(run_dir / "checkpoints", 0, 1, Ledger(None, None, 0)).find_latest()
+    assert loaded is not None, f"no checkpoint in {run_dir}"
+    return consolidate(loaded.path)
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    run_dir = tmp_path_factory.mktemp("unbroken")
+    result = train(run_dir, *FSDP, ranks=2, timeout=240)
+    assert result.returncode == 0, result.stdout
+    return run_dir, final(run_dir)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stop_at", [2, 4])  # mid-epoch; the last step of epoch 0
+def test_fsdp_resume_is_bit_identical(stop_at: int, unbroken: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    first = train(tmp_path, *FSDP, f"--stop-at-step={stop_at}", ranks=2, timeout=240)
+    assert "exitcode  : 3" in first.stdout, first.stdout
+    stopped = tmp_path / "checkpoints" / f"step_{stop_at:08d}"
+    # One shard per rank, each rank's manifest, rank 0's metadata and common state.
+    names = {p.name for p in stopped.iterdir()}
+    assert {"__0_0.distcp", "__1_0.distcp", "manifest_0.json", "manifest_1.json", ".metadata", "common.pt"} <= names
+    second = train(tmp_path, *FSDP, ranks=2, timeout=240)
+    assert second.returncode == 0, second.stdout
+    resumed, reference = final(tmp_path), unbroken[1]
+    assert resumed["progress"]["step"] == reference["progress"]["step"] == 12
+    for key in ("model", "optim", "scheduler", "rng"):
+        assert_identical(resumed[key], reference[key], key)
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [stop_at]
+    fingerprints = lambda run: {e["step"]: e["fingerprint"] for e in read_ledger(run / "events.jsonl")  # noqa: E731
+                                if e["event"] == "progress"}
+    assert fingerprints(tmp_path) == fingerprints(unbroken[0])  # every logged step, as status.py --verify
+
+
+@pytest.mark.multiprocess
+def test_fsdp_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
+    args = [*FSDP, "task.args.size=42"]  # no one-sample batch for BatchNorm on 1 rank either
+    first = train(tmp_path, *args, "--stop-at-step=2", ranks=2, timeout=240)
+    assert "exitcode  : 3" in first.stdout, first.stdout
+    saved = final(tmp_path)
+    second = train(tmp_path, *args, "train.max_steps=3", ranks=1, timeout=240)
+    assert second.returncode == 0, second.stdout
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [2]
+    assert [e["world_size"] for e in events if e["event"] == "started"] == [2, 1]
+    after = final(tmp_path)
+    assert after["progress"]["step"] == 3 and after["world_size"] == 1
+    assert not torch.equal(after["model"]["4.weight"], saved["model"]["4.weight"])  # it trained on from there
+
+
+def ranks(world: int, *argv: str, timeout: float = 180) -> list[tuple[int, str]]:
+    return wait_ranks(start_ranks(["-m", "tests.sharded_worker", *argv], world), timeout)
+
+
+@pytest.mark.multiprocess
+def test_sharded_checkpoint_reshards_onto_other_world_sizes(tmp_path: Path) -> None:
+    saved = ranks(4, "save", str(tmp_path), "3")
+    assert all(rc == 0 for rc, _ in saved), saved
+    assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000003").glob("*.distcp")) == [
+        f"__{r}_0.distcp" for r in range(4)]
+    for world in (2, 3):
+        loaded = ranks(world, "load", str(tmp_path))
+        assert all(rc == 0 for rc, _ in loaded), loaded
+        assert all("step 3 MATCH" in out for _, out in loaded), loaded
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("point,victim", [("write", 1), ("manifest", 0), ("install", 0)])
+def test_sigkill_during_a_sharded_save_leaves_a_latest_that_loads(point: str, victim: int, tmp_path: Path) -> None:
+    procs = start_ranks(["-m", "tests.sharded_worker", "kill", str(tmp_path), point, str(victim)], 2)
+    try:
+        procs[victim].wait(timeout=120)
+    finally:  # as srun --kill-on-bad-exit: a rank killed, the others go too
+        for proc in procs:
+            proc.kill()
+    results = wait_ranks(procs, 10)
+    assert results[victim][0] == -9, results
+    directory = tmp_path / "checkpoints"
+    assert (directory / "latest").read_text().strip() == "step_00000001"
+    assert not (directory / "step_00000002").exists()
+    loaded = ShardedCheckpointer(directory, 0, 1, Ledger(None, None, 0)).find_latest()
+    assert loaded is not None and loaded.step == 1 and not loaded.skipped
+    assert consolidate(loaded.path)["progress"] == {"step": 1}
+    # The killed save's temporary directory goes with the next save (or stays out of every listing).
+    assert [p.name for p in directory.iterdir() if p.name.startswith("step_")] == ["step_00000001"]
+
+
+
+@pytest.mark.multiprocess
+def test_ddp_with_sharded_checkpoints_resumes_bit_identically(tmp_path: Path) -> None:
+    """checkpoint.format=sharded under DDP: each replicated tensor written once (DCP's deduplication), resumed
+    as the single-file form is."""
+    ddp = [*BLOBS, "checkpoint.format=sharded"]
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    assert train(unbroken, *ddp, ranks=2, timeout=240).returncode == 0
+    first = train(broken, *ddp, "--stop-at-step=5", ranks=2, timeout=240)
+    assert "exitcode  : 3" in first.stdout, first.stdout
+    assert sorted(p.name for p in (broken / "checkpoints" / "step_00000005").glob("*.distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]
+    assert train(broken, *ddp, ranks=2, timeout=240).returncode == 0
+    a, b = final(unbroken), final(broken)
+    for key in ("model", "optim", "scheduler", "progress"):
+        assert_identical(a[key], b[key], key)
+
+
+@pytest.mark.multiprocess
+def test_a_users_loop_with_fsdp_resumes_bit_identically(tmp_path: Path) -> None:
+    """Session.wrap(model, parallel="fsdp"), the one changed line: stopped, resumed, equal to an unbroken run."""
+    from tests.test_own_loop import OWN_LOOP
+
+    def run(run_dir: Path, *argv: str) -> list[tuple[int, str]]:
+        return wait_ranks(start_ranks([OWN_LOOP, str(run_dir), "--parallel", "fsdp", *argv], 2), 240)
+
+    unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
+    first = run(unbroken)
+    assert [rc for rc, _ in first] == [0, 0], first
+    stopped = run(broken, "--stop-at-step", "7")
+    assert [rc for rc, _ in stopped] == [3, 0], stopped  # stopped (not a Slurm job): rank 0 says so
+    resumed = run(broken)
+    assert [rc for rc, _ in resumed] == [0, 0], resumed
+    a, b = final(unbroken), final(broken)
+    for key in ("model", "optim", "scheduler", "loader", "best", "bad_evals"):
+        assert_identical(a[key], b[key], key)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_trains_as_ddp_does(unbroken: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """Accumulation, the per-sample weighting, clipping and evaluation under FSDP2 give DDP's loss, gradient
+    norm and eval metrics at every step (to float rounding: the reductions run in another order)."""
+    result = train(tmp_path, *[arg for arg in FSDP if arg != "train.parallel=fsdp"], ranks=2, timeout=240)
+    assert result.returncode == 0, result.stdout
+
+    def logged(run: Path) -> dict[tuple[str, int], dict[str, float]]:
+        return {(e["event"], e["step"]): e["metrics"] for e in read_ledger(run / "events.jsonl")
+                if e["event"] in ("progress", "evaluated")}
+
+    fsdp, ddp = logged(unbroken[0]), logged(tmp_path)
+    assert set(fsdp) == set(ddp) and len(fsdp) == 12 + 4
+    for key, metrics in ddp.items():
+        for name in ("loss", "grad_norm", "accuracy"):
+            if name in metrics:
+                assert fsdp[key][name] == pytest.approx(metrics[name], rel=1e-4, abs=1e-6), (key, name)

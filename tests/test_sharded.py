@@ -1,0 +1,183 @@
+"""The sharded store's logic in one process (a gloo group of one): layout, verification and fallback, refusal of
+unsafe pickles, keep-K, and an asynchronous save that holds the state of its step."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mgpu.checkpoint import CheckpointError
+from mgpu.ledger import Ledger
+from mgpu.sharded import SafeReader, ShardedCheckpointer, restore_sharded
+from mgpu.sharded_export import consolidate
+
+
+@pytest.fixture
+def group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # set by torch's first optimizer otherwise
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def objects(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return {"model": model, "optimizer": optimizer, "progress": {"step": 0}, "note": "plain"}
+
+
+def step(state: dict[str, Any]) -> None:
+    state["model"](torch.randn(5, 4)).square().mean().backward()
+    state["optimizer"].step()
+    state["optimizer"].zero_grad()
+
+
+def checkpointer(tmp_path: Path, **options: Any) -> ShardedCheckpointer:
+    return ShardedCheckpointer(tmp_path / "checkpoints", 0, 1, Ledger(None, None, 0), **options)
+
+
+def save_steps(tmp_path: Path, steps: list[int], **options: Any) -> tuple[ShardedCheckpointer, dict[str, Any]]:
+    store, state = checkpointer(tmp_path, **options), objects()
+    for n in steps:
+        step(state)
+        state["progress"] = {"step": n}
+        store.save_objects(state, n, "periodic", wait=True)
+    return store, state
+
+
+def test_a_save_is_one_verified_step_directory_that_loads_back(group: None, tmp_path: Path) -> None:
+    store, state = save_steps(tmp_path, [1])
+    path = tmp_path / "checkpoints" / "step_00000001"
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000001"
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["kind"] == "sharded" and meta["world_size"] == 1 and meta["step"] == 1
+    manifest = json.loads((path / "manifest_0.json").read_text())
+    assert set(manifest["files"]) == {"rank_0.pt", "common.pt", ".metadata", "__0_0.distcp"}
+    for name, entry in manifest["files"].items():
+        assert hashlib.sha256((path / name).read_bytes()).hexdigest() == entry["sha256"]
+    assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+    fresh = objects(seed=1)
+    loaded = checkpointer(tmp_path).find_latest()
+    assert loaded is not None and loaded.step == 1
+    restore_sharded(loaded, fresh, rank=0, seed=0)
+    for (name, a), b in zip(state["model"].state_dict().items(), fresh["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+    assert fresh["progress"] == {"step": 1} and fresh["note"] == "plain"
+    assert fresh["optimizer"].state_dict()["state"][0]["exp_avg"].equal(state["optimizer"].state_dict()["state"][0]["exp_avg"])
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["flip __0_0.distcp", "truncate __0_0.distcp", "flip .metadata", "flip common.pt",
+                                    "flip rank_0.pt", "flip manifest_0.json", "delete __0_0.distcp"])
+def test_a_damaged_file_falls_back_to_the_previous_checkpoint(damage: str, group: None, tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2])[0].close()
+    how, name = damage.split()
+    target = tmp_path / "checkpoints" / "step_00000002" / name
+    data = bytearray(target.read_bytes())
+    if how == "flip":
+        data[len(data) // 2] ^= 0xFF
+        target.write_bytes(bytes(data))
+    elif how == "truncate":
+        target.write_bytes(bytes(data[:-10]))
+    else:
+        target.unlink()
+    loaded = checkpointer(tmp_path).find_latest()
+    assert loaded is not None and loaded.step == 1
+    assert len(loaded.skipped) == 1 and loaded.skipped[0][0].name == "step_00000002"
+    assert name in loaded.skipped[0][1] or "manifest_0.json" in loaded.skipped[0][1]
+
+
+def test_no_valid_checkpoint_is_one_line(group: None, tmp_path: Path) -> None:
+    save_steps(tmp_path, [1])[0].close()
+    (tmp_path / "checkpoints" / "step_00000001" / "common.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointError, match="no valid checkpoint .* 1 rejected"):
+        checkpointer(tmp_path).find_latest()
+
+
+class Boom:
+    def __reduce__(self) -> Any:
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_a_metadata_pickle_with_a_foreign_global_is_refused(group: None, tmp_path: Path) -> None:
+    save_steps(tmp_path, [1, 2])[0].close()
+    path = tmp_path / "checkpoints" / "step_00000002"
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        (path / ".metadata").write_bytes(pickle.dumps(Boom()))
+        SafeReader(path).read_metadata()
+    # Even with every hash made to match (a forged checkpoint), it is not unpickled: the previous one loads.
+    manifest = json.loads((path / "manifest_0.json").read_text())
+    manifest["files"][".metadata"] = {"bytes": (path / ".metadata").stat().st_size,
+                                      "sha256": hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()}
+    (path / "manifest_0.json").write_text(json.dumps(manifest))
+    meta = json.loads((path / "meta.json").read_text())
+    meta["manifests"]["0"] = hashlib.sha256((path / "manifest_0.json").read_bytes()).hexdigest()
+    (path / "meta.json").write_text(json.dumps(meta))
+    loaded = checkpointer(tmp_path).find_latest()
+    assert loaded is not None and loaded.step == 1
+    assert "posix.system is not allowed" in loaded.skipped[0][1] or "os.system" in loaded.skipped[0][1]
+    with pytest.raises(CheckpointError, match="not allowed"):
+        consolidate(path)
+
+
+def test_a_value_a_resume_could_not_load_fails_the_first_save(group: None, tmp_path: Path) -> None:
+    store, state = checkpointer(tmp_path), objects()
+    state["custom"] = Boom()
+    with pytest.raises(CheckpointError, match="state.custom holds a Boom"):
+        store.save_objects(state, 1, "periodic", wait=True)
+    assert not (tmp_path / "checkpoints" / "latest").exists()
+    store.close()
+
+
+def test_keep_last_and_best(group: None, tmp_path: Path) -> None:
+    store, state = checkpointer(tmp_path, keep_last=2), objects()
+    for n in range(1, 6):
+        step(state)
+        store.save_objects(state, n, "periodic", wait=True, is_best=n == 2)
+    store.close()
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == ["best", "latest", "step_00000002", "step_00000004", "step_00000005"]
+
+
+def test_an_async_save_holds_its_steps_state_while_training_goes_on(group: None, tmp_path: Path) -> None:
+    store, state = checkpointer(tmp_path, async_save=True), objects()
+    step(state)
+    before = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    store.save_objects(state, 1, "periodic")  # in flight
+    for _ in range(3):
+        step(state)  # the first forward waits for the host copy, no longer
+    assert store.settle() is None
+    store.close()
+    saved = consolidate(tmp_path / "checkpoints" / "step_00000001")
+    for key, value in before.items():
+        assert torch.equal(saved["model"][key], value), key
+    assert not torch.equal(state["model"].state_dict()["0.weight"], before["0.weight"])
+
+
+def test_a_sharded_run_exports_and_loads_for_inference(group: None, tmp_path: Path) -> None:
+    import mgpu
+    from mgpu.sharded_export import main
+
+    store, state = save_steps(tmp_path, [1, 2])
+    store.close()
+    weights = mgpu.load_model(tmp_path, which="latest")
+    assert set(weights) == set(state["model"].state_dict())
+    fresh = mgpu.load_model(tmp_path, objects(seed=3)["model"], which="latest")
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    assert main([str(tmp_path), str(tmp_path / "out.pt")]) == 0
+    exported = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert exported["progress"] == {"step": 2} and torch.equal(exported["model"]["0.weight"], weights["0.weight"])
+    assert main([str(tmp_path / "nowhere"), str(tmp_path / "x.pt")]) == 2 and not (tmp_path / "x.pt").exists()
