@@ -82,10 +82,11 @@ def test_sharded_checkpoint_reshards_onto_other_world_sizes(tmp_path: Path) -> N
     assert all(rc == 0 for rc, _ in saved), saved
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000003").glob("*.distcp")) == [
         f"__{r}_0.distcp" for r in range(4)]
-    for world in (2, 3):
-        loaded = ranks(world, "load", str(tmp_path))
-        assert all(rc == 0 for rc, _ in loaded), loaded
-        assert all("step 3 MATCH" in out for _, out in loaded), loaded
+    # Onto 3 ranks: every shard boundary moves (2 ranks would keep half of them). 4 -> 2 and 2 -> 3 were run by
+    # hand; a trainer's 2 -> 1 is test_fsdp_checkpoint_resumes_on_one_rank. (9 processes cost CI 4 minutes.)
+    loaded = ranks(3, "load", str(tmp_path))
+    assert [rc for rc, _ in loaded] == [0, 0, 0], loaded
+    assert all("step 3 MATCH" in out for _, out in loaded), loaded
 
 
 @pytest.mark.multiprocess
