@@ -182,6 +182,7 @@ class Session:
         seed_everything(cfg.train.seed + self.rank)
         self._checkpointer: Any = None
         self._ddps: list[weakref.ref[Any]] = []
+        self._ddp_layouts: list[Any] = []  # [mgpu.ddp bucket layout] the checkpoint's, one per wrapped model
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
         self.step = 0
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
@@ -198,17 +199,17 @@ class Session:
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False) -> nn.Module:
-        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
-        resumed on 3+ ranks its first forward runs once more, thrown away, so that it reduces exactly as
-        the unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works."""
+        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a resumed
+        run its reducer gets the saved run's gradient buckets, so that it reduces exactly as the unbroken run
+        did (mgpu.ddp). Call after `load()`, or before it: either works."""
         from mgpu.ddp import wrap
 
         model = model.to(self.device)
         if self.world_size == 1:
             return model
         ddp = wrap(model, self.device, find_unused_parameters, static_graph)
-        ddp.replay_after(self.resume_step)
         self._ddps.append(weakref.ref(ddp))
+        self._resume_ddp(len(self._ddps) - 1)  # [mgpu.ddp bucket layout]
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
             ddp.register_forward_pre_hook(lambda module, args: self._beat_model())
         return ddp
@@ -366,9 +367,9 @@ class Session:
         restore_state(loaded.state, state, self.rank, self.cfg.train.seed)
         self.timings["restored"] = time.time()
         self.step = self.resume_step = loaded.step
-        for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
-            if (ddp := ref()) is not None:
-                ddp.replay_after(loaded.step)
+        self._ddp_layouts = list(loaded.state.get("ddp") or [])  # [mgpu.ddp bucket layout]
+        for index in range(len(self._ddps)):  # wrapped before the resume: their saved buckets now
+            self._resume_ddp(index)
         self.resumed_from = loaded.path
         self.resume_skipped = [(str(bad), reason) for bad, reason in loaded.skipped]
         # Where in the data it resumes, for the ledger: the trainer's Progress or a loop's loader.
@@ -403,9 +404,34 @@ class Session:
         self._state = state
         self.begin()
         objects = state() if callable(state) else state
-        return self.checkpointer.save(lambda: gather_state(objects, self.version), self.step,
+        return self.checkpointer.save(lambda: self._with_ddp_layouts(gather_state, objects), self.step,
                                       reason or ("best" if best else "periodic"), is_best=best, wait=wait,
                                       extra=meta)
+
+    # [mgpu.ddp bucket layout] every wrapped model's gradient buckets (and comm hook state), saved beside the
+    # state under "ddp" and given back to the resumed DDPs: they reduce as the unbroken run (mgpu.ddp).
+    def _with_ddp_layouts(self, gather: Callable[..., Any], objects: Mapping[str, Any]) -> Any:
+        from mgpu.ddp import bucket_layout
+
+        layouts = [bucket_layout(ref()) for ref in self._ddps]  # a collective, on every rank
+        state = gather(objects, self.version)
+        if state is not None and any(layout is not None for layout in layouts):
+            state["ddp"] = layouts
+        return state
+
+    def _resume_ddp(self, index: int) -> None:
+        ddp = self._ddps[index]()
+        if ddp is not None and index < len(self._ddp_layouts) and self._ddp_layouts[index] is not None:
+            ddp.resume_layout(self._ddp_layouts[index])
+
+    @property
+    def run_id(self) -> str:
+        """[run id for loggers] The run's identity for loggers: the same for every requeue and resubmission of
+        this run directory, another for another run (`wandb.init(id=session.run_id, resume="allow")`
+        continues one wandb run across requeues; the trainer's wandb uses it too)."""
+        from mgpu.reporting import wandb_run_id
+
+        return wandb_run_id(self.run.path)
 
     @property
     def version(self) -> str | None:

@@ -65,7 +65,7 @@ def _all_rank_rng_states() -> list[dict[str, Any]]:
     return states
 
 
-RESERVED = ("format", "rng", "world_size", "code_version")
+RESERVED = ("format", "rng", "world_size", "code_version", "ddp")  # ddp: the session's (mgpu.ddp.bucket_layout)
 """Keys the session adds to every checkpoint; a state of yours cannot use them."""
 
 
