@@ -181,7 +181,8 @@ class ResumableDDP(DistributedDataParallel):
             state.load_state_dict(saved)
         else:
             with _quiet_powersgd():
-                state.__setstate__({key: _from_plain(value) for key, value in saved.items()})  # type: ignore[attr-defined]
+                values = {key: _from_plain(value) for key, value in saved.items()}
+                state.__setstate__(values)  # type: ignore[attr-defined]
 
 
 def _hook_state(state: object) -> Any:
@@ -205,6 +206,8 @@ def bucket_layout(ddp: nn.Module) -> dict[str, Any] | None:
     DDP never rebuilds, or not a ResumableDDP)."""
     if not isinstance(ddp, ResumableDDP):
         return None
+    if ddp._recording:  # saved right after the recorded pass (a stop at step 1): its backward is over
+        ddp._finish_recording()
     hooks: list[Any] = []
     if ddp._comm_hooks:
         mine = [_hook_state(state) for _, state in ddp._comm_hooks]
@@ -230,8 +233,8 @@ def _assign_buckets(ddp: DistributedDataParallel, order: list[int]) -> dict[str,
     last_small = os.environ.get("DDP_SET_LAST_BUCKET_CAP", "N/A") == "1"
     if last_small:
         order.reverse()
-    buckets, sizes = dist._compute_bucket_assignment_by_size([ddp._params[i] for i in order], limits,  # type: ignore[attr-defined]
-                                                             expect_sparse, order)
+    assign = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
+    buckets, sizes = assign([ddp._params[i] for i in order], limits, expect_sparse, order)
     buckets, sizes = [list(b) for b in buckets], list(sizes)
     if last_small:
         buckets.reverse()

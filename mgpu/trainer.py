@@ -128,7 +128,7 @@ class Trainer:
             self.progress = objects["progress"]
         else:
             seed_everything(cfg.train.seed + self.rank)
-        # DDP (several ranks); resumed, with the saved run's gradient buckets: it reduces as the unbroken run (mgpu.ddp).
+        # DDP (several ranks); resumed, with the saved run's gradient buckets: it reduces as the unbroken run.
         self.ddp: nn.Module = session.wrap(self.model, find_unused_parameters=cfg.train.find_unused_parameters,
                                            static_graph=cfg.train.static_graph)
         self.resume_step = self.progress.step if resumed is not None else 0
