@@ -144,8 +144,8 @@ def train(run_dir: Path, stop_at: int, args: argparse.Namespace, samples: Path |
 def rise(run_dir: Path, samples: list[dict[str, Any]], first_step: int, until: str) -> float:
     """The rise in node PSS (bytes) from rank 0 looking for a checkpoint (`find`) to `until`: `first_batch`
     (every rank has loaded, and DDP has allocated its buckets), or `save` (the run's first save starts: AdamW's
-    state, gradients and DDP's buckets rebuilt after the first step all exist; a resumed run replays that
-    rebuild, a new one does it at its second step, and the first save comes after both)."""
+    state, gradients and DDP's buckets rebuilt after the first step all exist; a resumed run builds its
+    reducer with the saved buckets, a new one rebuilds at its second step, and the first save comes after both)."""
     events = ledger(run_dir)
     timings = [e for e in events if e["event"] == "first_step" and e["step"] == first_step][-1]["timings"]
     if until == "save":

@@ -7,6 +7,9 @@ by every TensorBoard reader and the curves never overlap. wandb (`log.wandb: tru
 mgpu[wandb]`) gets the run's identity as its run id, with resume="allow": every requeue of a run, and a
 resubmission of the same run, continues the same wandb run; it logs from the resumed step on.
 
+Closing waits at most CLOSE_WITHIN_S for TensorBoard's flush and wandb's finish together (a stop must end
+within Slurm's KillWait); what overruns is left to a daemon thread, said in one line.
+
 A disk that refuses TensorBoard's writes (full, failing) costs the curve those points, never the
 run: the writer's error (raised at its next call, from its thread) is logged once and the writer
 is reopened, into a new event file, at a log interval at least REOPEN_AFTER_S later.
@@ -26,6 +29,9 @@ TEXTS_PER_EVALUATION = 20  # lines of one text tag kept per evaluation (a task m
 
 log = logging.getLogger("mgpu.train")
 REOPEN_AFTER_S = 30.0  # a full disk stays full for a while: one new (empty) event file per try
+CLOSE_WITHIN_S = 2.0
+"""The most `Reporter.close` waits for TensorBoard and wandb together (a stop's exit within 3 s of its
+checkpoint, bench/stop_teardown.py)."""
 
 
 def format_metrics(metrics: Mapping[str, float]) -> str:
@@ -172,14 +178,41 @@ class Reporter:
                           f"epoch {epoch}{tail}\033[K")
         self.stream.flush()
 
-    def close(self) -> None:
+    def close(self, within_s: float = CLOSE_WITHIN_S) -> None:
+        """Close TensorBoard's writer and finish the wandb run, waiting at most `within_s` for both together:
+        a stop's checkpoint is durable already, and the job must exit before Slurm's KillWait runs out. What
+        is not done by then goes on in a daemon thread while the process ends, said in one line."""
         if self.bar:
             self.stream.write("\n")
-        if self.writer is not None:
-            self._tb(self.writer.close)
-        self.tb_dir = None
-        if self.wandb is not None:
-            self.wandb.finish()
+        deadline = time.monotonic() + within_s
+        writer, self.writer, self.tb_dir = self.writer, None, None
+        if writer is not None:
+            _bounded(writer.close, deadline, "TensorBoard's close", "its last points may be missing")
+        run, self.wandb = self.wandb, None
+        if run is not None:
+            _bounded(run.finish, deadline, "wandb's finish",
+                     "what was logged is in the run's wandb directory (`wandb sync` uploads what is missing)")
+
+
+def _bounded(action: Any, deadline: float, what: str, consequence: str) -> None:
+    """Run `action` in a daemon thread and wait for it until `deadline` (time.monotonic()); past it, go on."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            action()
+        except Exception as error:  # a logger's failure at the end costs its data, never the stop
+            errors.append(error)
+
+    thread = threading.Thread(target=run, name=f"mgpu-close ({what})", daemon=True)
+    started = time.monotonic()
+    thread.start()
+    thread.join(max(0.0, deadline - started))
+    if thread.is_alive():
+        log.warning("%s did not end within %.1f s; the run ends without waiting for it: %s", what,
+                    time.monotonic() - started, consequence)
+    elif errors:
+        log.warning("%s failed (%s: %s): %s", what, type(errors[0]).__name__, errors[0], consequence)
 
 
 def wandb_run_id(run_dir: Path) -> str:

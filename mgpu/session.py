@@ -109,6 +109,7 @@ class Session:
         self.stopper: StopController | None = None
         self._checkpointer: Any = None
         self._ddps: list[weakref.ref[Any]] = []
+        self._ddp_layouts: list[Any] = []  # [mgpu.ddp bucket layout] the checkpoint's, one per wrapped model
         self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
         self.step = 0
@@ -174,8 +175,8 @@ class Session:
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
              parallel: str = "ddp", shard_hook: Callable[[Any, Any], Any] | None = None) -> nn.Module:
         """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
-        resumed on 3+ ranks it reduces exactly as the unbroken run did (mgpu.ddp). Call after `load()`, or
-        before it: either works. Once per model: the plain module, not one `wrap` returned.
+        resumed run its reducer gets the saved run's gradient buckets, so that it reduces exactly as the
+        unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works. Once per model: the plain module, not one `wrap` returned.
 
         `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
         way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
@@ -199,8 +200,8 @@ class Session:
             return model
         ddp = wrap(model, self.device, find_unused_parameters, static_graph)
         self._wrapped.add(ddp)
-        ddp.replay_after(self.resume_step)
         self._ddps.append(weakref.ref(ddp))
+        self._resume_ddp(len(self._ddps) - 1)  # [mgpu.ddp bucket layout]
         if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
             ddp.register_forward_pre_hook(lambda module, args: self._beat_model())
         return ddp
@@ -392,9 +393,9 @@ class Session:
         if loaded is not None:
             self.timings["restored"] = time.time()
             self.step = self.resume_step = loaded.step
-            for ref in self._ddps:  # wrapped before the resume: they replay the saved run's bucket rebuild
-                if (ddp := ref()) is not None:
-                    ddp.replay_after(loaded.step)
+            self._ddp_layouts = list(loaded.state.get("ddp") or [])  # [mgpu.ddp bucket layout]
+            for index in range(len(self._ddps)):  # wrapped before the resume: their saved buckets now
+                self._resume_ddp(index)
             for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
                 log.warning("%s (to change it on purpose: load(state, override={...}))", line)
         changes = hparams.apply(state, override or {})
@@ -434,9 +435,34 @@ class Session:
         if self.sharded:  # [fsdp hook] every rank contributes its shard
             return self.checkpointer.save_objects(objects, self.step, reason or ("best" if best else "periodic"),
                                                   is_best=best, wait=wait, extra=meta)
-        return self.checkpointer.save(lambda: gather_state(objects, self.version), self.step,
+        return self.checkpointer.save(lambda: self._with_ddp_layouts(gather_state, objects), self.step,
                                       reason or ("best" if best else "periodic"), is_best=best, wait=wait,
                                       extra=meta)
+
+    # [mgpu.ddp bucket layout] every wrapped model's gradient buckets (and comm hook state), saved beside the
+    # state under "ddp" and given back to the resumed DDPs: they reduce as the unbroken run (mgpu.ddp).
+    def _with_ddp_layouts(self, gather: Callable[..., Any], objects: Mapping[str, Any]) -> Any:
+        from mgpu.ddp import bucket_layout
+
+        layouts = [bucket_layout(ref()) for ref in self._ddps]  # a collective, on every rank
+        state = gather(objects, self.version)
+        if state is not None and any(layout is not None for layout in layouts):
+            state["ddp"] = layouts
+        return state
+
+    def _resume_ddp(self, index: int) -> None:
+        ddp = self._ddps[index]()
+        if ddp is not None and index < len(self._ddp_layouts) and self._ddp_layouts[index] is not None:
+            ddp.resume_layout(self._ddp_layouts[index])
+
+    @property
+    def run_id(self) -> str:
+        """[run id for loggers] The run's identity for loggers: the same for every requeue and resubmission of
+        this run directory, another for another run (`wandb.init(id=session.run_id, resume="allow")`
+        continues one wandb run across requeues; the trainer's wandb uses it too)."""
+        from mgpu.reporting import wandb_run_id
+
+        return wandb_run_id(self.run.path)
 
     @property
     def version(self) -> str | None:

@@ -70,11 +70,7 @@ class Task(ABC):
         """Per-sample training losses, shape `[batch]` (the gradient is the mean over the step's samples); or
         a `LossSum(total, weight)`, e.g. summed over the batch's tokens and their count (the mean over the
         step's tokens, on every rank and micro-batch together); or a dict with either under "loss" and
-        training metrics beside it (per-sample tensors, `Ratio`, `Statistics`: logged as `train/<name>`).
-
-        On a run resumed on 3+ ranks it is called once more, before the first step, and its result thrown
-        away (mgpu.ddp: the pass that makes DDP reduce as the unbroken run did); keep it free of side
-        effects other than on the model's buffers and the random generators."""
+        training metrics beside it (per-sample tensors, `Ratio`, `Statistics`: logged as `train/<name>`)."""
 
     def metrics(self, model: nn.Module, batch: Any) -> Mapping[str, torch.Tensor | Ratio | Statistics]:
         """Evaluation values: per-sample tensors (shape `[batch]`, averaged over the whole eval set), `Ratio`s

@@ -74,7 +74,7 @@ def _all_rank_rng_states() -> list[dict[str, Any]]:
     return _gathered(capture_rng_state())
 
 
-RESERVED = ("format", "rng", "world_size", "code_version")
+RESERVED = ("format", "rng", "world_size", "code_version", "ddp")  # ddp: the session's (mgpu.ddp.bucket_layout)
 """Keys the session adds to every checkpoint; a state of yours cannot use them."""
 
 

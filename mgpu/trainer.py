@@ -136,7 +136,7 @@ class Trainer:
             seed_everything(cfg.train.seed + self.rank)
         # The one way back: the session restores what _objects() names (and changes what `override` says).
         session.load(self._objects(), override=override, batch_size=cfg.data.batch_size * cfg.train.grad_accum)
-        # DDP (several ranks); on a run resumed on 3+ ranks it reduces as the unbroken run did (mgpu.ddp).
+        # DDP (several ranks); resumed, with the saved run's gradient buckets: it reduces as the unbroken run.
         self.ddp: nn.Module = self.model if self.fsdp else session.wrap(
             self.model, find_unused_parameters=cfg.train.find_unused_parameters, static_graph=cfg.train.static_graph)
         self.resume_step = session.resume_step

@@ -36,7 +36,7 @@ SLOW = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.2", "train.e
 SLOW_STEPS = 30
 STEPS_PER_EPOCH = 10
 # World size 4 (2 nodes x 2 ranks): 40 samples, 1 per rank -> 10 steps per epoch as well. No batch norm
-# (one sample per rank per step). DDP's defaults: a resumed run replays its bucket rebuild (mgpu.ddp), so
+# (one sample per rank per step). DDP's defaults: a resumed run gets the saved gradient buckets (mgpu.ddp), so
 # with 3+ ranks too it reduces in the same order as the uninterrupted one.
 SLOW4 = [*SLOW, "data.batch_size=1", "task.args.batch_norm=false"]
 TWO_RANKS = ["--nodes", "2", "--gpus-per-node", "1"]
