@@ -55,7 +55,7 @@ class ResumableDDP(DistributedDataParallel):
 
     def __init__(self, *args: Any, bucket_layout: dict[str, Any] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._params = self._build_params_for_reducer()[0]  # the reducer's variables, in its index order
+        self._params: list[torch.Tensor] = self._build_params_for_reducer()[0]  # the reducer's variables, in its index order
         self._rebuild_after = passes_before_rebuild(self)
         self._passes = 0  # synced forwards in this process
         self._order: list[int] = []  # reducer indices, in the order their gradients became ready
@@ -162,7 +162,8 @@ class ResumableDDP(DistributedDataParallel):
             self._ddp_init_helper(parameters, expect_sparse, names, self.static_graph)
         if self.static_graph:
             self.reducer._set_static_graph()
-            self.logger._set_static_graph()
+            if self.logger is not None:
+                self.logger._set_static_graph()
             self._static_graph_delay_allreduce_enqueued = False  # a new reducer: its first iteration again
         for hook, state in self._comm_hooks:
             dist._register_comm_hook(self.reducer, state, hook)
@@ -190,10 +191,11 @@ def _hook_state(state: object) -> Any:
     if state is None:
         return None
     if hasattr(state, "state_dict") and hasattr(state, "load_state_dict"):
-        return state.state_dict()  # type: ignore[attr-defined]
-    if type(state).__getstate__ is not object.__getstate__ and hasattr(state, "__setstate__"):
+        return state.state_dict()
+    getstate = getattr(type(state), "__getstate__", None)
+    if getstate is not None and getstate is not getattr(object, "__getstate__", None) and hasattr(state, "__setstate__"):
         with _quiet_powersgd():
-            return {key: _to_plain(value) for key, value in state.__getstate__().items()}  # type: ignore[union-attr]
+            return {key: _to_plain(value) for key, value in getstate(state).items()}
     raise TypeError(f"the comm hook's state ({type(state).__name__}) cannot be checkpointed: give it "
                     f"state_dict()/load_state_dict(), or register the hook with a state of None")
 
@@ -219,7 +221,7 @@ def bucket_layout(ddp: nn.Module) -> dict[str, Any] | None:
             "hooks": hooks}
 
 
-def _assign_buckets(ddp: DistributedDataParallel, order: list[int]) -> dict[str, Any]:
+def _assign_buckets(ddp: ResumableDDP, order: list[int]) -> dict[str, Any]:
     """The buckets the reducer's rebuild makes from `order` (Reducer::rebuild_buckets, reducer.cpp): a first
     bucket of first_bucket_bytes_cap, then bucket_bytes_cap ones (or the explicit per-bucket caps)."""
     params = ddp._build_params_for_reducer()
@@ -233,7 +235,7 @@ def _assign_buckets(ddp: DistributedDataParallel, order: list[int]) -> dict[str,
     last_small = os.environ.get("DDP_SET_LAST_BUCKET_CAP", "N/A") == "1"
     if last_small:
         order.reverse()
-    assign = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
+    assign = dist._compute_bucket_assignment_by_size
     buckets, sizes = assign([ddp._params[i] for i in order], limits, expect_sparse, order)
     buckets, sizes = [list(b) for b in buckets], list(sizes)
     if last_small:
@@ -246,13 +248,13 @@ def _assign_buckets(ddp: DistributedDataParallel, order: list[int]) -> dict[str,
 def _initial_buckets(buckets: list[list[int]], limits: list[int]) -> Iterator[None]:
     """DDP's __init__ helper computes its initial buckets with this function and reverses them: answer with
     the saved buckets, reversed, so that the reducer gets them as they were."""
-    original = dist._compute_bucket_assignment_by_size  # type: ignore[attr-defined]
-    dist._compute_bucket_assignment_by_size = lambda *args, **kwargs: (  # type: ignore[attr-defined]
+    original = dist._compute_bucket_assignment_by_size
+    dist._compute_bucket_assignment_by_size = lambda *args, **kwargs: (
         [list(b) for b in reversed(buckets)], list(reversed(limits)))
     try:
         yield
     finally:
-        dist._compute_bucket_assignment_by_size = original  # type: ignore[attr-defined]
+        dist._compute_bucket_assignment_by_size = original
 
 
 @contextlib.contextmanager
@@ -271,7 +273,7 @@ def _to_plain(value: Any) -> Any:
     """`value` as torch.load(weights_only=True) reads it: a numpy RandomState as its state in tensors."""
     if isinstance(value, np.random.RandomState):
         name, keys, pos, has_gauss, cached = value.get_state()
-        return {"__numpy_random_state__": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+        return {"__numpy_random_state__": name, "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
                 "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
     return value
 

@@ -276,11 +276,11 @@ class ShardedCheckpointer:
                    _to_bytes(common) if common is not None else None, _to_bytes(pieces))
         self.beat("write")
         if wait or not self.async_save:
-            error = self._write_now(state, job)
+            failure = self._write_now(state, job)
             self.beat("checkpoint-wait")
-            if error is not None:
+            if failure is not None:
                 self._failed_step = step
-                raise CheckpointError(error)
+                raise CheckpointError(failure)
             self.last_saved_step = step
             self._checked_loadable = True
             return self.directory / f"step_{step:08d}" if self.rank == 0 else None

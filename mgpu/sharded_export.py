@@ -73,12 +73,12 @@ def consolidated_model(directory: Path, which: str = "best", name: str = "model"
     if path is None or not is_sharded_checkpoint(path):
         return None
     if not best:
-        loaded = ShardedCheckpointer(store.directory, 0, 1, Ledger(None, None, 0)).find_latest()
+        loaded = ShardedCheckpointer(store.directory, 0, 1, Ledger(None, "", 0)).find_latest()
         path = loaded.path if loaded is not None else path
     state = consolidate(path)
     if name not in state:
         raise CheckpointError(f"checkpoint {path} holds no module named {name!r} (it has {sorted(state)})")
-    return state[name]  # type: ignore[no-any-return]
+    return state[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     path = args.checkpoint
     if not (path / META_FILE).is_file():
         directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-        loaded = ShardedCheckpointer(directory, 0, 1, Ledger(None, None, 0)).find_latest() \
+        loaded = ShardedCheckpointer(directory, 0, 1, Ledger(None, "", 0)).find_latest() \
             if directory.is_dir() else None
         if loaded is None:
             print(f"mgpu.sharded_export: {path}: no sharded checkpoint there", flush=True)
