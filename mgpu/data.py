@@ -82,7 +82,7 @@ class ShardPlan:
             base, extra = divmod(count, self.world_size)
             begin = position + self.rank * base + min(self.rank, extra)
             size = base + (1 if self.rank < extra else 0)
-            indices = order[begin:begin + size]
+            indices = list(order[begin:begin + size])
             real = len(indices)
             if real == 0:
                 indices = [order[position]]
