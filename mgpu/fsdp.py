@@ -73,13 +73,16 @@ def _broadcast_buffers(module: nn.Module, args: Any) -> None:
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally (no reduction) in this block: DDP's `no_sync`, FSDP2's
     `set_requires_gradient_sync(False)`; nothing for a plain module."""
-    if is_sharded(model):
-        model.set_requires_gradient_sync(False)  # type: ignore[operator]
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            model.set_requires_gradient_sync(True)  # type: ignore[operator]
-    elif hasattr(model, "no_sync"):
+            model.set_requires_gradient_sync(True)
+    elif isinstance(model, DistributedDataParallel):
         with model.no_sync():
             yield
     else:

@@ -441,7 +441,7 @@ class StatefulStreamLoader:
             return
         first = self._next if resuming else 0
         states = self._states if resuming else None
-        loader = make_loader(_WorkerBatches(self.dataset, self.batch_size, self.collate_fn, self.drop_last, states,  # type: ignore[arg-type]
+        loader = make_loader(_WorkerBatches(self.dataset, self.batch_size, self.collate_fn, self.drop_last, states,
                                             first),
                              None, num_workers=self.num_workers, seed=self.seed, epoch=self.epoch, rank=self.rank,
                              requeue_signal=self.requeue_signal, collate_fn=_first, **self.options)

@@ -141,7 +141,7 @@ def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | 
     from mgpu.stream import ShardedStream
 
     if isinstance(dataset, ShardedStream) and not optional:
-        return dataset  # type: ignore[return-value]  # resumed by sample id (mgpu.stream)
+        return dataset  # resumed by sample id (mgpu.stream)
     if isinstance(dataset, IterableDataset):
         raise TaskError(f"{what} returned an IterableDataset ({name}), which the trainer cannot resume at the exact "
                         "sample: read its files through mgpu.stream.ShardedStream (as jobs/tasks/gpt.py does with "
