@@ -314,7 +314,8 @@ def test_safe_to_change_patterns() -> None:
     assert is_safe_to_change("log.every_steps") and is_safe_to_change("run.dir")
     assert is_safe_to_change("train.epochs") and is_safe_to_change("preemption.signal")
     assert not is_safe_to_change("train.seed") and not is_safe_to_change("task.args.n")
-    assert not is_safe_to_change("optim.lr") and not is_safe_to_change("data.batch_size")
+    assert is_safe_to_change("optim.lr") and is_safe_to_change("optim.weight_decay")  # applied on resume, recorded
+    assert not is_safe_to_change("optim.momentum") and not is_safe_to_change("data.batch_size")
 
 
 def test_resume_with_safe_changes_returns_lines() -> None:

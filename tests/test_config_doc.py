@@ -23,7 +23,8 @@ def test_every_key_is_in_the_reference_with_its_meaning() -> None:
         for field in dataclasses.fields(cls):
             assert docs[cls.__name__].get(field.name), f"{section.name}.{field.name} has no docstring"
             assert f"| `{section.name}.{field.name}` |" in text
-    assert "| `optim.lr` | `float` | `0.001` | fixed |" in text
+    assert "| `optim.lr` | `float` | `0.001` | may change |" in text  # applied over the restored optimizer
+    assert "| `data.batch_size` | `int` | `32` | fixed |" in text
     assert "| `train.epochs` | `int` | `1` | may change |" in text
 
 
