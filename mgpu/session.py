@@ -36,7 +36,7 @@ import weakref
 from collections.abc import MutableMapping
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 from mgpu.config import Config
 from mgpu.environment import ProcessEnv, detect_environment
@@ -55,10 +55,11 @@ from mgpu.slurm_job import owns_slurm_job
 if TYPE_CHECKING:
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader, Dataset
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
 
     from mgpu.checkpoint import LoadedCheckpoint
     from mgpu.loader import ResumableLoader, StatefulStreamLoader
+    from mgpu.stream import ShardedStream
     from mgpu.stopping import StopController
     from mgpu.train_state import State
     from mgpu.watchdog import Watchdog
@@ -232,7 +233,24 @@ class Session:
         following = self.step + 1
         self.beat("model", following if self.watchdog.step != following else None)
 
-    def loader(self, dataset: Dataset, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
+    # A ShardedStream and a map-style dataset get a ResumableLoader (it has len()); another IterableDataset a
+    # StatefulStreamLoader. An IterableDataset is also a Dataset: the first overload that matches wins.
+    @overload
+    def loader(self, dataset: ShardedStream, batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
+               num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+               **dataloader_options: Any) -> ResumableLoader: ...
+
+    @overload
+    def loader(self, dataset: IterableDataset[Any], batch_size: int, *, shuffle: bool = True,
+               drop_last: bool = False, num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+               **dataloader_options: Any) -> ResumableLoader | StatefulStreamLoader: ...
+
+    @overload
+    def loader(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
+               num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
+               **dataloader_options: Any) -> ResumableLoader: ...
+
+    def loader(self, dataset: Dataset[Any], batch_size: int, *, shuffle: bool = True, drop_last: bool = False,
                num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None,
                **dataloader_options: Any) -> ResumableLoader | StatefulStreamLoader:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
@@ -363,7 +381,7 @@ class Session:
         self.timings.setdefault("find", time.time())
         found = self.resumption.latest()
         self.timings.setdefault("loaded", time.time())
-        return found  # type: ignore[no-any-return]
+        return found
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
              override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None) -> State:
@@ -444,7 +462,8 @@ class Session:
     def _with_ddp_layouts(self, gather: Callable[..., Any], objects: Mapping[str, Any]) -> Any:
         from mgpu.ddp import bucket_layout
 
-        layouts = [bucket_layout(ref()) for ref in self._ddps]  # a collective, on every rank
+        layouts = [bucket_layout(ddp) if (ddp := ref()) is not None else None  # a collective, on every rank
+                   for ref in self._ddps]
         state = gather(objects, self.version)
         if state is not None and any(layout is not None for layout in layouts):
             state["ddp"] = layouts

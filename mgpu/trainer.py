@@ -167,7 +167,7 @@ class Trainer:
         starts = {self.progress.position, 0} if self.progress.epoch + 1 < self.cfg.train.epochs else {
             self.progress.position}
         if has_norm and min(self.plan.smallest_micro_batch(start) for start in starts) == 1:
-            raise MgpuError(f"with {len(self.train_set)} samples, data.batch_size={self.cfg.data.batch_size} "  # type: ignore[arg-type]  # torch's Dataset declares no __len__
+            raise MgpuError(f"with {len(self.train_set)} samples, data.batch_size={self.cfg.data.batch_size} "
                             f"and {self.world} ranks, some rank gets a one-sample batch at the end of each epoch, "
                             f"which BatchNorm cannot train on: change data.batch_size")
 
