@@ -37,10 +37,10 @@ def main() -> None:
     session = mgpu.Session(args.out, seed=0)
     rank, world_size, device = session.rank, session.world_size, session.device
 
-    model: torch.nn.Module = SmallCNN()
+    net: torch.nn.Module = SmallCNN()
     if world_size > 1 and device.type == "cuda":
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)  # BatchNorm statistics over all GPUs
-    model = session.wrap(model)
+        net = torch.nn.SyncBatchNorm.convert_sync_batchnorm(net)  # BatchNorm statistics over all GPUs
+    model = session.wrap(net)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_set = RandomShift(SyntheticDigits(args.train_size, seed=0))
     val_set = SyntheticDigits(2000, seed=1)

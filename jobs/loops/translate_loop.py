@@ -70,8 +70,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, noam(64, args.warmup, 2.0))
     early_stopper = EarlyStopper(args.patience)
     writer = SummaryWriter(os.path.join(args.out, "tensorboard")) if rank == 0 else None
-    state = session.load({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
-                          "early": early_stopper})  # a dataclass: its fields come back in place
+    state = session.load(dict(model=model, optimizer=optimizer, scheduler=scheduler, loader=loader, early=early_stopper))
 
     for epoch in loader.epochs(args.epochs):
         model.train()
