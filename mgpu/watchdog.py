@@ -84,6 +84,8 @@ its stacks."""
 STORE_TIMEOUT_S = 5.0
 """Every operation of the watchdog on the rendezvous store (its own connection) ends within this."""
 EVAL_PHASES = ("eval", "agree")
+WAITING_PHASES = ("model", "agree", "checkpoint-wait")
+"""Phases in which a rank waits for the others in a collective."""
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 
 
@@ -117,8 +119,13 @@ def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = No
         return []
     order = {phase: i for i, phase in enumerate(PHASES)}
     position = {b.rank: (b.step, order.get(b.phase, 0)) for b in beats}
-    furthest = max(position.values())
-    behind = [rank for rank, where in position.items() if where < furthest]
+    furthest, least = max(position.values()), min(position.values())
+    phase = {b.rank: b.phase for b in beats}
+    # A rank waiting in a collective may look behind: gloo's broadcast (DDP's forward) ends on some ranks before
+    # others (seen at 8 ranks: one rank still in `model` beside the culprit in its loss). Such a rank is to
+    # blame only if nobody is further behind than it.
+    behind = [rank for rank, where in position.items()
+              if where < furthest and (where == least or phase[rank] not in WAITING_PHASES)]
     return sorted(behind)
 
 

@@ -37,6 +37,9 @@ def hb(rank: int, step: int, phase: str, written: float = NOW - 1) -> Heartbeat:
     ([hb(0, 6, "data"), hb(1, 6, "forward"), hb(2, 6, "backward")], [0, 1]),  # behind the furthest
     ([hb(0, 5, "backward"), hb(1, 5, "backward")], []),                       # all waiting: nobody to blame
     ([hb(0, 4, "backward"), hb(1, 5, "backward")], [0]),                      # a step behind
+    # bench/scale.py at 8 ranks: rank 3 still in DDP's buffer broadcast, which ended on the others first
+    ([*(hb(r, 6, "backward") for r in (0, 1, 2, 4, 5, 6)), hb(3, 6, "model"), hb(7, 6, "forward")], [7]),
+    ([hb(0, 6, "model"), hb(1, 6, "backward")], [0]),  # a waiting rank nobody is behind: it is the one
     ([], []),
 ])
 def test_blame(beats: list[Heartbeat], stuck: list[int]) -> None:
