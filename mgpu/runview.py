@@ -184,7 +184,8 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
 def hang_line(hang: dict[str, Any]) -> str:
     """Who held the others up, where, and in which phase, from a `hang` event."""
     ranks, hosts = (value if isinstance(value, list) else [] for value in (hang.get("ranks"), hang.get("hosts")))
-    phases = hang.get("phases") if isinstance(hang.get("phases"), dict) else {}
+    found = hang.get("phases")
+    phases: dict[str, Any] = found if isinstance(found, dict) else {}
     who = (f"rank(s) {', '.join(map(str, ranks))} on {', '.join(map(str, hosts)) or '?'}" if ranks
            else "no rank identified")
     where = ", ".join(f"{phases[str(r)]}" for r in ranks if str(r) in phases)

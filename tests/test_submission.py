@@ -446,9 +446,12 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
                        f"<the sbatch options of job 7> slurm/{name} {config} train.epochs=2 run.name=it\\'s "
                        "task.args.note=a\\ b")
     submit_line = f"sbatch --nodes=2 -p main --time=1:00:00 slurm/{name} {' '.join(args)}"
-    monkeypatch.setattr("mgpu.requeue._run", lambda cmd: subprocess.CompletedProcess(cmd, 0, submit_line + "\n", ""))
-    monkeypatch.setattr("shutil.which", lambda cmd: f"/usr/bin/{cmd}")
-    exact = resume_command({"MGPU_RESUME_COMMAND": command, "SLURM_JOB_ID": "7", "SLURM_TASK_PID": str(os.getpid())})
+    from mgpu.slurm import SlurmClient
+
+    accounting = SlurmClient(run=lambda argv, timeout: subprocess.CompletedProcess(argv, 0, submit_line + "\n", ""),
+                             which=lambda tool: f"/usr/bin/{tool}")
+    exact = resume_command({"MGPU_RESUME_COMMAND": command, "SLURM_JOB_ID": "7", "SLURM_TASK_PID": str(os.getpid())},
+                           slurm=accounting)
     assert "<" not in exact and "slurm/" + name in exact, exact
     submitted = tmp_path / "submitted"
     stub = fake_bin(tmp_path, sbatch=f'{{ echo "PYTHON=$PYTHON MGPU_MAX_REQUEUES=$MGPU_MAX_REQUEUES"; '
