@@ -183,7 +183,7 @@ class ResumableDDP(DistributedDataParallel):
         else:
             with _quiet_powersgd():
                 values = {key: _from_plain(value) for key, value in saved.items()}
-                state.__setstate__(values)  # type: ignore[attr-defined]
+                state.__setstate__(values)  # type: ignore[attr-defined]  # an object whose class defines __setstate__ (checked when saved)
 
 
 def _hook_state(state: object) -> Any:

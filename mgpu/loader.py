@@ -246,7 +246,7 @@ class ResumableLoader:
         def build(start: int, workers: int) -> DataLoader:
             indices = _IndexBatches(lambda: (m.indices for m in itertools.islice(self._micro_batches(position),
                                                                                  start, None)))
-            return make_loader(self.dataset, indices, num_workers=workers, seed=self.plan.seed,  # type: ignore[arg-type]
+            return make_loader(self.dataset, indices, num_workers=workers, seed=self.plan.seed,  # type: ignore[arg-type]  # index sequences; the stub wants lists
                                epoch=self.epoch, rank=self.plan.rank, requeue_signal=self.requeue_signal,
                                collate_fn=self.collate_fn, **self.options)
 

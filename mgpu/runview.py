@@ -347,7 +347,7 @@ def verify(dir_a: Path, dir_b: Path) -> tuple[int, str]:
         raise MgpuError(f"{dir_a} and {dir_b} logged no step in common (steps {min(prints[0])}..{max(prints[0])} and "
                         f"{min(prints[1])}..{max(prints[1])}): give both runs the same log.every_steps")
     if not verdict.agree:
-        before = verdict.common.index(verdict.first_difference)  # type: ignore[arg-type]
+        before = verdict.common.index(verdict.first_difference)  # type: ignore[arg-type]  # set whenever not agree
         return 1, (f"differ: first at step {verdict.first_difference} ({dir_a}: {verdict.a}, {dir_b}: {verdict.b}); "
                    f"they agree at the {before} logged step(s) before it")
     last_a, last_b = max(prints[0]), max(prints[1])

@@ -348,7 +348,7 @@ class Session:
         if self.watchdog is not None and self.world_size > 1:
             assert self.stopper is not None
             seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
-            set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]
+            set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]  # the agreement the controller built for this rank
         self.timings["first_step"] = time.time()
         self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
                           timings={k: round(v, 3) for k, v in self.timings.items()})
