@@ -232,7 +232,9 @@ class ShardedCheckpointer:
         # The store's pointers, pruning and stale-file removal; its single-file writer is not used.
         self.store = CheckpointStore(self.directory, keep_last=keep_last)
         # Collectives of a save in flight run on their own group: the training thread's never wait behind them.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() and world > 1 else None
+        # A gloo one on a world of one too: dcp.async_save refuses a group without a CPU backend (NCCL alone, as
+        # one GPU rank's default group is; seen on an H100).
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self.last_saved_step = -1
         self.longest_write_s = 0.0
         self._failed_step = -1
@@ -325,6 +327,12 @@ class ShardedCheckpointer:
                      optimizers: list[torch.optim.Optimizer]) -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
+        # A stager for every save: reused, torch's DefaultStager fails each save after its first on CUDA tensors
+        # (KeyError: <class 'type'> in its deepcopy dispatch; torch 2.11 on an H100, pinned or not). The previous
+        # save's host copy is done by now: wait_staged runs before anything changes a weight.
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
         if self._stager is None:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,

@@ -181,3 +181,26 @@ def test_a_sharded_run_exports_and_loads_for_inference(group: None, tmp_path: Pa
     exported = torch.load(tmp_path / "out.pt", weights_only=True)
     assert exported["progress"] == {"step": 2} and torch.equal(exported["model"]["0.weight"], weights["0.weight"])
     assert main([str(tmp_path / "nowhere"), str(tmp_path / "x.pt")]) == 2 and not (tmp_path / "x.pt").exists()
+
+
+def test_every_async_save_stages_through_a_stager_of_its_own(group: None, tmp_path: Path) -> None:
+    # torch's DefaultStager, reused, fails every save after its first on CUDA tensors (KeyError: <class 'type'>,
+    # seen on an H100 with torch 2.11; a CPU tensor does not show it): each save gets a new one, the old one closed.
+    store, state = checkpointer(tmp_path, async_save=True), objects()
+    stagers = []
+    for at in (1, 2, 3):
+        step(state)
+        store.save_objects(state, at, "periodic")
+        stagers.append(store._stager)
+        assert store.settle() is None
+    store.close()
+    assert len({id(stager) for stager in stagers}) == 3 and all(stager is not None for stager in stagers)
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))][-2:] == ["step_00000002", "step_00000003"]
+
+
+def test_a_world_of_one_saves_on_a_gloo_group_of_its_own(group: None, tmp_path: Path) -> None:
+    # dcp.async_save needs a CPU backend in its group: one GPU rank's default group is NCCL alone ("A CPU backend
+    # must be enabled for async save", seen on an H100), so the save's own gloo group exists on a world of one too.
+    store = checkpointer(tmp_path)
+    assert store.group is not None and dist.get_backend(store.group) == "gloo"
+    store.close()
