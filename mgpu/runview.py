@@ -28,6 +28,7 @@ __all__ = ["LIVE_S", "RunView", "budgets", "describe", "failure_cause", "hang_li
 SLURM_ID = re.compile(r"\d+(_\d+)?\Z")  # \Z, not $: "123\n" is no job id
 _EXPORT = re.compile(r"^export (MGPU_MAX_REQUEUES|MGPU_MAX_FAILURES)=(\S*)\s*(?:#.*)?$", re.M)
 LIVE_S = 900
+_RATES = ("samples_per_s", "tokens_per_s", "step_time_s")  # the trainer's throughput: its own line
 _SLURM_ID = SLURM_ID
 
 
@@ -115,8 +116,12 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         "launcher": next((e.get("launcher") for e in reversed(events) if e["event"] == "started"), None),
     }
     state = "running"
+    down: dict[str, Any] | None = None  # a stop's decision that the job stays down (not requeued)
     for event in reversed(events):
         name = event["event"]
+        if name == "stop_decision" and event.get("requeue") is False:
+            down = down or event
+            continue
         if name == "finished":
             status = event.get("status")
             state = "finished" if status in (None, "finished") else f"finished ({status})"
@@ -125,7 +130,8 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
             rank = f" (rank {cause['rank']})" if isinstance(cause.get("rank"), int) and cause.get("rank") else ""
             state = f"failed{rank}: {cause.get('error', '?')}"
         elif name == "preempted":
-            state = "stopped by a signal (requeue pending)"
+            state = (f"stopped, stays down: {down.get('reason') or down.get('what') or '?'}" if down is not None
+                     else "stopped by a signal (requeue pending)")
         elif name not in ("started", "resumed"):
             continue
         break
@@ -148,6 +154,10 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         summary["heartbeat"] = {"step": heartbeat.get("step"), "age_s": now - heartbeat["time"],
                                 **{k: m[k] for k in ("samples_per_s", "tokens_per_s", "step_time_s", "loss")
                                    if _num(m.get(k)) is not None}}
+        # What the loop logged (the trainer's loss, lr, grad_norm; a loop of one's own: what it gave session.log).
+        logged = {k: v for k, v in m.items() if k not in _RATES and _num(v) is not None}
+        if logged:
+            summary["metrics"] = {"step": heartbeat.get("step"), "metrics": logged}
     # Throughput over the current run (since the last start/resume): steps between two ledger events.
     current = [e for e in events if _int(e.get("restart")) == restart]
     start = next((e for e in reversed(current) if e["event"] in ("started", "resumed")), None)
@@ -287,14 +297,20 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
         beat = summary.get("heartbeat")
         seen = f"; logged {_age(beat['age_s'])} ago" if beat else ""
         lines.append(f"progress    step {summary['step']}{total}{epoch}{seen}")
+    if "metrics" in summary:
+        lines.append(f"metrics     step {summary['metrics']['step']}: {_metrics(summary['metrics']['metrics'], 4)}")
+    # A loop of one's own does not say how many steps it will take: no ETA rather than a made-up one.
+    no_eta = ("; no ETA: the run logs no total step count (a loop of its own)"
+              if summary["state"] == "running" and "total_steps" not in summary else "")
     beat = summary.get("heartbeat", {})
     if "step_time_s" in beat:
         rate = ", ".join(f"{beat[k]:.4g} {unit}" for k, unit in (("samples_per_s", "samples/s"),
                                                                   ("tokens_per_s", "tokens/s")) if k in beat)
         eta = f"; ETA {_age(summary['eta_s'])} at this rate" if "eta_s" in summary else ""
-        lines.append(f"throughput  {rate + ', ' if rate else ''}{beat['step_time_s']:.3g} s/step{eta}")
+        lines.append(f"throughput  {rate + ', ' if rate else ''}{beat['step_time_s']:.3g} s/step{eta or no_eta}")
     elif "steps_per_s" in summary:
-        lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {_age(summary['throughput_window_s'])}")
+        lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {_age(summary['throughput_window_s'])}"
+                     f"{no_eta}")
     if "last_eval" in summary:
         last, best = summary["last_eval"], summary.get("best_eval")
         text = f"step {last['step']}: {_metrics(last['metrics'])}"
@@ -340,7 +356,8 @@ def verify(dir_a: Path, dir_b: Path) -> tuple[int, str]:
         found = fingerprints(RunView.load(run_dir).events)
         if not found:
             raise MgpuError(f"{run_dir}: no fingerprints in its ledger (the trainer writes one with every progress "
-                            "event, every log.every_steps): nothing to compare")
+                            "event, every log.every_steps; a loop of one's own with session.log(...), its models "
+                            "in the state it loads): nothing to compare")
         prints.append(found)
     verdict = compare_fingerprints(*prints)
     if not verdict.common:

@@ -483,6 +483,21 @@ class Session:
 
         return wandb_run_id(self.run.path)
 
+    def log(self, metrics: Mapping[str, Any] | None = None, /, **named: Any) -> bool:
+        """*Collective* (every rank, once per optimizer step, after `should_stop()`): every `log.every_steps`
+        steps, the loop's `progress` in the run's ledger, as the trainer's: the step, the epoch of the state's
+        `session.loader`, the metrics (`log(loss=loss)` or `log({...})`: numbers or one-element tensors,
+        rank 0's, read only when due) and a fingerprint of the state's models. `jobs/status.py` shows them
+        (epoch, metrics, `--plot`'s loss curve); `--verify` compares two runs by them. Returns whether it
+        was due. See mgpu.loop_progress."""
+        from mgpu.loop_progress import log_progress
+
+        self._live("log()")
+        if metrics is not None and not isinstance(metrics, Mapping):
+            raise MgpuError(f"Session.log() takes a dict of metrics or name=value, got a {type(metrics).__name__}")
+        return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
+                            {**(metrics or {}), **named})
+
     @property
     def version(self) -> str | None:
         """The git commit of mgpu's checkout (`+dirty` with local changes), saved in every checkpoint."""

@@ -2,8 +2,8 @@
 
 Top: every second of the run in its category (mgpu.goodput's intervals: queued, starting, training,
 recomputing, stopping, restarting), the stops by kind as vertical lines, checkpoints and evaluations
-as marks. Bottom, on the same time axis: the training loss of every progress event and the evaluations'
-first metric. matplotlib is imported here only, through its object API (no pyplot, no global state).
+as marks. Bottom, on the same time axis: the training loss of every progress event (the trainer's, or a loop's
+`session.log(loss=...)`) and the evaluations' first metric. matplotlib is imported here only, through its object API (no pyplot, no global state).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from mgpu.goodput import SacctRun, segments, timeline
+from mgpu.goodput import SacctRun, Segment, segments, timeline
 
-__all__ = ["COLORS", "plot_timeline"]
+__all__ = ["COLORS", "loss_curves", "plot_timeline"]
 
 COLORS = {"queued": "#bdbdbd", "starting": "#9ecae1", "training": "#31a354", "recomputing": "#de2d26",
           "stopping": "#fd8d3c", "restarting": "#9e9ac8"}
@@ -30,6 +30,15 @@ def _unit(span_s: float) -> tuple[float, str]:
     if span_s > 180:
         return 60.0, "minutes"
     return 1.0, "seconds"
+
+
+def loss_curves(segs: Sequence[Segment]) -> list[list[tuple[float, float]]]:
+    """The training loss of every `progress` event (the trainer's, or a loop's `session.log(loss=...)`) as
+    (time, loss), one curve per segment that logged one."""
+    curves = [[(e["time"], e["metrics"]["loss"]) for e in seg.events if e["event"] == "progress"
+               and isinstance(e.get("metrics"), dict) and isinstance(e["metrics"].get("loss"), (int, float))
+               and not isinstance(e["metrics"]["loss"], bool)] for seg in segs]
+    return [curve for curve in curves if curve]
 
 
 def plot_timeline(events: Sequence[Mapping[str, Any]], path: str | Path, runs: Sequence[SacctRun] = (),
@@ -75,12 +84,9 @@ def plot_timeline(events: Sequence[Mapping[str, Any]], path: str | Path, runs: S
     top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     top.set_title(title or "run timeline", fontsize=10)
 
-    for seg in segs:  # one line per segment: no line across the gap of a stop
-        progress = [e for e in seg.events if e["event"] == "progress" and isinstance(e.get("metrics"), dict)
-                    and isinstance(e["metrics"].get("loss"), (int, float))]
-        if progress:
-            bottom.plot([x(e["time"]) for e in progress], [e["metrics"]["loss"] for e in progress], ".-",
-                        color="#31a354", markersize=3, linewidth=1)
+    for curve in loss_curves(segs):  # one line per segment: no line across the gap of a stop
+        bottom.plot([x(t) for t, _ in curve], [loss for _, loss in curve], ".-", color="#31a354", markersize=3,
+                    linewidth=1)
     bottom.set_ylabel("training loss")
     evaluated = [e for e in events if e["event"] == "evaluated" and isinstance(e.get("metrics"), dict) and e["metrics"]]
     if evaluated:

@@ -409,7 +409,7 @@ class Trainer:
         metrics.update(self._train_sums.compute(totals[3:].tolist()))
         p = self.progress
         # [fsdp hook] sharded weights: every rank takes part in the fingerprint
-        fingerprint = weights_fingerprint(self.model) if self.fsdp else self._fingerprint() if self.is_main else None
+        fingerprint = weights_fingerprint(self.model) if self.fsdp or self.is_main else None
         self.reporter.scalars(p.step, metrics, "train")
         self.reporter.progress(p.step, p.epoch, metrics)
         if self.is_main:
@@ -423,13 +423,6 @@ class Trainer:
         self._loss_count.zero_()
         self._train_sums.reset()
         self._window_start, self._window_steps, self._window_samples = time.perf_counter(), 0, 0
-
-    def _fingerprint(self) -> str:
-        """A cheap digest of the weights (float64 sums of every parameter, hex): equal runs print equal ones."""
-        with torch.no_grad():
-            sums = torch.stack([param.detach().double().sum() for param in self.model.parameters()])
-            total = (sums * torch.arange(1, len(sums) + 1, dtype=torch.float64, device=sums.device)).sum().item()
-        return float(total).hex()
 
     # ------------------------------------------------------------------ evaluation
     def _eval_due(self, epoch_end: bool) -> bool:

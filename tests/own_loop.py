@@ -62,6 +62,7 @@ def main() -> None:
     config = mgpu.Config()
     config.preemption.check_every_steps = args.agree_every
     config.preemption.deadline_margin_s = args.deadline_margin
+    config.log.every_steps = 2  # session.log's progress events: status --verify compares runs at each of them
 
     with mgpu.Session(args.run_dir, seed=3, config=config, stop_at_step=args.stop_at_step) as session:
         model = session.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2)),
@@ -89,6 +90,7 @@ def main() -> None:
                     os.killpg(os.getpgid(0), signal.SIGTERM)
                 if session.should_stop():
                     break
+                session.log(loss=loss * accumulate, lr=scheduler.get_last_lr()[0])  # read every 2nd step only
                 if session.step % args.save_every == 0:
                     session.save(state)
             if session.stopping:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mgpu.ledger import Ledger, read_ledger
+from mgpu.runview import verify
 from mgpu.sharded import ShardedCheckpointer
 from mgpu.sharded_export import consolidate
 from tests.conftest import start_ranks, wait_ranks
@@ -146,6 +147,9 @@ def test_a_users_loop_with_fsdp_resumes_bit_identically(tmp_path: Path) -> None:
     a, b = final(unbroken), final(broken)
     for key in ("model", "optim", "scheduler", "loader", "best", "bad_evals"):
         assert_identical(a[key], b[key], key)
+    # session.log's fingerprint of the sharded model (a collective on both ranks), as status.py --verify reads it
+    code, line = verify(unbroken, broken)
+    assert code == 0 and line.startswith("agree: the same weights at all 6 steps both runs logged (2..12)"), line
 
 
 @pytest.mark.multiprocess

@@ -17,7 +17,9 @@ from typing import Callable
 import pytest
 
 from mgpu.checkpoint import CheckpointStore
+from mgpu.goodput import segments
 from mgpu.ledger import read_ledger
+from mgpu.timeline import loss_curves
 from tests.conftest import PYTHON, ROOT, base_env, live_children, start_ranks, wait_ranks
 from tests.test_trainer import assert_identical as same
 
@@ -57,18 +59,24 @@ def stop_steps(run_dir: Path) -> list[int]:
     return [e["step"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "preempted"]
 
 
-@pytest.fixture(scope="module")
-def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
-    """`unbroken(workers)`: the final state of the loop run without a stop, trained once per worker count."""
-    states: dict[int, dict] = {}
+def status(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "jobs/status.py", *args], env=base_env(), cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
 
-    def reference(workers: int) -> dict:
-        if workers not in states:
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], tuple[Path, dict]]:
+    """`unbroken(workers)`: the run directory and final state of the loop run without a stop, trained once per
+    worker count."""
+    runs: dict[int, tuple[Path, dict]] = {}
+
+    def reference(workers: int) -> tuple[Path, dict]:
+        if workers not in runs:
             run_dir = tmp_path_factory.mktemp(f"unbroken-workers{workers}") / "run"
             results = run_ranks([OWN_LOOP, str(run_dir), f"--workers={workers}", "--agree-every=1", "--ballast-mb=30"])
             assert [rc for rc, _ in results] == [0, 0], results
-            states[workers] = final_state(run_dir)
-        return states[workers]
+            runs[workers] = run_dir, final_state(run_dir)
+        return runs[workers]
 
     return reference
 
@@ -82,9 +90,9 @@ def unbroken(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], dict]:
     ("during a save", 8, 30, 2),  # step 8's background write of 30 MB of ballast is in flight
 ])
 def test_a_users_loop_stops_on_a_signal_and_resumes_bit_identically(
-        unbroken: Callable[[int], dict], moment: str, signal_at: int, ballast_mb: int, workers: int,
+        unbroken: Callable[[int], tuple[Path, dict]], moment: str, signal_at: int, ballast_mb: int, workers: int,
         tmp_path: Path) -> None:
-    reference = unbroken(workers)
+    reference_dir, reference = unbroken(workers)
     run_dir = tmp_path / "run"
     args = [OWN_LOOP, str(run_dir), f"--workers={workers}", "--agree-every=1", f"--ballast-mb={ballast_mb}"]
     results = run_ranks([*args, f"--signal-at={signal_at}"])
@@ -103,6 +111,16 @@ def test_a_users_loop_stops_on_a_signal_and_resumes_bit_identically(
     (event,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
     assert {"epoch": event["epoch"], "position": event["position"]} == stopped_at, event
     assert_identical(final_state(run_dir), reference, ("model", "optimizer", "scheduler", "loader", "best", "bad_evals"))
+    # What session.log wrote (every 2nd step): status shows the loop's epoch and metrics, a loss curve for both
+    # segments, and --verify finds the same weights as the unbroken run's at every step both logged.
+    shown = status(str(run_dir))
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^progress    step 12, epoch 1;", shown.stdout, re.M), shown.stdout
+    assert re.search(r"^metrics     step 12: loss \S+, lr 0.02$", shown.stdout, re.M), shown.stdout
+    assert len(loss_curves(segments(read_ledger(run_dir / "events.jsonl")))) == 2
+    verdict = status("--verify", str(reference_dir), str(run_dir))
+    assert verdict.returncode == 0, verdict.stdout + verdict.stderr
+    assert re.fullmatch(r"agree: the same weights at all [56] steps both runs logged \(2\.\.12\)\n", verdict.stdout)
 
 
 def test_the_shipped_example_resumes_bit_identically(tmp_path: Path) -> None:
@@ -121,6 +139,8 @@ def test_the_shipped_example_resumes_bit_identically(tmp_path: Path) -> None:
     assert [rc for rc, _ in results] == [0, 0], results
     assert "accuracy" in results[0][1]
     assert_identical(final_state(run_dir), final_state(reference_dir), ("model", "optimizer", "scheduler", "loader"))
+    verdict = status("--verify", str(reference_dir), str(run_dir))  # its session.log line, every 10 steps
+    assert verdict.returncode == 0 and verdict.stdout.startswith("agree: "), verdict.stdout + verdict.stderr
 
 
 def changed_lines(before: Path, after: Path) -> tuple[int, int]:

@@ -61,6 +61,7 @@ def main() -> None:
                                      device=session.device)
             if session.should_stop() or session.step == args.max_steps:
                 break
+            session.log(loss=loss)  # step, epoch, loss for jobs/status.py (every log.every_steps steps)
         if session.stopping:
             break
         total, count = session.all_reduce(loss_sum).tolist()

@@ -62,6 +62,7 @@ def main() -> None:
             scheduler.step()
             if session.should_stop():
                 break
+            session.log(loss=loss)  # step, epoch, loss for jobs/status.py (every log.every_steps steps)
         if session.stopping:
             break
 
