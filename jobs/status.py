@@ -6,7 +6,8 @@
     python jobs/status.py runs/mnist --plot timeline.png    # and a picture of the run (needs matplotlib)
     python jobs/status.py --verify runs/a runs/b            # same weights at every step both logged?
 
-Reads `<run dir>/events.jsonl` (see mgpu/ledger.py): the newest step, throughput and ETA, evaluations,
+Reads `<run dir>/events.jsonl` (see mgpu/ledger.py): the newest step, its epoch and logged metrics (the
+trainer's, or a loop's own `session.log`), throughput and ETA (none for a loop that logs no total), evaluations,
 requeues and the budgets left, and where the time went (mgpu/goodput.py); asks squeue/sacct/scontrol
 where they exist; ledger lines that are not well-formed events are skipped with a note on stderr.
 Exit codes: 0 shown (--verify: the runs agree), 1 (--verify) they differ, 2 no such run (or bad

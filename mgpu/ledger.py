@@ -15,7 +15,9 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      first batch, first step done: the way back to training, measured)
     progress         step, epoch, total_steps, metrics (the log line's: loss, lr, grad_norm, samples_per_s,
                      step_time_s), fingerprint (hex float: a weighted sum of every parameter; equal
-                     weights give equal fingerprints); written at every log interval (log.every_steps)
+                     weights give equal fingerprints); written at every log interval (log.every_steps); a loop
+                     of its own (Session.log, mgpu.loop_progress): step, epoch (its loader's, if any), metrics
+                     (what it gave), fingerprint (of its state's models, comma-joined), no total_steps
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
     checkpoint_failed step, reason, error (one line naming the errno and the path), errno; training goes on
                      and the next due save tries again (a stop's save that fails ends the run: `failed`)

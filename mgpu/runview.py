@@ -1,6 +1,6 @@
-"""The run's read model: what a run's ledger says (state, step, throughput, ETA, evaluations, hangs,
-excluded nodes, budgets, where the time went), for `jobs/status.py`, `jobs/submit.py --wait` and anyone who
-asks from Python. No torch.
+"""The run's read model: what a run's ledger says (state, step, epoch, logged metrics, throughput, ETA,
+evaluations, hangs, excluded nodes, budgets, where the time went), for the trainer's runs and loops of their
+own alike, for `jobs/status.py`, `jobs/submit.py --wait` and anyone who asks from Python. No torch.
 
 `RunView.load(run)` reads the ledger once (its malformed lines counted, not raised); every path comes from
 mgpu.rundir.RunDir; Slurm is asked through mgpu.slurm's client. A value the ledger holds that no clock can
