@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -15,7 +14,6 @@ import shutil
 import socket
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +23,7 @@ from mgpu.errors import MgpuError
 from mgpu.rundir import RunDir, RunInUse
 
 __all__ = ["claim", "discard", "first_missing", "no_beat", "prepare_run_dir", "process_start", "record_rank",
-           "release_ddp", "setup_logging", "start_watchdog"]
+           "setup_logging", "start_watchdog"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -43,17 +41,6 @@ def process_start() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
-
-
-def release_ddp(ddps: list[weakref.ref[Any]]) -> None:
-    """DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo thread
-    that waits for the GIL the destructor holds (an intermittent hang at exit)."""
-    for ref in ddps:
-        ddp = ref()
-        if ddp is not None:
-            ddp.__dict__.pop("reducer", None)
-            ddp.__dict__.pop("logger", None)
-    gc.collect()
 
 
 def prepare_run_dir(run: RunDir) -> Path | None:

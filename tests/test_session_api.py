@@ -193,6 +193,25 @@ def test_a_finished_run_run_again_says_so(tmp_path: Path, capsys: pytest.Capture
     assert f"run {run} had finished at step 2 (its final checkpoint)" in said(capsys)
 
 
+@pytest.mark.parametrize("status", ["stopped", "finished"])
+def test_the_loops_own_last_save_is_the_only_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 status: str) -> None:
+    """The trainer's way: the loop saves its last step itself (wait=True); end() acts on that checkpoint and
+    does not save (or ask the checkpointer) again. A loop that did not save its last step gets it from end()."""
+    s = session(tmp_path / "run")
+    state = s.load(parts())
+    train(state, s, 2)
+    saved = s.save(wait=True, reason="preemption" if status == "stopped" else "final")
+    calls: list[str] = []
+    monkeypatch.setattr(s.checkpointer, "save", lambda *args, **kwargs: calls.append("save"))
+    s.end(status)
+    assert calls == [] and saved is not None and saved.name == "step_00000002"
+    other = session(tmp_path / "other")
+    train(other.load(parts()), other, 1)
+    other.end("finished")
+    assert [e["step"] for e in read_ledger(tmp_path / "other" / "events.jsonl") if e["event"] == "checkpoint_saved"] == [1]
+
+
 def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
     from mgpu.environment import detect_environment
 
