@@ -22,7 +22,7 @@ from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.rundir import RunDir, RunInUse
 
-__all__ = ["claim", "discard", "first_missing", "no_beat", "prepare_run_dir", "process_start", "record_rank",
+__all__ = ["claim", "discard", "first_missing", "join_run", "no_beat", "prepare_run_dir", "process_start", "record_rank",
            "setup_logging", "start_watchdog"]
 
 log = logging.getLogger("mgpu.train")
@@ -167,3 +167,12 @@ def claim(run: RunDir, env: ProcessEnv) -> None:
     refusal = broadcast_object(refusal)
     if refusal is not None:
         raise RunInUse(refusal)
+
+
+def join_run(run: RunDir, env: ProcessEnv, device: str, backend: str) -> None:
+    """*Collective.* This rank in the run directory: its launcher record, the run's claim (every rank fails
+    alike if another live job holds it), and on rank 0 where slurm/loop.sbatch's recovery finds the run."""
+    record_rank(run, env, device, backend)
+    claim(run, env)
+    if env.rank == 0:
+        run.announce(os.environ)

@@ -30,7 +30,6 @@ import contextlib
 import copy
 import functools
 import logging
-import os
 import sys
 import time
 import weakref
@@ -48,7 +47,7 @@ from mgpu.preemption import install_stop_request, uninstall_stop_request
 from mgpu.recovery import Limits, rank_failed
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import claim, discard, no_beat, prepare_run_dir, process_start, record_rank, setup_logging, start_watchdog
+from mgpu.runner import discard, join_run, no_beat, prepare_run_dir, process_start, setup_logging, start_watchdog
 from mgpu.slurm_job import owns_slurm_job
 
 if TYPE_CHECKING:
@@ -82,7 +81,8 @@ class Session:
     """
 
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
-                 env: ProcessEnv | None = None, recovery_by_batch_script: bool | None = None, config_path: str | None = None) -> None:
+                 env: ProcessEnv | None = None, recovery_by_batch_script: bool | None = None,
+                 config_path: str | None = None) -> None:
         if config is not None and not isinstance(config, Config):
             raise MgpuError(f"Session(config=...) takes a mgpu.Config, got a {type(config).__name__}: "
                             f"mgpu.config_from_dict(...) or mgpu.load_config(path, overrides) makes one")
@@ -158,10 +158,7 @@ class Session:
         self.timings["group"] = time.time()
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
-        record_rank(self.run, self.env, str(self.device), self.backend)
-        claim(self.run, self.env)
-        if self.is_main:
-            self.run.announce(os.environ)
+        join_run(self.run, self.env, str(self.device), self.backend)
         if cfg.watchdog.enabled:
             self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
             self._cleanup.callback(self._arm_teardown)
@@ -174,9 +171,10 @@ class Session:
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
              parallel: str = "ddp", shard_hook: Callable[[Any, Any], Any] | None = None) -> nn.Module:
-        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
-        resumed run its reducer gets the saved run's gradient buckets, so that it reduces exactly as the
-        unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works. Once per model: the plain module, not one `wrap` returned.
+        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a resumed
+        run its reducer gets the saved run's gradient buckets, so that it reduces exactly as the unbroken run
+        did (mgpu.ddp). Call after `load()`, or before it: either works. Once per model: the plain module, not
+        one `wrap` returned.
 
         `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
         way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
@@ -248,15 +246,8 @@ class Session:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
         number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader (map-style, and
         mgpu.stream.ShardedStream) and StatefulStreamLoader (an IterableDataset with state_dict())."""
-        from torch.utils.data import IterableDataset
-
         from mgpu.loader import open_loader
 
-        if not isinstance(dataset, IterableDataset) and not (hasattr(dataset, "__len__")
-                                                             and hasattr(dataset, "__getitem__")):
-            raise MgpuError(f"Session.loader() takes a dataset with len() and [index] (a map-style Dataset) or an "
-                            f"IterableDataset (mgpu.stream.ShardedStream, or one with state_dict()), got a "
-                            f"{type(dataset).__name__}: an iterator cannot say where a resume starts")
         options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
         return open_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
                            seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
@@ -268,13 +259,10 @@ class Session:
                     collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_options: Any) -> DataLoader:
         """This rank's share of an evaluation set: samples rank, rank + W, ... (each sample on exactly one
         rank; counts differ by at most one). Reduce sums and counts across ranks with `all_reduce`."""
-        from mgpu.data import eval_shard
-        from mgpu.loader import make_loader
+        from mgpu.loader import eval_loader
 
-        indices = eval_shard(len(dataset), self.rank, self.world_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
-        batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
-        return make_loader(dataset, batches, num_workers=num_workers, seed=self.cfg.train.seed, epoch=0,
-                           rank=self.rank, requeue_signal=self.cfg.preemption.signal, collate_fn=collate_fn,
+        return eval_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size, seed=self.cfg.train.seed,
+                           requeue_signal=self.cfg.preemption.signal, num_workers=num_workers, collate_fn=collate_fn,
                            **{"pin_memory": self.device.type == "cuda", **dataloader_options})
 
     def all_reduce(self, value: Any, op: str = "sum") -> torch.Tensor:
