@@ -460,9 +460,7 @@ class Session:
                           run_dir=str(self.run.path), limits={"max_requeues": self.limits.max_requeues,
                                                               "max_failures": self.limits.max_failures},
                           **{"config_path": self.config_path, "git_sha": self.version, **fields})
-        if self.resumed_from is not None:
-            self.ledger.write("resumed", step=self.step, **self.resumption.at, **{"from": str(self.resumed_from)},
-                              skipped=self.resumption.skipped)
+        self.resumption.record()
 
     def finish(self) -> None:
         """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)

@@ -212,6 +212,24 @@ def test_the_loops_own_last_save_is_the_only_one(tmp_path: Path, monkeypatch: py
     assert [e["step"] for e in read_ledger(tmp_path / "other" / "events.jsonl") if e["event"] == "checkpoint_saved"] == [1]
 
 
+def test_the_test_stop_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MGPU_STOP_AT_STEP (what jobs/train.py --stop-at-step sets) is the test stop's one path: a stop as if
+    preempted after that step, its checkpoint saved at once; a bad value is one line before any training."""
+    monkeypatch.setenv("MGPU_STOP_AT_STEP", "2")
+    s = session(tmp_path / "run")
+    state = s.load(parts())
+    answers = []
+    for _ in range(3):
+        train(state, s, 0)
+        answers.append(s.should_stop())
+    assert answers == [False, True, False] and s.reasons == {"test"}
+    assert [e["step"] for e in read_ledger(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_saved"] == [2]
+    s.end()
+    monkeypatch.setenv("MGPU_STOP_AT_STEP", "soon")
+    with pytest.raises(MgpuError, match="MGPU_STOP_AT_STEP='soon': must be a step number >= 1"):
+        session(tmp_path / "bad")
+
+
 def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
     from mgpu.environment import detect_environment
 
