@@ -181,14 +181,14 @@ class Session:
         from torch import nn
         from torch.nn.parallel import DistributedDataParallel
 
-        from mgpu.fsdp import shard
-
         if not isinstance(model, nn.Module):
             raise MgpuError(f"Session.wrap() takes a torch.nn.Module, got a {type(model).__name__}")
         if isinstance(model, DistributedDataParallel) or model in self._wrapped:  # on one rank as on many
             raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
                             "wrap the plain module, once")
         if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
+            from mgpu.fsdp import shard
+
             if self._checkpointer is not None and not self.sharded:
                 raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
                                 "checkpoints are sharded)")
