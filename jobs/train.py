@@ -12,12 +12,14 @@ mgpu/watchdog.py). See mgpu/job.py.
 
 Testing: `--stop-at-step K` stops after optimizer step K exactly as a preemption does (every rank at that
 step, the stop's checkpoint, exit 3 outside Slurm), without a signal: run the same command without it to
-resume (mgpu.stopping's test stop).
+resume (mgpu.stopping's test stop; the flag sets MGPU_STOP_AT_STEP=K for this process, which the stop
+controller reads).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -52,8 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from mgpu.job import cli_exit_code  # no torch at import: a bad config still fails in milliseconds
+    from mgpu.stopping import STOP_AT_STEP
 
-    return cli_exit_code(lambda: load_config(args.config, args.overrides), args.config, args.stop_at_step, PROG)
+    if args.stop_at_step is not None:  # the test stop's one path: the environment the stop controller reads
+        os.environ[STOP_AT_STEP] = str(args.stop_at_step)
+    return cli_exit_code(lambda: load_config(args.config, args.overrides), args.config, PROG)
 
 
 if __name__ == "__main__":

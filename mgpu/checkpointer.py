@@ -21,7 +21,7 @@ from mgpu.distributed import broadcast_object
 from mgpu.ledger import Ledger
 from mgpu.rundir import RunDir
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "open_checkpointer"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -140,3 +140,16 @@ class Checkpointer:
         """Wait for a background save in flight (its outcome was reported by then); free its buffers."""
         if self.store is not None:
             self.store.close()
+
+
+def open_checkpointer(run: RunDir, rank: int, world: int, ledger: Ledger, config: Any, *, sharded: bool,
+                      beat: Callable[..., None] = _no_beat, version: str | None = None) -> Any:
+    """The run's checkpointer for the config's `checkpoint` section: `Checkpointer` (single file), or with
+    `sharded` mgpu.sharded's `ShardedCheckpointer` (every rank writes its shard; [fsdp hook])."""
+    if sharded:
+        from mgpu.sharded import ShardedCheckpointer
+
+        return ShardedCheckpointer(run.checkpoints, rank, world, ledger, keep_last=config.keep_last,
+                                   async_save=config.async_save, beat=beat, version=version)
+    return Checkpointer(run, rank, world, ledger, keep_last=config.keep_last, async_save=config.async_save,
+                        keep_snapshot_buffers=config.keep_snapshot_buffers, beat=beat)

@@ -24,8 +24,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import gc
 import weakref
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["ResumableDDP", "bucket_layout", "passes_before_rebuild", "sync_buffers", "wrap"]
+__all__ = ["ResumableDDP", "SessionDDPs", "bucket_layout", "passes_before_rebuild", "sync_buffers", "wrap"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -303,3 +304,52 @@ def sync_buffers(module: nn.Module) -> None:
     rank 0's). Evaluating with rank 0's changes no training step: DDP broadcasts them at each forward."""
     for buffer in module.buffers():
         dist.broadcast(buffer, src=0)
+
+
+class SessionDDPs:
+    """A session's DDPs (in wrap order) and their bucket layouts: saved beside the state under "ddp", given
+    back to the resumed DDPs, whichever comes first, the wrap or the load. Weak references: a model the loop
+    drops is not kept alive."""
+
+    def __init__(self) -> None:
+        self._ddps: list[weakref.ref[ResumableDDP]] = []
+        self._layouts: list[dict[str, Any] | None] = []  # the checkpoint's, one per wrapped model
+
+    def wrap(self, model: nn.Module, device: torch.device, find_unused_parameters: bool,
+             static_graph: bool) -> ResumableDDP:
+        """`model` (on `device`) in DDP; on a resume loaded already, with its saved buckets."""
+        ddp = wrap(model, device, find_unused_parameters, static_graph)
+        self._ddps.append(weakref.ref(ddp))
+        self._resume(len(self._ddps) - 1)
+        return ddp
+
+    def resume(self, layouts: list[dict[str, Any] | None] | None) -> None:
+        """The checkpoint's layouts (its "ddp" entry): the DDPs wrapped before the resume get theirs now."""
+        self._layouts = list(layouts or [])
+        for index in range(len(self._ddps)):
+            self._resume(index)
+
+    def _resume(self, index: int) -> None:
+        ddp = self._ddps[index]()
+        if ddp is not None and index < len(self._layouts) and self._layouts[index] is not None:
+            ddp.resume_layout(self._layouts[index])  # type: ignore[arg-type]  # not None: checked above
+
+    def gather(self, gather_state: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """*Collective.* `gather_state()` (the state on rank 0, None elsewhere) with every DDP's bucket layout
+        (and comm hook state) under "ddp"."""
+        layouts = [bucket_layout(ddp) if (ddp := ref()) is not None else None  # a collective, on every rank
+                   for ref in self._ddps]
+        state = gather_state()
+        if state is not None and any(layout is not None for layout in layouts):
+            state["ddp"] = layouts
+        return state
+
+    def release(self) -> None:
+        """DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo
+        thread that waits for the GIL the destructor holds (an intermittent hang at exit)."""
+        for ref in self._ddps:
+            ddp = ref()
+            if ddp is not None:
+                ddp.__dict__.pop("reducer", None)
+                ddp.__dict__.pop("logger", None)
+        gc.collect()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["is_sharded", "local_grads", "no_sync", "plain", "shard", "weights_fingerprint"]
+__all__ = ["is_sharded", "local_grads", "no_sync", "plain", "shard", "sharded_checkpoints", "weights_fingerprint"]
 
 ShardHook = Callable[[nn.Module, Any], "nn.Module | None"]
 
@@ -60,6 +60,12 @@ def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None)
     if world > 1 and any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_broadcast_buffers)
     return model
+
+
+def sharded_checkpoints(checkpoint_format: str, parallel: str, sharded_model: bool) -> bool:
+    """Whether a run's checkpoints are sharded: `checkpoint.format` sharded, or auto and an FSDP2 model
+    (`train.parallel` fsdp, or a model a session sharded)."""
+    return checkpoint_format == "sharded" or (checkpoint_format == "auto" and (sharded_model or parallel == "fsdp"))
 
 
 def _broadcast_buffers(module: nn.Module, args: Any) -> None:

@@ -85,7 +85,7 @@ def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = Non
             f"{limits.max_failures}), unless it was cancelled")
 
 
-def cli_exit_code(load: Callable[[], Config], config_path: str | None, stop_at_step: int | None, prog: str) -> int:
+def cli_exit_code(load: Callable[[], Config], config_path: str | None, prog: str) -> int:
     """A rank's job as a command runs it (jobs/train.py, `jobs/submit.py --cluster local`): bad input or a full
     disk is one line and exit 2; a stop that stays down, one line with the resume command and exit 3; a
     failure, its traceback, then one line saying what happens now, exit 1; else 0."""
@@ -96,7 +96,7 @@ def cli_exit_code(load: Callable[[], Config], config_path: str | None, stop_at_s
     cfg = None
     try:
         cfg = load()
-        run_job(cfg, config_path=config_path, stop_at_step=stop_at_step)
+        run_job(cfg, config_path=config_path)
     except MgpuError as error:
         exit_with(error, prog)
     except JobStopped as stopped:
@@ -112,11 +112,10 @@ def cli_exit_code(load: Callable[[], Config], config_path: str | None, stop_at_s
 
 def local_rank(rank: int, config: dict[str, Any], config_path: str | None) -> None:
     """One rank of `jobs/submit.py --cluster local` (started by mgpu.spawn); exits with its code."""
-    raise SystemExit(cli_exit_code(lambda: config_from_dict(config), config_path, None, "submit"))
+    raise SystemExit(cli_exit_code(lambda: config_from_dict(config), config_path, "submit"))
 
 
-def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
-            env: ProcessEnv | None = None) -> dict[str, Any]:
+def run_job(cfg: Config, config_path: str | None = None, env: ProcessEnv | None = None) -> dict[str, Any]:
     """Train this rank; on a stop, requeue or not (see the module docstring). Returns a summary.
 
     Raises SystemExit(0) on every rank once a requeue is under way, JobStopped when the job stays down.
@@ -127,7 +126,7 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     # neither an early signal nor a late one reaches the default action or submitit's handler (which
     # would checkpoint inside the handler and requeue a second time). The session finds them installed.
     install_stop_request(cfg.preemption.signal)
-    result, outcome = run_training(cfg, config_path, stop_at_step, env)
+    result, outcome = run_training(cfg, config_path, env)
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
                "best_metrics": result.best_metrics, "best_step": result.best_step,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
@@ -138,8 +137,7 @@ def run_job(cfg: Config, config_path: str | None = None, stop_at_step: int | Non
     return summary
 
 
-def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int | None = None,
-                 env: ProcessEnv | None = None,
+def run_training(cfg: Config, config_path: str | None = None, env: ProcessEnv | None = None,
                  on_failure: Callable[[BaseException], None] | None = None) -> tuple[Any, Outcome]:
     """The trainer on a Session: (FitResult, what happens to the job). The stop signals are the session's
     (installed by it for the call, unless the process installed them first: mgpu.preemption).
@@ -156,7 +154,7 @@ def run_training(cfg: Config, config_path: str | None = None, stop_at_step: int 
     from mgpu.task import build_task, import_task_class
 
     import_task_class(cfg.task.target)  # a bad import path fails here, before any peer waits
-    session = Session(config=cfg, stop_at_step=stop_at_step, env=env, config_path=config_path)
+    session = Session(config=cfg, env=env, config_path=config_path)
     try:
         from mgpu.trainer import Trainer
 

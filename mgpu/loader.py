@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 from mgpu.preemption import signal_number
 from mgpu.rng import derived_seed, seed_everything
 
-__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "StatefulStreamLoader", "is_stateful", "is_worker_death", "loader_seed", "make_loader", "sample_seed",
+__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "StatefulStreamLoader", "is_stateful", "eval_loader", "is_worker_death", "loader_seed", "make_loader", "sample_seed",
            "start"]
 
 log = logging.getLogger("mgpu.train")
@@ -479,11 +479,17 @@ def _first(item: Any) -> Any:
 def open_loader(dataset: Any, batch_size: int, **options: Any) -> ResumableLoader | StatefulStreamLoader:
     """The loader a Session gives `dataset`: a ResumableLoader for a map-style dataset or an mgpu.stream.ShardedStream
     (exact on any world size and worker count), a StatefulStreamLoader for another IterableDataset with the
-    Stateful protocol; another IterableDataset is refused in one line (mgpu.stream.StreamError)."""
+    Stateful protocol; another IterableDataset is refused in one line (mgpu.stream.StreamError), and so is
+    anything else that is not a map-style dataset (MgpuError)."""
     from torch.utils.data import IterableDataset
 
+    from mgpu.errors import MgpuError
     from mgpu.stream import ShardedStream, StreamError
 
+    if not isinstance(dataset, IterableDataset) and not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise MgpuError(f"Session.loader() takes a dataset with len() and [index] (a map-style Dataset) or an "
+                        f"IterableDataset (mgpu.stream.ShardedStream, or one with state_dict()), got a "
+                        f"{type(dataset).__name__}: an iterator cannot say where a resume starts")
     if isinstance(dataset, IterableDataset) and not isinstance(dataset, ShardedStream):
         if not is_stateful(dataset):
             raise StreamError(f"{type(dataset).__name__} is an IterableDataset without state_dict()/load_state_dict(): "
@@ -492,3 +498,14 @@ def open_loader(dataset: Any, batch_size: int, **options: Any) -> ResumableLoade
         options.pop("shuffle", None)  # the stream's own order
         return StatefulStreamLoader(dataset, batch_size, **options)
     return ResumableLoader(dataset, batch_size, **options)
+
+
+def eval_loader(dataset: Dataset, batch_size: int, *, rank: int, world_size: int, seed: int, requeue_signal: str,
+                num_workers: int = 0, collate_fn: Callable[[list[Any]], Any] | None = None, **options: Any) -> DataLoader:
+    """This rank's share of an evaluation set (mgpu.data.eval_shard: samples rank, rank + W, ...), in batches."""
+    from mgpu.data import eval_shard
+
+    indices = eval_shard(len(dataset), rank, world_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
+    batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
+    return make_loader(dataset, batches, num_workers=num_workers, seed=seed, epoch=0, rank=rank,
+                       requeue_signal=requeue_signal, collate_fn=collate_fn, **options)

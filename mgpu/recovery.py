@@ -39,7 +39,7 @@ from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_com
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "peer_consequence",
+__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "peer_consequence", "rank_failed",
            "stop_requeues"]
 
 log = logging.getLogger("mgpu.job")
@@ -202,6 +202,25 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
         return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
                         f"{resume_command(ask=False)}")
+
+
+def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, restart: int, slurm_job: str | None,
+                limits: Limits, by_batch: bool | None = None) -> None:
+    """A session's rank failed: record it and, within the failure budget, requeue the job while the group still
+    exists (tearing it down can block on a dead peer until srun's KILL). Where the batch script decides after
+    srun returns (`by_batch`, default MGPU_RECOVERY=batch), it alone does. Bad input is never requeued."""
+    consequence = peer_consequence(error)
+    if rank == 0 or not (consequence or isinstance(error, MgpuError)):
+        # Every rank with an error of its own records it (rank 0's is often only the consequence: `Connection
+        # closed by peer`); retry: whether a requeue can help; bad input or a full disk fails the same way again.
+        Ledger(run.ledger, job_id, restart).write(
+            "failed", error=f"{type(error).__name__}: {error}", retry=not isinstance(error, MgpuError),
+            rank=rank, **({"consequence": True} if consequence else {}))
+    by_batch = by_batch if by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
+    if slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
+        _, what = handle_failure(run, slurm_job, restart, limits,
+                                 f"rank {rank} failed: {type(error).__name__}: {error}", rank=rank)
+        logging.getLogger("mgpu.train").error("rank %d failed: %s: %s; %s", rank, type(error).__name__, error, what)
 
 
 def _run_dir(args: argparse.Namespace) -> RunDir | None:

@@ -123,6 +123,12 @@ class Resumption:
                 log.warning("%s", note)
         return loaded
 
+    def record(self) -> None:
+        """The ledger's `resumed` event (after `started`): from which checkpoint, at which step, epoch and sample;
+        nothing for a new run."""
+        if self.path is not None:
+            self.ledger.write("resumed", step=self.step, **self.at, **{"from": str(self.path)}, skipped=self.skipped)
+
     def start_over(self) -> None:
         """*Collective.* `load(fresh=True)`: rank 0 sets the run's checkpoints aside, every rank waits for it."""
         from mgpu.distributed import broadcast_object

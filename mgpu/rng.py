@@ -14,7 +14,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-__all__ = ["capture_rng_state", "derived_seed", "restore_rng_state", "seed_everything", "stream_seed",
+__all__ = ["capture_rng_state", "derived_seed", "restore_rng_state", "seed_everything", "seed_rank", "stream_seed",
            "use_deterministic_kernels"]
 
 TORCH_SEEDS = 2**64
@@ -89,3 +89,10 @@ def use_deterministic_kernels(enabled: bool) -> None:
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+
+
+def seed_rank(seed: int, rank: int, deterministic: bool) -> None:
+    """A rank's start: deterministic kernels if `deterministic` (before any GPU matmul), then every generator
+    seeded from `seed + rank` (each rank its own dropout and augmentation draws)."""
+    use_deterministic_kernels(deterministic)
+    seed_everything(seed + rank)

@@ -23,7 +23,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from mgpu.errors import MgpuError
 from mgpu.fsutil import write_atomic
@@ -228,3 +228,10 @@ class RunDir:
         if owner is not None and (owner.job_id, owner.host, owner.pid) == (job_id, socket.gethostname(), os.getpid()):
             self.owner_file.unlink(missing_ok=True)
 
+
+    def announce(self, environ: Mapping[str, str]) -> None:
+        """Where slurm/loop.sbatch's recovery finds the run: its path into the file `MGPU_RUN_DIR_FILE` names
+        (the script names it; call on rank 0 only)."""
+        target = environ.get("MGPU_RUN_DIR_FILE")
+        if target:
+            write_atomic(Path(target), str(self.path.resolve()).encode())

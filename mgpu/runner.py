@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import os
@@ -15,7 +14,6 @@ import shutil
 import socket
 import sys
 import time
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +22,8 @@ from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.rundir import RunDir, RunInUse
 
-__all__ = ["claim", "discard", "first_missing", "no_beat", "prepare_run_dir", "process_start", "record_rank",
-           "release_ddp", "setup_logging", "start_watchdog"]
+__all__ = ["claim", "discard", "first_missing", "join_run", "no_beat", "prepare_run_dir", "process_start", "record_rank",
+           "setup_logging", "start_watchdog"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -43,17 +41,6 @@ def process_start() -> float:
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):
         return time.time()
-
-
-def release_ddp(ddps: list[weakref.ref[Any]]) -> None:
-    """DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo thread
-    that waits for the GIL the destructor holds (an intermittent hang at exit)."""
-    for ref in ddps:
-        ddp = ref()
-        if ddp is not None:
-            ddp.__dict__.pop("reducer", None)
-            ddp.__dict__.pop("logger", None)
-    gc.collect()
 
 
 def prepare_run_dir(run: RunDir) -> Path | None:
@@ -180,3 +167,12 @@ def claim(run: RunDir, env: ProcessEnv) -> None:
     refusal = broadcast_object(refusal)
     if refusal is not None:
         raise RunInUse(refusal)
+
+
+def join_run(run: RunDir, env: ProcessEnv, device: str, backend: str) -> None:
+    """*Collective.* This rank in the run directory: its launcher record, the run's claim (every rank fails
+    alike if another live job holds it), and on rank 0 where slurm/loop.sbatch's recovery finds the run."""
+    record_rank(run, env, device, backend)
+    claim(run, env)
+    if env.rank == 0:
+        run.announce(os.environ)

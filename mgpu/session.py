@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import logging
-import os
 import sys
 import time
 import weakref
@@ -41,15 +41,13 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 from mgpu.config import Config
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
-from mgpu.fsutil import write_atomic
 from mgpu.ledger import Ledger
 from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, exit_code, resume_command
 from mgpu.preemption import install_stop_request, uninstall_stop_request
-from mgpu.recovery import Limits, handle_failure
+from mgpu.recovery import Limits, rank_failed
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import (claim, discard, no_beat, prepare_run_dir, process_start, record_rank, release_ddp,
-                         setup_logging, start_watchdog)
+from mgpu.runner import discard, join_run, no_beat, prepare_run_dir, process_start, setup_logging, start_watchdog
 from mgpu.slurm_job import owns_slurm_job
 
 if TYPE_CHECKING:
@@ -58,6 +56,7 @@ if TYPE_CHECKING:
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
     from mgpu.checkpoint import LoadedCheckpoint
+    from mgpu.ddp import SessionDDPs
     from mgpu.loader import ResumableLoader, StatefulStreamLoader
     from mgpu.stream import ShardedStream
     from mgpu.stopping import StopController
@@ -78,12 +77,12 @@ class Session:
     command again, or a requeued job, continues from its newest checkpoint. `seed`: every rank's
     generators are seeded from it (rank r: seed + r). `config`: a `mgpu.Config` for everything else
     (`distributed`, `preemption`, `checkpoint`, `watchdog`, `train.seed`, `train.deterministic`, `run`).
-    `stop_at_step`: testing, a stop as if preempted after that step (`jobs/train.py --stop-at-step`).
+    Testing: `MGPU_STOP_AT_STEP=K` in the environment stops after step K as if preempted (mgpu.stopping).
     """
 
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
-                 stop_at_step: int | None = None, env: ProcessEnv | None = None,
-                 recovery_by_batch_script: bool | None = None, config_path: str | None = None) -> None:
+                 env: ProcessEnv | None = None, recovery_by_batch_script: bool | None = None,
+                 config_path: str | None = None) -> None:
         if config is not None and not isinstance(config, Config):
             raise MgpuError(f"Session(config=...) takes a mgpu.Config, got a {type(config).__name__}: "
                             f"mgpu.config_from_dict(...) or mgpu.load_config(path, overrides) makes one")
@@ -94,7 +93,7 @@ class Session:
             cfg.run.dir = str(run_dir)
         if seed is not None:
             cfg.train.seed = seed
-        self.cfg, self.config_path, self.stop_at_step = cfg, config_path, stop_at_step
+        self.cfg, self.config_path = cfg, config_path
         # First of all, before anything slow: from here on a signal is a stop request, never the default
         # action or submitit's handler (which would checkpoint inside the handler and requeue a second time).
         self.stop, installed = install_stop_request(cfg.preemption.signal)
@@ -109,10 +108,11 @@ class Session:
         self.beat: Callable[..., None] = no_beat
         self.stopper: StopController | None = None
         self._checkpointer: Any = None
-        self._ddps: list[weakref.ref[Any]] = []
-        self._ddp_layouts: list[Any] = []  # [mgpu.ddp bucket layout] the checkpoint's, one per wrapped model
+        self._ddps: SessionDDPs | None = None  # [mgpu.ddp bucket layout] the wrapped DDPs and their saved buckets
+        self._fsdp = False  # [fsdp hook] a model was sharded: the checkpoints are sharded (see `sharded`)
         self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+        self._durable: tuple[int, Path | None] = (-1, None)  # the last save() with wait: its step, its path (rank 0)
         self.step = 0
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
         self.resume_step = 0
@@ -143,8 +143,9 @@ class Session:
         self.resumption = Resumption(self.run, self.rank, self.world_size, cfg.train.seed, self.ledger,
                                      lambda: self.checkpointer)
 
+        from mgpu.ddp import SessionDDPs
         from mgpu.distributed import process_group
-        from mgpu.rng import seed_everything, use_deterministic_kernels
+        from mgpu.rng import seed_rank
         from mgpu.stopping import StopController
 
         # The watchdog outlives the group's teardown, which it bounds (see _arm_teardown): stopped after it.
@@ -152,39 +153,33 @@ class Session:
         ctx = self._cleanup.enter_context(process_group(
             self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
             backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
-        self._cleanup.callback(lambda: release_ddp(self._ddps))  # before the group's teardown (reverse order)
+        self._ddps = SessionDDPs()
+        self._cleanup.callback(self._ddps.release)  # before the group's teardown (reverse order)
         self.timings["group"] = time.time()
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
-        record_rank(self.run, self.env, str(self.device), self.backend)
-        claim(self.run, self.env)
-        announce = os.environ.get("MGPU_RUN_DIR_FILE")
-        if announce and self.is_main:  # where slurm/loop.sbatch's recovery finds the run (its own script names it)
-            write_atomic(Path(announce), str(self.run.path.resolve()).encode())
+        join_run(self.run, self.env, str(self.device), self.backend)
         if cfg.watchdog.enabled:
             self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
             self._cleanup.callback(self._arm_teardown)
             self.beat = self.watchdog.beat
         self.stopper = StopController.for_rank(
             self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            stop_at_step=self.stop_at_step,
             longest_write_s=lambda: self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0)
-        use_deterministic_kernels(cfg.train.deterministic)
-        seed_everything(cfg.train.seed + self.rank)
+        seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
              parallel: str = "ddp", shard_hook: Callable[[Any, Any], Any] | None = None) -> nn.Module:
-        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a run
-        resumed run its reducer gets the saved run's gradient buckets, so that it reduces exactly as the
-        unbroken run did (mgpu.ddp). Call after `load()`, or before it: either works. Once per model: the plain module, not one `wrap` returned.
+        """`model` on this rank's device, in DistributedDataParallel when there are several ranks. On a resumed
+        run its reducer gets the saved run's gradient buckets, so that it reduces exactly as the unbroken run
+        did (mgpu.ddp). Call after `load()`, or before it: either works. Once per model: the plain module, not
+        one `wrap` returned.
 
         `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
         way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
         from torch import nn
         from torch.nn.parallel import DistributedDataParallel
-
-        from mgpu.ddp import wrap
 
         if not isinstance(model, nn.Module):
             raise MgpuError(f"Session.wrap() takes a torch.nn.Module, got a {type(model).__name__}")
@@ -192,46 +187,41 @@ class Session:
             raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
                             "wrap the plain module, once")
         if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
-            return self._shard(model, shard_hook)
+            from mgpu.fsdp import shard
+
+            if self._checkpointer is not None and not self.sharded:
+                raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
+                                "checkpoints are sharded)")
+            self._fsdp = True
+            return self._watched(shard(model, self.device, shard_hook))
         if parallel != "ddp":
             raise MgpuError(f"Session.wrap(parallel={parallel!r}): use 'ddp' or 'fsdp'")
         model = model.to(self.device)
         if self.world_size == 1:
             self._wrapped.add(model)
             return model
-        ddp = wrap(model, self.device, find_unused_parameters, static_graph)
+        assert self._ddps is not None
+        ddp = self._ddps.wrap(model, self.device, find_unused_parameters, static_graph)  # [mgpu.ddp bucket layout]
         self._wrapped.add(ddp)
-        self._ddps.append(weakref.ref(ddp))
-        self._resume_ddp(len(self._ddps) - 1)  # [mgpu.ddp bucket layout]
-        if self.watchdog is not None:  # entering DDP's forward (of the next step): this rank waits for the others
-            ddp.register_forward_pre_hook(lambda module, args: self._beat_model())
-        return ddp
+        return self._watched(ddp)
 
-    # ------------------------------------------------------------------ [fsdp hook] sharding (mgpu.fsdp)
-    def _shard(self, model: nn.Module, hook: Callable[[Any, Any], Any] | None) -> nn.Module:
-        from mgpu.fsdp import shard
-
-        if self._checkpointer is not None and not self.sharded:
-            raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
-                            "checkpoints are sharded)")
-        self._fsdp = True
-        sharded = shard(model, self.device, hook)
-        if self.watchdog is not None:
-            sharded.register_forward_pre_hook(lambda module, args: self._beat_model())
-        return sharded
+    def _watched(self, model: nn.Module) -> nn.Module:
+        """Entering the model's forward (of the next step), this rank waits for the others: a watchdog beat. A
+        loop that beats nothing else starts its step here; a step's first forward starts it, not each one."""
+        watchdog = self.watchdog
+        if watchdog is not None:
+            def beat(module: Any, args: Any) -> None:
+                following = self.step + 1
+                self.beat("model", following if watchdog.step != following else None)
+            model.register_forward_pre_hook(beat)
+        return model
 
     @property
     def sharded(self) -> bool:
         """Whether this run's checkpoints are sharded (checkpoint.format, or auto and an FSDP2 model)."""
-        form = self.cfg.checkpoint.format
-        return form == "sharded" or (form == "auto" and (getattr(self, "_fsdp", False)
-                                                         or self.cfg.train.parallel == "fsdp"))
+        from mgpu.fsdp import sharded_checkpoints
 
-    def _beat_model(self) -> None:
-        # A loop that beats nothing else starts its step here; a step's first forward starts it, not each one.
-        assert self.watchdog is not None
-        following = self.step + 1
-        self.beat("model", following if self.watchdog.step != following else None)
+        return sharded_checkpoints(self.cfg.checkpoint.format, self.cfg.train.parallel, self._fsdp)
 
     # A ShardedStream and a map-style dataset get a ResumableLoader (it has len()); another IterableDataset a
     # StatefulStreamLoader. An IterableDataset is also a Dataset: the first overload that matches wins.
@@ -256,15 +246,8 @@ class Session:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
         number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader (map-style, and
         mgpu.stream.ShardedStream) and StatefulStreamLoader (an IterableDataset with state_dict())."""
-        from torch.utils.data import IterableDataset
-
         from mgpu.loader import open_loader
 
-        if not isinstance(dataset, IterableDataset) and not (hasattr(dataset, "__len__")
-                                                             and hasattr(dataset, "__getitem__")):
-            raise MgpuError(f"Session.loader() takes a dataset with len() and [index] (a map-style Dataset) or an "
-                            f"IterableDataset (mgpu.stream.ShardedStream, or one with state_dict()), got a "
-                            f"{type(dataset).__name__}: an iterator cannot say where a resume starts")
         options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
         return open_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size,
                            seed=self.cfg.train.seed, shuffle=shuffle, drop_last=drop_last,
@@ -276,13 +259,10 @@ class Session:
                     collate_fn: Callable[[list[Any]], Any] | None = None, **dataloader_options: Any) -> DataLoader:
         """This rank's share of an evaluation set: samples rank, rank + W, ... (each sample on exactly one
         rank; counts differ by at most one). Reduce sums and counts across ranks with `all_reduce`."""
-        from mgpu.data import eval_shard
-        from mgpu.loader import make_loader
+        from mgpu.loader import eval_loader
 
-        indices = eval_shard(len(dataset), self.rank, self.world_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
-        batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
-        return make_loader(dataset, batches, num_workers=num_workers, seed=self.cfg.train.seed, epoch=0,
-                           rank=self.rank, requeue_signal=self.cfg.preemption.signal, collate_fn=collate_fn,
+        return eval_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size, seed=self.cfg.train.seed,
+                           requeue_signal=self.cfg.preemption.signal, num_workers=num_workers, collate_fn=collate_fn,
                            **{"pin_memory": self.device.type == "cuda", **dataloader_options})
 
     def all_reduce(self, value: Any, op: str = "sum") -> torch.Tensor:
@@ -356,21 +336,13 @@ class Session:
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpointer(self) -> Any:
+        """The run's checkpoint coordination (mgpu.checkpointer; sharded: mgpu.sharded), made at first use."""
         if self._checkpointer is None:
-            from mgpu.checkpointer import Checkpointer
+            from mgpu.checkpointer import open_checkpointer
 
-            c = self.cfg.checkpoint
-            if self.sharded:  # [fsdp hook] every rank writes its shard (mgpu.sharded)
-                from mgpu.sharded import ShardedCheckpointer
-
-                self._checkpointer = ShardedCheckpointer(self.run.checkpoints, self.rank, self.world_size,
-                                                         self.ledger, keep_last=c.keep_last, async_save=c.async_save,
-                                                         beat=self.beat, version=self.version)
-                self._cleanup.callback(self._checkpointer.close)
-                return self._checkpointer
-            self._checkpointer = Checkpointer(self.run, self.rank, self.world_size, self.ledger,
-                                              keep_last=c.keep_last, async_save=c.async_save,
-                                              keep_snapshot_buffers=c.keep_snapshot_buffers, beat=self.beat)
+            self._checkpointer = open_checkpointer(self.run, self.rank, self.world_size, self.ledger,
+                                                   self.cfg.checkpoint, sharded=self.sharded, beat=self.beat,
+                                                   version=self.version)
             self._cleanup.callback(self._checkpointer.close)
         return self._checkpointer
 
@@ -411,9 +383,8 @@ class Session:
         if loaded is not None:
             self.timings["restored"] = time.time()
             self.step = self.resume_step = loaded.step
-            self._ddp_layouts = list(loaded.state.get("ddp") or [])  # [mgpu.ddp bucket layout]
-            for index in range(len(self._ddps)):  # wrapped before the resume: their saved buckets now
-                self._resume_ddp(index)
+            if self._ddps is not None:  # [mgpu.ddp bucket layout] the wrapped DDPs' saved buckets
+                self._ddps.resume(loaded.state.get("ddp"))
             for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
                 log.warning("%s (to change it on purpose: load(state, override={...}))", line)
         changes = hparams.apply(state, override or {})
@@ -449,30 +420,17 @@ class Session:
             check_checkpointable(state() if callable(state) else state)
         self._state = state
         self.begin()
-        objects = state() if callable(state) else state
+        objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
         if self.sharded:  # [fsdp hook] every rank contributes its shard
-            return self.checkpointer.save_objects(objects, self.step, reason or ("best" if best else "periodic"),
-                                                  is_best=best, wait=wait, extra=meta)
-        return self.checkpointer.save(lambda: self._with_ddp_layouts(gather_state, objects), self.step,
-                                      reason or ("best" if best else "periodic"), is_best=best, wait=wait,
-                                      extra=meta)
-
-    # [mgpu.ddp bucket layout] every wrapped model's gradient buckets (and comm hook state), saved beside the
-    # state under "ddp" and given back to the resumed DDPs: they reduce as the unbroken run (mgpu.ddp).
-    def _with_ddp_layouts(self, gather: Callable[..., Any], objects: Mapping[str, Any]) -> Any:
-        from mgpu.ddp import bucket_layout
-
-        layouts = [bucket_layout(ddp) if (ddp := ref()) is not None else None  # a collective, on every rank
-                   for ref in self._ddps]
-        state = gather(objects, self.version)
-        if state is not None and any(layout is not None for layout in layouts):
-            state["ddp"] = layouts
-        return state
-
-    def _resume_ddp(self, index: int) -> None:
-        ddp = self._ddps[index]()
-        if ddp is not None and index < len(self._ddp_layouts) and self._ddp_layouts[index] is not None:
-            ddp.resume_layout(self._ddp_layouts[index])
+            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait, extra=meta)
+        else:
+            ddps = self._ddps  # [mgpu.ddp bucket layout] the wrapped DDPs' buckets, saved beside the state
+            assert ddps is not None
+            path = self.checkpointer.save(lambda: ddps.gather(lambda: gather_state(objects, self.version)),
+                                          self.step, reason, is_best=best, wait=wait, extra=meta)
+        if wait:  # durable now: end() does not save this step again
+            self._durable = (self.step, path)
+        return path
 
     @property
     def run_id(self) -> str:
@@ -498,14 +456,12 @@ class Session:
         return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
                             {**(metrics or {}), **named})
 
-    @property
+    @functools.cached_property
     def version(self) -> str | None:
         """The git commit of mgpu's checkout (`+dirty` with local changes), saved in every checkpoint."""
-        if not hasattr(self, "_version"):
-            from mgpu.train_state import code_version
+        from mgpu.train_state import code_version
 
-            self._version = code_version()
-        return self._version
+        return code_version()
 
     # ------------------------------------------------------------------ the run's life
     def begin(self, **fields: Any) -> None:
@@ -519,9 +475,7 @@ class Session:
                           run_dir=str(self.run.path), limits={"max_requeues": self.limits.max_requeues,
                                                               "max_failures": self.limits.max_failures},
                           **{"config_path": self.config_path, "git_sha": self.version, **fields})
-        if self.resumed_from is not None:
-            self.ledger.write("resumed", step=self.step, **self.resumption.at, **{"from": str(self.resumed_from)},
-                              skipped=self.resumption.skipped)
+        self.resumption.record()
 
     def finish(self) -> None:
         """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)
@@ -553,8 +507,8 @@ class Session:
     def _conclude(self, status: str | None, fields: dict[str, Any]) -> Outcome:
         reasons = self.reasons
         stopped = bool(reasons) if status is None else status == "stopped"
-        path = None
-        if self._state is not None:
+        saved_at, path = self._durable  # a stop's checkpoint has one owner: the loop, else here
+        if self._state is not None and saved_at != self.step:
             path = self.save(reason="preemption" if stopped else "final", wait=True)
         if not stopped:
             self.ledger.write("finished", step=self.step, status=status or "finished",
@@ -580,20 +534,8 @@ class Session:
         if self._finished:
             return
         self._finished = True
-        from mgpu.recovery import peer_consequence
-
-        consequence = peer_consequence(error)
-        if self.is_main or not (consequence or isinstance(error, MgpuError)):
-            # Every rank with an error of its own records it (rank 0's is often only the consequence: `Connection
-            # closed by peer`); retry: whether a requeue can help; bad input or a full disk fails the same way again.
-            Ledger(self.run.ledger, self.env.job_id, self.env.restart_count).write(
-                "failed", error=f"{type(error).__name__}: {error}", retry=not isinstance(error, MgpuError),
-                rank=self.rank, **({"consequence": True} if consequence else {}))
-        by_batch = self._by_batch if self._by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
-        if self.slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
-            _, what = handle_failure(self.run, self.slurm_job, self.env.restart_count, self.limits,
-                                     f"rank {self.rank} failed: {type(error).__name__}: {error}", rank=self.rank)
-            log.error("rank %d failed: %s: %s; %s", self.rank, type(error).__name__, error, what)
+        rank_failed(error, self.run, rank=self.rank, job_id=self.env.job_id, restart=self.env.restart_count,
+                    slurm_job=self.slurm_job, limits=self.limits, by_batch=self._by_batch)
         self._cleanup.close()
         self._discard_if_unused(error)
 

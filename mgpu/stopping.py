@@ -4,7 +4,8 @@
 against fakes in tests): the stop request (signal flags, `mgpu.preemption.StopRequest`), the agreement
 across ranks (`mgpu.preemption.StopAgreement`), the job's clock (`mgpu.deadline.JobClock`, rank 0 under
 Slurm: a stop before the time limit) and the test stop (`stop_at_step`: a deterministic preemption, the
-same step on every rank). It knows nothing of checkpoints or of the process group; the session saves and
+same step on every rank; `MGPU_STOP_AT_STEP`, which `jobs/train.py --stop-at-step K` sets, read here alone).
+It knows nothing of checkpoints or of the process group; the session saves and
 acts on what it answers. No torch.
 """
 
@@ -13,14 +14,35 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import time
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from mgpu.deadline import time_needed
+from mgpu.errors import MgpuError
 
-__all__ = ["StopController"]
+__all__ = ["STOP_AT_STEP", "StopController", "stop_at_step_from"]
+
+STOP_AT_STEP = "MGPU_STOP_AT_STEP"
+"""Testing: a stop as if preempted after this optimizer step, the same on every rank (`jobs/train.py
+--stop-at-step K` sets it; a loop of one's own under test sets it before its Session)."""
 
 log = logging.getLogger("mgpu.train")
+
+
+def stop_at_step_from(environ: Mapping[str, str]) -> int | None:
+    """The test stop's step from `environ` (MGPU_STOP_AT_STEP): None when it is unset or empty."""
+    text = environ.get(STOP_AT_STEP, "").strip()
+    if not text:
+        return None
+    try:
+        step = int(text)
+    except ValueError:
+        step = 0
+    if step < 1:
+        raise MgpuError(f"{STOP_AT_STEP}={text!r}: must be a step number >= 1 (the step after which a test stops "
+                        f"as if preempted); unset it to train without one")
+    return step
 
 
 class Flags(Protocol):
@@ -71,11 +93,13 @@ class StopController:
 
     @classmethod
     def for_rank(cls, flags: Any, preemption: Any, cleanup: contextlib.ExitStack, *, slurm_job: str | None,
-                 stop_at_step: int | None, longest_write_s: Callable[[], float]) -> "StopController":
+                 longest_write_s: Callable[[], float], environ: Mapping[str, str] = os.environ) -> "StopController":
         """*Collective* (the agreement's side group): the real parts for one rank of a run, their teardown in
-        `cleanup`. `preemption`: the config's section; `slurm_job`: rank 0's own Slurm job (its clock), else None."""
+        `cleanup`. `preemption`: the config's section; `slurm_job`: rank 0's own Slurm job (its clock), else None;
+        `environ`: where the test stop is read (MGPU_STOP_AT_STEP)."""
         from mgpu.preemption import StopAgreement
 
+        stop_at_step = stop_at_step_from(environ)  # before the agreement's group: a bad value fails at once
         agreement = StopAgreement(flags)
         cleanup.callback(agreement.drain)
         clock = None

@@ -37,7 +37,7 @@ from mgpu.loader import Batches, make_loader
 from mgpu.metrics import LossSum, Sums
 from mgpu.optim import build_optimizer, build_scheduler
 from mgpu.precision import resolve_precision
-from mgpu.reporting import Reporter, TaskLog, format_metrics, wandb_run_id
+from mgpu.reporting import Reporter, TaskLog, format_metrics
 from mgpu.rng import seed_everything
 from mgpu.session import Session
 from mgpu.task import Task, sized_dataset
@@ -141,7 +141,7 @@ class Trainer:
             self.model, find_unused_parameters=cfg.train.find_unused_parameters, static_graph=cfg.train.static_graph)
         self.resume_step = session.resume_step
         self.resumed_from = session.resumed_from
-        wandb = {"id": wandb_run_id(self.run.path), "project": cfg.log.wandb_project, "dir": str(self.run.path),
+        wandb = {"id": session.run_id, "project": cfg.log.wandb_project, "dir": str(self.run.path),
                  "name": self.run.path.name, "config": self.config_dict} if cfg.log.wandb else None
         self.reporter = Reporter(self.is_main, self.run.tensorboard if cfg.log.tensorboard else None,
                                  self.total_steps, self.resume_step, cfg.log.progress_bar, wandb=wandb)
@@ -308,6 +308,8 @@ class Trainer:
             if status == "finished" and self.eval_set is not None and p.step != self._last_eval:
                 _, stopped = self._evaluate_or_stop()
                 status = "stopped" if stopped else status
+            # The run's last checkpoint, the stop's included, is this loop's (its progress, eval_pending, metrics):
+            # durable here, so the session's end() acts on it and saves nothing more.
             path = self._save("preemption" if status == "stopped" else "final", wait=True)
         finally:
             self.reporter.close()

@@ -9,6 +9,7 @@ inside the session's, so the wandb run finishes before the session ends the proc
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mgpu  # noqa: E402
+from mgpu.stopping import STOP_AT_STEP  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +32,9 @@ def main() -> None:
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     import wandb
 
-    with mgpu.Session(args.run_dir, seed=0, stop_at_step=args.stop_at_step) as session, \
+    if args.stop_at_step is not None:  # the test stop (mgpu.stopping reads it)
+        os.environ[STOP_AT_STEP] = str(args.stop_at_step)
+    with mgpu.Session(args.run_dir, seed=0) as session, \
             wandb.init(id=session.run_id, resume="allow", project="mgpu-test", dir=str(session.run.path)) as run:
         model = session.wrap(nn.Linear(4, 2))
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

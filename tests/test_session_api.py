@@ -193,6 +193,43 @@ def test_a_finished_run_run_again_says_so(tmp_path: Path, capsys: pytest.Capture
     assert f"run {run} had finished at step 2 (its final checkpoint)" in said(capsys)
 
 
+@pytest.mark.parametrize("status", ["stopped", "finished"])
+def test_the_loops_own_last_save_is_the_only_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 status: str) -> None:
+    """The trainer's way: the loop saves its last step itself (wait=True); end() acts on that checkpoint and
+    does not save (or ask the checkpointer) again. A loop that did not save its last step gets it from end()."""
+    s = session(tmp_path / "run")
+    state = s.load(parts())
+    train(state, s, 2)
+    saved = s.save(wait=True, reason="preemption" if status == "stopped" else "final")
+    calls: list[str] = []
+    monkeypatch.setattr(s.checkpointer, "save", lambda *args, **kwargs: calls.append("save"))
+    s.end(status)
+    assert calls == [] and saved is not None and saved.name == "step_00000002"
+    other = session(tmp_path / "other")
+    train(other.load(parts()), other, 1)
+    other.end("finished")
+    assert [e["step"] for e in read_ledger(tmp_path / "other" / "events.jsonl") if e["event"] == "checkpoint_saved"] == [1]
+
+
+def test_the_test_stop_comes_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """MGPU_STOP_AT_STEP (what jobs/train.py --stop-at-step sets) is the test stop's one path: a stop as if
+    preempted after that step, its checkpoint saved at once; a bad value is one line before any training."""
+    monkeypatch.setenv("MGPU_STOP_AT_STEP", "2")
+    s = session(tmp_path / "run")
+    state = s.load(parts())
+    answers = []
+    for _ in range(3):
+        train(state, s, 0)
+        answers.append(s.should_stop())
+    assert answers == [False, True, False] and s.reasons == {"test"}
+    assert [e["step"] for e in read_ledger(tmp_path / "run" / "events.jsonl") if e["event"] == "checkpoint_saved"] == [2]
+    s.end()
+    monkeypatch.setenv("MGPU_STOP_AT_STEP", "soon")
+    with pytest.raises(MgpuError, match="MGPU_STOP_AT_STEP='soon': must be a step number >= 1"):
+        session(tmp_path / "bad")
+
+
 def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
     from mgpu.environment import detect_environment
 

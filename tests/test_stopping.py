@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from mgpu.deadline import time_needed
-from mgpu.stopping import StopController
+from mgpu.errors import MgpuError
+from mgpu.stopping import STOP_AT_STEP, StopController, stop_at_step_from
 
 
 class Flags:
@@ -73,6 +74,20 @@ def test_the_test_stop_needs_no_agreement() -> None:
     stopper = StopController(Flags(), agreement, stop_at_step=3)
     assert [bool(stopper.at_step(step)) for step in (1, 2, 3)] == [False, False, True]
     assert stopper.reasons == {"test"} and [step for step, _ in agreement.asked] == [1, 2]
+
+
+@pytest.mark.parametrize("value, expected", [
+    (None, None), ("", None), ("  ", None), ("3", 3), (" 12 ", 12),
+    ("0", "must be a step number >= 1"), ("-2", "must be a step number >= 1"), ("x", "must be a step number >= 1"),
+    ("2.5", "must be a step number >= 1"),
+])
+def test_the_test_stop_is_read_from_the_environment_alone(value: str | None, expected: int | str | None) -> None:
+    environ = {} if value is None else {STOP_AT_STEP: value}
+    if isinstance(expected, str):
+        with pytest.raises(MgpuError, match=f"{STOP_AT_STEP}=.*: {expected}"):
+            stop_at_step_from(environ)
+    else:
+        assert stop_at_step_from(environ) == expected
 
 
 def test_a_flag_on_this_rank_is_requested_but_not_agreed() -> None:
