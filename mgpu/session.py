@@ -514,12 +514,8 @@ class Session:
         and decide, on rank 0 alone, whether the job comes back; then leave the process group. Returns when
         the run finished; exits the process (SystemExit(0)) when the job is requeued (or on a rank other
         than 0 after a stop), and with code 3, after one line with the command that resumes, when it stays
-        down. The context manager calls it on leaving the block. The process's exit then leaves its heap to the
-        system instead of collecting it (mgpu.process_exit.skip_collection_at_exit)."""
+        down. The context manager calls it on leaving the block."""
         outcome = self.end()
-        from mgpu.process_exit import skip_collection_at_exit
-
-        skip_collection_at_exit()  # the run is over: the process's exit need not collect its heap (~1 s of CPU)
         if outcome.kind == "stays_down":
             print(f"mgpu: {outcome.message}", file=sys.stderr, flush=True)
         if outcome.kind != "finished":
@@ -528,7 +524,8 @@ class Session:
     def end(self, status: str | None = None, **fields: Any) -> Outcome:
         """`finish()` without acting on the outcome: returns what happens to the job (the trainer's way out).
         `status`: finished, early_stopped or stopped (default: stopped if the ranks agreed to stop); `fields`
-        go into the ledger's `finished` event."""
+        go into the ledger's `finished` event. The process's exit then leaves its heap to the system instead of
+        collecting it (mgpu.process_exit.skip_collection_at_exit)."""
         if self._finished:
             raise MgpuError("the session has ended already (finish() or end() was called)")
         try:
@@ -539,6 +536,9 @@ class Session:
         self._finished = self._ended = True
         self._ended_code = exit_code(outcome)
         self._cleanup.close()
+        from mgpu.process_exit import skip_collection_at_exit
+
+        skip_collection_at_exit()  # the run is over: the process's exit need not collect its heap (~1 s of CPU)
         return outcome
 
     def _conclude(self, status: str | None, fields: dict[str, Any]) -> Outcome:
