@@ -1,15 +1,19 @@
 """How fast a stopped run ends: from the stop's durable checkpoint to the exit of the last rank, side by side
-without and with wandb (offline), TensorBoard on in both.
+for the trainer without and with wandb (offline), TensorBoard on in both, and for an own loop.
 
-    python bench/stop_teardown.py [--ranks 2] [--repeats 3]
+    python bench/stop_teardown.py [--ranks 2] [--repeats 3] [--trees TREE ...]
 
 Each run: `jobs/train.py` (tests.tasks:BlobTask) on `--ranks` local ranks (RANK/WORLD_SIZE, gloo), stopped at
-step 3 (`--stop-at-step`). From rank 0's ledger: `checkpoint_saved` of the stop (durable) and `preempted` (the
-loggers are closed: TensorBoard, wandb's finish); the parent notes each rank's exit as it happens. Phases:
-durable -> loggers closed, loggers closed -> last exit (the session's end: the decision, the process group's
-teardown, the watchdog; then the interpreter's exit, atexit hooks such as wandb's service teardown). The
-floor no library removes, measured in the same run: a bare `import torch, torch.distributed` from its last
-line to its exit. Target (issue 22): durable -> last exit <= 3 s.
+step 3 (`--stop-at-step`); the own loop is `tests/own_loop.py --workers 2` (mgpu.Session, two DataLoader
+workers per rank), stopped the same way. From rank 0's ledger: `checkpoint_saved` of the stop (durable) and
+`preempted` (the trainer's loggers are closed by then: TensorBoard, wandb's finish); the parent notes each
+rank's exit as it happens. Phases: durable -> loggers closed, loggers closed -> last exit (the session's end:
+the decision, DDP's release, the process group's teardown, the watchdog; then the process's exit: atexit
+hooks such as wandb's service teardown, the interpreter's finalization unless skipped, mgpu/process_exit.py).
+The floor no library removes, measured in the same run: a bare `import torch, torch.distributed` from its last
+line to its exit; `over_floor_s` is durable -> last exit minus that floor. `--trees A B`: the same runs on each
+source tree (e.g. a checkout of the code before a change, and this one), interleaved, so that all see the
+same machine. Target (issue 22): durable -> last exit <= 3 s.
 """
 
 from __future__ import annotations
@@ -23,20 +27,21 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, median, report  # noqa: E402
 from mgpu.ledger import read_ledger  # noqa: E402
 
-TRAIN = str(ROOT / "jobs" / "train.py")
+OWN_LOOP = "own loop (tests/own_loop.py)"
 
 
-def _env(**extra: str) -> dict[str, str]:
+def _env(tree: Path = ROOT, **extra: str) -> dict[str, str]:
     keep = {k: v for k, v in os.environ.items()
             if not k.startswith(("SLURM_", "SUBMITIT_", "TORCHELASTIC_")) and k not in (
                 "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    keep.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", WANDB_MODE="offline",
+    keep.update(OMP_NUM_THREADS="1", PYTHONPATH=str(tree), PYTHONUNBUFFERED="1", WANDB_MODE="offline",
                 WANDB_SILENT="true")
     keep.update(extra)
     return keep
@@ -58,14 +63,18 @@ def _exits(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[float]:
     return ends
 
 
-def one_run(ranks: int, wandb: bool, root: Path) -> dict[str, float]:
-    run_dir = root / f"run-{'wandb' if wandb else 'plain'}-{random.randrange(10**6)}"
+def one_run(ranks: int, mode: str, root: Path, tree: Path) -> dict[str, float]:
+    run_dir = root / f"run-{mode.split()[0]}-{random.randrange(10**6)}"
     port = str(random.randint(20000, 32000))
-    argv = [sys.executable, TRAIN, f"run.dir={run_dir}", "task.target=tests.tasks:BlobTask", "data.batch_size=4",
-            "log.tensorboard=true", f"log.wandb={'true' if wandb else 'false'}", "log.wandb_project=mgpu-bench",
-            "--stop-at-step=3"]
-    procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              env=_env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks),
+    if mode == OWN_LOOP:
+        argv = [sys.executable, str(tree / "tests" / "own_loop.py"), str(run_dir), "--workers=2", "--stop-at-step=3"]
+    else:
+        argv = [sys.executable, str(tree / "jobs" / "train.py"), f"run.dir={run_dir}",
+                "task.target=tests.tasks:BlobTask", "data.batch_size=4", "log.tensorboard=true",
+                f"log.wandb={'true' if 'wandb' in mode else 'false'}", "log.wandb_project=mgpu-bench",
+                "--stop-at-step=3"]
+    procs = [subprocess.Popen(argv, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              env=_env(tree, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(ranks),
                                        LOCAL_WORLD_SIZE=str(ranks), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(ranks)]
     ends = _exits(procs, timeout=900)
@@ -90,28 +99,36 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--trees", type=Path, nargs="+", default=[ROOT],
+                        help="source trees to run (default: this one), interleaved")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    modes = ["tensorboard", "tensorboard + wandb offline", OWN_LOOP]
     try:
         import wandb  # noqa: F401
-
-        modes = {"tensorboard": False, "tensorboard + wandb offline": True}
     except ImportError:
-        print("wandb is not installed: TensorBoard alone")
-        modes = {"tensorboard": False}
-    samples: dict[str, list[dict[str, float]]] = {name: [] for name in modes}
+        print("wandb is not installed: without it")
+        modes.remove("tensorboard + wandb offline")
+    trees = [tree.resolve() for tree in args.trees]
+    samples: dict[tuple[Path, str], list[dict[str, float]]] = {(tree, mode): [] for tree in trees for mode in modes}
     floor: list[float] = []
     with tempfile.TemporaryDirectory(prefix="mgpu-teardown-") as tmp:
-        for _ in range(args.repeats):  # interleaved: both see the same machine
-            for name, wandb_on in modes.items():
-                samples[name].append(one_run(args.ranks, wandb_on, Path(tmp)))
-            floor.append(bare_exit())
-    rows = [{"loggers": name, "ranks": args.ranks, "runs": len(runs),
-             **{key: round(median([r[key] for r in runs]), 3) for key in runs[0]},
-             "worst_durable_to_exit_s": round(max(r["durable_to_exit_s"] for r in runs), 3)}
-            for name, runs in samples.items()]
-    rows.append({"loggers": "bare torch process (floor)", "ranks": 1, "runs": len(floor), "durable_to_exit_s": "",
-                 "loggers_s": "", "after_loggers_s": round(median(floor), 3), "worst_durable_to_exit_s": ""})
+        for _ in range(args.repeats):  # interleaved: every tree and mode sees the same machine
+            for mode in modes:
+                for tree in trees:
+                    samples[(tree, mode)].append(one_run(args.ranks, mode, Path(tmp), tree))
+                floor.append(bare_exit())
+    floor_s = median(floor)
+    rows: list[dict[str, Any]] = []
+    for (tree, mode), runs in samples.items():
+        durable = median([r["durable_to_exit_s"] for r in runs])
+        rows.append({"tree": str(tree), "stop of": mode, "ranks": args.ranks, "runs": len(runs),
+                     **{key: round(median([r[key] for r in runs]), 3) for key in runs[0]},
+                     "worst_durable_to_exit_s": round(max(r["durable_to_exit_s"] for r in runs), 3),
+                     "over_floor_s": round(durable - floor_s, 3)})
+    rows.append({"tree": "", "stop of": "bare torch process (floor)", "ranks": 1, "runs": len(floor),
+                 "durable_to_exit_s": "", "loggers_s": "", "after_loggers_s": round(floor_s, 3),
+                 "worst_durable_to_exit_s": round(max(floor), 3), "over_floor_s": ""})
     report("stop_teardown", rows, args.out)
 
 

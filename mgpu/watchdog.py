@@ -36,8 +36,9 @@ A slow but healthy rank is not hung: every rank waits for it in the same collect
 step time (the allowance's base: wall time, waits included, never a rank's own compute) is as slow as it is.
 
 Once training is over, `teardown()` bounds the process group's teardown (a rank can hang there too, e.g.
-destroying a communicator whose peer is gone): past `TEARDOWN_S` the rank writes its stacks and exits
-with the code it was given, without blaming anybody (the others may have left already).
+destroying a communicator whose peer is gone): past `TEARDOWN_S` (`ENDED_TEARDOWN_S` once the run's outcome is
+recorded) the rank writes its stacks and exits with the code it was given, without blaming anybody (the others
+may have left already).
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
 if TYPE_CHECKING:
     from mgpu.config_schema import WatchdogConfig
 
-__all__ = ["HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Board", "DirBoard", "Heartbeat", "StoreBoard", "Watchdog", "blame",
-           "default_board"]
+__all__ = ["ENDED_TEARDOWN_S", "HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Board", "DirBoard", "Heartbeat", "StoreBoard",
+           "Watchdog", "blame", "default_board"]
 
 log = logging.getLogger("mgpu.train")
 HANG_EXIT_CODE = 4
@@ -78,6 +79,9 @@ LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdic
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
 TEARDOWN_S = 60.0
 """Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
+ENDED_TEARDOWN_S = 5.0
+"""The same once the run's outcome is recorded (checkpoint, ledger, loggers): cutting it short loses nothing,
+and Slurm's KillWait (often 5-30 s after a stop's signal) is near."""
 STACKS_REQUESTED = ".stacks-requested"
 """On the board: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for
 its stacks."""

@@ -76,6 +76,12 @@ def test_resume_is_bit_identical(stop_at: int, uninterrupted: dict[str, Any], tm
     assert first.returncode != 0  # torchrun reports the workers' exit code 3 ("stopped") as a failure
     assert "exitcode  : 3" in first.stdout, first.stdout
     assert final_state(tmp_path)["progress"]["step"] == stop_at
+    # The ranks ended with os._exit (mgpu.process_exit): what they wrote last is all there, read back.
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [event.step for event in events.Scalars("train/loss")] == list(range(1, stop_at + 1))
+    for rank in (0, 1):
+        assert f"stopped at step {stop_at} (run directory" in (tmp_path / "logs" / f"rank{rank}.log").read_text()
     second = train(tmp_path, *BLOBS, ranks=2)
     assert second.returncode == 0, second.stdout
     resumed = final_state(tmp_path)
