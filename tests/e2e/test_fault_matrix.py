@@ -257,6 +257,32 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
         assert_identical(state_now["optimizer"], ref["optimizer"], "optimizer")
         assert_identical(state_now["scheduler"], ref["scheduler"], "scheduler")
         row["identical"] = True
+        if scenario.kind == "time-limit":  # the --signal lead stops it, not the limit: a self-requeue at that step
+            (preempted,) = events(run_dir, "preempted")
+            assert preempted["signals"] == ["SIGUSR2"] and preempted["reasons"] == ["requeue_signal"], preempted
+            (first_run, _) = events(run_dir, "started")
+            assert preempted["time"] - first_run["time"] < 60, "stopped only at the time limit"
+            (decision,) = events(run_dir, "stop_decision")
+            assert (decision["what"], decision["requeue"]) == ("user_signal", True), decision
+            assert [(e["how"], e["step"]) for e in events(run_dir, "requeued")] == [("self", preempted["step"])]
+            assert [e["step"] for e in events(run_dir, "resumed")] == [preempted["step"]]
+        if scenario.kind == "outside-requeue":  # Slurm requeues (SIGTERM): the ranks save, nobody requeues again
+            for preempted in events(run_dir, "preempted"):
+                assert set(preempted["signals"]) == {"SIGTERM"} and preempted["reasons"] == ["sigterm"], preempted
+            decisions = [(e["what"], e["requeue"]) for e in events(run_dir, "stop_decision")]
+            assert set(decisions) <= {("requeued_by_slurm", False)}, decisions
+            assert events(run_dir, "requeued") == []
+        if scenario.kind in ("preempt-grace0", "preempt-grace10") and scenario.moment != "rendezvous":
+            # the user signal first (the policy's send_user_signal); with a grace period, only it, and the job
+            # requeues itself; at GraceTime 0 Slurm requeues it
+            preempts = [e for e in events(run_dir, "preempted") if "SIGUSR2" in e["signals"]]
+            assert preempts, events(run_dir, "preempted")
+            if grace:
+                assert {tuple(e["reasons"]) for e in preempts} == {("requeue_signal",)}, preempts
+                assert ("preempted", True) in {(e["what"], e["requeue"]) for e in events(run_dir, "stop_decision")}
+            else:
+                assert ("requeued_by_slurm", False) in {(e["what"], e["requeue"])
+                                                         for e in events(run_dir, "stop_decision")}
         if scenario.kind == "disk-full":
             failures = events(run_dir, "checkpoint_failed")
             assert all("ENOSPC" in e["error"] for e in failures), failures

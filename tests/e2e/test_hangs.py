@@ -44,9 +44,11 @@ def the_hang(run_dir: Path) -> dict:
     return hang
 
 
-@pytest.mark.parametrize("mode, culprit", [pytest.param("sleep", 1, id="asleep-in-its-loss"),
-                                           pytest.param("stop", 1, id="sigstopped"),
-                                           pytest.param("save", 0, id="stuck-in-a-checkpoint-write")])
+# One way to hang here: a rank frozen from outside (SIGSTOP), the one only a real job shows end to end. The
+# other ways (asleep in its loss, stuck in a checkpoint write) are found, named and ended the same way in
+# tests/test_watchdog.py::test_a_hung_rank_is_found_named_and_ended; what follows the hang event (the
+# node excluded, the requeue, the resume on the other node) does not depend on how the rank hung.
+@pytest.mark.parametrize("mode, culprit", [pytest.param("stop", 1, id="sigstopped")])
 def test_a_one_node_jobs_bad_node_is_excluded_and_the_job_resumes_on_the_other(
         mode: str, culprit: int, slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
         reference: Reference, tmp_path: Path) -> None:

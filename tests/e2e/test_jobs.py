@@ -107,8 +107,10 @@ def test_a_cancelled_template_job_prints_the_command_that_continues_it(slurm_clu
 
 
 # ---------------------------------------------------------------------------------- 3-5: preemption
-POLICIES = [pytest.param(0, True, id="grace0-usersignal"), pytest.param(0, False, id="grace0-nosignal"),
-            pytest.param(10, True, id="grace10-usersignal"), pytest.param(10, False, id="grace10-nosignal")]
+# With the user signal (send_user_signal), both grace times are the fault matrix's preempt-grace0 and
+# preempt-grace10 rows (tests/e2e/test_fault_matrix.py: the signal, the decision, bit-identical); here the
+# policies without it, where SIGTERM alone starts the stop.
+POLICIES = [pytest.param(0, False, id="grace0-nosignal"), pytest.param(10, False, id="grace10-nosignal")]
 
 
 @pytest.mark.parametrize("grace, user_signal", POLICIES)
@@ -148,26 +150,6 @@ def test_preempted_job_resumes_bit_identical(grace: int, user_signal: bool, slur
         cancel(slurm_cluster, jobid, high)
 
 
-def test_outside_requeue_resumes_from_the_stop(slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
-                                               references: dict[int, Reference], tmp_path: Path) -> None:
-    slurm_policy()  # the default policy, explicit so that test order does not matter
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *SLOW)
-    try:
-        wait_steps(run_dir, run=1, steps=2)
-        slurm_cluster.run("scontrol", "requeue", jobid)
-        assert final_state(slurm_cluster, jobid, timeout=150) == "COMPLETED"
-        assert runs(slurm_cluster, jobid) == ["REQUEUED", "COMPLETED"]
-        (stop_step,) = assert_resumed_where_stopped(run_dir, stops=1)
-        (preempted,) = events(run_dir, "preempted")
-        assert set(preempted["signals"]) == {"SIGTERM"} and preempted["reasons"] == ["sigterm"], preempted
-        (decision,) = events(run_dir, "stop_decision")
-        assert (decision["what"], decision["requeue"], decision["step"]) == ("requeued_by_slurm", False, stop_step)
-        assert events(run_dir, "requeued") == []
-        assert_same_training(run_dir, references[2].state())
-    finally:
-        cancel(slurm_cluster, jobid)
-
-
 def test_five_preemptions_in_a_row_stay_bit_identical(slurm_cluster: SlurmCluster,
                                                       slurm_policy: Callable[..., str],
                                                       references: dict[int, Reference], tmp_path: Path) -> None:
@@ -195,30 +177,8 @@ def test_five_preemptions_in_a_row_stay_bit_identical(slurm_cluster: SlurmCluste
         cancel(slurm_cluster, jobid, *highs)
 
 
-# ------------------------------------------------------------------------------------- 6: time limit
-def test_time_limit_signal_saves_requeues_and_finishes(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    # --time 1 --signal-lead 10: Slurm checks time limits every 30 s and signals at the first check with
-    # <= 10 + 30 s left, i.e. 20-50 s after the start (lead 50 would signal at the very first check, as
-    # early as the imports). The first run trains for 60 s (120 steps x 0.5 s), so the signal always
-    # comes mid-training; the second run does not sleep and finishes before its own signal (>= 20 s).
-    config = ["task.target=tests.e2e.jobtasks:FirstRunSlowBlobTask", "task.args.step_s=0.5", "train.epochs=12",
-              "data.batch_size=2", "log.every_steps=1"]
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, "--time", "1", "--signal-lead", "10", *config)
-    try:
-        assert final_state(slurm_cluster, jobid, timeout=170) == "COMPLETED"
-        assert runs(slurm_cluster, jobid) == ["REQUEUED", "COMPLETED"]
-        (preempted,) = events(run_dir, "preempted")
-        assert preempted["signals"] == ["SIGUSR2"] and preempted["reasons"] == ["requeue_signal"], preempted
-        (started, _) = events(run_dir, "started")
-        assert preempted["time"] - started["time"] < 60, "stopped only at the time limit"
-        (decision,) = events(run_dir, "stop_decision")
-        assert (decision["what"], decision["requeue"]) == ("user_signal", True), decision
-        assert [(e["how"], e["step"]) for e in events(run_dir, "requeued")] == [("self", preempted["step"])]
-        assert [e["step"] for e in events(run_dir, "resumed")] == [preempted["step"]]
-        assert preempted["step"] in {e["step"] for e in events(run_dir, "checkpoint_saved") if e["restart"] == 0}
-        assert [(e["step"], e["restart"]) for e in events(run_dir, "finished")] == [(120, 1)]
-    finally:
-        cancel(slurm_cluster, jobid)
+# 6: the time limit's --signal lead, and an outside `scontrol requeue`: the fault matrix's time-limit and
+# outside-requeue rows (tests/e2e/test_fault_matrix.py) check the signal, the decision and the resume.
 
 
 # ----------------------------------------------------------------------------------------- 7: scancel
@@ -276,8 +236,8 @@ def test_exhausted_requeue_budget_stops_for_good(grace: int, slurm_cluster: Slur
 
 
 # ------------------------------------------------------------------------------------ 9: a rank dies
-@pytest.mark.parametrize("world, victim", [pytest.param(2, 1, id="world2-kill-rank1"),
-                                           pytest.param(4, 0, id="world4-kill-rank0")])
+# Rank 1 of 2 SIGKILLed: the fault matrix's kill-rank rows; here rank 0 (the one that decides) of 4.
+@pytest.mark.parametrize("world, victim", [pytest.param(4, 0, id="world4-kill-rank0")])
 def test_killed_rank_ends_the_step_and_the_job_resumes(world: int, victim: int, slurm_cluster: SlurmCluster,
                                                        references: dict[int, Reference], tmp_path: Path) -> None:
     config = SLOW if world == 2 else SLOW4

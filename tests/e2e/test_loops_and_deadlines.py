@@ -65,17 +65,17 @@ def test_an_own_loop_job_is_preempted_requeued_and_resumes_bit_identically(slurm
 
 
 def test_a_time_limit_without_a_signal_stops_in_time_and_loses_no_step(slurm_cluster: Any, tmp_path: Path) -> None:
-    # --time=2 and no --signal: Slurm would kill the job at its end (and check every 30 s). The first run
+    # --time=1 and no --signal: Slurm would kill the job at its end (and check every 30 s). The first run
     # trains at 0.4 s a step for longer than the limit allows; rank 0 reads the end from squeue and stops
-    # when less than the margin (60 s, at most a tenth of the limit: 12 s) plus a write and a few steps are
+    # when less than the margin (60 s, at most a tenth of the limit: 6 s) plus a write and a few steps are
     # left; the second run finishes.
-    args = ["--epochs=62", "--step-s=0.4", "--save-every=1000"]  # 372 steps: 149 s of sleep alone
-    expected = reference(tmp_path, "--epochs=62", "--save-every=1000")
+    args = ["--epochs=30", "--step-s=0.4", "--save-every=1000"]  # 180 steps: 72 s of sleep alone
+    expected = reference(tmp_path, "--epochs=30", "--save-every=1000")
     script = tmp_path / "loop-nosignal.sbatch"
     script.write_text("".join(line for line in TEMPLATE.read_text().splitlines(keepends=True)
                               if not line.startswith("#SBATCH --signal")))
     run_dir = tmp_path / "run"
-    jobid = submit_loop(slurm_cluster, tmp_path, script, OWN_LOOP, str(run_dir), *args, time_limit="2")
+    jobid = submit_loop(slurm_cluster, tmp_path, script, OWN_LOOP, str(run_dir), *args, time_limit="1")
     try:
         assert final_state(slurm_cluster, jobid, timeout=420) == "COMPLETED", output(tmp_path, jobid)
         assert runs(slurm_cluster, jobid) == ["REQUEUED", "COMPLETED"], output(tmp_path, jobid)
