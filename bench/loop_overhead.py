@@ -227,7 +227,7 @@ def main() -> None:
     for ranks in args.ranks:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(ranks), "--master-port",
-                   str(random.randint(20000, 32000)), __file__, "--worker", out.name, "--repeats", str(args.repeats),
+                   str(random.SystemRandom().randint(20000, 32000)), __file__, "--worker", out.name, "--repeats", str(args.repeats),
                    "--steps", str(args.steps), "--batch", str(args.batch), "--hidden", str(args.hidden)]
             for item in args.override:
                 cmd += ["--override", item]

@@ -44,7 +44,7 @@ COMMON = ["task.args.step_s=0.05", "task.args.size=1024", "train.epochs=50", "da
 
 def start_ranks(argv: list[str], world: int, logs: Path) -> list[subprocess.Popen[bytes]]:
     """`world` ranks in one process group (as tests.conftest.start_ranks), their output in files."""
-    port, procs, group = str(random.randint(20000, 32000)), [], 0
+    port, procs, group = str(random.SystemRandom().randint(20000, 32000)), [], 0
     logs.mkdir(parents=True, exist_ok=True)
     for rank in range(world):
         env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),

@@ -65,7 +65,7 @@ def _exits(procs: list[subprocess.Popen[bytes]], timeout: float) -> list[float]:
 
 def one_run(ranks: int, mode: str, root: Path, tree: Path) -> dict[str, float]:
     run_dir = root / f"run-{mode.split()[0]}-{random.randrange(10**6)}"
-    port = str(random.randint(20000, 32000))
+    port = str(random.SystemRandom().randint(20000, 32000))
     if mode == OWN_LOOP:
         argv = [sys.executable, str(tree / "tests" / "own_loop.py"), str(run_dir), "--workers=2", "--stop-at-step=3"]
     else:

@@ -116,7 +116,7 @@ def start_ranks(argv: list[str], world: int) -> list[subprocess.Popen[str]]:
     the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent)."""
     import random
 
-    port, procs, group = str(random.randint(20000, 32000)), [], 0
+    port, procs, group = str(random.SystemRandom().randint(20000, 32000)), [], 0
     for rank in range(world):
         env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)

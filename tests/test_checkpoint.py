@@ -703,7 +703,7 @@ def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_
     store.save(_state(1.0), 1)
     newest = store.save(_state(2.0), 2)
     torchrun = str(Path(PYTHON).parent / "torchrun")
-    port = str(random.randint(20000, 32000))
+    port = str(random.SystemRandom().randint(20000, 32000))
     cmd = [torchrun, "--nproc-per-node", "3", "--master-port", port, str(ROOT / "tests" / "resume_probe.py"),
            str(run), str(tmp_path / "out")]
     proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)

@@ -127,7 +127,7 @@ def test_ranks_sharing_a_machine_share_its_cores(tmp_path: Path) -> None:
 def test_torchrun_two_processes(tmp_path: Path) -> None:
     torchrun = shutil.which("torchrun", path=str(Path(PYTHON).parent)) or shutil.which("torchrun")
     assert torchrun, "torchrun is installed with torch"
-    port = str(random.randint(20000, 32000))
+    port = str(random.SystemRandom().randint(20000, 32000))
     cmd = [torchrun, "--nproc-per-node", "2", "--master-port", port, CHECK, "--out", str(tmp_path)]
     (result,) = run_processes([(cmd, base_env())], timeout=120)
     assert result.returncode == 0, result.stdout

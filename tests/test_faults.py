@@ -24,7 +24,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def torchrun(run_dir: Path, *args: str, ranks: int = 2, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    cmd = [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", str(random.randint(20000, 32000)), TRAIN,
+    cmd = [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", str(random.SystemRandom().randint(20000, 32000)), TRAIN,
            f"run.dir={run_dir}", *args]
     (result,) = run_processes([(cmd, base_env())], timeout=timeout)
     return result
@@ -279,7 +279,7 @@ def test_only_rank_0_asks_slurm_after_a_stop(tmp_path: Path) -> None:
     # it), and no scontrol on PATH: rank 0 must ask Slurm (and fails in one line, saying so); rank 1 must not.
     job = {"SLURM_JOB_ID": str(random.randint(10**6, 10**7)), "SLURM_TASK_PID": str(os.getpid()),
            "TORCHELASTIC_RUN_ID": "test", "PATH": str(Path(PYTHON).parent)}
-    port, procs = str(random.randint(20000, 32000)), []
+    port, procs = str(random.SystemRandom().randint(20000, 32000)), []
     for rank in range(2):
         env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **job)

@@ -60,7 +60,7 @@ def agreement_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every schedule in turn on one real 2-rank gloo group: one torchrun launch, not one per schedule."""
     out = tmp_path_factory.mktemp("agreement")
     schedules = [",".join(map(str, (every, flag_at, *change))) for every, flag_at, _, change in SCHEDULES]
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 32000)),
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.SystemRandom().randint(20000, 32000)),
            str(ROOT / "tests" / "agreement_steps.py"), str(out), *schedules]
     proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr

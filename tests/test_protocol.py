@@ -54,7 +54,7 @@ def stop_steps(run_dir: Path, world: int) -> list[int]:
 
 
 def start_torchrun(run_dir: Path, *args: str) -> subprocess.Popen[str]:
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.randint(20000, 32000)), TRAIN,
+    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.SystemRandom().randint(20000, 32000)), TRAIN,
            f"run.dir={run_dir}", *args]
     return subprocess.Popen(cmd, env=base_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)

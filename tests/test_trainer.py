@@ -32,7 +32,7 @@ def train(run_dir: Path, *args: str, ranks: int = 1, timeout: float = 120,
           env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     cmd = [PYTHON, TRAIN, f"run.dir={run_dir}", *args]
     if ranks > 1:
-        port = str(random.randint(20000, 32000))
+        port = str(random.SystemRandom().randint(20000, 32000))
         cmd = [TORCHRUN, "--nproc-per-node", str(ranks), "--master-port", port, *cmd[1:]]
     (result,) = run_processes([(cmd, base_env(**(env or {})))], timeout=timeout)
     return result
