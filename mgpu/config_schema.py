@@ -30,7 +30,13 @@ class DataConfig:
     """How batches are drawn."""
 
     batch_size: int = 32
-    """Samples per rank per micro-step; the global batch is batch_size * world_size * train.grad_accum."""
+    """Samples per rank per micro-step; the global batch is batch_size * world_size * train.grad_accum (or
+    data.global_batch_size)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks, kept on any world size: the accumulation is derived
+    (global_batch_size / (batch_size * world_size), which must divide; train.grad_accum stays 1), so a resume
+    on fewer ranks accumulates more and trains on the same samples per step in the same order (null: the global
+    batch follows the world size)."""
     eval_batch_size: int | None = None
     """Samples per rank per evaluation step (null: batch_size)."""
     num_workers: int = 0
@@ -78,7 +84,7 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps, even before `epochs` are done (null: no limit)."""
     grad_accum: int = 1
-    """Micro-steps (forward/backward) per optimizer step."""
+    """Micro-steps (forward/backward) per optimizer step (derived instead under data.global_batch_size)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm to this value (null: no clipping)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"

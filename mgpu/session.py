@@ -356,7 +356,8 @@ class Session:
         return found
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
-             override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None) -> State:
+             override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None,
+             global_batch: int | None = None) -> State:
         """*Collective.* Resume `state` from the run's newest checkpoint, if it has one, and return it as a
         `mgpu.State` (the same mapping; its values also as attributes: `state.best`). Objects with
         `load_state_dict` (model, optimizer, scheduler, scaler, loader, ...) load theirs, dataclasses get
@@ -367,7 +368,9 @@ class Session:
         missing key is an error). `override`: optimizer hyperparameters set in every parameter group after
         the restore, e.g. `{"lr": 1e-4}` (recorded in the ledger; see mgpu.hparams). `fresh`: start the run
         over: its checkpoints are set aside (renamed), nothing is restored. `batch_size`: samples per rank
-        per optimizer step, for the resume line (default: the state's `session.loader`'s)."""
+        per optimizer step, for the resume line (default: the state's `session.loader`'s); `global_batch`: the
+        global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
+        micro-step): the resume line says how the accumulation changed."""
         from mgpu import hparams
         from mgpu.train_state import State, check_checkpointable
 
@@ -379,7 +382,7 @@ class Session:
             self.resumption.start_over()
         self.latest()
         before = hparams.constructed(state)
-        loaded = self.resumption.restore(state, set(missing_ok), batch_size)
+        loaded = self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
         if loaded is not None:
             self.timings["restored"] = time.time()
             self.step = self.resume_step = loaded.step
