@@ -197,7 +197,8 @@ class PreemptionConfig:
     deadline_margin_s: float = 60.0
     """Under Slurm, rank 0 stops the run before the job's time limit even without the signal: when the time
     left is less than this margin (at most a tenth of the limit) plus the longest checkpoint write so far
-    plus the agreement's delay (mgpu.deadline). 0: rely on the signal alone."""
+    plus the agreement's delay (mgpu.deadline); the write time of earlier runs counts too (the ledger's saves).
+    0: rely on the signal alone."""
 
 
 @dataclass
@@ -217,7 +218,9 @@ class WatchdogConfig:
     """Allowance for a run's first evaluation batch (a compiled model builds its evaluation graph), and the
     least any later one gets (step_multiple x the median evaluation batch time where that is more)."""
     checkpoint_s: float = 600.0
-    """Allowance for gathering and writing one checkpoint."""
+    """Allowance for gathering and writing one checkpoint, at least; raised to 3x the time the next save is
+    expected to take (the newest checkpoint's size at the slowest write rate of the run's last saves, earlier
+    runs' included: mgpu.save_budget)."""
     collective_timeout_s: float = 300.0
     """The process group's timeout after the first step (the rendezvous keeps distributed.init_timeout_s);
     raised to outlast every allowance above (with the defaults: 650 s), so the watchdog, with its evidence,

@@ -159,14 +159,30 @@ class Session:
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
         join_run(self.run, self.env, str(self.device), self.backend)
+        # The saves measured so far, earlier runs' included (the ledger's tail: the same on every rank): how long
+        # the next one should take sizes the watchdog's allowance, the collective timeout and the deadline stop.
+        from mgpu.save_budget import expected_save_s, save_allowance_s, saves_in_ledger
+
+        self.expected_save_s = expected_save_s(saves_in_ledger(self.run.ledger), self.world_size)
+        self.save_allowance_s = save_allowance_s(self.expected_save_s, cfg.watchdog.checkpoint_s)
+        if self.is_main and self.save_allowance_s > cfg.watchdog.checkpoint_s:
+            log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
+                     "allows %.0f s for one, more than watchdog.checkpoint_s", self.expected_save_s or 0.0,
+                     self.save_allowance_s)
         if cfg.watchdog.enabled:
-            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
+            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend, checkpoint_s=self.save_allowance_s)
             self._cleanup.callback(self._arm_teardown)
             self.beat = self.watchdog.beat
         self.stopper = StopController.for_rank(
             self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            longest_write_s=lambda: self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0)
+            longest_write_s=self._longest_write_s)
         seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
+
+    def _longest_write_s(self) -> float:
+        """What the deadline stop leaves for the save: this process's longest write, or the time the saves of
+        earlier runs say the next one takes, whichever is longer."""
+        own = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
+        return max(own, self.expected_save_s or 0.0)
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
@@ -331,6 +347,7 @@ class Session:
             set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]  # the agreement the controller built for this rank
         self.timings["first_step"] = time.time()
         self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
+                          checkpoint_allowance_s=round(self.save_allowance_s, 1),
                           timings={k: round(v, 3) for k, v in self.timings.items()})
 
     # ------------------------------------------------------------------ checkpoints
