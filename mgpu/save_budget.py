@@ -11,7 +11,9 @@ the same allowance), and give:
   writing rank: a resume on fewer ranks writes more bytes per rank (assumed to take longer), on more ranks
   is assumed no faster (the filesystem's total rate may be the limit);
 - `save_allowance_s`: the watchdog's allowance for one save, SAFETY x that, never below the configured
-  `watchdog.checkpoint_s`; the collective timeout follows from it (mgpu.watchdog.collective_timeout).
+  `watchdog.checkpoint_s`; the collective timeout follows from it (mgpu.watchdog.collective_timeout);
+- `peer_wait_s`: how long the ranks of a sharded save wait for each other (its own group's timeout): a share
+  of that allowance, so that a late rank ends the save, named (mgpu.shard_arrivals), before the watchdog.
 
 No torch at import; pure functions but `saves_in_ledger`, which reads the file.
 """
@@ -25,13 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-__all__ = ["RECENT", "SAFETY", "TAIL_BYTES", "Save", "expected_save_s", "parse_saves", "save_allowance_s",
-           "saves_in_ledger"]
+__all__ = ["PEER_WAIT_SHARE", "RECENT", "SAFETY", "TAIL_BYTES", "Save", "expected_save_s", "parse_saves",
+           "peer_wait_s", "save_allowance_s", "saves_in_ledger"]
 
 RECENT = 5
 """Saves whose write rate counts (the slowest of them): a filesystem's load changes over hours."""
 SAFETY = 3.0
 """The allowance over the expected time: a write may be this much slower than the slowest one seen."""
+PEER_WAIT_SHARE = 0.5
+"""A sharded save's ranks wait this share of the save's allowance for each other (a write's skew, not a write)."""
 TAIL_BYTES = 4 << 20
 """How much of the ledger's end is read for its saves (thousands of events: the last saves are near the end)."""
 
@@ -111,3 +115,8 @@ def expected_save_s(saves: list[Save], world: int) -> float | None:
 def save_allowance_s(expected_s: float | None, configured_s: float) -> float:
     """The watchdog's allowance for one save: SAFETY x the expected time, at least `configured_s`."""
     return configured_s if expected_s is None else max(configured_s, SAFETY * expected_s)
+
+
+def peer_wait_s(allowance_s: float) -> float:
+    """How long the ranks of a sharded save wait for each other: PEER_WAIT_SHARE of the save's allowance."""
+    return PEER_WAIT_SHARE * allowance_s

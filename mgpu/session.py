@@ -357,9 +357,11 @@ class Session:
         if self._checkpointer is None:
             from mgpu.checkpointer import open_checkpointer
 
+            from mgpu.save_budget import peer_wait_s
+
             self._checkpointer = open_checkpointer(self.run, self.rank, self.world_size, self.ledger,
                                                    self.cfg.checkpoint, sharded=self.sharded, beat=self.beat,
-                                                   version=self.version)
+                                                   version=self.version, wait_s=peer_wait_s(self.save_allowance_s))
             self._cleanup.callback(self._checkpointer.close)
         return self._checkpointer
 

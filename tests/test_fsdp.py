@@ -131,6 +131,21 @@ def test_sigkill_during_a_sharded_save_leaves_a_latest_that_loads(point: str, vi
 
 
 @pytest.mark.multiprocess
+def test_a_sharded_save_waiting_for_a_late_rank_is_bounded_and_names_it(tmp_path: Path) -> None:
+    """Rank 1 writes its shard 8 s late; the ranks wait 3 s for each other (peer_wait_s in a run): rank 0's save
+    fails in that bound, naming rank 1, instead of waiting torch's 30 minutes with no name; `latest` stays."""
+    results = ranks(2, "late", str(tmp_path), "1", timeout=90)
+    assert [rc for rc, _ in results] == [0, 0], results
+    first = results[0][1]
+    assert "sharded checkpoint step 2 not written" in first, first
+    assert "rank 1 had not written its shard when rank 0 stopped waiting (after 3 s)" in first, first
+    assert "rank 0: saved" not in first and "rank 1: saved" not in results[1][1], results
+    directory = tmp_path / "checkpoints"
+    assert (directory / "latest").read_text().strip() == "step_00000001"
+    assert not (directory / "step_00000002").exists()
+
+
+@pytest.mark.multiprocess
 def test_ddp_with_sharded_checkpoints_resumes_bit_identically(tmp_path: Path) -> None:
     """checkpoint.format=sharded under DDP: each replicated tensor written once (DCP's deduplication), resumed
     as the single-file form is."""
