@@ -95,8 +95,12 @@ def test_a_session_sizes_its_save_allowance_from_earlier_runs(tmp_path: Path) ->
         assert session.watchdog.checkpoint_s == pytest.approx(SAFETY * 588.0)
         assert session.watchdog.collective_timeout(config.watchdog.collective_timeout_s) > SAFETY * 588.0
         assert session.stopper is not None and session.stopper.longest_write_s() == pytest.approx(588.0)
+        session.load({"progress": {"step": 0}})
+        assert not session.should_stop(save=False)
     finally:
         session.finish()
+    (first,) = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "first_step"]
+    assert first["checkpoint_allowance_s"] == pytest.approx(SAFETY * 588.0, abs=0.1)
     fresh = tmp_path / "fresh"
     session = Session(fresh, seed=0, config=config, env=detect_environment({}))
     try:  # nothing measured: the configured allowance, and no save time assumed
