@@ -143,13 +143,15 @@ class Checkpointer:
 
 
 def open_checkpointer(run: RunDir, rank: int, world: int, ledger: Ledger, config: Any, *, sharded: bool,
-                      beat: Callable[..., None] = _no_beat, version: str | None = None) -> Any:
+                      beat: Callable[..., None] = _no_beat, version: str | None = None,
+                      wait_s: float | None = None) -> Any:
     """The run's checkpointer for the config's `checkpoint` section: `Checkpointer` (single file), or with
-    `sharded` mgpu.sharded's `ShardedCheckpointer` (every rank writes its shard; [fsdp hook])."""
+    `sharded` mgpu.sharded's `ShardedCheckpointer` (every rank writes its shard; [fsdp hook]; its ranks wait
+    `wait_s` for each other)."""
     if sharded:
         from mgpu.sharded import ShardedCheckpointer
 
         return ShardedCheckpointer(run.checkpoints, rank, world, ledger, keep_last=config.keep_last,
-                                   async_save=config.async_save, beat=beat, version=version)
+                                   async_save=config.async_save, beat=beat, version=version, wait_s=wait_s)
     return Checkpointer(run, rank, world, ledger, keep_last=config.keep_last, async_save=config.async_save,
                         keep_snapshot_buffers=config.keep_snapshot_buffers, beat=beat)

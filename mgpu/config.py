@@ -33,8 +33,8 @@ __all__ = [
     "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "DistributedConfig", "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig",
     "TaskConfig", "TrainConfig", "WatchdogConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
-    "control_problem", "diff_configs", "dump_config", "flatten_config", "is_safe_to_change", "load_config",
-    "save_config",
+    "control_problem", "diff_configs", "dump_config", "flatten_config", "grad_accum_for", "is_safe_to_change",
+    "load_config", "save_config",
 ]
 
 
@@ -133,7 +133,8 @@ def _path_rule(v: str) -> str | None:
 
 _RULES: dict[str, Callable[[Any], str | None]] = {
     "task.target": lambda v: None if _TARGET.fullmatch(v) else "must look like 'package.module:ClassName'",
-    "data.batch_size": _ge(1), "data.eval_batch_size": _ge(1), "data.num_workers": _ge(0),
+    "data.batch_size": _ge(1), "data.global_batch_size": _ge(1), "data.eval_batch_size": _ge(1),
+    "data.num_workers": _ge(0),
     "optim.lr": _gt(0), "optim.weight_decay": _ge(0), "optim.momentum": _ge(0),
     "optim.betas": lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v) else "must be 2 numbers in [0, 1)",
     "schedule.warmup_steps": _ge(0), "schedule.min_lr_ratio": _between(0, 1, True),
@@ -267,12 +268,37 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
             values[key] = value
         built[name] = cls(**values)
     cfg = Config(**built)
+    glob = cfg.data.global_batch_size
+    if glob is not None and cfg.train.grad_accum != 1:
+        raise ConfigError(f"data.global_batch_size={glob} with train.grad_accum={cfg.train.grad_accum}: the "
+                          f"accumulation is derived from the global batch and the world size; set one of them")
+    if glob is not None and glob % cfg.data.batch_size:
+        raise ConfigError(f"data.global_batch_size={glob} is not a multiple of data.batch_size="
+                          f"{cfg.data.batch_size}: choose a global batch of whole per-rank batches")
     if cfg.train.static_graph and cfg.train.grad_accum > 1:
         # torch 2.13's reducer asserts (expect_autograd_hooks_) on a no_sync micro-step in the first step of a
         # static graph: pytorch/pytorch#143580. Refused here rather than crashing on the first step.
         raise ConfigError(f"train.static_graph: true with train.grad_accum={cfg.train.grad_accum} fails in torch's DDP "
                           "(pytorch issue 143580): set train.static_graph=false or train.grad_accum=1")
     return cfg
+
+
+def grad_accum_for(cfg: Config, world_size: int) -> int:
+    """Micro-steps per optimizer step on `world_size` ranks: train.grad_accum, or under data.global_batch_size
+    the one that makes batch_size * world_size * accumulation equal it (ConfigError when it does not divide)."""
+    glob, batch = cfg.data.global_batch_size, cfg.data.batch_size
+    if glob is None:
+        return cfg.train.grad_accum
+    if glob % (batch * world_size):
+        raise ConfigError(f"data.global_batch_size={glob} is not data.batch_size={batch} x {world_size} ranks x a "
+                          f"whole accumulation: run on a number of ranks that divides {glob // batch}, or change "
+                          f"data.batch_size")
+    accum = glob // (batch * world_size)
+    if cfg.train.static_graph and accum > 1:  # the refusal above, for an accumulation known only now
+        raise ConfigError(f"train.static_graph: true with an accumulation of {accum} (data.global_batch_size={glob} "
+                          f"on {world_size} ranks) fails in torch's DDP (pytorch issue 143580): set "
+                          f"train.static_graph=false")
+    return accum
 
 
 def config_to_dict(cfg: Config) -> dict[str, Any]:

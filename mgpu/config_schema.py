@@ -30,7 +30,13 @@ class DataConfig:
     """How batches are drawn."""
 
     batch_size: int = 32
-    """Samples per rank per micro-step; the global batch is batch_size * world_size * train.grad_accum."""
+    """Samples per rank per micro-step; the global batch is batch_size * world_size * train.grad_accum (or
+    data.global_batch_size)."""
+    global_batch_size: int | None = None
+    """Samples per optimizer step over all ranks, kept on any world size: the accumulation is derived
+    (global_batch_size / (batch_size * world_size), which must divide; train.grad_accum stays 1), so a resume
+    on fewer ranks accumulates more and trains on the same samples per step in the same order (null: the global
+    batch follows the world size)."""
     eval_batch_size: int | None = None
     """Samples per rank per evaluation step (null: batch_size)."""
     num_workers: int = 0
@@ -78,7 +84,7 @@ class TrainConfig:
     max_steps: int | None = None
     """Stop after this many optimizer steps, even before `epochs` are done (null: no limit)."""
     grad_accum: int = 1
-    """Micro-steps (forward/backward) per optimizer step."""
+    """Micro-steps (forward/backward) per optimizer step (derived instead under data.global_batch_size)."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm to this value (null: no clipping)."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
@@ -191,7 +197,8 @@ class PreemptionConfig:
     deadline_margin_s: float = 60.0
     """Under Slurm, rank 0 stops the run before the job's time limit even without the signal: when the time
     left is less than this margin (at most a tenth of the limit) plus the longest checkpoint write so far
-    plus the agreement's delay (mgpu.deadline). 0: rely on the signal alone."""
+    plus the agreement's delay (mgpu.deadline); the write time of earlier runs counts too (the ledger's saves).
+    0: rely on the signal alone."""
 
 
 @dataclass
@@ -211,7 +218,9 @@ class WatchdogConfig:
     """Allowance for a run's first evaluation batch (a compiled model builds its evaluation graph), and the
     least any later one gets (step_multiple x the median evaluation batch time where that is more)."""
     checkpoint_s: float = 600.0
-    """Allowance for gathering and writing one checkpoint."""
+    """Allowance for gathering and writing one checkpoint, at least; raised to 3x the time the next save is
+    expected to take (the newest checkpoint's size at the slowest write rate of the run's last saves, earlier
+    runs' included: mgpu.save_budget)."""
     collective_timeout_s: float = 300.0
     """The process group's timeout after the first step (the rendezvous keeps distributed.init_timeout_s);
     raised to outlast every allowance above (with the defaults: 650 s), so the watchdog, with its evidence,

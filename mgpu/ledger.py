@@ -10,7 +10,8 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     fresh_start      set_aside (where the run's earlier checkpoints were moved: an explicit `fresh` start)
     hyperparameters  step, changes ("optimizer lr: 0.001 -> 0.5"...: an explicit change on resume, applied
                      over the restored optimizer state)
-    first_step       step (the first step this run completed), collective_timeout_s, timings (rank 0's Unix
+    first_step       step (the first step this run completed), collective_timeout_s, checkpoint_allowance_s
+                     (the watchdog's for one save: mgpu.save_budget), timings (rank 0's Unix
                      times: process start, session start, group formed, checkpoint find/loaded/restored,
                      first batch, first step done: the way back to training, measured)
     progress         step, epoch, total_steps, metrics (the log line's: loss, lr, grad_norm, samples_per_s,

@@ -32,16 +32,22 @@ def batch_size_of(state: Mapping[str, Any]) -> int | None:
 
 
 def resume_line(step: int, where: Mapping[str, int], checkpoint: Path, world: int, saved_world: int | None,
-                batch_size: int | None) -> str:
+                batch_size: int | None, global_batch: int | None = None) -> str:
     """`resumed at step 120 (epoch 1, sample 384) from <checkpoint> on 2 ranks (saved on 4: the global batch is
-    now 128 samples, was 256)`. `batch_size`: samples per rank per optimizer step (None: unknown)."""
+    now 128 samples, was 256)`. `batch_size`: samples per rank per optimizer step (None: unknown); with
+    `global_batch` (data.global_batch_size, kept on every world size) samples per rank per micro-step, and the
+    line says how the accumulation changed."""
     at = f"resumed at step {step}"
     if "epoch" in where:
         at += f" (epoch {where['epoch']}, sample {where.get('position', 0)})"
     line = f"{at} from {checkpoint} on {world} rank{'s' if world != 1 else ''}"
     if saved_world is not None and saved_world != world:
         line += f" (saved on {saved_world}"
-        if batch_size:
+        if batch_size and global_batch:
+            now, was = global_batch // (batch_size * world), global_batch // (batch_size * saved_world)
+            line += (f": the global batch stays {global_batch} samples (data.global_batch_size), accumulated over "
+                     f"{now} micro-step{'s' if now != 1 else ''} per step, was {was}")
+        elif batch_size:
             line += (f": the global batch is now {batch_size * world} samples, was {batch_size * saved_world}; "
                      f"to keep it, scale the per-rank batch or the accumulation by {saved_world}/{world}")
         line += ")"
@@ -98,7 +104,8 @@ class Resumption:
             self.found = self.checkpointer().find_latest()
         return self.found
 
-    def restore(self, state: MutableMapping[str, Any], missing_ok: set[str], batch_size: int | None) -> Any:
+    def restore(self, state: MutableMapping[str, Any], missing_ok: set[str], batch_size: int | None,
+                global_batch: int | None = None) -> Any:
         """Put the found checkpoint into `state` (mgpu.train_state.restore_state) and say where it resumes."""
         from mgpu.train_state import restore_state
 
@@ -118,7 +125,8 @@ class Resumption:
                         and isinstance(getattr(value, "position", None), int)), {})
         if self.rank == 0:
             log.info("%s", resume_line(loaded.step, self.at, loaded.path, self.world_size,
-                                       loaded.state.get("world_size"), batch_size or batch_size_of(state)))
+                                       loaded.state.get("world_size"), batch_size or batch_size_of(state),
+                                       global_batch))
             if (note := finished_note(loaded.meta, loaded.step, self.run.path)) is not None:
                 log.warning("%s", note)
         return loaded

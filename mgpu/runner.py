@@ -97,7 +97,8 @@ def record_rank(run: RunDir, env: ProcessEnv, device: str, backend: str) -> None
         log.warning("cannot write %s: %s", run.rank_record(env.rank), error.strerror)
 
 
-def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str) -> Any:
+def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str, checkpoint_s: float | None = None) -> Any:
+    """This rank's watchdog, started; `checkpoint_s`: its allowance for a save (default: the config's)."""
     from mgpu.watchdog import Watchdog, report_hang
 
     def on_hang(beats: Any, stuck: list[int], waited: float, detected: float) -> None:
@@ -111,7 +112,7 @@ def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str) -> A
                      if isinstance(h, logging.FileHandler)), None)
 
     watchdog = Watchdog.from_config(cfg.watchdog, env.rank, env.world_size, run.logs, on_hang=on_hang,
-                                    log_file=log_file)
+                                    log_file=log_file, checkpoint_s=checkpoint_s)
     return watchdog.start()
 
 

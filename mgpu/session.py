@@ -160,14 +160,30 @@ class Session:
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
         join_run(self.run, self.env, str(self.device), self.backend)
+        # The saves measured so far, earlier runs' included (the ledger's tail: the same on every rank): how long
+        # the next one should take sizes the watchdog's allowance, the collective timeout and the deadline stop.
+        from mgpu.save_budget import expected_save_s, save_allowance_s, saves_in_ledger
+
+        self.expected_save_s = expected_save_s(saves_in_ledger(self.run.ledger), self.world_size)
+        self.save_allowance_s = save_allowance_s(self.expected_save_s, cfg.watchdog.checkpoint_s)
+        if self.is_main and self.save_allowance_s > cfg.watchdog.checkpoint_s:
+            log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
+                     "allows %.0f s for one, more than watchdog.checkpoint_s", self.expected_save_s or 0.0,
+                     self.save_allowance_s)
         if cfg.watchdog.enabled:
-            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend)
+            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend, checkpoint_s=self.save_allowance_s)
             self._cleanup.callback(self._arm_teardown)
             self.beat = self.watchdog.beat
         self.stopper = StopController.for_rank(
             self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            longest_write_s=lambda: self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0)
+            longest_write_s=self._longest_write_s)
         seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
+
+    def _longest_write_s(self) -> float:
+        """What the deadline stop leaves for the save: this process's longest write, or the time the saves of
+        earlier runs say the next one takes, whichever is longer."""
+        own = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
+        return max(own, self.expected_save_s or 0.0)
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
@@ -332,6 +348,7 @@ class Session:
             set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]  # the agreement the controller built for this rank
         self.timings["first_step"] = time.time()
         self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
+                          checkpoint_allowance_s=round(self.save_allowance_s, 1),
                           timings={k: round(v, 3) for k, v in self.timings.items()})
 
     # ------------------------------------------------------------------ checkpoints
@@ -341,9 +358,11 @@ class Session:
         if self._checkpointer is None:
             from mgpu.checkpointer import open_checkpointer
 
+            from mgpu.save_budget import peer_wait_s
+
             self._checkpointer = open_checkpointer(self.run, self.rank, self.world_size, self.ledger,
                                                    self.cfg.checkpoint, sharded=self.sharded, beat=self.beat,
-                                                   version=self.version)
+                                                   version=self.version, wait_s=peer_wait_s(self.save_allowance_s))
             self._cleanup.callback(self._checkpointer.close)
         return self._checkpointer
 
@@ -357,7 +376,8 @@ class Session:
         return found
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
-             override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None) -> State:
+             override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None,
+             global_batch: int | None = None) -> State:
         """*Collective.* Resume `state` from the run's newest checkpoint, if it has one, and return it as a
         `mgpu.State` (the same mapping; its values also as attributes: `state.best`). Objects with
         `load_state_dict` (model, optimizer, scheduler, scaler, loader, ...) load theirs, dataclasses get
@@ -368,7 +388,9 @@ class Session:
         missing key is an error). `override`: optimizer hyperparameters set in every parameter group after
         the restore, e.g. `{"lr": 1e-4}` (recorded in the ledger; see mgpu.hparams). `fresh`: start the run
         over: its checkpoints are set aside (renamed), nothing is restored. `batch_size`: samples per rank
-        per optimizer step, for the resume line (default: the state's `session.loader`'s)."""
+        per optimizer step, for the resume line (default: the state's `session.loader`'s); `global_batch`: the
+        global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
+        micro-step): the resume line says how the accumulation changed."""
         from mgpu import hparams
         from mgpu.train_state import State, check_checkpointable
 
@@ -380,7 +402,7 @@ class Session:
             self.resumption.start_over()
         self.latest()
         before = hparams.constructed(state)
-        loaded = self.resumption.restore(state, set(missing_ok), batch_size)
+        loaded = self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
         if loaded is not None:
             self.timings["restored"] = time.time()
             self.step = self.resume_step = loaded.step

@@ -31,6 +31,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
+from datetime import timedelta
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, MutableMapping
@@ -50,6 +51,7 @@ from mgpu.checkpoint import (META_FILE, CheckpointError, CheckpointStore, Loaded
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.ledger import Ledger
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
+from mgpu.shard_arrivals import Arrivals, MarkingWriter, late_line
 
 __all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "restore_sharded", "split_objects"]
 
@@ -226,7 +228,7 @@ class ShardedCheckpointer:
 
     def __init__(self, directory: Path, rank: int, world: int, ledger: Ledger, *, keep_last: int = 2,
                  async_save: bool = True, beat: Callable[..., None] | None = None,
-                 version: str | None = None) -> None:
+                 version: str | None = None, wait_s: float | None = None) -> None:
         self.directory, self.rank, self.world, self.ledger = Path(directory), rank, world, ledger
         self.async_save, self.beat, self.version = async_save, beat or (lambda *a, **k: None), version
         # The store's pointers, pruning and stale-file removal; its single-file writer is not used.
@@ -234,7 +236,12 @@ class ShardedCheckpointer:
         # Collectives of a save in flight run on their own group: the training thread's never wait behind them.
         # A gloo one on a world of one too: dcp.async_save refuses a group without a CPU backend (NCCL alone, as
         # one GPU rank's default group is; seen on an H100).
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # `wait_s`: how long its ranks wait for each other (DCP's gathers, the outcome's), so that a late rank ends
+        # the save in that bound, named (mgpu.shard_arrivals), not in torch's default 30 minutes (None: that).
+        self.wait_s = wait_s
+        timeout = None if wait_s is None else timedelta(seconds=wait_s)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self._store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and world > 1 else None
         self.last_saved_step = -1
         self.longest_write_s = 0.0
         self._failed_step = -1
@@ -315,12 +322,22 @@ class ShardedCheckpointer:
             dist.broadcast_object_list(holder, src=0)
         return self.directory / str(holder[0])
 
+    def _arrivals(self, job: "_Job") -> Arrivals | None:
+        return Arrivals(self._store, job.tmp.name, self.rank, self.world) if self._store is not None else None
+
+    def _writer(self, job: "_Job") -> FileSystemWriter:
+        """DCP's writer into the save's directory; it marks this rank's shard written (a late rank is named)."""
+        arrivals = self._arrivals(job)
+        if arrivals is None:
+            return FileSystemWriter(job.tmp, sync_files=True)
+        return MarkingWriter(job.tmp, sync_files=True, on_written=arrivals.mark)
+
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
         error = None
         try:
-            dcp.save(state, storage_writer=FileSystemWriter(job.tmp, sync_files=True), process_group=self.group)
+            dcp.save(state, storage_writer=self._writer(job), process_group=self.group)
         except BaseException as failure:  # noqa: BLE001  (every rank still takes part in the outcome's gather)
-            error = _describe(failure, job.tmp)
+            error = self._naming_late(job, failure)
         return self._finish(job, error)
 
     def _write_async(self, state: dict[str, Any], job: "_Job", modules: list[nn.Module],
@@ -337,7 +354,7 @@ class ShardedCheckpointer:
             cuda = torch.cuda.is_available()
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                         use_async_staging=True, use_non_blocking_copy=cuda))
-        response = dcp.async_save(state, storage_writer=FileSystemWriter(job.tmp, sync_files=True),
+        response = dcp.async_save(state, storage_writer=self._writer(job),
                                   process_group=self.group, async_stager=self._stager)
         staging = getattr(response, "staging_completion", None)
         upload = getattr(response, "upload_completion", response)
@@ -370,7 +387,7 @@ class ShardedCheckpointer:
         try:
             upload.result()
         except BaseException as failure:  # noqa: BLE001
-            error = _describe(failure, job.tmp)
+            error = self._naming_late(job, failure)
         try:
             self._outcome = self._finish(job, error)
         except BaseException as failure:  # noqa: BLE001  (a peer gone mid-save: reported, never a silent success)
@@ -389,7 +406,10 @@ class ShardedCheckpointer:
         errors: list[Any] = [error]
         if self.world > 1:
             gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, error, group=self.group)
+            try:
+                dist.all_gather_object(gathered, error, group=self.group)
+            except RuntimeError as failure:  # a rank still writing, or gone: the group's timeout (wait_s)
+                return self._failed(job, error or self._naming_late(job, failure))
             errors = gathered
         first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
         if first is not None:
@@ -406,15 +426,38 @@ class ShardedCheckpointer:
                 error = f"sharded checkpoint step {job.step} not installed: {_describe(failure, job.tmp)}"
         if self.world > 1:
             holder = [error]
-            dist.broadcast_object_list(holder, src=0, group=self.group)
+            try:
+                dist.broadcast_object_list(holder, src=0, group=self.group)
+            except RuntimeError as failure:
+                return self._failed(job, error or self._naming_late(job, failure))
             error = holder[0]
         if error is not None:
-            self._failed_step = job.step
-            if self.rank == 0:
-                with _claimed(job.tmp):
-                    pass  # removes what the failed save left
-                self.ledger.write("checkpoint_failed", step=job.step, reason=job.reason, error=error)
-                log.error("%s", error)
+            return self._failed(job, error)
+        arrivals = self._arrivals(job)
+        if arrivals is not None:
+            arrivals.clear()
+        return None
+
+    def _naming_late(self, job: "_Job", failure: BaseException) -> str:
+        """`failure` in one line; when it is a collective's (a wait that ended, not this rank's own write), with
+        the ranks whose shard was not written when this rank stopped waiting (mgpu.shard_arrivals)."""
+        error = _describe(failure, job.tmp)
+        arrivals = self._arrivals(job)
+        if arrivals is None or _os_cause(failure) is not None:
+            return error
+        late = late_line(arrivals.late(), self.rank, self.wait_s)
+        return f"{error}; {late}" if late else error
+
+    def _failed(self, job: "_Job", error: str) -> str:
+        """A failed save: the same line on every rank when the outcome could be gathered, else this rank's."""
+        if not error.startswith("sharded checkpoint"):
+            error = f"sharded checkpoint step {job.step} not written: {error}"
+        self._failed_step = job.step
+        if self.rank == 0:
+            with _claimed(job.tmp):
+                pass  # removes what the failed save left
+            self.ledger.write("checkpoint_failed", step=job.step, reason=job.reason, error=error)
+            log.error("%s", error)
         return error
 
     def _write_manifest(self, job: "_Job") -> None:
@@ -534,15 +577,24 @@ class _Job:
         self.started, self.common, self.pieces = started, common, pieces
 
 
-def _describe(error: BaseException, where: Path) -> str:
+def _os_cause(error: BaseException) -> OSError | None:
+    """The OSError of a failed write, also inside DCP's CheckpointException (every rank's failure)."""
     if isinstance(error, OSError):
-        return _describe_os_error(error, where)
-    cause = error
-    # DCP wraps every rank's failure in a CheckpointException: name the first OSError inside when there is one.
+        return error
     for failure in getattr(error, "failures", {}).values():
         cause = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(cause, OSError):
-            return _describe_os_error(cause, where)
+            return cause
+    return None
+
+
+def _describe(error: BaseException, where: Path) -> str:
+    cause: BaseException | None = _os_cause(error)
+    if isinstance(cause, OSError):
+        return _describe_os_error(cause, where)
+    cause = error
+    for failure in getattr(error, "failures", {}).values():  # DCP's: the last rank's failure inside
+        cause = failure[0] if isinstance(failure, tuple) else failure
     return _one_line(f"{type(cause).__name__}: {cause}", 300)
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from mgpu.checkpoint import LoadedCheckpoint
-from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config
+from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config, grad_accum_for
 from mgpu.data import MicroBatch, eval_shard, plan_for
 from mgpu.distributed import all_reduce
 from mgpu.errors import MgpuError
@@ -101,6 +101,8 @@ class Trainer:
         train_set = sized_dataset(task.train_dataset(), f"{type(task).__name__}.train_dataset()")
         self.eval_set: Dataset | None = sized_dataset(task.eval_dataset(), f"{type(task).__name__}.eval_dataset()",
                                                       optional=True)
+        # Micro-steps per optimizer step: data.global_batch_size keeps the step's samples on any world size.
+        self.accum = grad_accum_for(cfg, self.world)
         # A stream (mgpu.stream) is trained as its samples by id, in the stream's own order per epoch.
         self.train_set, self.plan = plan_for(train_set, cfg.data.batch_size, self.rank, self.world, cfg.train.seed,
                                              cfg.data.shuffle)
@@ -135,7 +137,9 @@ class Trainer:
         if loaded is None:
             seed_everything(cfg.train.seed + self.rank)
         # The one way back: the session restores what _objects() names (and changes what `override` says).
-        session.load(self._objects(), override=override, batch_size=cfg.data.batch_size * cfg.train.grad_accum)
+        glob = cfg.data.global_batch_size
+        session.load(self._objects(), override=override, global_batch=glob,
+                     batch_size=cfg.data.batch_size * (1 if glob else self.accum))
         # DDP (several ranks); resumed, with the saved run's gradient buckets: it reduces as the unbroken run.
         self.ddp: nn.Module = self.model if self.fsdp else session.wrap(
             self.model, find_unused_parameters=cfg.train.find_unused_parameters, static_graph=cfg.train.static_graph)
@@ -222,7 +226,7 @@ class Trainer:
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole run: done so far + what is left from here on this world size."""
-        accum = self.cfg.train.grad_accum
+        accum = self.accum
         per_epoch = math.ceil(self.plan.micro_steps_left(0) / accum)
         p = self.progress
         left = 0
@@ -246,7 +250,7 @@ class Trainer:
                        self.cfg.data.num_workers, lambda: self.session.stop_requested, self.cfg.preemption.signal)
 
     def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
-        """Groups of `grad_accum` micro-batches, epoch after epoch, from the current position."""
+        """Groups of `accum` micro-batches, epoch after epoch, from the current position."""
         while self.progress.epoch < self.cfg.train.epochs:
             micro = list(self.plan.micro_batches(self.progress.epoch, self.progress.position))
             indices = [m.indices for m in micro]
@@ -254,7 +258,7 @@ class Trainer:
             group: list[tuple[MicroBatch, Any]] = []
             for index, (mb, batch) in enumerate(zip(micro, batches)):
                 group.append((mb, batch))
-                if len(group) == self.cfg.train.grad_accum or index == len(micro) - 1:
+                if len(group) == self.accum or index == len(micro) - 1:
                     yield group
                     group = []
 
@@ -264,7 +268,8 @@ class Trainer:
         if self.is_main:
             self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
-                               f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position})")
+                               f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position}), "
+                               f"{self.plan.global_batch * self.accum} samples a step ({self.accum} micro-step(s))")
         log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
         status: Literal["finished", "stopped", "early_stopped"] = "finished"
         self.model.train()
@@ -318,7 +323,7 @@ class Trainer:
                          dict(p.best_metrics), p.best_step)
 
     def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
-        """One optimizer step over `grad_accum` micro-batches; the gradient all-reduce runs once, at the end."""
+        """One optimizer step over `accum` micro-batches; the gradient all-reduce runs once, at the end."""
         total = sum(mb.global_count for mb, _ in group)
         weight: torch.Tensor | None = None  # a LossSum task's: this rank's units (tokens) in the step
         reduction = None

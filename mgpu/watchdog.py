@@ -7,9 +7,9 @@ backward, each optimizer step, each evaluation batch and each checkpoint. A watc
 with nothing but clocks, how long ago the last beat was against an allowance learned from the run itself:
 `step_multiple` times the median step time with the floor `floor_s` (`first_step_s` before a run's first
 step); `step_multiple` times the median evaluation batch time with the floor `eval_s` (`eval_s` for a run's
-first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written. A step's time runs from
-its first beat to the end of its optimizer phase: the evaluation or checkpoint that may follow it has its own
-allowance and is not part of it.
+first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written (sized by the saves measured
+so far: mgpu.save_budget). A step's time runs from its first beat to the end of its optimizer phase: the
+evaluation or checkpoint that may follow it has its own allowance and is not part of it.
 
 Heartbeats go on a board, never on the run's shared filesystem (one stalled `open()` there would block every
 rank's watchdog at once, and attribute caching would make a live rank look stale): the rendezvous store
@@ -308,12 +308,15 @@ class Watchdog:
     @classmethod
     def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
                     on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
-                    log_file: Callable[[], Any] | None = None, board: "Board | None" = None) -> "Watchdog":
+                    log_file: Callable[[], Any] | None = None, board: "Board | None" = None,
+                    checkpoint_s: float | None = None) -> "Watchdog":
         """A watchdog with the allowances of the config's `watchdog` section, its heartbeats on `board`
-        (default: the rendezvous store, or a node-local directory; `logs` only names the attempt)."""
+        (default: the rendezvous store, or a node-local directory; `logs` only names the attempt);
+        `checkpoint_s`: the save's allowance derived from the saves measured so far (mgpu.save_budget)."""
         return cls(rank, world, board if board is not None else default_board(world, attempt_key(logs)),
                    step_multiple=config.step_multiple, floor_s=config.floor_s, first_step_s=config.first_step_s,
-                   checkpoint_s=config.checkpoint_s, eval_s=config.eval_s, on_hang=on_hang, log_file=log_file)
+                   checkpoint_s=config.checkpoint_s if checkpoint_s is None else checkpoint_s, eval_s=config.eval_s,
+                   on_hang=on_hang, log_file=log_file)
 
     # ------------------------------------------------------------------ the training thread's side
     def beat(self, phase: str, step: int | None = None) -> None:

@@ -5,6 +5,8 @@
     python -m tests.sharded_worker load DIR            # resume on this world size: MATCH if every parameter
                                                        # and optimizer state equals ref.pt, then one more step
     python -m tests.sharded_worker kill DIR POINT RANK # save step 1, then SIGKILL rank RANK at POINT of step 2's save
+    python -m tests.sharded_worker late DIR RANK       # save step 1, then rank RANK writes step 2's shard 8 s late
+                                                       # (the ranks wait 3 s for each other): each rank's outcome
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +62,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = build()
-    checkpointer = ShardedCheckpointer(directory / "checkpoints", rank, world, Ledger(None, None, 0), keep_last=3)
+    checkpointer = ShardedCheckpointer(directory / "checkpoints", rank, world, Ledger(None, None, 0), keep_last=3,
+                                       wait_s=3.0 if mode == "late" else None)
     progress = {"step": 0}
     objects = {"model": model, "optimizer": optimizer, "progress": progress}
     if mode == "save":
@@ -108,6 +112,29 @@ def main() -> None:
             sharded.CheckpointStore._install = lambda self, tmp, final: (kill(), original_install(self, tmp, final))[1]  # type: ignore[method-assign]
         checkpointer.save_objects({**objects, "progress": {"step": 2}}, 2, "periodic", wait=point == "install")
         checkpointer.settle()
+    elif mode == "late":
+        from torch.distributed.checkpoint import FileSystemWriter
+
+        from mgpu.checkpoint import CheckpointError
+
+        victim = int(sys.argv[3])
+        train_step(model, optimizer, 1)
+        checkpointer.save_objects({**objects, "progress": {"step": 1}}, 1, "periodic", wait=True)
+        original_write = FileSystemWriter.write_data
+
+        def late_write(self: Any, plan: Any, planner: Any) -> Any:
+            if rank == victim:
+                time.sleep(8)
+            return original_write(self, plan, planner)
+
+        FileSystemWriter.write_data = late_write  # type: ignore[method-assign]
+        started = time.monotonic()
+        try:
+            checkpointer.save_objects({**objects, "progress": {"step": 2}}, 2, "periodic", wait=True)
+            print(f"rank {rank}: saved", flush=True)
+        except CheckpointError as error:
+            print(f"rank {rank}: after {time.monotonic() - started:.0f} s: {error}", flush=True)
+        os._exit(0)  # the group is out of step after a failed save: no orderly teardown to wait for
     checkpointer.close()
     dist.destroy_process_group()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ from mgpu.config import (
     config_to_dict,
     diff_configs,
     dump_config,
+    grad_accum_for,
     is_safe_to_change,
     load_config,
     save_config,
@@ -216,6 +218,49 @@ def test_bad_overrides_fail_in_one_line(override: str, path: str, message: str) 
     assert "\n" not in text and path in text and message in text, text
     assert len(text) < 400, text  # a 5000-character override is shown cut
     assert isinstance(info.value, MgpuError)
+
+
+@pytest.mark.parametrize("global_batch, batch, world, accum", [
+    (None, 4, 3, 1),  # unset: train.grad_accum (1 by default) on any world size
+    (64, 8, 8, 1), (64, 8, 4, 2), (64, 8, 2, 4), (64, 8, 1, 8),  # halving the ranks doubles the accumulation
+    (48, 4, 3, 4), (48, 4, 12, 1),  # a world size that is not a power of two
+])
+def test_the_accumulation_is_derived_from_the_global_batch(global_batch: int | None, batch: int, world: int,
+                                                          accum: int) -> None:
+    cfg = load_config(None, [f"data.global_batch_size={'null' if global_batch is None else global_batch}",
+                             f"data.batch_size={batch}"])
+    assert grad_accum_for(cfg, world) == accum
+    if global_batch is not None:  # the global batch is the same on every world size that divides it
+        assert batch * world * accum == global_batch
+    assert grad_accum_for(load_config(None, ["train.grad_accum=3"]), world) == 3  # unset: the configured one
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["data.global_batch_size=64", "data.batch_size=8"], 3,
+     "data.global_batch_size=64 is not data.batch_size=8 x 3 ranks x a whole accumulation: run on a number of "
+     "ranks that divides 8, or change data.batch_size"),
+    (["data.global_batch_size=64", "data.batch_size=8"], 16, "run on a number of ranks that divides 8"),  # < 1 step
+    (["data.global_batch_size=64", "data.batch_size=8", "train.static_graph=true"], 4,
+     "train.static_graph: true with an accumulation of 2 (data.global_batch_size=64 on 4 ranks)"),
+])
+def test_a_global_batch_the_world_does_not_divide_is_one_line(overrides: list[str], world: int, message: str) -> None:
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError) as info:
+        grad_accum_for(cfg, world)
+    assert "\n" not in str(info.value) and message in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["data.global_batch_size=64", "train.grad_accum=2"],
+     "data.global_batch_size=64 with train.grad_accum=2: the accumulation is derived from the global batch and the "
+     "world size; set one of them"),
+    (["data.global_batch_size=60", "data.batch_size=8"],
+     "data.global_batch_size=60 is not a multiple of data.batch_size=8"),
+    (["data.global_batch_size=0"], "data.global_batch_size: must be >= 1, got 0"),
+])
+def test_a_global_batch_no_world_fits_is_refused_at_load(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(None, overrides)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from mgpu.data import epoch_permutation
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.runview import verify
 from mgpu.sharded import ShardedCheckpointer
@@ -58,19 +59,35 @@ def test_fsdp_resume_is_bit_identical(stop_at: int, unbroken: tuple[Path, dict[s
 
 
 @pytest.mark.multiprocess
-def test_fsdp_checkpoint_resumes_on_one_rank(tmp_path: Path) -> None:
-    args = [*FSDP, "task.args.size=42"]  # no one-sample batch for BatchNorm on 1 rank either
-    first = train(tmp_path, *args, "--stop-at-step=2", ranks=2, timeout=240)
+def test_fsdp_checkpoint_resumes_on_one_rank_with_the_same_global_batch(tmp_path: Path) -> None:
+    """2 ranks -> 1 under data.global_batch_size=12 (3 a rank per micro-step): the accumulation doubles (2 -> 4),
+    and every optimizer step trains on the same 12 samples of the epoch's order as on 2 ranks."""
+    run, ids = tmp_path / "run", tmp_path / "ids"
+    ids.mkdir()
+    # 42 samples: no one-sample batch for BatchNorm on 1 rank either
+    args = [*FSDP, "task.args.size=42", "train.grad_accum=1", "data.global_batch_size=12", f"task.args.ids_dir={ids}"]
+    first = train(run, *args, "--stop-at-step=2", ranks=2, timeout=240)
     assert "exitcode  : 3" in first.stdout, first.stdout
-    saved = final(tmp_path)
-    second = train(tmp_path, *args, "train.max_steps=3", ranks=1, timeout=240)
+    saved = final(run)
+    second = train(run, *args, "train.max_steps=3", ranks=1, timeout=240)
     assert second.returncode == 0, second.stdout
-    events = read_ledger(tmp_path / "events.jsonl")
+    assert ("(saved on 2: the global batch stays 12 samples (data.global_batch_size), accumulated over 4 "
+            "micro-steps per step, was 2)") in second.stdout, second.stdout
+    events = read_ledger(run / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "resumed"] == [2]
     assert [e["world_size"] for e in events if e["event"] == "started"] == [2, 1]
-    after = final(tmp_path)
+    after = final(run)
     assert after["progress"]["step"] == 3 and after["world_size"] == 1
+    assert after["progress"]["position"] == after["progress"]["samples_seen"] == 36  # 12 a step, on both
     assert not torch.equal(after["model"]["4.weight"], saved["model"]["4.weight"])  # it trained on from there
+    # The samples each micro-step trained on (BlobTask's ids files): 2 ranks x 2 micro-steps x 2 steps, then one
+    # rank's 4 micro-steps; step 3 is the epoch order's next 12 (without the global batch: its next 6).
+    lines = {r: [[int(i) for i in line.split()] for line in (ids / f"ids-rank{r}.txt").read_text().splitlines()]
+             for r in (0, 1)}
+    assert [len(lines[0]), len(lines[1])] == [8, 4]
+    order = epoch_permutation(42, 0, 0)
+    assert sorted(i for line in lines[0][:4] + lines[1] for i in line) == sorted(order[:24])
+    assert [i for line in lines[0][4:] for i in line] == order[24:36]
 
 
 def ranks(world: int, *argv: str, timeout: float = 180) -> list[tuple[int, str]]:
@@ -84,7 +101,8 @@ def test_sharded_checkpoint_reshards_onto_other_world_sizes(tmp_path: Path) -> N
     assert sorted(p.name for p in (tmp_path / "checkpoints" / "step_00000003").glob("*.distcp")) == [
         f"__{r}_0.distcp" for r in range(4)]
     # Onto 3 ranks: every shard boundary moves (2 ranks would keep half of them). 4 -> 2 and 2 -> 3 were run by
-    # hand; a trainer's 2 -> 1 is test_fsdp_checkpoint_resumes_on_one_rank. (9 processes cost CI 4 minutes.)
+    # hand; a trainer's 2 -> 1 is test_fsdp_checkpoint_resumes_on_one_rank_with_the_same_global_batch.
+    # (9 processes cost CI 4 minutes.)
     loaded = ranks(3, "load", str(tmp_path))
     assert [rc for rc, _ in loaded] == [0, 0, 0], loaded
     assert all("step 3 MATCH" in out for _, out in loaded), loaded
@@ -110,6 +128,21 @@ def test_sigkill_during_a_sharded_save_leaves_a_latest_that_loads(point: str, vi
     # The killed save's temporary directory goes with the next save (or stays out of every listing).
     assert [p.name for p in directory.iterdir() if p.name.startswith("step_")] == ["step_00000001"]
 
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_save_waiting_for_a_late_rank_is_bounded_and_names_it(tmp_path: Path) -> None:
+    """Rank 1 writes its shard 8 s late; the ranks wait 3 s for each other (peer_wait_s in a run): rank 0's save
+    fails in that bound, naming rank 1, instead of waiting torch's 30 minutes with no name; `latest` stays."""
+    results = ranks(2, "late", str(tmp_path), "1", timeout=90)
+    assert [rc for rc, _ in results] == [0, 0], results
+    first = results[0][1]
+    assert "sharded checkpoint step 2 not written" in first, first
+    assert "rank 1 had not written its shard when rank 0 stopped waiting (after 3 s)" in first, first
+    assert "rank 0: saved" not in first and "rank 1: saved" not in results[1][1], results
+    directory = tmp_path / "checkpoints"
+    assert (directory / "latest").read_text().strip() == "step_00000001"
+    assert not (directory / "step_00000002").exists()
 
 
 @pytest.mark.multiprocess

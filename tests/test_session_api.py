@@ -256,6 +256,14 @@ def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
     (2, 4, 64, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch is "
                "now 128 samples, was 256; to keep it, scale the per-rank batch or the accumulation by 4/2)"),
     (1, 2, None, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 1 rank (saved on 2)"),
+    # data.global_batch_size=256, 32 a rank per micro-step: the accumulation follows the world size
+    ((2, 256), 4, 32, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch "
+                      "stays 256 samples (data.global_batch_size), accumulated over 4 micro-steps per step, was 2)"),
+    ((8, 256), 4, 32, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 8 ranks (saved on 4: the global batch "
+                      "stays 256 samples (data.global_batch_size), accumulated over 1 micro-step per step, was 2)"),
+    ((4, 256), 4, 32, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 4 ranks"),
 ])
-def test_the_resume_line(world: int, saved: int, batch: int | None, expected: str) -> None:
-    assert resume_line(7, {"epoch": 1, "position": 96}, Path("/r/step_7"), world, saved, batch) == expected
+def test_the_resume_line(world: int | tuple[int, int], saved: int, batch: int | None, expected: str) -> None:
+    world, global_batch = world if isinstance(world, tuple) else (world, None)
+    assert resume_line(7, {"epoch": 1, "position": 96}, Path("/r/step_7"), world, saved, batch,
+                       global_batch) == expected

@@ -18,6 +18,7 @@ from torch import nn
 from mgpu.checkpoint import CheckpointError
 from mgpu.ledger import Ledger
 from mgpu.sharded import SafeReader, ShardedCheckpointer, restore_sharded
+from mgpu.shard_arrivals import Arrivals, late_line
 from mgpu.sharded_export import consolidate
 
 
@@ -204,3 +205,41 @@ def test_a_world_of_one_saves_on_a_gloo_group_of_its_own(group: None, tmp_path: 
     store = checkpointer(tmp_path)
     assert store.group is not None and dist.get_backend(store.group) == "gloo"
     store.close()
+
+
+def test_the_arrivals_name_the_ranks_that_have_not_written_their_shard() -> None:
+    """Four ranks of one save on one store: ranks 0 and 2 wrote their shard, 1 and 3 are late; a mark is
+    removed once its save is done, and another save's marks are its own."""
+    store = dist.HashStore()
+    arrivals = [Arrivals(store, ".tmp-step_00000002-1-ab", rank, 4) for rank in range(4)]
+    assert arrivals[0].late() == [0, 1, 2, 3]
+    arrivals[0].mark()
+    arrivals[2].mark()
+    assert arrivals[0].late() == [1, 3]
+    assert Arrivals(store, ".tmp-step_00000003-1-cd", 0, 4).late() == [0, 1, 2, 3]
+    arrivals[2].clear()
+    assert arrivals[0].late() == [1, 2, 3]
+    arrivals[2].clear()  # twice: nothing to remove, no error
+
+
+@pytest.mark.parametrize("late, rank, wait_s, line", [
+    ([1], 0, 3.0, "rank 1 had not written its shard when rank 0 stopped waiting (after 3 s)"),
+    ([1, 3], 2, 300.0, "ranks 1, 3 had not written their shard when rank 2 stopped waiting (after 300 s)"),
+    ([0, 5], 5, None, "rank 0 had not written its shard when rank 5 stopped waiting"),  # itself: not named
+    ([4], 4, 3.0, ""),  # only itself late (it reached the wait after the others gave up): nobody to name
+    ([], 0, 3.0, ""),
+    (list(range(1, 20)), 0, 3.0, "ranks 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16 and 3 more had not"),
+])
+def test_late_line(late: list[int], rank: int, wait_s: float | None, line: str) -> None:
+    assert late_line(late, rank, wait_s).startswith(line) and bool(line) == bool(late_line(late, rank, wait_s))
+
+
+def test_a_save_group_waits_as_long_as_it_is_told(group: None, tmp_path: Path) -> None:
+    """`wait_s` is the save's own group's timeout (torch's default, 30 minutes, without it)."""
+    from datetime import timedelta
+
+    bounded, default = checkpointer(tmp_path, wait_s=42.0), checkpointer(tmp_path / "d")
+    assert bounded.group is not None and default.group is not None
+    timeout = lambda g: g._get_backend(torch.device("cpu")).options._timeout  # noqa: E731
+    assert timeout(bounded.group) == timedelta(seconds=42)
+    assert timeout(default.group) == timedelta(minutes=30)
