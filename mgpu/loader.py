@@ -332,7 +332,7 @@ class _WorkerBatches(torch.utils.data.IterableDataset):
         self.dataset, self.batch_size, self.collate_fn, self.drop_last = dataset, batch_size, collate_fn, drop_last
         self.states, self.first = states, first
 
-    def __iter__(self) -> Iterator[tuple[Any, int, Any]]:
+    def __iter__(self) -> Iterator[tuple[Any, int, Any, int]]:
         info = get_worker_info()
         assert info is not None
         logical = (info.id + self.first) % info.num_workers
@@ -347,8 +347,8 @@ epoch's start (the protocol says nothing about a finished iterator), so the load
 
 
 def _batched(dataset: Any, state: Any, batch_size: int, collate_fn: Callable[[list[Any]], Any], drop_last: bool,
-             worker: int) -> Iterator[tuple[Any, int, Any]]:
-    """`dataset` from `state` (None: as it is), in batches, each with the dataset's state after it."""
+             worker: int) -> Iterator[tuple[Any, int, Any, int]]:
+    """`dataset` from `state` (None: as it is), in batches, each with the dataset's state after it and its size."""
     if state == _ENDED:
         return
     if state is not None:
@@ -358,7 +358,7 @@ def _batched(dataset: Any, state: Any, batch_size: int, collate_fn: Callable[[li
         batch = list(itertools.islice(samples, batch_size))
         if not batch or (drop_last and len(batch) < batch_size):
             return
-        yield collate_fn(batch), worker, _ENDED if len(batch) < batch_size else dataset.state_dict()
+        yield collate_fn(batch), worker, _ENDED if len(batch) < batch_size else dataset.state_dict(), len(batch)
 
 
 class StatefulStreamLoader:
@@ -394,6 +394,10 @@ class StatefulStreamLoader:
         self.start_position = 0
         """Batches of `epoch` consumed before this process's pass over it began (a resumed run's start)."""
         self.skipped_at_end = 0
+        self.last_size = 0
+        """Samples in the batch handed out last (a stream's batches may be short: a worker's last one)."""
+        self.last_global_size = 0
+        """Samples in that step's batches on all ranks together."""
         self._states: Any = None  # the dataset's state after the last consumed batch (per worker: a list)
         self._next = 0  # the worker whose batch comes next
 
@@ -422,16 +426,23 @@ class StatefulStreamLoader:
                               f"merged; resume with num_workers={mine['workers']}, or use mgpu.stream.ShardedStream")
         self.epoch, self.position, self._next, self._states = mine["epoch"], mine["position"], mine["next"], mine["states"]
 
-    def _any_rank_done(self, done: bool) -> bool:
+    def _agree(self, item: tuple[Any, int, Any, int] | None) -> tuple[Any, int, Any, int, int] | None:
+        """`item` with the size of the global batch it belongs to, or None when any rank's stream ended (one
+        all-reduce: DDP needs every rank in every step)."""
         import torch.distributed as dist
 
-        if self.world_size == 1 or not dist.is_initialized():
-            return done
-        flag = torch.tensor([1.0 if done else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        counts = [1.0 if item is None else 0.0, 0.0 if item is None else float(item[3])]
+        if self.world_size > 1 and dist.is_initialized():
+            flag = torch.tensor(counts, dtype=torch.float64)
+            dist.all_reduce(flag)
+            counts = flag.tolist()
+        if counts[0]:
+            self.skipped_at_end += item is not None
+            return None
+        assert item is not None
+        return (*item, int(counts[1]))
 
-    def _batches(self) -> Iterator[tuple[Any, int, Any]]:
+    def _batches(self) -> Iterator[tuple[Any, int, Any, int]]:
         resuming = self.position > 0
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(self.epoch)
@@ -453,17 +464,24 @@ class StatefulStreamLoader:
         if self.position == 0:
             self._states, self._next = [None] * workers, 0
         batches = self._batches()
-        while True:
-            item = next(batches, None)
-            if self._any_rank_done(item is None):
-                self.skipped_at_end += item is not None
-                break
-            assert item is not None
-            batch, worker, state = item
+        # One batch ahead: when a batch is handed out it is known whether it ends the epoch, so the state after
+        # it (what a checkpoint then holds) is already the next epoch's start, and a trainer knows an epoch's end
+        # at its last step. The ranks' agreement on the next batch comes one step early, the same on every rank.
+        item = self._agree(next(batches, None))
+        if item is None:  # an epoch without a batch (or a resume at its very end)
+            self._end_epoch()
+        while item is not None:
+            batch, worker, state, size, global_size = item
+            item = self._agree(next(batches, None))
             self._states[worker] = state
             self._next = (worker + 1) % workers
             self.position += 1
+            self.last_size, self.last_global_size = size, global_size
+            if item is None:
+                self._end_epoch()
             yield batch
+
+    def _end_epoch(self) -> None:
         self.epoch, self.position, self._states, self._next = self.epoch + 1, 0, None, 0
 
     def epochs(self, count: int) -> Iterator[int]:

@@ -36,7 +36,7 @@ class Progress:
     """Optimizer steps done."""
     epoch: int = 0
     position: int = 0
-    """Global samples of `epoch` already consumed (across all ranks)."""
+    """Global samples of `epoch` already consumed (across all ranks); a Stateful stream's: this rank's batches."""
     samples_seen: int = 0
     best_metric: float | None = None
     evals_without_improvement: int = 0

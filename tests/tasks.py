@@ -5,13 +5,15 @@ from __future__ import annotations
 import collections
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from jobs.tasks.gpt import GptTask
 from mgpu.task import Task
 
 
@@ -178,6 +180,80 @@ class StreamTask(BlobTask):
                 yield from Blobs(8, 0)
 
         return Stream()
+
+
+class StatefulBlobs(IterableDataset):
+    """Blobs as a user's Stateful stream (as a Hugging Face streaming dataset is): rank r's worker w of W reads
+    the contiguous blocks r * W + w, + R * W, ... of `block` items; its state is its (block, item) cursor."""
+
+    def __init__(self, blobs: Blobs, block: int = 7) -> None:
+        self.blobs, self.block = blobs, block
+        self.cursor = {"block": 0, "item": 0}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        blocks = range(0, len(self.blobs), self.block)
+        mine = blocks[rank * workers + worker::world * workers]
+        while self.cursor["block"] < len(mine):
+            start = mine[self.cursor["block"]]
+            while self.cursor["item"] < min(self.block, len(self.blobs) - start):
+                item = self.blobs[start + self.cursor["item"]]
+                self.cursor["item"] += 1
+                yield item
+            self.cursor = {"block": self.cursor["block"] + 1, "item": 0}
+        self.cursor = {"block": 0, "item": 0}
+
+    def state_dict(self) -> dict:
+        return dict(self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = dict(state)
+
+
+class StatefulBlobTask(BlobTask):
+    """BlobTask whose training set is a Stateful IterableDataset (no length): train.max_steps sets the run."""
+
+    def train_dataset(self) -> Dataset:
+        return StatefulBlobs(Blobs(self.size, 0))
+
+
+class StatefulTokenShards(IterableDataset):
+    """Token shards as a user's Stateful stream (no mgpu.stream order): rank r's worker w of W reads shards
+    r * W + w, + R * W, ... front to back; its state is its (shard, window) cursor."""
+
+    def __init__(self, files: list[str], reader: Any) -> None:
+        self.files, self.reader = files, reader
+        self.cursor = {"shard": 0, "item": 0}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = self.files[rank * workers + worker::world * workers]
+        while self.cursor["shard"] < len(mine):
+            path = mine[self.cursor["shard"]]
+            while self.cursor["item"] < self.reader.count(path):
+                window = self.reader.read(path, self.cursor["item"])
+                self.cursor["item"] += 1
+                yield window
+            self.cursor = {"shard": self.cursor["shard"] + 1, "item": 0}
+        self.cursor = {"shard": 0, "item": 0}
+
+    def state_dict(self) -> dict:
+        return dict(self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = dict(state)
+
+
+class StatefulGptTask(GptTask):
+    """The GPT stream's token shards (stream: true) read through a Stateful IterableDataset of the task's own."""
+
+    def train_dataset(self) -> Any:
+        stream = super().train_dataset()
+        return StatefulTokenShards(stream.files, stream.readers[0])
 
 
 class NoLenTask(BlobTask):

@@ -39,14 +39,20 @@ TINY = ["task.args.block_size=16", "task.args.n_layer=1", "task.args.n_embd=32",
 
 
 @pytest.mark.multiprocess
-def test_the_stream_config_stopped_and_resumed_agrees_with_an_unbroken_run(tmp_path: Path) -> None:
+@pytest.mark.parametrize("task, resumed_at", [
+    ([], "sample 12"),
+    # The same shards through a Stateful IterableDataset of the task's own, read by 2 DataLoader workers: its
+    # per-worker states are checkpointed with the stop's step and restored (mgpu.loader.StatefulStreamLoader).
+    (["task.target=tests.tasks:StatefulGptTask", "data.num_workers=2"], "batch per rank 3")])
+def test_the_stream_config_stopped_and_resumed_agrees_with_an_unbroken_run(task: list[str], resumed_at: str,
+                                                                           tmp_path: Path) -> None:
     path = tiny_tokens(tmp_path)
-    args = ["jobs/train.py", "--config", "jobs/configs/gpt_stream.yaml", f"task.args.tokens={path}", *TINY]
+    args = ["jobs/train.py", "--config", "jobs/configs/gpt_stream.yaml", f"task.args.tokens={path}", *TINY, *task]
     unbroken = run(*args, f"run.dir={tmp_path / 'unbroken'}", timeout=180)
     assert unbroken.returncode == 0, unbroken.stdout + unbroken.stderr
     stopped = run(*args, f"run.dir={tmp_path / 'broken'}", "--stop-at-step", "3", timeout=180)
     assert stopped.returncode == 3, stopped.stdout + stopped.stderr
     resumed = run(*args, f"run.dir={tmp_path / 'broken'}", timeout=180)
-    assert resumed.returncode == 0 and "from step 3 (epoch 0, sample 12)" in resumed.stdout, resumed.stdout
+    assert resumed.returncode == 0 and f"from step 3 (epoch 0, {resumed_at})" in resumed.stdout, resumed.stdout
     verdict = run("jobs/status.py", "--verify", str(tmp_path / "unbroken"), str(tmp_path / "broken"))
     assert verdict.returncode == 0 and "agree" in verdict.stdout and "(1..8)" in verdict.stdout, verdict.stdout
