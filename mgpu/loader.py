@@ -205,6 +205,7 @@ class ResumableLoader:
             if option in dataloader_options:
                 raise ValueError(f"ResumableLoader owns the sample order: {option}= is not an option here")
         self.stream_fingerprint = dataset.fingerprint() if isinstance(dataset, ShardedStream) else None
+        self.stream = dataset if isinstance(dataset, ShardedStream) else None
         self.dataset, self.plan = plan_for(dataset, batch_size, rank, world_size, seed, shuffle)
         self.num_workers, self.collate_fn = num_workers, collate_fn
         self.drop_last, self.requeue_signal, self.stopping, self.agreed = drop_last, requeue_signal, stopping, agreed
@@ -272,11 +273,15 @@ class ResumableLoader:
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"epoch": self.epoch, "position": self.position}
-        if self.stream_fingerprint is not None:
-            state.update(samples=self.plan.num_samples, stream=self.stream_fingerprint)
+        if self.stream is not None:
+            state.update(samples=self.plan.num_samples, stream=self.stream_fingerprint, files=self.stream.manifest())
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("files") is not None and self.stream is not None:
+            from mgpu.stream import check_files
+
+            check_files(state["files"], self.stream, log.warning)  # names the file that changed
         saved = state.get("stream")
         if saved is not None and saved != self.stream_fingerprint:
             from mgpu.stream import StreamError

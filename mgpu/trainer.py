@@ -40,7 +40,7 @@ from mgpu.precision import resolve_precision
 from mgpu.reporting import Reporter, TaskLog, format_metrics
 from mgpu.rng import seed_everything
 from mgpu.session import Session
-from mgpu.stream import ShardedStream
+from mgpu.stream import ShardedStream, StreamFiles
 from mgpu.task import Task, sized_dataset
 from mgpu.train_state import Progress
 
@@ -105,6 +105,7 @@ class Trainer:
         # A Stateful IterableDataset walks itself (its loader); anything else mgpu plans: a stream (mgpu.stream) is
         # trained as its samples by id, in the stream's own order per epoch.
         self.stream = self._stateful_stream(train_set)
+        self.stream_files = StreamFiles(train_set, log.warning) if isinstance(train_set, ShardedStream) else None
         if self.stream is None:
             self.train_set, self.plan = plan_for(train_set, cfg.data.batch_size, self.rank, self.world,
                                                  cfg.train.seed, cfg.data.shuffle)
@@ -211,7 +212,11 @@ class Trainer:
         """What a checkpoint of this run holds (mgpu.train_state adds every rank's RNG state)."""
         objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
                    "progress": self.progress, "config": self.config_dict}
-        return objects if self.stream is None else {**objects, "loader": self.stream}
+        if self.stream is not None:
+            objects["loader"] = self.stream
+        elif self.stream_files is not None:
+            objects["stream"] = self.stream_files  # a resume on changed files is refused, naming the file
+        return objects
 
     def _resume_point(self, loaded: LoadedCheckpoint | None) -> tuple[Progress, dict[str, Any]]:
         """Where the newest checkpoint stands (see mgpu.checkpointer), checked against this run's config, and

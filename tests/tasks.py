@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,35 @@ class StatefulBlobTask(BlobTask):
 
     def train_dataset(self) -> Dataset:
         return StatefulBlobs(Blobs(self.size, 0))
+
+
+class TokenShardTask(Task):
+    """A tiny next-token model (dropout in it) over token shards read through mgpu.stream.ShardedStream:
+    `files`, a glob of uint16 .bin shards; `ids_dir`: append each trained window's first token to ids-rank<R>.txt."""
+
+    def __init__(self, files: str = "", block: int = 8, shuffle_buffer: int = 16, ids_dir: str | None = None,
+                 step_s: float = 0.0) -> None:
+        self.files, self.block, self.shuffle_buffer, self.ids_dir, self.step_s = \
+            files, block, shuffle_buffer, ids_dir, step_s
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64))
+
+    def train_dataset(self) -> Dataset:
+        from mgpu.stream import ShardedStream, TokenWindows
+
+        return ShardedStream(self.files, TokenWindows(self.block, "uint16"), shuffle_buffer=self.shuffle_buffer)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if self.ids_dir:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with open(Path(self.ids_dir) / f"ids-rank{rank}.txt", "a") as f:
+                f.write(" ".join(str(int(w[0])) for w in batch) + "\n")
+        if self.step_s:
+            time.sleep(self.step_s)
+        tokens = batch % 64
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
 
 
 class StatefulTokenShards(IterableDataset):
