@@ -25,7 +25,7 @@ What it costs: the files' sample counts are needed up front (a stat per token fi
 file), and all ranks read the same window of the same shard(s) at a time (one window's worth of
 locality, not one shard per reader). A source that cannot seek (a remote tar stream, a Hugging Face
 streaming dataset) is not this: give it the state_dict()/load_state_dict() protocol instead (see
-mgpu.loader).
+mgpu.stream_loader).
 """
 
 from __future__ import annotations

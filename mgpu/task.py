@@ -147,13 +147,13 @@ def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | 
     if isinstance(dataset, ShardedStream) and not optional:
         return dataset  # resumed by sample id (mgpu.stream)
     if isinstance(dataset, IterableDataset):
-        from mgpu.loader import is_stateful
+        from mgpu.stream_loader import is_stateful
 
         if optional:
             raise TaskError(f"{what} returned an IterableDataset ({name}): an evaluation set is map-style (__len__ "
                             "and __getitem__), so that every sample counts once on one rank")
         if is_stateful(dataset):
-            return dataset  # checkpointed per rank and worker (mgpu.loader.StatefulStreamLoader)
+            return dataset  # checkpointed per rank and worker (mgpu.stream_loader.StatefulStreamLoader)
         raise TaskError(f"{what} returned an IterableDataset ({name}) without state_dict()/load_state_dict(), which "
                         "the trainer cannot resume where it stopped: give it that protocol (torchdata's Stateful, as a "
                         "Hugging Face streaming dataset has), read its files through mgpu.stream.ShardedStream (as "

@@ -33,7 +33,7 @@ from mgpu.distributed import all_reduce
 from mgpu.errors import MgpuError
 from mgpu.evaluation import EvalInterrupted, check_metrics, evaluate
 from mgpu.fsdp import local_grads, no_sync, plain, weights_fingerprint
-from mgpu.loader import Batches, StatefulStreamLoader, make_loader
+from mgpu.loader import Batches, make_loader
 from mgpu.metrics import LossSum, Sums
 from mgpu.optim import build_optimizer, build_scheduler
 from mgpu.precision import resolve_precision
@@ -41,6 +41,7 @@ from mgpu.reporting import Reporter, TaskLog, format_metrics
 from mgpu.rng import seed_everything
 from mgpu.session import Session
 from mgpu.stream import ShardedStream, StreamFiles
+from mgpu.stream_loader import StatefulStreamLoader
 from mgpu.task import Task, sized_dataset
 from mgpu.train_state import Progress
 

@@ -42,7 +42,7 @@ TINY = ["task.args.block_size=16", "task.args.n_layer=1", "task.args.n_embd=32",
 @pytest.mark.parametrize("task, resumed_at", [
     ([], "sample 12"),
     # The same shards through a Stateful IterableDataset of the task's own, read by 2 DataLoader workers: its
-    # per-worker states are checkpointed with the stop's step and restored (mgpu.loader.StatefulStreamLoader).
+    # per-worker states are checkpointed with the stop's step and restored (mgpu.stream_loader.StatefulStreamLoader).
     (["task.target=tests.tasks:StatefulGptTask", "data.num_workers=2"], "batch per rank 3")])
 def test_the_stream_config_stopped_and_resumed_agrees_with_an_unbroken_run(task: list[str], resumed_at: str,
                                                                            tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ from typing import Any, Iterator
 import pytest
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mgpu.loader import ResumableLoader, StatefulStreamLoader, open_loader
+from mgpu.loader import ResumableLoader
+from mgpu.stream_loader import StatefulStreamLoader, open_loader
 from mgpu.stream import StreamError
 from mgpu.train_state import gather_state, restore_state
 
