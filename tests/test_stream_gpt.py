@@ -44,8 +44,10 @@ TINY = ["task.args.block_size=16", "task.args.n_layer=1", "task.args.n_embd=32",
     ([], 1, "sample 12"),
     # The same shards through a Stateful IterableDataset of the task's own, on 2 ranks with 2 DataLoader workers
     # each (a shard per reader): every rank's per-worker states are gathered into the stop's checkpoint and
-    # restored (mgpu.stream_loader.StatefulStreamLoader).
-    (["task.target=tests.tasks:StatefulGptTask", "task.args.shards=4", "data.num_workers=2"], 2, "batch per rank 3")])
+    # restored (mgpu.stream_loader.StatefulStreamLoader). In the sharded store (FSDP2's; here under DDP), which
+    # kept rank 0's alone before; the single-file store's gather: test_stream_resume's own loop on 2 ranks.
+    (["task.target=tests.tasks:StatefulGptTask", "task.args.shards=4", "data.num_workers=2",
+      "checkpoint.format=sharded"], 2, "batch per rank 3")])
 def test_the_stream_config_stopped_and_resumed_agrees_with_an_unbroken_run(task: list[str], ranks: int,
                                                                            resumed_at: str, tmp_path: Path) -> None:
     path = tiny_tokens(tmp_path)
