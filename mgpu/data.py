@@ -35,6 +35,8 @@ class MicroBatch:
     """Real samples in the whole global micro-batch (all ranks)."""
     end_position: int
     """Epoch position (global samples) once this micro-batch is consumed."""
+    ends_epoch: bool = False
+    """It is the epoch's last."""
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
@@ -86,7 +88,7 @@ class ShardPlan:
             real = len(indices)
             if real == 0:
                 indices = [order[position]]
-            yield MicroBatch(indices, real, count, position + count)
+            yield MicroBatch(indices, real, count, position + count, position + count >= self.num_samples)
             position += count
 
     def smallest_micro_batch(self, start: int = 0) -> int:

@@ -57,7 +57,8 @@ if TYPE_CHECKING:
 
     from mgpu.checkpoint import LoadedCheckpoint
     from mgpu.ddp import SessionDDPs
-    from mgpu.loader import ResumableLoader, StatefulStreamLoader
+    from mgpu.loader import ResumableLoader
+    from mgpu.stream_loader import StatefulStreamLoader
     from mgpu.stream import ShardedStream
     from mgpu.stopping import StopController
     from mgpu.train_state import State
@@ -263,7 +264,7 @@ class Session:
         """This rank's batches of `dataset` (`batch_size` per rank), resumable at the exact sample on any
         number of ranks: put it in the state you `save()`. See mgpu.loader.ResumableLoader (map-style, and
         mgpu.stream.ShardedStream) and StatefulStreamLoader (an IterableDataset with state_dict())."""
-        from mgpu.loader import open_loader
+        from mgpu.stream_loader import open_loader
 
         options = {"pin_memory": self.device.type == "cuda", **dataloader_options}
         return open_loader(dataset, batch_size, rank=self.rank, world_size=self.world_size,

@@ -52,6 +52,7 @@ from mgpu.fsutil import fsync_path, write_durably
 from mgpu.ledger import Ledger
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 from mgpu.shard_arrivals import Arrivals, MarkingWriter, late_line
+from mgpu.train_state import gather_rank_states
 
 __all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "restore_sharded", "split_objects"]
 
@@ -264,7 +265,10 @@ class ShardedCheckpointer:
         self.settle()
         self.beat("checkpoint")
         modules, optimizers, rest = split_objects(objects)
+        per_rank = gather_rank_states(rest)  # a stateful stream's loader: every rank's state, not rank 0's alone
         common = _common_state(rest, self.world, self.version) if self.rank == 0 else None
+        if common is not None:
+            common.update({name: {"per_rank": states} for name, states in per_rank.items()})
         if not self._checked_loadable:
             # A state a resume could not read fails at the first save, not at the resume: on every rank.
             problem = None

@@ -25,7 +25,7 @@ What it costs: the files' sample counts are needed up front (a stat per token fi
 file), and all ranks read the same window of the same shard(s) at a time (one window's worth of
 locality, not one shard per reader). A source that cannot seek (a remote tar stream, a Hugging Face
 streaming dataset) is not this: give it the state_dict()/load_state_dict() protocol instead (see
-mgpu.loader).
+mgpu.stream_loader).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from mgpu.errors import MgpuError
 from mgpu.rng import stream_seed
 
-__all__ = ["EpochOrder", "JsonLines", "ShardReader", "ShardedStream", "StreamError", "TokenWindows"]
+__all__ = ["EpochOrder", "JsonLines", "ShardReader", "ShardedStream", "StreamError", "StreamFiles", "TokenWindows",
+           "check_files"]
 
 
 class StreamError(MgpuError):
@@ -277,6 +278,7 @@ class ShardedStream(IterableDataset):
             raise StreamError(f"interleave={interleave}: read at least one lane")
         self.shuffle_buffer, self.interleave, self.seed, self.epoch = shuffle_buffer, interleave, seed, 0
         self.bases = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        self._manifest: dict[str, Any] | None = None
 
     @staticmethod
     def _reader_for(path: str, reader: ShardReader | Mapping[str, ShardReader]) -> ShardReader:
@@ -298,6 +300,15 @@ class ShardedStream(IterableDataset):
                            self.interleave])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def manifest(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the files (see `check_files`): per file its name, sample count, size, mtime
+        and a digest of its first and last 4 KiB; and the buffer and lanes. Taken once per process: the files
+        this run read."""
+        if self._manifest is None:
+            self._manifest = {"files": [_file_record(path, count) for path, count in zip(self.files, self.counts)],
+                              "shuffle_buffer": self.shuffle_buffer, "interleave": self.interleave}
+        return self._manifest
+
     def order(self, seed: int, epoch: int, shuffle: bool = True) -> EpochOrder:
         return EpochOrder(self.counts, seed, epoch, self.shuffle_buffer, shuffle, self.interleave)
 
@@ -317,6 +328,65 @@ class ShardedStream(IterableDataset):
         order = self.order(self.seed, self.epoch)
         for position in range(worker, len(order), workers):
             yield self.read(order[position])
+
+
+_EDGE = 4096  # bytes hashed at each end of a file: a rewrite of the same size is caught without reading it all
+
+
+def _file_record(path: str, count: int) -> dict[str, Any]:
+    stat = Path(path).stat()
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        digest.update(handle.read(_EDGE))
+        if stat.st_size > _EDGE:
+            handle.seek(max(stat.st_size - _EDGE, _EDGE))
+            digest.update(handle.read(_EDGE))
+    return {"name": Path(path).name, "samples": count, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "digest": digest.hexdigest()[:16]}
+
+
+def check_files(saved: Mapping[str, Any], stream: ShardedStream, warn: Callable[[str], None] | None = None) -> None:
+    """StreamError in one line, naming the file, when `stream` is not the checkpoint's (`saved`, its manifest): a
+    file missing, added or moved, its size, sample count or sampled content changed, another buffer or lane count;
+    each would silently give another order or other samples at the saved position. A file whose mtime alone
+    changed (a copy: the same size and sampled content) is told to `warn` and accepted."""
+    fix = "put back the files the run was started with, or train on these as a new run (a new run.dir; " \
+          "Session.load(fresh=True))"
+    now = stream.manifest()
+    before, after = [f["name"] for f in saved["files"]], [f["name"] for f in now["files"]]
+    if before != after:
+        gone = [name for name in before if name not in after]
+        new = [name for name in after if name not in before]
+        what = f"shard {gone[0]} is missing" if gone else f"shard {new[0]} is new" if new else next(
+            f"shard {b} is now number {after.index(b)} (was {i})" for i, (b, a) in enumerate(zip(before, after))
+            if a != b)
+        raise StreamError(f"the stream's files changed since the checkpoint ({len(before)} then, {len(after)} now): "
+                          f"{what}; {fix}")
+    for old, new_file, path in zip(saved["files"], now["files"], stream.files):
+        for key, what in (("bytes", "size in bytes"), ("samples", "sample count"), ("digest", "content")):
+            if old[key] != new_file[key]:
+                change = f" ({old[key]} -> {new_file[key]})" if key != "digest" else " (same size, other bytes)"
+                raise StreamError(f"shard {path} changed since the checkpoint: its {what}{change}; {fix}")
+        if old["mtime_ns"] != new_file["mtime_ns"] and warn is not None:
+            warn(f"shard {path} has another modification time than at the checkpoint, with the same size and "
+                 "sampled content: taken as a copy of the same file")
+    for key in ("shuffle_buffer", "interleave"):
+        if saved[key] != now[key]:
+            raise StreamError(f"the stream's {key} was {saved[key]} at the checkpoint, it is {now[key]}: another "
+                              f"order of the same samples from here; resume with {key}={saved[key]}, or {fix}")
+
+
+class StreamFiles:
+    """A trainer's checkpoint entry for a ShardedStream task dataset: the files' manifest, checked on resume."""
+
+    def __init__(self, stream: ShardedStream, warn: Callable[[str], None] | None = None) -> None:
+        self.stream, self.warn = stream, warn
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.stream.manifest()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_files(state, self.stream, self.warn)
 
 
 class SamplesById(Dataset):

@@ -58,8 +58,11 @@ class Task(ABC):
 
     @abstractmethod
     def train_dataset(self) -> Dataset:
-        """A map-style dataset (`len` and integer indexing), or an mgpu.stream.ShardedStream. Must be the same
-        on every rank."""
+        """A map-style dataset (`len` and integer indexing) or an mgpu.stream.ShardedStream, the same on every
+        rank (mgpu shards it; exact on any world size and worker count); or an IterableDataset with
+        `state_dict()`/`load_state_dict()` (torchdata's Stateful, a Hugging Face streaming dataset) that shards
+        itself over ranks and workers: checkpointed per rank and worker, resumed on the same world size and
+        `data.num_workers`; it has no length, so `train.max_steps` is needed."""
 
     def eval_dataset(self) -> Dataset | None:
         """The held-out dataset for `metrics`, or None for no evaluation."""
@@ -132,7 +135,8 @@ def build_task(target: str, args: Mapping[str, Any]) -> Task:
 
 
 def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | None:
-    """`dataset` if mgpu can shard and resume it (map-style, len() > 0); TaskError in one line otherwise.
+    """`dataset` if mgpu can resume it (map-style with len() > 0; for training also a ShardedStream or a Stateful
+    IterableDataset); TaskError in one line otherwise.
 
     `what` names the method that returned it; `optional`: None is allowed (no evaluation)."""
     if dataset is None and optional:
@@ -143,9 +147,17 @@ def sized_dataset(dataset: Any, what: str, optional: bool = False) -> Dataset | 
     if isinstance(dataset, ShardedStream) and not optional:
         return dataset  # resumed by sample id (mgpu.stream)
     if isinstance(dataset, IterableDataset):
-        raise TaskError(f"{what} returned an IterableDataset ({name}), which the trainer cannot resume at the exact "
-                        "sample: read its files through mgpu.stream.ShardedStream (as jobs/tasks/gpt.py does with "
-                        "stream: true), or give it __len__ and __getitem__")
+        from mgpu.stream_loader import is_stateful
+
+        if optional:
+            raise TaskError(f"{what} returned an IterableDataset ({name}): an evaluation set is map-style (__len__ "
+                            "and __getitem__), so that every sample counts once on one rank")
+        if is_stateful(dataset):
+            return dataset  # checkpointed per rank and worker (mgpu.stream_loader.StatefulStreamLoader)
+        raise TaskError(f"{what} returned an IterableDataset ({name}) without state_dict()/load_state_dict(), which "
+                        "the trainer cannot resume where it stopped: give it that protocol (torchdata's Stateful, as a "
+                        "Hugging Face streaming dataset has), read its files through mgpu.stream.ShardedStream (as "
+                        "jobs/tasks/gpt.py does with stream: true), or give it __len__ and __getitem__")
     try:
         size = len(dataset)
     except TypeError:

@@ -23,7 +23,8 @@ from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_ev
 
 from mgpu.errors import MgpuError
 
-__all__ = ["RESERVED", "Progress", "State", "check_checkpointable", "code_version", "gather_state", "restore_state"]
+__all__ = ["RESERVED", "Progress", "State", "check_checkpointable", "code_version", "gather_rank_states", "gather_state",
+           "restore_state"]
 
 FORMAT = 1
 
@@ -36,7 +37,7 @@ class Progress:
     """Optimizer steps done."""
     epoch: int = 0
     position: int = 0
-    """Global samples of `epoch` already consumed (across all ranks)."""
+    """Global samples of `epoch` already consumed (across all ranks); a Stateful stream's: this rank's batches."""
     samples_seen: int = 0
     best_metric: float | None = None
     evals_without_improvement: int = 0
@@ -171,6 +172,14 @@ class State(MutableMapping[str, Any]):
         return f"State({self._values!r})"
 
 
+def gather_rank_states(objects: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """*Collective.* name -> every rank's `rank_state_dict()`, for the values that have one: a value whose state
+    differs per rank (a stateful stream's loader) says so that way; every rank's goes into the checkpoint (as
+    `{"per_rank": [...]}`), and its `load_state_dict` takes them all and picks its own."""
+    return {name: _gathered(value.rank_state_dict()) for name, value in objects.items()
+            if callable(getattr(value, "rank_state_dict", None))}
+
+
 def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, Any] | None:
     """The checkpoint's content on rank 0 (None elsewhere). A collective: every rank must call it.
 
@@ -178,10 +187,7 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
     DDP is saved as its module), a dataclass (saved as a dict), or a plain value. Every rank's RNG
     state is added, so a resumed rank draws what the saved one would have drawn next."""
     rng = _all_rank_rng_states()
-    # A value whose state differs per rank (a stateful stream's loader) says so with `rank_state_dict()`:
-    # every rank's goes into the checkpoint, and its `load_state_dict` takes them all and picks its own.
-    per_rank = {name: _gathered(value.rank_state_dict()) for name, value in objects.items()
-                if callable(getattr(value, "rank_state_dict", None))}
+    per_rank = gather_rank_states(objects)
     for value in objects.values():
         if _is_zero(value):
             value.consolidate_state_dict(to=0)  # the shards meet on rank 0

@@ -24,7 +24,7 @@ from typing import Any, Iterator, Literal, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from mgpu.checkpoint import LoadedCheckpoint
 from mgpu.config import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config, grad_accum_for
@@ -40,6 +40,8 @@ from mgpu.precision import resolve_precision
 from mgpu.reporting import Reporter, TaskLog, format_metrics
 from mgpu.rng import seed_everything
 from mgpu.session import Session
+from mgpu.stream import ShardedStream, StreamFiles
+from mgpu.stream_loader import StatefulStreamLoader
 from mgpu.task import Task, sized_dataset
 from mgpu.train_state import Progress
 
@@ -103,9 +105,13 @@ class Trainer:
                                                       optional=True)
         # Micro-steps per optimizer step: data.global_batch_size keeps the step's samples on any world size.
         self.accum = grad_accum_for(cfg, self.world)
-        # A stream (mgpu.stream) is trained as its samples by id, in the stream's own order per epoch.
-        self.train_set, self.plan = plan_for(train_set, cfg.data.batch_size, self.rank, self.world, cfg.train.seed,
-                                             cfg.data.shuffle)
+        # A Stateful IterableDataset walks itself (its loader); anything else mgpu plans: a stream (mgpu.stream) is
+        # trained as its samples by id, in the stream's own order per epoch.
+        self.stream = self._stateful_stream(train_set)
+        self.stream_files = StreamFiles(train_set, log.warning) if isinstance(train_set, ShardedStream) else None
+        if self.stream is None:
+            self.train_set, self.plan = plan_for(train_set, cfg.data.batch_size, self.rank, self.world,
+                                                 cfg.train.seed, cfg.data.shuffle)
 
         # The same initial weights everywhere (DDP also broadcasts rank 0's), then per-rank streams
         # so dropout and augmentation differ between ranks.
@@ -167,6 +173,8 @@ class Trainer:
     # ------------------------------------------------------------------ setup
     def _check_batch_norm_batches(self) -> None:
         """BatchNorm cannot train on one sample: fail now rather than at the end of the first epoch."""
+        if self.stream is not None:
+            return  # a stream's batch sizes are known only as it is read
         has_norm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in self.model.modules())
         starts = {self.progress.position, 0} if self.progress.epoch + 1 < self.cfg.train.epochs else {
             self.progress.position}
@@ -207,8 +215,13 @@ class Trainer:
 
     def _objects(self) -> dict[str, Any]:
         """What a checkpoint of this run holds (mgpu.train_state adds every rank's RNG state)."""
-        return {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
-                "progress": self.progress, "config": self.config_dict}
+        objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
+                   "progress": self.progress, "config": self.config_dict}
+        if self.stream is not None:
+            objects["loader"] = self.stream
+        elif self.stream_files is not None:
+            objects["stream"] = self.stream_files  # a resume on changed files is refused, naming the file
+        return objects
 
     def _resume_point(self, loaded: LoadedCheckpoint | None) -> tuple[Progress, dict[str, Any]]:
         """Where the newest checkpoint stands (see mgpu.checkpointer), checked against this run's config, and
@@ -226,6 +239,8 @@ class Trainer:
 
     def _total_steps(self) -> int:
         """Optimizer steps of the whole run: done so far + what is left from here on this world size."""
+        if self.stream is not None:  # no length: train.max_steps (checked set) is the run's length
+            return max(self.cfg.train.max_steps or 0, self.progress.step)
         accum = self.accum
         per_epoch = math.ceil(self.plan.micro_steps_left(0) / accum)
         p = self.progress
@@ -239,6 +254,21 @@ class Trainer:
         return max(total, p.step)
 
     # ------------------------------------------------------------------ data
+    def _stateful_stream(self, dataset: Any) -> StatefulStreamLoader | None:
+        """For an IterableDataset with state_dict()/load_state_dict() (mgpu.task.sized_dataset let it through):
+        its loader, checkpointed per rank and worker; None for a map-style dataset or a ShardedStream."""
+        if not isinstance(dataset, IterableDataset) or isinstance(dataset, ShardedStream):
+            return None
+        cfg = self.cfg
+        if cfg.train.max_steps is None:
+            raise MgpuError(f"{type(self.task).__name__}.train_dataset() is a stream without a length "
+                            f"({type(dataset).__name__}): set train.max_steps (the run's optimizer steps; the LR "
+                            f"schedule needs them); train.epochs stays an upper bound")
+        return StatefulStreamLoader(dataset, cfg.data.batch_size, rank=self.rank, world_size=self.world,
+                                    seed=cfg.train.seed, num_workers=cfg.data.num_workers,
+                                    collate_fn=self.task.collate_fn(), requeue_signal=cfg.preemption.signal,
+                                    pin_memory=self.device.type == "cuda")
+
     def _loader(self, dataset: Dataset, batches: list[list[int]], workers: int | None = None) -> DataLoader:
         return make_loader(dataset, batches, num_workers=self.cfg.data.num_workers if workers is None else workers,
                            seed=self.cfg.train.seed, epoch=self.progress.epoch, rank=self.rank,
@@ -251,6 +281,9 @@ class Trainer:
 
     def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
         """Groups of `accum` micro-batches, epoch after epoch, from the current position."""
+        if self.stream is not None:
+            yield from self._stream_steps(self.stream)
+            return
         while self.progress.epoch < self.cfg.train.epochs:
             micro = list(self.plan.micro_batches(self.progress.epoch, self.progress.position))
             indices = [m.indices for m in micro]
@@ -262,14 +295,29 @@ class Trainer:
                     yield group
                     group = []
 
+    def _stream_steps(self, stream: StatefulStreamLoader) -> Iterator[list[tuple[MicroBatch, Any]]]:
+        """As _optimizer_steps, for a stateful stream: its position counts this rank's batches of the epoch, and
+        it says at an epoch's last batch that it is the last (it looks one batch ahead)."""
+        while stream.epoch < self.cfg.train.epochs:
+            group: list[tuple[MicroBatch, Any]] = []
+            for batch in stream:
+                # A streamed sample has no index: `indices` are its places in the batch; all are real.
+                group.append((MicroBatch(list(range(stream.last_size)), stream.last_size, stream.last_global_size,
+                                         stream.position, stream.position == 0), batch))
+                if len(group) == self.accum or stream.position == 0:
+                    yield group
+                    group = []
+
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
         cfg, p, session = self.cfg, self.progress, self.session
         if self.is_main:
             self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
             self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
-                               f"{self.device}, from step {p.step} (epoch {p.epoch}, sample {p.position}), "
-                               f"{self.plan.global_batch * self.accum} samples a step ({self.accum} micro-step(s))")
+                               f"{self.device}, from step {p.step} (epoch {p.epoch}, " + (
+                                   f"sample {p.position}), {self.plan.global_batch * self.accum} samples a step "
+                                   f"({self.accum} micro-step(s))" if self.stream is None
+                                   else f"batch per rank {p.position}), {self.accum} micro-step(s) a step"))
         log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
         status: Literal["finished", "stopped", "early_stopped"] = "finished"
         self.model.train()
@@ -287,7 +335,7 @@ class Trainer:
                 p.step += 1
                 p.position = group[-1][0].end_position
                 p.samples_seen += sum(mb.global_count for mb, _ in group)
-                epoch_end = p.position >= self.plan.num_samples
+                epoch_end = group[-1][0].ends_epoch
                 if epoch_end:
                     p.epoch, p.position = p.epoch + 1, 0
                 last = p.step >= self.total_steps

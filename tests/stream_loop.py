@@ -7,7 +7,7 @@ a tiny next-token model with dropout, AdamW, a save every few steps, and a per-s
 
 --signal-at K: right after optimizer step K the last rank sends SIGTERM to its whole process group (every
 rank and DataLoader worker the test started), as slurmstepd does. --stateful: the shards through a Stateful
-IterableDataset of the loop's own (mgpu.loader.StatefulStreamLoader) instead of mgpu.stream.
+IterableDataset of the loop's own (mgpu.stream_loader.StatefulStreamLoader) instead of mgpu.stream.
 """
 
 from __future__ import annotations

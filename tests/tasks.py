@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
+from jobs.tasks.gpt import GptTask
 from mgpu.task import Task
 
 
@@ -178,6 +181,109 @@ class StreamTask(BlobTask):
                 yield from Blobs(8, 0)
 
         return Stream()
+
+
+class StatefulBlobs(IterableDataset):
+    """Blobs as a user's Stateful stream (as a Hugging Face streaming dataset is): rank r's worker w of W reads
+    the contiguous blocks r * W + w, + R * W, ... of `block` items; its state is its (block, item) cursor."""
+
+    def __init__(self, blobs: Blobs, block: int = 7) -> None:
+        self.blobs, self.block = blobs, block
+        self.cursor = {"block": 0, "item": 0}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        blocks = range(0, len(self.blobs), self.block)
+        mine = blocks[rank * workers + worker::world * workers]
+        while self.cursor["block"] < len(mine):
+            start = mine[self.cursor["block"]]
+            while self.cursor["item"] < min(self.block, len(self.blobs) - start):
+                item = self.blobs[start + self.cursor["item"]]
+                self.cursor["item"] += 1
+                yield item
+            self.cursor = {"block": self.cursor["block"] + 1, "item": 0}
+        self.cursor = {"block": 0, "item": 0}
+
+    def state_dict(self) -> dict:
+        return dict(self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = dict(state)
+
+
+class StatefulBlobTask(BlobTask):
+    """BlobTask whose training set is a Stateful IterableDataset (no length): train.max_steps sets the run."""
+
+    def train_dataset(self) -> Dataset:
+        return StatefulBlobs(Blobs(self.size, 0))
+
+
+class TokenShardTask(Task):
+    """A tiny next-token model (dropout in it) over token shards read through mgpu.stream.ShardedStream:
+    `files`, a glob of uint16 .bin shards; `ids_dir`: append each trained window's first token to ids-rank<R>.txt."""
+
+    def __init__(self, files: str = "", block: int = 8, shuffle_buffer: int = 16, ids_dir: str | None = None,
+                 step_s: float = 0.0) -> None:
+        self.files, self.block, self.shuffle_buffer, self.ids_dir, self.step_s = \
+            files, block, shuffle_buffer, ids_dir, step_s
+
+    def build_model(self) -> nn.Module:
+        return nn.Sequential(nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64))
+
+    def train_dataset(self) -> Dataset:
+        from mgpu.stream import ShardedStream, TokenWindows
+
+        return ShardedStream(self.files, TokenWindows(self.block, "uint16"), shuffle_buffer=self.shuffle_buffer)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        if self.ids_dir:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            with open(Path(self.ids_dir) / f"ids-rank{rank}.txt", "a") as f:
+                f.write(" ".join(str(int(w[0])) for w in batch) + "\n")
+        if self.step_s:
+            time.sleep(self.step_s)
+        tokens = batch % 64
+        logits = model(tokens[:, :-1])
+        return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
+
+
+class StatefulTokenShards(IterableDataset):
+    """Token shards as a user's Stateful stream (no mgpu.stream order): rank r's worker w of W reads shards
+    r * W + w, + R * W, ... front to back; its state is its (shard, window) cursor."""
+
+    def __init__(self, files: list[str], reader: Any) -> None:
+        self.files, self.reader = files, reader
+        self.cursor = {"shard": 0, "item": 0}
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        mine = self.files[rank * workers + worker::world * workers]
+        while self.cursor["shard"] < len(mine):
+            path = mine[self.cursor["shard"]]
+            while self.cursor["item"] < self.reader.count(path):
+                window = self.reader.read(path, self.cursor["item"])
+                self.cursor["item"] += 1
+                yield window
+            self.cursor = {"shard": self.cursor["shard"] + 1, "item": 0}
+        self.cursor = {"shard": 0, "item": 0}
+
+    def state_dict(self) -> dict:
+        return dict(self.cursor)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor = dict(state)
+
+
+class StatefulGptTask(GptTask):
+    """The GPT stream's token shards (stream: true) read through a Stateful IterableDataset of the task's own."""
+
+    def train_dataset(self) -> Any:
+        stream = super().train_dataset()
+        return StatefulTokenShards(stream.files, stream.readers[0])
 
 
 class NoLenTask(BlobTask):

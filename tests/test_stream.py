@@ -260,10 +260,79 @@ def test_a_changed_set_of_files_is_refused_on_resume(tmp_path: Path) -> None:
     stream = mixed_stream(tmp_path)
     state = loaders(stream, 1, 0)[0].state_dict()
     smaller = ShardedStream(stream.files[:2], TokenWindows(8))
-    with pytest.raises(StreamError, match="the same files .* are needed"):
+    with pytest.raises(StreamError, match=r"files changed since the checkpoint \(3 then, 2 now\): shard extra.jsonl "
+                                          r"is missing; put back the files the run was started with"):
         loaders(smaller, 1, 0)[0].load_state_dict(state)
+    old_style = {key: value for key, value in state.items() if key != "files"}  # a checkpoint before the manifest
+    with pytest.raises(StreamError, match="the same files .* are needed"):
+        loaders(smaller, 1, 0)[0].load_state_dict(old_style)
     with pytest.raises(StreamError, match="this run gives a map-style dataset"):
         ResumableLoader(list(range(25)), 2, rank=0, world_size=1).load_state_dict(state)  # type: ignore[arg-type]
+
+
+def test_a_changed_shard_file_is_refused_on_resume_naming_it(tmp_path: Path) -> None:
+    """A file's size, content (same size), sample count, place in the list, or the buffer: each would give other
+    samples or another order at the saved position. A new mtime alone (a copy) is said, and accepted."""
+    import os
+
+    from mgpu.stream import StreamFiles
+
+    stream = mixed_stream(tmp_path)
+    saved = StreamFiles(stream).state_dict()
+    state = loaders(stream, 1, 0)[0].state_dict()
+    first = Path(stream.files[0])
+    original = first.read_bytes()
+
+    def reopened(shuffle_buffer: int = 8, files: list[str] = stream.files) -> ShardedStream:
+        return ShardedStream(files, {".bin": TokenWindows(8), ".jsonl": JsonLines()}, shuffle_buffer=shuffle_buffer)
+
+    def refused(match: str, stream: ShardedStream) -> None:
+        with pytest.raises(StreamError, match=match):
+            StreamFiles(stream).load_state_dict(saved)  # the trainer's checkpoint entry
+        with pytest.raises(StreamError, match=match):
+            loaders(stream, 1, 0)[0].load_state_dict(state)  # a loop's loader
+
+    first.write_bytes(original + b"\0\0")  # one token more: the same windows, another file
+    refused(r"shard .*shard-000.bin changed since the checkpoint: its size in bytes \(146 -> 148\); put back", reopened())
+    first.write_bytes(original[:-2] + b"\1\1")  # re-tokenized to the same size
+    refused(r"shard .*shard-000.bin changed .*: its content \(same size, other bytes\)", reopened())
+    first.write_bytes(original[:-18])  # one window fewer (the size is told first)
+    refused(r"shard-000.bin changed .*: its size in bytes \(146 -> 128\)", reopened())
+    first.write_bytes(original)
+    refused(r"shard shard-000.bin is now number 1 \(was 0\)", reopened(files=[stream.files[1], stream.files[0],
+                                                                               stream.files[2]]))
+    refused(r"shuffle_buffer was 8 at the checkpoint, it is 4: .*resume with shuffle_buffer=8", reopened(4))
+    os.utime(first, ns=(1, 1))  # a copy: another mtime, the same bytes
+    told: list[str] = []
+    StreamFiles(reopened(), told.append).load_state_dict(saved)
+    assert len(told) == 1 and "shard-000.bin has another modification time" in told[0]
+    resumed = loaders(reopened(), 1, 0)[0]
+    resumed.load_state_dict(state)
+    assert resumed.position == state["position"]
+
+
+def test_the_trainer_refuses_a_resume_on_changed_shard_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task's ShardedStream: its files' manifest is in the trainer's checkpoint, checked on resume (in process,
+    a world of one; tests.tasks.TokenShardTask)."""
+    from mgpu.config import load_config
+    from mgpu.environment import detect_environment
+    from mgpu.job import run_training
+
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's own side effect
+    files = token_shards(tmp_path, [8 * 9 + 1, 8 * 5 + 1])
+    cfg = load_config(None, ["task.target=tests.tasks:TokenShardTask", f"task.args.files={tmp_path}/*.bin",
+                             "data.batch_size=2", "train.epochs=2", "log.tensorboard=false", "eval.every_steps=0",
+                             f"run.dir={tmp_path / 'run'}"])
+    monkeypatch.setenv("MGPU_STOP_AT_STEP", "2")
+    stopped, _ = run_training(cfg, env=detect_environment({}))
+    assert stopped.status == "stopped" and stopped.step == 2
+    monkeypatch.delenv("MGPU_STOP_AT_STEP")
+    Path(files[1]).write_bytes(Path(files[1]).read_bytes()[:-16])  # a shard rewritten one window shorter
+    with pytest.raises(StreamError, match=r"shard .*shard-001.bin changed since the checkpoint: its size in bytes "
+                                          r"\(82 -> 66\); put back the files"):
+        run_training(cfg, env=detect_environment({}))
 
 
 @pytest.mark.parametrize("world, batch, drop_last, stop", [(2, 3, False, 2), (3, 2, True, 1), (1, 4, False, 0)])

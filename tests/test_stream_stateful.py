@@ -5,12 +5,14 @@ DataLoader workers, a world of one (gloo not needed); the per-rank gather throug
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mgpu.loader import ResumableLoader, StatefulStreamLoader, open_loader
+from mgpu.loader import ResumableLoader
+from mgpu.stream_loader import StatefulStreamLoader, open_loader
 from mgpu.stream import StreamError
 from mgpu.train_state import gather_state, restore_state
 
@@ -118,3 +120,87 @@ def test_every_epoch_starts_from_the_beginning() -> None:
     one = take(loader, 100)
     two = take(loader, 100)
     assert loader.epoch == 2 and one == two
+
+
+# ------------------------------------------------------------------ through the trainer (a Task's train_dataset)
+# tests.tasks.StatefulBlobTask: 40 blobs as a Stateful stream in blocks of 7. In process, a world of one (the
+# per-rank gather is the Session's, tested above and on real ranks in tests/test_stream_gpt.py). Batches of 3,
+# two per step: with 0 workers 14 batches (the last of 1 sample), 7 steps an epoch; with 2 workers too
+# (21 and 19 samples). Epoch ends evaluate and checkpoint (the defaults), so the trainer must know them.
+STATEFUL = ["task.target=tests.tasks:StatefulBlobTask", "task.args.batch_norm=false", "data.batch_size=3",
+            "train.grad_accum=2", "train.max_steps=17", "train.epochs=5", "log.every_steps=1",
+            "log.tensorboard=false", "optim.lr=0.05"]
+
+
+def fit(run_dir: Path, workers: int, monkeypatch: pytest.MonkeyPatch, stop_at: int | None = None,
+        *extra: str) -> Any:
+    from mgpu.config import load_config
+    from mgpu.environment import detect_environment
+    from mgpu.job import run_training
+
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(run_dir.parent / "inductor"))  # torch's own side effect
+    if stop_at is None:
+        monkeypatch.delenv("MGPU_STOP_AT_STEP", raising=False)
+    else:
+        monkeypatch.setenv("MGPU_STOP_AT_STEP", str(stop_at))
+    ids = run_dir.parent / f"{run_dir.name}-ids"
+    ids.mkdir(exist_ok=True)
+    cfg = load_config(None, [*STATEFUL, f"data.num_workers={workers}", f"task.args.ids_dir={ids}",
+                             f"run.dir={run_dir}", *extra])
+    result, _ = run_training(cfg, env=detect_environment({}))
+    return result
+
+
+def trained(run_dir: Path) -> list[int]:
+    return [int(i) for line in (run_dir.parent / f"{run_dir.name}-ids" / "ids-rank0.txt").read_text().splitlines()
+            for i in line.split()]
+
+
+def model_state(run_dir: Path) -> dict[str, Any]:
+    from mgpu.checkpoint import CheckpointStore
+
+    latest = CheckpointStore(run_dir / "checkpoints").latest()
+    assert latest is not None
+    return latest.state
+
+
+@pytest.mark.parametrize("workers, stop_at", [(0, 3), (2, 7), (2, 10)])  # mid-epoch; an epoch's last step
+def test_a_task_with_a_stateful_stream_resumes_as_the_unbroken_run(workers: int, stop_at: int, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from mgpu.ledger import read_ledger
+
+    unbroken = fit(tmp_path / "unbroken", workers, monkeypatch)
+    assert unbroken.status == "finished" and unbroken.step == 17 and unbroken.epoch == 2
+    evaluated = [e["step"] for e in read_ledger(tmp_path / "unbroken" / "events.jsonl") if e["event"] == "evaluated"]
+    assert evaluated == [7, 14, 17]  # each epoch's end, known at its last step; then the run's end
+    ids = trained(tmp_path / "unbroken")
+    assert sorted(ids[:40]) == sorted(ids[40:80]) == list(range(40))
+    stopped = fit(tmp_path / "broken", workers, monkeypatch, stop_at)
+    assert stopped.status == "stopped" and stopped.step == stop_at
+    resumed = fit(tmp_path / "broken", workers, monkeypatch)
+    assert resumed.status == "finished" and resumed.resumed_step == stop_at
+    assert trained(tmp_path / "broken") == ids  # no sample twice, none skipped, in the same batches
+    a, b = model_state(tmp_path / "broken"), model_state(tmp_path / "unbroken")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert a["progress"] == b["progress"]
+
+
+def test_a_task_stream_refuses_in_one_line_what_it_cannot_guarantee(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu.errors import MgpuError
+    from mgpu.task import TaskError, sized_dataset
+    from tests.tasks import StatefulBlobs, Blobs
+
+    with pytest.raises(MgpuError, match=r"stream without a length \(StatefulBlobs\): set train.max_steps"):
+        fit(tmp_path / "run", 0, monkeypatch, None, "train.max_steps=null")
+    fit(tmp_path / "run", 2, monkeypatch, 3)
+    with pytest.raises(StreamError, match=r"saved by 2 DataLoader worker\(s\) per rank, this run has num_workers=0"):
+        fit(tmp_path / "run", 0, monkeypatch)
+    with pytest.raises(TaskError, match=r"Plain\) without state_dict\(\)/load_state_dict\(\).*give it that protocol"):
+        sized_dataset(Plain(), "T.train_dataset()")
+    with pytest.raises(TaskError, match="an evaluation set is map-style"):
+        sized_dataset(StatefulBlobs(Blobs(4, 0)), "T.eval_dataset()", optional=True)

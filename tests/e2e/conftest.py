@@ -123,12 +123,15 @@ def slurm_policy(slurm_cluster: SlurmCluster) -> Iterator[Callable[..., str]]:
 
 
 @pytest.fixture(scope="session")
-def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[int, Reference]]:
-    from job_helpers import SLOW, SLOW4, Reference
+def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+               ) -> Iterator[dict[int | str, Reference]]:
+    """Uninterrupted runs: of SLOW on 2 and 4 ranks, and of its stream on 2 ranks ("stream")."""
+    from job_helpers import SLOW, SLOW4, Reference, slow_stream
 
     base = tmp_path_factory.mktemp("reference")
-    refs = {2: Reference(base / "world2", 2, SLOW)}
+    refs: dict[int | str, Reference] = {2: Reference(base / "world2", 2, SLOW)}
     refs[4] = Reference(base / "world4", 4, SLOW4)
+    refs["stream"] = Reference(base / "stream2", 2, slow_stream(base / "stream-data"), port_offset=10)
     try:
         yield refs
     finally:

@@ -33,6 +33,13 @@ BLOB = ["task.target=tests.tasks:BlobTask", "train.epochs=2", "data.batch_size=4
 SLOW = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.2", "train.epochs=3", "data.batch_size=2",
         "log.every_steps=1", "checkpoint.every_steps=2", "schedule.name=cosine", "schedule.warmup_steps=3",
         "optim.lr=0.01"]
+# The same job over a token-shard stream (tests.e2e.jobtasks.SlowStreamTask): 40 windows, 10 steps an epoch too.
+# `data_dir` (where the task writes its shards) is the caller's: slow_stream(dir).
+def slow_stream(data_dir: Path) -> list[str]:
+    return ["task.target=tests.e2e.jobtasks:SlowStreamTask", f"task.args.data_dir={data_dir}",
+            *[arg for arg in SLOW if not arg.startswith("task.")], "task.args.step_s=0.2"]
+
+
 SLOW_STEPS = 30
 STEPS_PER_EPOCH = 10
 # World size 4 (2 nodes x 2 ranks): 40 samples, 1 per rank -> 10 steps per epoch as well. No batch norm
@@ -174,10 +181,11 @@ def assert_placement(cluster: SlurmCluster, jobid: str, run_dir: Path, world: in
 class Reference:
     """An uninterrupted torchrun run of SLOW (or SLOW4) on this machine, started in the background."""
 
-    def __init__(self, run_dir: Path, world: int, config: list[str]) -> None:
+    def __init__(self, run_dir: Path, world: int, config: list[str], port_offset: int = 0) -> None:
+        """`port_offset`: for a second reference of the same world size (the ports differ by world size)."""
         self.run_dir = run_dir
         self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
-        port = str(29400 + os.getpid() % 500 + world)
+        port = str(29400 + os.getpid() % 500 + world + port_offset)
         self.proc = subprocess.Popen([TORCHRUN, "--nproc-per-node", str(world), "--master-port", port, TRAIN,
                                       f"run.dir={run_dir}", *config], cwd=ROOT, env=base_env(), stdout=self.log,
                                      stderr=subprocess.STDOUT)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.tasks import BlobTask, Blobs, SignalingBlobTask
+from tests.tasks import BlobTask, Blobs, SignalingBlobTask, TokenShardTask
 
 
 class FirstRunSlowBlobTask(BlobTask):
@@ -105,3 +105,25 @@ class WorkerDeathAfterStopTask(SignalingBlobTask):
 
     def train_dataset(self):
         return DyingWorkerBlobs(self.size, 0, self.once_file, self.claim_file)
+
+
+STREAM_WINDOWS = [13, 5, 12, 10]  # 40 windows of 8 tokens, in shards of uneven size
+
+
+class SlowStreamTask(TokenShardTask):
+    """A token-shard stream (mgpu.stream.ShardedStream) for a preempted streaming job: the shards are written
+    into `data_dir` on first use (token t of shard k is k * 1000 + t; each file once, atomically, whichever rank
+    gets there first), 40 windows: with 2 ranks and data.batch_size=2, 10 steps an epoch, as SlowBlobTask's
+    job. `step_s` per loss call paces it so that a preemption lands mid-epoch."""
+
+    def __init__(self, data_dir: str = "", **kwargs) -> None:
+        import numpy as np
+
+        os.makedirs(data_dir, exist_ok=True)
+        for k, windows in enumerate(STREAM_WINDOWS):
+            path = os.path.join(data_dir, f"shard-{k}.bin")
+            if not os.path.exists(path):
+                part = f"{path}.{os.getpid()}.part"
+                (k * 1000 + np.arange(windows * 8 + 1)).astype("uint16").tofile(part)
+                os.replace(part, path)
+        super().__init__(files=os.path.join(data_dir, "*.bin"), **kwargs)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import pytest
-from job_helpers import (BLOB, SLOW, SLOW_STEPS, SLOW4, TWO_RANKS, FOUR_RANKS, ALL_CPUS, KILL_WAIT_S, submit, submit_one, preempt, cancel, job_output, events, wait_steps, mid_epoch, checkpoint_state, assert_same_training, assert_resumed_where_stopped, rank_record, assert_placement, Reference)
+from job_helpers import (BLOB, SLOW, SLOW_STEPS, slow_stream, SLOW4, TWO_RANKS, FOUR_RANKS, ALL_CPUS, KILL_WAIT_S, submit, submit_one, preempt, cancel, job_output, events, wait_steps, mid_epoch, checkpoint_state, assert_same_training, assert_resumed_where_stopped, rank_record, assert_placement, Reference)
 from slurm_helpers import final_state, job, runs, wait_until
 
 from tests.conftest import PYTHON, ROOT, base_env
@@ -109,16 +109,20 @@ def test_a_cancelled_template_job_prints_the_command_that_continues_it(slurm_clu
 # ---------------------------------------------------------------------------------- 3-5: preemption
 # With the user signal (send_user_signal), both grace times are the fault matrix's preempt-grace0 and
 # preempt-grace10 rows (tests/e2e/test_fault_matrix.py: the signal, the decision, bit-identical); here the
-# policies without it, where SIGTERM alone starts the stop.
-POLICIES = [pytest.param(0, False, id="grace0-nosignal"), pytest.param(10, False, id="grace10-nosignal")]
+# policies without it, where SIGTERM alone starts the stop. One policy's job reads a token-shard stream
+# (mgpu.stream.ShardedStream) instead of the map-style blobs: a preempted streaming job resumes at the exact
+# sample, bit-identical to an unbroken stream run.
+POLICIES = [pytest.param(0, False, False, id="grace0-nosignal"),
+            pytest.param(10, False, True, id="grace10-nosignal-stream")]
 
 
-@pytest.mark.parametrize("grace, user_signal", POLICIES)
-def test_preempted_job_resumes_bit_identical(grace: int, user_signal: bool, slurm_cluster: SlurmCluster,
-                                             slurm_policy: Callable[..., str], references: dict[int, Reference],
-                                             tmp_path: Path) -> None:
+@pytest.mark.parametrize("grace, user_signal, stream", POLICIES)
+def test_preempted_job_resumes_bit_identical(grace: int, user_signal: bool, stream: bool, slurm_cluster: SlurmCluster,
+                                             slurm_policy: Callable[..., str],
+                                             references: dict[int | str, Reference], tmp_path: Path) -> None:
     slurm_policy(grace=grace, user_signal=user_signal)
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS, *SLOW)
+    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *ALL_CPUS,
+                                *(slow_stream(tmp_path / "data") if stream else SLOW))
     high = ""
     try:
         wait_steps(run_dir, run=1, steps=2, when=mid_epoch)
@@ -145,7 +149,10 @@ def test_preempted_job_resumes_bit_identical(grace: int, user_signal: bool, slur
         else:
             assert (decision["what"], decision["requeue"]) == ("preempted", True), decision
             assert [(e["how"], e["step"]) for e in requeued] == [("self", stop_step)], requeued
-        assert_same_training(run_dir, references[2].state())
+        assert_same_training(run_dir, references["stream" if stream else 2].state())
+        if stream:  # the files' manifest went into the checkpoint (a resume on changed files is refused)
+            assert [f["name"] for f in checkpoint_state(run_dir)["stream"]["files"]] == [
+                f"shard-{k}.bin" for k in range(4)]
     finally:
         cancel(slurm_cluster, jobid, high)
 
