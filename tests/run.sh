@@ -8,7 +8,10 @@
 # runs the type checker (mypy, configured in setup.cfg), then pytest. Without root the real-Slurm tests
 # skip with the reason; with CI=true they fail, and MGPU_SKIP_SLURM is refused: CI runs everything.
 # Without arguments the end-to-end lane (tests/e2e: mostly waiting on Slurm) runs as a second pytest beside
-# the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does.
+# the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does. The rest
+# runs in MGPU_TEST_WORKERS pytest-xdist workers (default 3, one test file each at a time: a file's shared
+# reference runs stay in one worker): its real-process tests mostly wait (watchdog allowances, sleep-paced
+# steps, a process's start), so 3 workers keep 2 cores busy; 1 runs it in one process.
 # It says what it will install and start before it does any of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +25,11 @@ if [ -n "$skip_slurm" ] && [ "${CI:-}" = true ]; then
   echo "tests/run.sh: MGPU_SKIP_SLURM=1 is refused with CI=true: CI runs every test, the real-Slurm ones too" >&2
   exit 2
 fi
+
+workers=${MGPU_TEST_WORKERS:-3}
+case $workers in *[!0-9]* | "" | 0) echo "tests/run.sh: MGPU_TEST_WORKERS=$workers: a number of workers >= 1" >&2; exit 2 ;; esac
+parallel=()
+[ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
 
 # ----------------------------------------------------------------------------- what it will do
 venv_note="creates .venv (python3 -m venv) and"
@@ -83,7 +91,7 @@ e2e_pid=$!
 trap 'kill "$e2e_pid" 2>/dev/null || true; rm -f "$e2e_log"' EXIT
 echo "tests/run.sh: the end-to-end lane (pytest tests/e2e) runs beside this one; its output follows"
 rc_rest=0
-.venv/bin/python -m pytest --ignore=tests/e2e || rc_rest=$?
+.venv/bin/python -m pytest --ignore=tests/e2e "${parallel[@]}" || rc_rest=$?
 rc_e2e=0
 wait "$e2e_pid" || rc_e2e=$?
 echo

@@ -45,7 +45,7 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
 def _run(tmp_path: Path, args: tuple[str, ...] = ("-q",), **env: str
          ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
     repo, log = _tree(tmp_path)
-    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "MGPU_SKIP_SLURM", "FAIL_ON")}
+    environ = {k: v for k, v in os.environ.items() if k not in ("CI", "MGPU_SKIP_SLURM", "FAIL_ON", "MGPU_TEST_WORKERS")}
     environ.update(PATH=f"{tmp_path / 'bin'}:{environ.get('PATH', '/usr/bin:/bin')}", **env)
     result = subprocess.run(["bash", str(repo / "tests" / "run.sh"), *args], env=environ,
                             capture_output=True, text=True, timeout=60)
@@ -80,6 +80,8 @@ def test_skip_slurm_starts_no_cluster_and_leaves_out_e2e(tmp_path: Path) -> None
     ({"MGPU_SKIP_SLURM": "1", "CI": "true"},
      "MGPU_SKIP_SLURM=1 is refused with CI=true: CI runs every test, the real-Slurm ones too"),
     ({"MGPU_SKIP_SLURM": "yes"}, "MGPU_SKIP_SLURM=yes: set it to 1 (skip the real-Slurm tests) or leave it unset"),
+    ({"MGPU_TEST_WORKERS": "two"}, "MGPU_TEST_WORKERS=two: a number of workers >= 1"),
+    ({"MGPU_TEST_WORKERS": "0"}, "MGPU_TEST_WORKERS=0: a number of workers >= 1"),
 ])
 def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect: str) -> None:
     result, calls = _run(tmp_path, **env)
@@ -88,7 +90,7 @@ def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the cluster part of run.sh runs as root only")
-@pytest.mark.parametrize("fail_on, rc", [("", 0), ("pytest tests/e2e", 1), ("--ignore=tests/e2e", 1), ("mypy", 1)])
+@pytest.mark.parametrize("fail_on, rc", [("", 0), ("pytest tests/e2e", 1), ("--dist loadfile", 1), ("mypy", 1)])
 def test_without_arguments_two_lanes_run_side_by_side_and_either_fails_it(tmp_path: Path, fail_on: str,
                                                                            rc: int) -> None:
     """What CI runs: mypy first (its failure stops the script), then the end-to-end lane and the rest as two
@@ -99,9 +101,11 @@ def test_without_arguments_two_lanes_run_side_by_side_and_either_fails_it(tmp_pa
     if fail_on == "mypy":
         assert calls[-1] == "CALLED python -m mypy" and not pytests
         return
-    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e", "CALLED python -m pytest tests/e2e"]
+    # the rest in 3 pytest-xdist workers (a file at a time each); the end-to-end lane in one process
+    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e -n 3 --dist loadfile",
+                       "CALLED python -m pytest tests/e2e"]
     out = result.stdout.splitlines()
-    first = 1 if fail_on == "--ignore=tests/e2e" else 0
+    first = 1 if fail_on == "--dist loadfile" else 0
     second = 1 if fail_on == "pytest tests/e2e" else 0
     assert f"tests/run.sh: exit status {first} (pytest --ignore=tests/e2e, above) and {second} (pytest tests/e2e, " \
            "run beside it, below)" in out, out
