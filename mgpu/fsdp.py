@@ -4,8 +4,8 @@ where a loop written for DDP must do something else with sharded parameters (DTe
     model = session.wrap(Net(), parallel="fsdp")   # instead of session.wrap(Net()): the one line that changes
     optimizer = torch.optim.AdamW(model.parameters())   # after sharding: over the sharded parameters
 
-Default sharding: every top-level child that has parameters is its own FSDP unit, then the root (torchtitan's
-per-block layout for a model whose children are its blocks). A task shards its own way with `Task.shard`.
+Default sharding: every top-level child that has parameters is its own FSDP unit (a ModuleList's or
+ModuleDict's members in its place: GPT's blocks), then the root (torchtitan's per-block layout). A task shards its own way with `Task.shard`.
 Buffers (BatchNorm statistics) are not sharded: as DDP does, every forward starts from rank 0's, so that every
 rank evaluates and checkpoints the same ones.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["is_sharded", "local_grads", "no_sync", "plain", "shard", "sharded_checkpoints", "weights_fingerprint"]
+__all__ = ["default_units", "is_sharded", "local_grads", "no_sync", "plain", "shard", "sharded_checkpoints", "weights_fingerprint"]
 
 ShardHook = Callable[[nn.Module, Any], "nn.Module | None"]
 
@@ -37,6 +37,30 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """The default layout's FSDP units below the root: every child with parameters; a container child (a
+    ModuleList or ModuleDict: no forward of its own, which fully_shard refuses) gives its children instead,
+    so GPT's `blocks` list becomes one unit per block. A child that shares a parameter with another (tied
+    embedding and output weights) stays with the root: a parameter belongs to one unit."""
+    def candidates(module: nn.Module) -> list[nn.Module]:
+        found: list[nn.Module] = []
+        for child in module.children():
+            if not any(True for _ in child.parameters()):
+                continue
+            if type(child).forward is nn.Module.forward:  # a container: nothing calls it, its members run
+                found += candidates(child)
+            else:
+                found.append(child)
+        return found
+
+    units = candidates(model)
+    owners: dict[int, int] = {}
+    for unit in units:
+        for param in unit.parameters():
+            owners[id(param)] = owners.get(id(param), 0) + 1
+    return [unit for unit in units if all(owners[id(param)] == 1 for param in unit.parameters())]
+
+
 def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None) -> nn.Module:
     """`model` (on `device`) sharded over every rank with FSDP2. `hook(model, mesh)`: the task's own layout
     (fully_shard what it wants, mixed precision, reshard_after_forward); it must leave the root sharded, or
@@ -49,9 +73,8 @@ def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None)
     model = model.to(device)
     done = hook(model, mesh) if hook is not None else None
     if done is None:
-        for child in model.children():
-            if any(True for _ in child.parameters()):
-                fully_shard(child, mesh=mesh)
+        for unit in default_units(model):
+            fully_shard(unit, mesh=mesh)
         fully_shard(model, mesh=mesh)
     else:
         model = done

@@ -202,3 +202,27 @@ def test_fsdp_trains_as_ddp_does(unbroken: tuple[Path, dict[str, Any]], tmp_path
         for name in ("loss", "grad_norm", "accuracy"):
             if name in metrics:
                 assert fsdp[key][name] == pytest.approx(metrics[name], rel=1e-4, abs=1e-6), (key, name)
+
+
+def test_the_default_layout_shards_a_module_lists_blocks_and_leaves_tied_weights_to_the_root(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The GPT example's model (its blocks in a ModuleList, its embedding tied to its output layer): fully_shard
+    refuses a ModuleList (no forward); one unit per block, the tied pair with the root; the sharded model runs."""
+    from jobs.tasks.gpt import GPT
+    from mgpu.distributed import process_group
+    from mgpu.environment import detect_environment
+    from mgpu.fsdp import default_units, is_sharded, shard
+
+    model = GPT(64, 16, 3, 2, 32, 0.0)
+    units = default_units(model)
+    assert [id(u) for u in units] == [id(model.pos_emb), *map(id, model.blocks), id(model.ln_f)]
+    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with process_group(detect_environment({})):
+        sharded = shard(model, torch.device("cpu"))
+        assert is_sharded(sharded) and all(is_sharded(block) for block in model.blocks)
+        assert not is_sharded(model.tok_emb) and not is_sharded(model.head)
+        logits = sharded(torch.randint(0, 64, (2, 16)))
+        logits.float().mean().backward()
+    assert logits.shape == (2, 16, 64)

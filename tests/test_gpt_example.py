@@ -108,9 +108,10 @@ def test_task_token_file_errors(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_train_gpt_config_tiny(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])  # fsdp: the default layout meets a ModuleList, tied weights
+def test_train_gpt_config_tiny(parallel: str, tmp_path: Path) -> None:
     path = tiny_tokens(tmp_path)
-    result = run("jobs/train.py", "--config", "jobs/configs/gpt.yaml", f"task.args.tokens={path}",
+    result = run("jobs/train.py", "--config", "jobs/configs/gpt.yaml", f"task.args.tokens={path}", f"train.parallel={parallel}",
                  "task.args.block_size=16", "task.args.n_layer=1",
                  "task.args.n_embd=32", "data.batch_size=4", "train.max_steps=5", "eval.every_steps=5",
                  "log.every_steps=5", "log.tensorboard=false", f"run.dir={tmp_path / 'run'}", timeout=120)
