@@ -17,6 +17,7 @@ from typing import Any, Mapping
 import torch
 
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
@@ -221,6 +222,19 @@ def _set_fields(target: Any, saved: Mapping[str, Any]) -> None:
             object.__setattr__(target, key, value)
 
 
+def in_memory(value: Any) -> Any:
+    """`value` with every tensor copied into memory of its own. A checkpoint is loaded memory-mapped; an
+    optimizer keeps the moment tensors it is given (same device, same dtype: no copy), so without this the
+    run would keep the checkpoint file mapped for its life, and a pruned checkpoint's blocks stay allocated."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {key: in_memory(item) for key, item in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(in_memory(item) for item in value)
+    return value
+
+
 def restore_state(state: Mapping[str, Any], objects: MutableMapping[str, Any], rank: int, seed: int,
                   missing_ok: frozenset[str] | set[str] = frozenset()) -> None:
     """Load a checkpoint into the live objects of `objects` (a dataclass's fields are set in place), and
@@ -236,12 +250,14 @@ def restore_state(state: Mapping[str, Any], objects: MutableMapping[str, Any], r
         if name not in state:
             continue
         target = _unwrapped(value)
-        if hasattr(target, "load_state_dict"):
-            target.load_state_dict(state[name])
+        if isinstance(target, nn.Module):
+            target.load_state_dict(state[name])  # copied into its own parameters and buffers
+        elif hasattr(target, "load_state_dict"):
+            target.load_state_dict(in_memory(state[name]))
         elif _is_dataclass_object(target):
-            _set_fields(target, state[name])  # in place: the loop's own references see it
+            _set_fields(target, in_memory(state[name]))  # in place: the loop's own references see it
         else:
-            objects[name] = state[name]
+            objects[name] = in_memory(state[name])
     if rank < len(state["rng"]):
         restore_rng_state(state["rng"][rank])
     else:

@@ -13,6 +13,7 @@ import os
 import random
 import re
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -714,3 +715,35 @@ def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_
     assert [r["sha256_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
     assert all(r["loads"] == [{"mmap": True, "weights_only": True}] for r in ranks)  # each maps the one file
     assert ranks[0]["load_dirs"] == [] and all(r["load_dirs"] == [{"verify": False}] for r in ranks[1:])
+
+
+def test_a_resumed_optimizer_keeps_no_checkpoint_file_mapped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A checkpoint is loaded memory-mapped; Adam keeps the moments it is given. Restored through the store,
+    the run holds no mapping of the file: once pruned, its blocks are free (no `(deleted)` mapping left)."""
+    import gc
+
+    import torch
+    from torch import nn
+
+    from mgpu.train_state import Progress, restore_state
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    model = nn.Linear(64, 64)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": [],
+                "progress": {"step": 1}, "best": torch.tensor(0.5)}, 1)
+    loaded = store.latest()
+    assert loaded is not None
+    fresh = nn.Linear(64, 64)
+    objects: dict = {"model": fresh, "optimizer": torch.optim.Adam(fresh.parameters()), "progress": Progress(),
+                     "best": None}
+    restore_state(loaded.state, objects, 0, 0)
+    assert objects["optimizer"].state_dict()["state"][0]["exp_avg"].equal(optimizer.state_dict()["state"][0]["exp_avg"])
+    del loaded
+    gc.collect()
+    shutil.rmtree(tmp_path / "ckpt")  # as keep_last prunes it
+    mapped = [line.strip() for line in Path("/proc/self/maps").read_text().splitlines() if str(tmp_path) in line]
+    assert mapped == [], mapped
