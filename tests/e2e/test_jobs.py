@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -182,6 +183,26 @@ def test_five_preemptions_in_a_row_stay_bit_identical(slurm_cluster: SlurmCluste
             assert final_state(slurm_cluster, high, timeout=30) == "COMPLETED"
     finally:
         cancel(slurm_cluster, jobid, *highs)
+    # jobs/status.py on this run: the goodput table from the ledger and sacct (queued time known apart, every
+    # preemption a stop with its cost, no lost step) and the timeline picture
+    png = tmp_path / "timeline.png"
+    result = subprocess.run([PYTHON, str(ROOT / "jobs" / "status.py"), str(run_dir), "--plot", str(png)], cwd=ROOT,
+                            env=base_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.splitlines()
+    assert f"job         {jobid} (slurm: COMPLETED)" in out
+    assert "progress    step 30 of 30, epoch 3" in "\n".join(out)
+    goodput = next(line for line in out if line.startswith("goodput "))
+    assert "allocated (sacct) spent training; 6 segment(s)" in goodput, out
+    rows = {line.split()[0]: line for line in out if line.startswith("  ")}
+    for row in ("queued", "starting", "training", "stopping", "restarting"):
+        assert row in rows, out
+    assert rows["lost"].split()[:3] == ["lost", "steps", "0"], out  # a stop saves at its step
+    assert any(line.startswith("stops       5; preemptions 5 (") for line in out), out
+    assert rows["requeued_by_slurm"].split()[:2] == ["requeued_by_slurm", "5"], out
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", data[16:24]) == (1100, 550)
+    assert 20_000 < len(data) < 1_000_000
 
 
 # 6: the time limit's --signal lead, and an outside `scontrol requeue`: the fault matrix's time-limit and
