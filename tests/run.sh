@@ -5,7 +5,7 @@
 #   MGPU_SKIP_SLURM=1 bash tests/run.sh [pytest args...]   # no Slurm cluster, tests/e2e not run
 # Creates .venv (torch pinned by constraints.txt to the CPU build), starts the local Slurm test
 # cluster when running as root (slurm/cluster/start.sh installs Debian's slurm-wlm on first use),
-# runs the type checker (mypy, configured in setup.cfg), then pytest. Without root the real-Slurm tests
+# runs the type checker (mypy, configured in setup.cfg) and pytest. Without root the real-Slurm tests
 # skip with the reason; with CI=true they fail, and MGPU_SKIP_SLURM is refused: CI runs everything.
 # Without arguments the end-to-end lane (tests/e2e: mostly waiting on Slurm) runs as a second pytest beside
 # the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does. The rest
@@ -75,21 +75,27 @@ if [ -n "$cluster" ]; then
 fi
 
 export OMP_NUM_THREADS=1
-echo "tests/run.sh: type checking mgpu/ and jobs/ (mypy)"
-.venv/bin/python -m mypy
-if [ -n "$skip_slurm" ]; then
-  exec .venv/bin/python -m pytest --ignore=tests/e2e "$@"
-fi
-if [ $# -gt 0 ]; then
+if [ -n "$skip_slurm" ] || [ $# -gt 0 ]; then
+  echo "tests/run.sh: type checking mgpu/ and jobs/ (mypy)"
+  .venv/bin/python -m mypy
+  if [ -n "$skip_slurm" ]; then
+    exec .venv/bin/python -m pytest --ignore=tests/e2e "$@"
+  fi
   exec .venv/bin/python -m pytest "$@"
 fi
 
-# Two lanes at once: the end-to-end tests mostly wait on Slurm while the CPUs idle.
+# Two lanes at once: the end-to-end tests mostly wait on Slurm while the CPUs idle. The end-to-end lane, the
+# longer one, starts first; the type checker runs beside it, and its failure ends the script (and that lane).
 e2e_log=$(mktemp "${TMPDIR:-/tmp}/mgpu-e2e-lane.XXXXXX")
 .venv/bin/python -m pytest tests/e2e >"$e2e_log" 2>&1 &
 e2e_pid=$!
 trap 'kill "$e2e_pid" 2>/dev/null || true; rm -f "$e2e_log"' EXIT
 echo "tests/run.sh: the end-to-end lane (pytest tests/e2e) runs beside this one; its output follows"
+echo "tests/run.sh: type checking mgpu/ and jobs/ (mypy)"
+if ! .venv/bin/python -m mypy; then
+  echo "tests/run.sh: mypy failed: the end-to-end lane is stopped, the rest not run" >&2
+  exit 1
+fi
 rc_rest=0
 .venv/bin/python -m pytest --ignore=tests/e2e "${parallel[@]}" || rc_rest=$?
 rc_e2e=0
