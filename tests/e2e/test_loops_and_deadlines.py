@@ -69,8 +69,9 @@ def test_a_time_limit_without_a_signal_stops_in_time_and_loses_no_step(slurm_clu
     # trains at 0.4 s a step for longer than the limit allows; rank 0 reads the end from squeue and stops
     # when less than the margin (60 s, at most a tenth of the limit: 6 s) plus a write and a few steps are
     # left; the second run finishes.
-    args = ["--epochs=30", "--step-s=0.4", "--save-every=1000"]  # 180 steps: 72 s of sleep alone
-    expected = reference(tmp_path, "--epochs=30", "--save-every=1000")
+    # 144 steps: 58 s of sleep alone, more than the ~52 s a first run has before it must stop
+    args = ["--epochs=24", "--step-s=0.4", "--save-every=1000"]
+    expected = reference(tmp_path, "--epochs=24", "--save-every=1000")
     script = tmp_path / "loop-nosignal.sbatch"
     script.write_text("".join(line for line in TEMPLATE.read_text().splitlines(keepends=True)
                               if not line.startswith("#SBATCH --signal")))
