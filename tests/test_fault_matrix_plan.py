@@ -8,15 +8,21 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
-from fault_matrix import (BEGIN, CI_SEED, END, KINDS, MOMENTS, WORKERS, all_scenarios, ci_subset,  # noqa: E402
-                          publish, render, selected, summarize)
+from fault_matrix import (BEGIN, CI_SEED, END, FSDP_KINDS, KINDS, MOMENTS, WORKERS, all_scenarios,  # noqa: E402
+                          ci_subset, publish, render, selected, summarize)
 
 
 def test_the_whole_matrix_is_every_kind_at_every_moment() -> None:
     scenarios = all_scenarios()
-    assert len(scenarios) == len({s.id for s in scenarios}) == 7 * 5 * 2 + 2  # the time limit: one moment
+    ddp = [s for s in scenarios if s.parallel == "ddp"]
+    assert len(ddp) == len({s.id for s in ddp}) == 7 * 5 * 2 + 2  # the time limit: one moment
     assert {(s.kind, s.moment) for s in scenarios if s.kind == "time-limit"} == {("time-limit", "mid-step")}
     assert {s.moment for s in scenarios} == set(MOMENTS) and {s.workers for s in scenarios} == set(WORKERS)
+    # FSDP2: preemption at GraceTime 0 and 10, a killed rank, a full disk, at every moment and both worker counts
+    fsdp = [s for s in scenarios if s.parallel == "fsdp"]
+    assert {(s.kind, s.moment, s.workers) for s in fsdp} == {(k, m, w) for k in FSDP_KINDS for m in MOMENTS
+                                                           for w in WORKERS}
+    assert len({s.id for s in scenarios}) == len(scenarios) == 72 + 40
 
 
 def test_the_ci_subset_is_seeded_and_covers_every_kind_and_moment() -> None:
@@ -25,16 +31,18 @@ def test_the_ci_subset_is_seeded_and_covers_every_kind_and_moment() -> None:
     assert [s.kind for s in subset] == list(KINDS)
     assert {s.moment for s in subset} == set(MOMENTS) and {s.workers for s in subset} == set(WORKERS)
     assert set(subset) <= set(all_scenarios())
+    assert [s.kind for s in subset if s.parallel == "fsdp"] in ([k] for k in FSDP_KINDS)  # one sharded job
     assert ci_subset(1) != subset  # another seed, another draw
 
 
-@pytest.mark.parametrize("selection, count", [(None, 8), ("ci", 8), ("all", 72), ("seed:7", 8)])
+@pytest.mark.parametrize("selection, count", [(None, 8), ("ci", 8), ("all", 112), ("fsdp", 40),
+                                                     ("seed:7", 8)])
 def test_selection(selection: str | None, count: int) -> None:
     assert len(selected(selection)) == count
 
 
 def test_a_bad_selection_says_what_to_use() -> None:
-    with pytest.raises(ValueError, match="use ci, all or seed:N"):
+    with pytest.raises(ValueError, match="use ci, all, fsdp or seed:N"):
         selected("everything")
 
 

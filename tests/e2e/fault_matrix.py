@@ -1,10 +1,12 @@
 """The fault-injection matrix: every way a job stops, at every moment it can land, with and without
-DataLoader workers, on the real test cluster. The scenarios are generated here (pure, seeded); they
-run in tests/e2e/test_fault_matrix.py.
+DataLoader workers, on the real test cluster; for the stops the issue of FSDP2 names (preemption at GraceTime
+0 and 10, a killed rank, a full disk), also with FSDP2 (`train.parallel=fsdp`, sharded checkpoints). The
+scenarios are generated here (pure, seeded); they run in tests/e2e/test_fault_matrix.py.
 
     python tests/e2e/fault_matrix.py                 # the whole matrix; writes docs/fault-matrix.md and
                                                      # the README's summary (between its fault-matrix markers)
     python tests/e2e/fault_matrix.py --ci            # the seeded subset CI runs (one per stop kind)
+    python tests/e2e/fault_matrix.py --fsdp          # the FSDP2 rows alone
     python tests/e2e/fault_matrix.py --list          # the scenarios, without running them
 
 Stop kinds: preemption with GraceTime 0 (Slurm requeues; the user signal, then TERM, KILL 5 s later),
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import itertools
 import json
 import os
@@ -37,6 +40,8 @@ KINDS = ("preempt-grace0", "preempt-grace10", "scancel", "scancel-usr2", "time-l
          "kill-rank", "disk-full")
 MOMENTS = ("rendezvous", "first-step-after-resume", "mid-step", "evaluation", "checkpoint-write")
 WORKERS = (0, 2)
+FSDP_KINDS = ("preempt-grace0", "preempt-grace10", "kill-rank", "disk-full")
+"""The kinds that also run with FSDP2: the ways a sharded save can be cut short or never come."""
 CI_SEED = 20261123
 SIGNAL_KINDS = frozenset(KINDS) - {"kill-rank", "disk-full"}
 """Stops that give the ranks a signal to save on: no step may be lost."""
@@ -53,38 +58,47 @@ class Scenario:
     kind: str
     moment: str
     workers: int
+    parallel: str = "ddp"  # or "fsdp": FSDP2 with sharded checkpoints
 
     @property
     def id(self) -> str:
-        return f"{self.kind}@{self.moment}/w{self.workers}"
+        return f"{self.kind}@{self.moment}/w{self.workers}" + ("/fsdp" if self.parallel == "fsdp" else "")
 
 
 def all_scenarios() -> list[Scenario]:
-    """Kinds x moments x workers, in a fixed order; the time limit at its one moment."""
-    return [Scenario(kind, moment, workers) for kind, moment, workers in itertools.product(KINDS, MOMENTS, WORKERS)
-            if kind != "time-limit" or moment == "mid-step"]
+    """Kinds x moments x workers, in a fixed order; the time limit at its one moment; then the FSDP2 rows."""
+    ddp = [Scenario(kind, moment, workers) for kind, moment, workers in itertools.product(KINDS, MOMENTS, WORKERS)
+           if kind != "time-limit" or moment == "mid-step"]
+    return ddp + [dataclasses.replace(s, parallel="fsdp") for s in ddp if s.kind in FSDP_KINDS]
 
 
 def ci_subset(seed: int = CI_SEED) -> list[Scenario]:
     """One scenario per stop kind, its moment and workers drawn with `seed`; every moment and both
-    worker counts appear (the draw is repeated until they do)."""
+    worker counts appear (the draw is repeated until they do); then one of the picks whose kind has FSDP2 rows
+    runs with FSDP2 (drawn too), so that every CI run trains one sharded job through a fault."""
     rng = random.Random(seed)
-    by_kind = {kind: [s for s in all_scenarios() if s.kind == kind] for kind in KINDS}
+    by_kind = {kind: [s for s in all_scenarios() if s.kind == kind and s.parallel == "ddp"] for kind in KINDS}
     while True:
         picked = [rng.choice(by_kind[kind]) for kind in KINDS]
         if {s.moment for s in picked} == set(MOMENTS) and {s.workers for s in picked} == set(WORKERS):
-            return picked
+            break
+    sharded = rng.choice([i for i, s in enumerate(picked) if s.kind in FSDP_KINDS])
+    picked[sharded] = dataclasses.replace(picked[sharded], parallel="fsdp")
+    return picked
 
 
 def selected(selection: str | None) -> list[Scenario]:
-    """What `MGPU_FAULT_MATRIX` asks for: unset or `ci` (the CI subset), `all`, or `seed:N`."""
+    """What `MGPU_FAULT_MATRIX` asks for: unset or `ci` (the CI subset), `all`, `fsdp` (its FSDP2 rows), or
+    `seed:N`."""
     if selection in (None, "", "ci"):
         return ci_subset()
     if selection == "all":
         return all_scenarios()
+    if selection == "fsdp":
+        return [s for s in all_scenarios() if s.parallel == "fsdp"]
     if selection.startswith("seed:") and selection[5:].isdigit():
         return ci_subset(int(selection[5:]))
-    raise ValueError(f"{SELECT_ENV}={selection!r}: use ci, all or seed:N")
+    raise ValueError(f"{SELECT_ENV}={selection!r}: use ci, all, fsdp or seed:N")
 
 
 def render(rows: list[dict]) -> str:
@@ -108,8 +122,8 @@ def summarize(rows: list[dict]) -> str:
     """The README's compact table: per stop kind, its scenarios, their outcomes, passes, median seconds."""
     lines = ["| stop kind | scenarios | outcomes (Slurm's runs: count) | passed | median seconds |",
              "|---|---|---|---|---|"]
-    for kind in KINDS:
-        mine = [r for r in rows if r["id"].split("@")[0] == kind]
+    for kind in [*KINDS, *(f"{k} (FSDP2)" for k in FSDP_KINDS)]:
+        mine = [r for r in rows if r["id"].split("@")[0] + (" (FSDP2)" if r["id"].endswith("/fsdp") else "") == kind]
         if not mine:
             continue
         outcomes = collections.Counter(r["outcome"] or "-" for r in mine)
@@ -136,18 +150,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--ci", action="store_true", help="only the seeded subset CI runs")
     parser.add_argument("--seed", type=int, help="a seeded subset (one scenario per kind) other than CI's")
+    parser.add_argument("--fsdp", action="store_true", help="only the FSDP2 rows")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
     parser.add_argument("--out", default=str(ROOT / "docs" / "fault-matrix.md"), help="the table (markdown)")
     parser.add_argument("--readme", default=str(ROOT / "README.md"),
                         help="whose fault-matrix block gets the summary (the whole matrix only; '' for none)")
     args = parser.parse_args()
-    selection = "ci" if args.ci else f"seed:{args.seed}" if args.seed is not None else "all"
+    selection = ("ci" if args.ci else "fsdp" if args.fsdp else f"seed:{args.seed}" if args.seed is not None
+                 else "all")
     scenarios = selected(selection)
     if args.list:
         print("\n".join(s.id for s in scenarios))
         return 0
-    command = "python tests/e2e/fault_matrix.py" + (" --ci" if args.ci else f" --seed {args.seed}"
-                                                     if args.seed is not None else "")
+    command = "python tests/e2e/fault_matrix.py" + (" --ci" if args.ci else " --fsdp" if args.fsdp
+                                                     else f" --seed {args.seed}" if args.seed is not None else "")
     with tempfile.TemporaryDirectory(prefix="fault-matrix-") as scratch:  # the rows, one JSON line each
         report = Path(scratch) / "rows.jsonl"
         env = dict(os.environ, **{SELECT_ENV: selection, REPORT_ENV: str(report), "OMP_NUM_THREADS": "1"})

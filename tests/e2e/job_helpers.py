@@ -121,9 +121,26 @@ def mid_epoch(step: int) -> bool:
 
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any]:
-    loaded = CheckpointStore(run_dir / "checkpoints").latest()
+    """The latest valid checkpoint's state: a single file's, or a sharded one's consolidated (model, `optim`
+    keyed by parameter name, scheduler, progress, rng: mgpu.sharded_export)."""
+    return latest_checkpoint(run_dir)[0]
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[dict[str, Any], tuple[Any, ...]]:
+    """(state, the newer checkpoints skipped as broken) of the latest valid checkpoint, single-file or sharded."""
+    from mgpu.ledger import Ledger
+    from mgpu.sharded import ShardedCheckpointer
+    from mgpu.sharded_export import consolidate, is_sharded_checkpoint
+
+    store = CheckpointStore(run_dir / "checkpoints")
+    newest = store.latest_path()
+    if newest is not None and is_sharded_checkpoint(newest):
+        sharded = ShardedCheckpointer(store.directory, 0, 1, Ledger(None, "", 0)).find_latest()
+        assert sharded is not None, f"no valid sharded checkpoint in {run_dir}"
+        return consolidate(sharded.path), tuple(sharded.skipped)
+    loaded = store.latest()
     assert loaded is not None, f"no checkpoint in {run_dir}"
-    return loaded.state
+    return loaded.state, tuple(loaded.skipped)
 
 
 def assert_same_training(run_dir: Path, reference: dict[str, Any]) -> None:

@@ -24,11 +24,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
 from fault_matrix import REPORT_ENV, SELECT_ENV, SIGNAL_KINDS, Scenario, all_scenarios, selected
-from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, events, job_output, preempt, rank_record, submit_one,
-                         wait_steps)
+from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, events, job_output, latest_checkpoint, preempt,
+                         rank_record, submit_one, wait_steps)
 from slurm_helpers import final_state, job, runs, wait_until
 
-from mgpu.checkpoint import CheckpointStore
 from tests.conftest import fill
 from tests.test_trainer import assert_identical
 
@@ -53,13 +52,19 @@ ORDER = {s.id: i for i, s in enumerate(all_scenarios())}
 
 
 @pytest.fixture(scope="module")
-def reference(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reference]:
-    ref = Reference(tmp_path_factory.mktemp("matrix-reference") / "run", 2,
-                    [*MATRIX, "task.args.step_s=0", "task.args.later_step_s=0", "task.args.eval_step_s=0"])
+def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Reference]]:
+    """The uninterrupted runs, started at once in the background: DDP's, and FSDP2's (sharded checkpoints)
+    when a selected scenario trains with it."""
+    quiet = ["task.args.step_s=0", "task.args.later_step_s=0", "task.args.eval_step_s=0"]
+    refs = {"ddp": Reference(tmp_path_factory.mktemp("matrix-reference") / "run", 2, [*MATRIX, *quiet])}
+    if any(s.parallel == "fsdp" for s in selected(os.environ.get(SELECT_ENV))):
+        refs["fsdp"] = Reference(tmp_path_factory.mktemp("matrix-reference-fsdp") / "run", 2,
+                                 [*MATRIX, *quiet, "train.parallel=fsdp"], port_offset=1)
     try:
-        yield ref
+        yield refs
     finally:
-        ref.close()
+        for ref in refs.values():
+            ref.close()
 
 
 # ------------------------------------------------------------------------------------------ moments
@@ -175,11 +180,11 @@ ALLOWED = {  # each kind: the states sacct may show for the runs before the last
 
 
 def verified_state(run_dir: Path) -> dict[str, Any]:
-    """The latest checkpoint's state; it must verify, and no newer one may have been skipped as broken."""
-    loaded = CheckpointStore(run_dir / "checkpoints").latest()
-    assert loaded is not None, f"no checkpoint in {run_dir}"
-    assert loaded.skipped == (), f"checkpoints skipped as broken: {loaded.skipped}"
-    return loaded.state
+    """The latest checkpoint's state (a sharded one's consolidated); it must verify, and no newer one may have
+    been skipped as broken."""
+    state, skipped = latest_checkpoint(run_dir)
+    assert skipped == (), f"checkpoints skipped as broken: {skipped}"
+    return state
 
 
 def enospc_reports(folder: Path, run_dir: Path, jobids: list[str]) -> list[str]:
@@ -193,7 +198,7 @@ def enospc_reports(folder: Path, run_dir: Path, jobids: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("scenario", [pytest.param(s, id=s.id) for s in selected(os.environ.get(SELECT_ENV))])
 def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
-                        reference: Reference, small_fs: Callable[[int], Path], tmp_path: Path) -> None:
+                        references: dict[str, Reference], small_fs: Callable[[int], Path], tmp_path: Path) -> None:
     grace = 10 if scenario.kind == "preempt-grace10" else 0
     slurm_policy(grace=grace, user_signal=True)
     ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" else []
@@ -204,7 +209,8 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     markers = tmp_path / "markers"
     markers.mkdir()
     args = [*TWO_RANKS, *ALL_CPUS, *MATRIX, f"data.num_workers={scenario.workers}", f"task.args.marker_dir={markers}",
-            *ballast, *own_fs, *(TIME_LIMIT if scenario.kind == "time-limit" else [])]
+            *ballast, *own_fs, *(TIME_LIMIT if scenario.kind == "time-limit" else []),
+            *(["train.parallel=fsdp"] if scenario.parallel == "fsdp" else [])]
     started = time.monotonic()
     row: dict[str, Any] = {"order": ORDER[scenario.id], "id": scenario.id, "outcome": "", "stops": [], "lost": "-",
                            "identical": False, "seconds": 0.0, "passed": False}
@@ -252,9 +258,10 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             assert [e["after"] for e in events(run_dir, "restarted")] == ["failure"], events(run_dir, "restarted")
         state_now = verified_state(run_dir)
         assert state_now["progress"]["step"] == STEPS
-        ref = reference.state()
+        ref = references[scenario.parallel].state()
         assert_identical({k: v for k, v in state_now["model"].items() if k != "ballast"}, ref["model"], "model")
-        assert_identical(state_now["optimizer"], ref["optimizer"], "optimizer")
+        optimizer = "optim" if scenario.parallel == "fsdp" else "optimizer"  # a sharded one's, consolidated
+        assert_identical(state_now[optimizer], ref[optimizer], optimizer)
         assert_identical(state_now["scheduler"], ref["scheduler"], "scheduler")
         row["identical"] = True
         if scenario.kind == "time-limit":  # the --signal lead stops it, not the limit: a self-requeue at that step
