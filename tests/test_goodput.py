@@ -7,6 +7,7 @@ not, one with another seed) check --verify and the picture end to end.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import time
@@ -433,6 +434,19 @@ def test_status_on_a_directory_that_is_no_run(tmp_path: Path) -> None:
     (tmp_path / "config.yaml").write_text("run: {}\n")  # submitted, not started: a run all the same
     result = _status(str(tmp_path))
     assert result.returncode == 0 and "state       not started" in result.stdout, result.stderr
+
+
+def test_status_into_a_pipe_its_reader_left_says_nothing_more(tmp_path: Path) -> None:
+    """`jobs/status.py RUN | head -1`: once the reader is gone, no BrokenPipeError traceback (exit 1, as Python's
+    own advice for EPIPE)."""
+    (tmp_path / "config.yaml").write_text("run: {}\n")
+    read, write = os.pipe()
+    os.close(read)  # the reader has left before status writes a line
+    proc = subprocess.run([PYTHON, STATUS, str(tmp_path)], env=base_env(), cwd=ROOT, stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(write)
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1
 
 
 @pytest.mark.parametrize("plot", [False, True])
