@@ -22,12 +22,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import IterableDataset, get_worker_info
+from torch.utils.data import IterableDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mgpu  # noqa: E402
 from mgpu.stream import ShardedStream, TokenWindows  # noqa: E402
+from tests.tasks import StatefulTokenShards  # noqa: E402  (the Stateful stream the trainer's tests use too)
 
 BLOCK = 8
 
@@ -36,35 +37,6 @@ def sample_id(window: torch.Tensor) -> int:
     """The test's shards hold token k * 1000 + t at token t of shard k, 50 windows a shard at most."""
     first = int(window[0])
     return first // 1000 * 100 + first % 1000 // BLOCK
-
-
-class StatefulShards(IterableDataset):
-    """The same shards as a user's Stateful stream (no mgpu.stream): rank r's worker w of W reads shards
-    r * W + w, r * W + w + R * W, ...; its state is its (shard, window) cursor."""
-
-    def __init__(self, files: list[str], rank: int, world: int) -> None:
-        self.files, self.rank, self.world = files, rank, world
-        self.reader = TokenWindows(BLOCK, "uint16")
-        self.cursor = {"shard": 0, "item": 0}
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        mine = self.files[self.rank * workers + worker::self.world * workers]
-        while self.cursor["shard"] < len(mine):
-            path = mine[self.cursor["shard"]]
-            while self.cursor["item"] < self.reader.count(path):
-                window = self.reader.read(path, self.cursor["item"])
-                self.cursor["item"] += 1
-                yield window
-            self.cursor = {"shard": self.cursor["shard"] + 1, "item": 0}
-        self.cursor = {"shard": 0, "item": 0}
-
-    def state_dict(self) -> dict:
-        return dict(self.cursor)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.cursor = dict(state)
 
 
 def main() -> None:
@@ -83,8 +55,9 @@ def main() -> None:
 
     files = sorted(glob.glob(f"{args.data_dir}/*.bin"))
     with mgpu.Session(args.run_dir, seed=5, config=config) as session:
-        stream: IterableDataset = StatefulShards(files, session.rank, session.world_size) if args.stateful else \
-            ShardedStream(files, TokenWindows(BLOCK, "uint16"), shuffle_buffer=args.shuffle_buffer)
+        reader = TokenWindows(BLOCK, "uint16")
+        stream: IterableDataset = (StatefulTokenShards(files, reader, session.rank, session.world_size) if args.stateful
+                                   else ShardedStream(files, reader, shuffle_buffer=args.shuffle_buffer))
         model = session.wrap(nn.Sequential(nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
         loader = session.loader(stream, batch_size=args.batch_size, num_workers=args.workers, collate_fn=torch.stack)

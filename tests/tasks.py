@@ -253,14 +253,16 @@ class StatefulTokenShards(IterableDataset):
     """Token shards as a user's Stateful stream (no mgpu.stream order): rank r's worker w of W reads shards
     r * W + w, + R * W, ... front to back; its state is its (shard, window) cursor."""
 
-    def __init__(self, files: list[str], reader: Any) -> None:
-        self.files, self.reader = files, reader
+    def __init__(self, files: list[str], reader: Any, rank: int | None = None, world: int | None = None) -> None:
+        """`rank`, `world`: this rank's place (default: the process group's, when there is one)."""
+        self.files, self.reader, self.rank, self.world = files, reader, rank, world
         self.cursor = {"shard": 0, "item": 0}
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        rank, world = (rank if self.rank is None else self.rank), (world if self.world is None else self.world)
         mine = self.files[rank * workers + worker::world * workers]
         while self.cursor["shard"] < len(mine):
             path = mine[self.cursor["shard"]]
