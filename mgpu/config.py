@@ -275,6 +275,9 @@ def config_from_dict(data: Mapping[str, Any]) -> Config:
     if glob is not None and glob % cfg.data.batch_size:
         raise ConfigError(f"data.global_batch_size={glob} is not a multiple of data.batch_size="
                           f"{cfg.data.batch_size}: choose a global batch of whole per-rank batches")
+    if cfg.train.parallel == "fsdp" and cfg.checkpoint.format == "single":
+        raise ConfigError("train.parallel=fsdp with checkpoint.format=single: a single-file checkpoint cannot hold "
+                          "a sharded model; set checkpoint.format=auto (or sharded)")
     if cfg.train.static_graph and cfg.train.grad_accum > 1:
         # torch 2.13's reducer asserts (expect_autograd_hooks_) on a no_sync micro-step in the first step of a
         # static graph: pytorch/pytorch#143580. Refused here rather than crashing on the first step.

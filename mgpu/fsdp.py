@@ -6,20 +6,25 @@ where a loop written for DDP must do something else with sharded parameters (DTe
 
 Default sharding: every top-level child that has parameters is its own FSDP unit (a ModuleList's or
 ModuleDict's members in its place: GPT's blocks), then the root (torchtitan's per-block layout). A task shards its own way with `Task.shard`.
-Buffers (BatchNorm statistics) are not sharded: as DDP does, every forward starts from rank 0's, so that every
-rank evaluates and checkpoints the same ones.
+Every rank starts from rank 0's weights and buffers, as DDP's wrap does (broadcast before sharding): the initial
+model is the same on any world size, whatever the init (orthogonal, per-rank loaded weights) and however each
+rank was seeded. Buffers (BatchNorm statistics) are not sharded: as DDP does, every forward starts from rank 0's,
+so that every rank evaluates and checkpoints the same ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["default_units", "is_sharded", "local_grads", "no_sync", "plain", "shard", "sharded_checkpoints", "weights_fingerprint"]
+from mgpu.errors import MgpuError
+
+__all__ = ["default_units", "is_sharded", "local_grads", "no_sync", "plain", "refuse_stale_optimizers",
+           "refuse_to_wrap", "shard", "sharded_checkpoints", "weights_fingerprint"]
 
 ShardHook = Callable[[nn.Module, Any], "nn.Module | None"]
 
@@ -71,6 +76,8 @@ def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None)
     world = dist.get_world_size() if dist.is_initialized() else 1
     mesh = init_device_mesh(device.type, (world,))
     model = model.to(device)
+    if world > 1:
+        broadcast_weights(model)
     done = hook(model, mesh) if hook is not None else None
     if done is None:
         for unit in default_units(model):
@@ -83,6 +90,58 @@ def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None)
     if world > 1 and any(True for _ in model.buffers()):
         model.register_forward_pre_hook(_broadcast_buffers)
     return model
+
+
+def broadcast_weights(model: nn.Module) -> None:
+    """*Collective.* Rank 0's parameters and buffers into every rank's `model` (not sharded yet), as DDP's wrap
+    broadcasts them: each rank was seeded seed + rank, and sharding each rank's own init would make the
+    initial model a patchwork of every rank's (rows 0-63 from rank 0, 64-127 from rank 1)."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor.data, src=0)
+
+
+def refuse_to_wrap(model: nn.Module, parallel: str, wrapped: bool, checkpoint_format: str) -> None:
+    """MgpuError, one line, for a model `Session.wrap(model, parallel=...)` must not wrap: one it wrapped already
+    (`wrapped`), a DDP or FSDP2 module (they do not nest), an unknown `parallel`, and under fsdp a model without
+    parameters or single-file checkpoints (which cannot hold a sharded model)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, nn.Module):
+        raise MgpuError(f"Session.wrap() takes a torch.nn.Module, got a {type(model).__name__}")
+    if isinstance(model, DistributedDataParallel) or wrapped:  # on one rank as on many
+        raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
+                        "wrap the plain module, once")
+    if any(is_sharded(module) for module in model.modules()):
+        raise MgpuError("Session.wrap(): this model is sharded with FSDP2 already (DDP and FSDP2 do not nest, and "
+                        "a model is sharded once): wrap the plain module, once, with the parallel you want")
+    if parallel not in ("ddp", "fsdp"):
+        raise MgpuError(f"Session.wrap(parallel={parallel!r}): use 'ddp' or 'fsdp'")
+    if parallel == "fsdp" and not any(True for _ in model.parameters()):
+        raise MgpuError(f"Session.wrap(parallel='fsdp'): the {type(model).__name__} has no parameters, nothing to "
+                        f"shard: wrap it without parallel='fsdp'")
+    if parallel == "fsdp" and checkpoint_format == "single":
+        raise MgpuError("Session.wrap(parallel='fsdp') with checkpoint.format=single: a single-file checkpoint "
+                        "cannot hold a sharded model; set checkpoint.format to auto or sharded")
+
+
+def refuse_stale_optimizers(objects: Mapping[str, Any]) -> None:
+    """MgpuError, one line, when an optimizer of `objects` holds parameters that are not those of the modules in
+    `objects` now: built before `wrap(parallel='fsdp')`, it holds the parameters sharding replaced (it would train
+    nothing, and a sharded checkpoint cannot name them)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    owned = {id(param) for value in objects.values() if isinstance(value, nn.Module)
+             for param in (value.module if isinstance(value, DistributedDataParallel) else value).parameters()}
+    for name, value in objects.items():
+        if not isinstance(value, torch.optim.Optimizer):
+            continue
+        foreign = sum(1 for group in value.param_groups for param in group["params"] if id(param) not in owned)
+        if foreign:
+            raise MgpuError(f"state[{name!r}] optimizes {foreign} parameter(s) that are not the state's models' "
+                            f"parameters now (an optimizer built before session.wrap(model, parallel='fsdp'), which "
+                            f"replaces them with sharded ones, trains nothing): build the optimizer after wrap, over "
+                            f"the wrapped model's parameters, and put every model it trains in the state")
 
 
 def sharded_checkpoints(checkpoint_format: str, parallel: str, sharded_model: bool) -> bool:

@@ -196,14 +196,9 @@ class Session:
 
         `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
         way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
-        from torch import nn
-        from torch.nn.parallel import DistributedDataParallel
+        from mgpu.fsdp import refuse_to_wrap
 
-        if not isinstance(model, nn.Module):
-            raise MgpuError(f"Session.wrap() takes a torch.nn.Module, got a {type(model).__name__}")
-        if isinstance(model, DistributedDataParallel) or model in self._wrapped:  # on one rank as on many
-            raise MgpuError("Session.wrap(): this model is wrapped already (DDP inside DDP on several ranks): "
-                            "wrap the plain module, once")
+        refuse_to_wrap(model, parallel, model in self._wrapped, self.cfg.checkpoint.format)
         if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
             from mgpu.fsdp import shard
 
@@ -212,8 +207,6 @@ class Session:
                                 "checkpoints are sharded)")
             self._fsdp = True
             return self._watched(shard(model, self.device, shard_hook))
-        if parallel != "ddp":
-            raise MgpuError(f"Session.wrap(parallel={parallel!r}): use 'ddp' or 'fsdp'")
         model = model.to(self.device)
         if self.world_size == 1:
             self._wrapped.add(model)
@@ -393,12 +386,12 @@ class Session:
         global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
         micro-step): the resume line says how the accumulation changed."""
         from mgpu import hparams
-        from mgpu.train_state import State, check_checkpointable
+        from mgpu.train_state import State
 
         if not isinstance(state, MutableMapping):
             raise MgpuError(f"Session.load() takes a dict of what to checkpoint (name -> model, optimizer, loader, "
                             f"value), got a {type(state).__name__}")
-        check_checkpointable(state)
+        self._check_state(state)
         if fresh:
             self.resumption.start_over()
         self.latest()
@@ -419,6 +412,16 @@ class Session:
             log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
         return state if isinstance(state, State) else State(state)
 
+    def _check_state(self, state: Mapping[str, Any]) -> None:
+        """Refuse, before any training, a state a checkpoint cannot save, or (sharded) an optimizer over
+        parameters that are not its models' (built before wrap(parallel='fsdp'))."""
+        from mgpu.fsdp import refuse_stale_optimizers
+        from mgpu.train_state import check_checkpointable
+
+        check_checkpointable(state)
+        if self.sharded:
+            refuse_stale_optimizers(state)
+
     @property
     def resumed_from(self) -> Path | None:
         """The checkpoint this process resumed from (None: a new run)."""
@@ -432,7 +435,7 @@ class Session:
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
         again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
         run whose checkpoint this session did not `load()`."""
-        from mgpu.train_state import check_checkpointable, gather_state
+        from mgpu.train_state import gather_state
 
         state = self._state if state is None else state
         if state is None:
@@ -441,7 +444,7 @@ class Session:
             raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
         if not self.resumption.looked:
             self.resumption.refuse_unloaded()
-            check_checkpointable(state() if callable(state) else state)
+            self._check_state(state() if callable(state) else state)
         self._state = state
         self.begin()
         objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")

@@ -403,3 +403,11 @@ def test_importing_config_does_not_import_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_fsdp_with_single_file_checkpoints_is_refused_at_load() -> None:
+    """A single-file checkpoint cannot hold a sharded model: refused with the config, not at the first save."""
+    with pytest.raises(ConfigError, match=re.escape("train.parallel=fsdp with checkpoint.format=single: a single-file "
+                                                    "checkpoint cannot hold a sharded model; set checkpoint.format=auto")):
+        load_config(None, ["train.parallel=fsdp", "checkpoint.format=single"])
+    assert load_config(None, ["train.parallel=fsdp", "checkpoint.format=sharded"]).checkpoint.format == "sharded"

@@ -226,3 +226,28 @@ def test_the_default_layout_shards_a_module_lists_blocks_and_leaves_tied_weights
         logits = sharded(torch.randint(0, 64, (2, 16)))
         logits.float().mean().backward()
     assert logits.shape == (2, 16, 64)
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp_own_loop_starts_from_the_same_weights_on_any_world_size(tmp_path: Path) -> None:
+    """Session seeds rank r with seed + r; wrap(parallel="fsdp") broadcasts rank 0's weights before sharding (as
+    DDP's wrap does): on 2 ranks the full model equals a 1-rank wrap's and the plain model seeded alike, for an
+    orthogonal and an identity init, per-rank loaded weights and a buffer (no patchwork of two ranks' inits)."""
+    from tests.fsdp_init_loop import SEED, InitNet
+
+    def weights(world: int) -> dict[str, torch.Tensor]:
+        out = tmp_path / f"weights-{world}.pt"
+        results = wait_ranks(start_ranks(["-m", "tests.fsdp_init_loop", str(tmp_path / f"run{world}"), str(out)],
+                                         world), 120)
+        assert [rc for rc, _ in results] == [0] * world, results
+        loaded: dict[str, torch.Tensor] = torch.load(out)
+        return loaded
+
+    torch.manual_seed(SEED)
+    plain = {name: value.detach() for name, value in InitNet(0).state_dict().items()}
+    one, two = weights(1), weights(2)
+    assert set(one) == set(two) == set(plain)
+    for name, value in plain.items():
+        assert torch.equal(one[name], value), name
+        assert torch.equal(two[name], value), name
+    assert torch.allclose(two["a.weight"].T @ two["a.weight"], torch.eye(6), atol=1e-5)

@@ -267,3 +267,59 @@ def test_the_resume_line(world: int | tuple[int, int], saved: int, batch: int | 
     world, global_batch = world if isinstance(world, tuple) else (world, None)
     assert resume_line(7, {"epoch": 1, "position": 96}, Path("/r/step_7"), world, saved, batch,
                        global_batch) == expected
+
+
+def test_an_optimizer_built_before_the_fsdp_wrap_is_refused_at_load(tmp_path: Path) -> None:
+    """The order that works with DDP (optimizer, then wrap) holds the parameters FSDP2 replaced: it would train
+    nothing, then fail the first sharded save in DCP (KeyError). Refused at load(), one line naming the fix."""
+    s = session(tmp_path / "run")
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = s.wrap(net, parallel="fsdp")
+    with pytest.raises(MgpuError) as info:
+        s.load({"model": model, "optimizer": optimizer})
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("state['optimizer'] optimizes 4 parameter(s) that are not the "
+                                                      "state's models'"), message
+    assert "build the optimizer after wrap" in message, message
+    # Built after the wrap: accepted, and a step then changes the sharded weights.
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state = s.load({"model": model, "optimizer": optimizer})
+    before = [p.detach().full_tensor().clone() for p in model.parameters()]  # type: ignore[attr-defined]
+    state["model"](torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    assert all(not torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters()))  # type: ignore[attr-defined]
+    s.should_stop()
+    s.save(wait=True)
+    s.finish()
+
+
+def test_wraps_that_cannot_work_are_one_line_at_the_call(tmp_path: Path) -> None:
+    """Wrapping twice under FSDP2, FSDP2 then DDP (and DDP then FSDP2), a model without parameters under FSDP2,
+    and FSDP2 with single-file checkpoints: an MgpuError at wrap() (bad input: exit 2, never requeued), instead
+    of torch's AssertionError / NotImplementedError or a crash at the first save."""
+    s = session(tmp_path / "run")
+    sharded = s.wrap(nn.Linear(4, 2), parallel="fsdp")
+    for parallel in ("fsdp", "ddp"):
+        with pytest.raises(MgpuError, match=r"^Session.wrap\(\): this model is sharded with FSDP2 already"):
+            s.wrap(sharded, parallel=parallel)
+    with pytest.raises(MgpuError, match=r"^Session.wrap\(\): this model is sharded with FSDP2 already"):
+        s.wrap(nn.Sequential(nn.ReLU(), sharded))  # a part of it
+    plain = s.wrap(nn.Linear(4, 2))  # one rank: the module itself
+    with pytest.raises(MgpuError, match=r"^Session.wrap\(\): this model is wrapped already"):
+        s.wrap(plain, parallel="fsdp")
+    with pytest.raises(MgpuError, match=r"^Session.wrap\(parallel='fsdp'\): the ReLU has no parameters, nothing to "
+                                        r"shard: wrap it without parallel='fsdp'$"):
+        s.wrap(nn.ReLU(), parallel="fsdp")
+    s.finish()
+    config = Config()
+    config.watchdog.enabled = False
+    config.checkpoint.format = "single"
+    from mgpu.environment import detect_environment
+
+    single = Session(tmp_path / "single", seed=0, config=config, env=detect_environment({}))
+    with pytest.raises(MgpuError, match=r"^Session.wrap\(parallel='fsdp'\) with checkpoint.format=single: a "
+                                        r"single-file checkpoint cannot hold a sharded model"):
+        single.wrap(nn.Linear(4, 2), parallel="fsdp")
+    single.finish()
