@@ -11,7 +11,7 @@ gloo ranks on every model tried; 2 ranks are immune, a + b == b + a).
 became ready in its first synced backward (hooks removed after it) and derives the buckets as the
 reducer's rebuild does (`_compute_bucket_assignment_by_size` on that order; a test checks it against the
 reducer's own record). `bucket_layout(ddp)` returns that layout as plain data for the checkpoint, with
-the state of a registered comm hook (PowerSGD's error feedback, per rank); a resumed process builds its
+the state of a registered comm hook (PowerSGD's error feedback, per rank, gathered to the writer only); a resumed process builds its
 reducer with the saved buckets (`ResumableDDP(..., bucket_layout=...)` or `resume_layout`), so its
 first step reduces in the unbroken run's order. The model's forward never runs an extra time.
 
@@ -204,11 +204,12 @@ def _hook_state(state: object) -> Any:
 
 
 def bucket_layout(ddp: nn.Module) -> dict[str, Any] | None:
-    """*Collective* (it gathers every rank's comm hook state). What a resumed process needs to reduce as
-    `ddp` does, as plain data for a checkpoint: `buckets` (reducer indices per bucket, in reduction order),
-    `limits` (their size limits), `passes` (synced passes seen, capped at the rebuild's) and `hooks` (per
-    rank, each registered comm hook's state). None when there is nothing to keep yet (no synced backward,
-    DDP never rebuilds, or not a ResumableDDP)."""
+    """*Collective* (it gathers every rank's comm hook state to the group's rank 0, the checkpoint's writer).
+    What a resumed process needs to reduce as `ddp` does, as plain data for a checkpoint: `buckets` (reducer
+    indices per bucket, in reduction order), `limits` (their size limits), `passes` (synced passes seen, capped
+    at the rebuild's) and, on rank 0, `hooks` (per rank, each registered comm hook's state: the checkpoint holds
+    every rank's once, each rank resumes its own; the other ranks hold only their own, never world x it). None
+    when there is nothing to keep yet (no synced backward, DDP never rebuilds, or not a ResumableDDP)."""
     if not isinstance(ddp, ResumableDDP):
         return None
     if ddp._recording:  # saved right after the recorded pass (a stop at step 1): its backward is over
@@ -216,8 +217,10 @@ def bucket_layout(ddp: nn.Module) -> dict[str, Any] | None:
     hooks: list[Any] = []
     if ddp._comm_hooks:
         mine = [_hook_state(state) for _, state in ddp._comm_hooks]
-        hooks = [None] * dist.get_world_size(ddp.process_group)
-        dist.all_gather_object(hooks, mine, group=ddp.process_group)
+        writer = dist.get_rank(ddp.process_group) == 0
+        gathered: list[Any] | None = [None] * dist.get_world_size(ddp.process_group) if writer else None
+        dist.gather_object(mine, gathered, group=ddp.process_group, group_dst=0)
+        hooks = gathered or []
     if ddp._layout is None:
         return {"buckets": None, "limits": None, "passes": 0, "hooks": hooks} if hooks else None
     return {"buckets": ddp._layout["buckets"], "limits": ddp._layout["limits"], "passes": ddp.synced_passes,

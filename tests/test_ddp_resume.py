@@ -68,3 +68,39 @@ def test_a_resume_on_4_ranks_is_bit_identical(reference: tuple[str, dict, str], 
                 assert ours[0][key].keys() == theirs[0][key].keys()
                 for bucket in ours[0][key]:
                     assert torch.equal(ours[0][key][bucket], theirs[0][key][bucket]), (key, bucket)
+
+
+HOOK_SCRIPT = r"""
+import torch, torch.distributed as dist
+from mgpu.ddp import ResumableDDP, bucket_layout
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+class Feedback:  # a comm hook state with its own state_dict (as an error-feedback hook keeps one per rank)
+    def state_dict(self):
+        return {"rank": rank, "memory": torch.full((4,), float(rank))}
+
+    def load_state_dict(self, state):
+        pass
+
+def hook(state, bucket):
+    return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+model = ResumableDDP(torch.nn.Linear(4, 2))
+model.register_comm_hook(Feedback(), hook)
+model(torch.ones(2, 4)).sum().backward()
+layout = bucket_layout(model)
+hooks = (layout or {}).get("hooks") or []
+print("hooks", [states[0]["rank"] for states in hooks], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_comm_hooks_state_is_gathered_to_the_writer_only(tmp_path: Path) -> None:
+    """At every save each rank's comm hook state goes to rank 0, which writes it (the checkpoint holds every
+    rank's state once, each rank resumes its own), not to every rank (world x the state in each rank's memory)."""
+    results = wait_ranks(start_ranks(["-c", HOOK_SCRIPT], 2), 60)
+    assert [rc for rc, _ in results] == [0, 0], results
+    assert "hooks [0, 1]" in results[0][1], results[0][1]
+    assert "hooks []" in results[1][1], results[1][1]
