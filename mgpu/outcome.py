@@ -10,6 +10,7 @@ asked about a job only when it is this process's own (`mgpu.slurm_job.owns_slurm
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing
 import os
@@ -24,7 +25,7 @@ from mgpu.recovery import Limits, failure_requeues, stop_requeues
 from mgpu.requeue import Budget, decide, query_job, requeue
 from mgpu.rundir import RunDir
 
-__all__ = ["STOPPED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop",
+__all__ = ["SPAWN_ARGV", "STOPPED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop",
            "exit_code", "resume_command"]
 
 log = logging.getLogger("mgpu.job")
@@ -35,6 +36,10 @@ STOPPED_EXIT_CODE = 3
 class JobStopped(Exception):
     """The job stopped on a signal and will not come back (cancelled, or out of requeues)."""
 
+
+SPAWN_ARGV = "MGPU_SPAWN_ARGV"
+"""Set by mgpu.spawn in each rank it starts: the spawning process's command line (JSON), which the resume
+command repeats (a spawned rank's own command line is multiprocessing's)."""
 
 USER_VARIABLES = ("MGPU_MAX_REQUEUES", "MGPU_MAX_FAILURES", "MGPU_RECOVERY")
 """The environment variables a user sets that change what mgpu does: a resume command keeps them."""
@@ -74,10 +79,23 @@ def resume_command(env: ProcessEnv) -> str:
         from mgpu.requeue import resume_command as recorded
 
         return recorded(ask=env.rank == 0)
-    # A spawned rank's interpreter command line is multiprocessing's; its sys.argv is its parent's.
     spawned = multiprocessing.parent_process() is not None
-    orig = None if spawned or env.launcher == "torchrun" else getattr(sys, "orig_argv", None)
+    orig = _command_line(env.launcher, os.environ, spawned, getattr(sys, "orig_argv", None))
     return _own_command(env.launcher, os.environ, sys.argv, orig, sys.executable, os.getcwd())
+
+
+def _command_line(launcher: str, environ: Mapping[str, str], spawned: bool,
+                  orig_argv: Sequence[str] | None) -> list[str] | None:
+    """The interpreter command line a resume repeats (None: sys.argv's). A rank mgpu.spawn started: the spawning
+    process's (`python -m mgpu.spawn -n 2 loop.py`: the same world again); another spawned process: None (its
+    own is multiprocessing's, its sys.argv its parent's); under torchrun: None (rebuilt from its variables)."""
+    if spawned:
+        try:
+            line = json.loads(environ.get(SPAWN_ARGV) or "null")
+        except ValueError:
+            return None
+        return [str(word) for word in line] if isinstance(line, list) and line else None
+    return None if launcher == "torchrun" else (list(orig_argv) if orig_argv else None)
 
 
 def exit_code(outcome: "Outcome") -> int:

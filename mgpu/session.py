@@ -122,6 +122,10 @@ class Session:
         self._by_batch = recovery_by_batch_script
         try:
             self._start(env)
+            from mgpu.uncaught import record_uncaught
+
+            # A loop that ends with finish(), not `with`: an uncaught exception is recorded as leaving `with` does.
+            self._cleanup.callback(record_uncaught(self.fail))
         except BaseException as error:
             self._cleanup.close()
             self._discard_if_unused(error)

@@ -10,13 +10,16 @@ this process ignores it and waits for them; a SIGTERM sent to this process alone
 a rank whose parent dies gets SIGTERM (PR_SET_PDEATHSIG), so no rank is orphaned. A time limit, when
 given, is kept as Slurm keeps one: the requeue signal some seconds before it, SIGTERM at it, SIGKILL
 after a grace period. The exit code is the ranks': 0 when all finished, 3 when they stopped and saved,
-else the first other non-zero one.
+else the first other non-zero one. The resume command a rank prints is the command that started them
+(`python -m mgpu.spawn -n 2 loop.py ...`, or the script that calls `mgpu.spawn`): pasted, it restarts the same
+world. A rank's uncaught exception goes to `sys.excepthook` (where a session records it), then exit code 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import multiprocessing
 import os
 import runpy
@@ -25,7 +28,7 @@ import sys
 import time
 from typing import Any, Callable, Sequence
 
-from mgpu.outcome import STOPPED_EXIT_CODE
+from mgpu.outcome import SPAWN_ARGV, STOPPED_EXIT_CODE
 
 __all__ = ["spawn"]
 
@@ -45,7 +48,8 @@ def _host_store() -> Any:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
 
 
-def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, port: int, parent: int) -> None:
+def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, port: int, parent: int,
+          launch: list[str]) -> None:
     try:  # Linux: SIGTERM to this rank when the spawning process dies, whatever killed it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -53,9 +57,15 @@ def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, 
     if os.getppid() != parent:  # it died before the line above: nobody waits for this rank
         os._exit(1)
     # TORCHELASTIC_USE_AGENT_STORE: rank 0 joins the store this process hosts instead of binding its own.
+    # SPAWN_ARGV: the command that started the ranks (`python -m mgpu.spawn -n 2 loop.py`), for the resume command.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
-    fn(rank, *args)
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True",
+                      **{SPAWN_ARGV: json.dumps(launch)})
+    try:
+        fn(rank, *args)
+    except Exception:  # multiprocessing would print it without sys.excepthook: a session's hook records it
+        sys.excepthook(*sys.exc_info())
+        raise SystemExit(1) from None
 
 
 def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None = None, *, local: bool = False,
@@ -81,8 +91,9 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
     store = _host_store()
     port = int(store.port)
     context = multiprocessing.get_context("spawn")
-    procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid()), name=f"rank{rank}")
-             for rank in range(nprocs)]
+    launch = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])  # this process's command line
+    procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid(), launch),
+                             name=f"rank{rank}") for rank in range(nprocs)]
 
     def send(signum: int) -> None:
         for proc in procs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from mgpu.outcome import STOPPED_EXIT_CODE, Outcome, _own_command, exit_code
+from mgpu.outcome import SPAWN_ARGV, STOPPED_EXIT_CODE, Outcome, _command_line, _own_command, exit_code
 
 VENV = "/home/u/proj/.venv/bin/python3"
 
@@ -40,3 +40,20 @@ def test_the_resume_command_runs_as_printed(launcher: str, environ: dict[str, st
                                         ("stays_down", STOPPED_EXIT_CODE)])
 def test_one_map_from_outcome_to_exit_code(kind: str, code: int) -> None:
     assert exit_code(Outcome(kind)) == code  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("launcher, environ, spawned, orig, expected", [
+    # plain python, srun's task, submitit: the interpreter's own command line
+    ("single", {}, False, [VENV, "-u", "loop.py", "--x"], [VENV, "-u", "loop.py", "--x"]),
+    # a rank of `python -m mgpu.spawn -n 2 loop.py`: the spawning command, so pasting it starts 2 ranks again
+    ("env", {SPAWN_ARGV: f'["{VENV}", "-m", "mgpu.spawn", "-n", "2", "loop.py", "--x"]'}, True, [VENV, "-c", "mp"],
+     [VENV, "-m", "mgpu.spawn", "-n", "2", "loop.py", "--x"]),
+    # another spawned process (not mgpu.spawn's), or a damaged variable: sys.argv (its parent's)
+    ("env", {}, True, [VENV, "-c", "from multiprocessing.spawn import spawn_main"], None),
+    ("env", {SPAWN_ARGV: "{not json"}, True, [VENV, "-c", "mp"], None),
+    # torchrun: rebuilt from its variables (_torchrun_options), never the worker's own line
+    ("torchrun", {}, False, [VENV, "-u", "loop.py"], None),
+])
+def test_the_command_line_a_resume_repeats(launcher: str, environ: dict[str, str], spawned: bool, orig: list[str],
+                                           expected: list[str] | None) -> None:
+    assert _command_line(launcher, environ, spawned, orig) == expected

@@ -323,3 +323,26 @@ def test_wraps_that_cannot_work_are_one_line_at_the_call(tmp_path: Path) -> None
                                         r"single-file checkpoint cannot hold a sharded model"):
         single.wrap(nn.Linear(4, 2), parallel="fsdp")
     single.finish()
+
+
+def test_an_uncaught_exception_in_a_loop_without_with_is_recorded(tmp_path: Path) -> None:
+    """A loop that ends with session.finish() (not `with`) and raises: the session's sys.excepthook (what Python
+    calls for an exception that ends the process) records the failure as leaving `with` would; status says so.
+    Once the session ended, the hook is gone."""
+    import sys
+
+    from mgpu.runview import summarize
+
+    s = session(tmp_path / "run")
+    s.load(parts())
+    installed = sys.excepthook
+    assert getattr(installed, "__module__", None) == "mgpu.uncaught"
+    try:
+        raise ValueError("the loop's bug")
+    except ValueError as error:
+        sys.excepthook(type(error), error, error.__traceback__)  # as the interpreter does, the process dying
+    events = read_ledger(tmp_path / "run" / "events.jsonl")
+    failed = [e for e in events if e["event"] == "failed"]
+    assert [(e["error"], e["retry"]) for e in failed] == [("ValueError: the loop's bug", True)], failed
+    assert summarize(events)["state"] == "failed: ValueError: the loop's bug"
+    assert sys.excepthook is not installed  # the ended session's hook is uninstalled

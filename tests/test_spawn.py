@@ -51,3 +51,49 @@ def test_a_failed_rank_stops_the_others_and_the_store_is_hosted_by_spawn(tmp_pat
     assert "mgpu.spawn: rank1 failed: stopping the other ranks" in result.stderr, result.stderr[-2000:]
     assert elapsed < 60, elapsed  # rank 0 slept 600 s: it was stopped, not waited for
     assert result.stdout.count("reached the store; agent store True") == 2, result.stdout + result.stderr
+
+
+LOOP = r"""
+import sys
+
+import torch
+
+import mgpu
+
+config = mgpu.Config()
+config.watchdog.enabled = False
+session = mgpu.Session(sys.argv[1], seed=0, config=config)
+state = session.load({"model": session.wrap(torch.nn.Linear(2, 2))})
+if sys.argv[2] == "raise":
+    raise ValueError(f"rank {session.rank}'s bug")
+session.should_stop()
+session.finish()  # not `with`: as the shipped jobs/loops examples end
+"""
+
+
+@pytest.mark.multiprocess
+def test_under_spawn_the_resume_command_restarts_the_same_world_and_a_crash_without_with_is_recorded(
+        tmp_path) -> None:
+    """`python -m mgpu.spawn -n 2 loop.py`: a stop's resume command is that command (pasted, 2 ranks again, not 1);
+    a loop that ends with finish() and raises is recorded as failed, with its error, on each rank."""
+    from mgpu.ledger import read_ledger
+    from mgpu.runview import summarize
+
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    run = tmp_path / "run"
+
+    def spawned(mode: str, **env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "mgpu.spawn", "-n", "2", str(script), str(run), mode],
+                              env=base_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=180)
+
+    stopped = spawned("stop", MGPU_STOP_AT_STEP="1")
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    line = next(line for line in stopped.stderr.splitlines() if line.startswith("mgpu: stopped at step 1"))
+    assert line.endswith(f"to resume: cd {ROOT} && {sys.executable} -m mgpu.spawn -n 2 {script} {run} stop"), line
+    crashed = spawned("raise")
+    assert crashed.returncode == 1, crashed.stderr[-3000:]
+    events = read_ledger(run / "events.jsonl")
+    failed = sorted((e["rank"], e["error"]) for e in events if e["event"] == "failed")
+    assert failed == [(0, "ValueError: rank 0's bug"), (1, "ValueError: rank 1's bug")], failed
+    assert summarize(events)["state"].startswith("failed"), summarize(events)
