@@ -124,7 +124,7 @@ class StatefulStreamLoader:
     # One state per rank: mgpu.train_state gathers every rank's `rank_state_dict()` into the checkpoint.
     def rank_state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "workers": max(self.num_workers, 1),
-                "next": self._next, "states": self._states}
+                "num_workers": self.num_workers, "next": self._next, "states": self._states}
 
     def state_dict(self) -> dict[str, Any]:
         return {"per_rank": [self.rank_state_dict()]}  # a world of one; mgpu fills every rank's in a job
@@ -141,9 +141,12 @@ class StatefulStreamLoader:
                               f"{len(ranks)} rank(s), or read files through mgpu.stream.ShardedStream (any world size)")
         mine = ranks[self.rank]
         if mine["states"] is not None and mine["workers"] != max(self.num_workers, 1):
-            raise StreamError(f"the stream's state was saved by {mine['workers']} DataLoader worker(s) per rank, "
-                              f"this run has num_workers={self.num_workers}: a per-worker state cannot be split or "
-                              f"merged; resume with num_workers={mine['workers']}, or use mgpu.stream.ShardedStream")
+            # 0 workers (the stream read in the training process) keeps one state, as 1 worker does: either resumes.
+            saved = mine.get("num_workers", mine["workers"])
+            same = "0 or 1" if mine["workers"] == 1 else str(mine["workers"])
+            raise StreamError(f"the stream's state was saved with num_workers={saved} per rank, this run has "
+                              f"num_workers={self.num_workers}: a per-worker state cannot be split or merged; resume "
+                              f"with num_workers={same}, or use mgpu.stream.ShardedStream")
         self.epoch, self.position, self._next, self._states = mine["epoch"], mine["position"], mine["next"], mine["states"]
 
     def _agree(self, item: tuple[Any, int, Any, int] | None) -> tuple[Any, int, Any, int, int] | None:

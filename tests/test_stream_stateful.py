@@ -97,8 +97,15 @@ def test_what_cannot_carry_over_is_refused_in_one_line() -> None:
     first = make(2)
     take(first, 2)
     saved = first.state_dict()
-    with pytest.raises(StreamError, match=r"saved by 2 DataLoader worker\(s\) per rank, this run has num_workers=3"):
+    with pytest.raises(StreamError, match=r"saved with num_workers=2 per rank, this run has num_workers=3: .*"
+                                          r"resume with num_workers=2,"):
         make(3).load_state_dict(saved)
+    # Saved with 0 workers: the refusal names 0 (it said 1), and either 0 or 1 resumes.
+    none = make(0)
+    take(none, 2)
+    with pytest.raises(StreamError, match=r"saved with num_workers=0 per rank, this run has num_workers=2: .*"
+                                          r"resume with num_workers=0 or 1,"):
+        make(2).load_state_dict(none.state_dict())
     with pytest.raises(StreamError, match=r"saved by 1 rank\(s\), this run has 2"):
         make(2, world=2).load_state_dict(saved)
     with pytest.raises(StreamError, match="Plain is an IterableDataset without state_dict"):
@@ -198,7 +205,7 @@ def test_a_task_stream_refuses_in_one_line_what_it_cannot_guarantee(tmp_path: Pa
     with pytest.raises(MgpuError, match=r"stream without a length \(StatefulBlobs\): set train.max_steps"):
         fit(tmp_path / "run", 0, monkeypatch, None, "train.max_steps=null")
     fit(tmp_path / "run", 2, monkeypatch, 3)
-    with pytest.raises(StreamError, match=r"saved by 2 DataLoader worker\(s\) per rank, this run has num_workers=0"):
+    with pytest.raises(StreamError, match=r"saved with num_workers=2 per rank, this run has num_workers=0"):
         fit(tmp_path / "run", 0, monkeypatch)
     with pytest.raises(TaskError, match=r"Plain\) without state_dict\(\)/load_state_dict\(\).*give it that protocol"):
         sized_dataset(Plain(), "T.train_dataset()")
