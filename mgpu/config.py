@@ -458,11 +458,40 @@ def _normalized(data: Mapping[str, Any] | Config) -> dict[str, Any]:
         return dict(data)
 
 
-def check_resume_compatible(saved: Mapping[str, Any] | Config, current: Mapping[str, Any] | Config) -> list[str]:
-    """Lines like `train.epochs: 3 -> 5` for the safe changes; ConfigError listing every unsafe one."""
-    changes = diff_configs(_normalized(saved), _normalized(current))
-    unsafe = [f"{key} ({_fmt(a)} -> {_fmt(b)})" for key, a, b in changes if not is_safe_to_change(key)]
+def _kept_global_batch(saved: Mapping[str, Any], current: Mapping[str, Any], saved_world: int | None) -> int | None:
+    """The global batch a run saved without data.global_batch_size trained with (data.batch_size x its ranks x
+    train.grad_accum), when `current` sets data.global_batch_size to it (train.grad_accum then 1, data.batch_size
+    the same): the steps stay the run's, only their split into micro-steps changes (what a resume on another
+    world size advises). Without `saved_world` (before the job knows it) any whole multiple of the saved per-rank
+    step passes here; the job checks the exact value. None: not such a change."""
+    old, new = saved.get("data") or {}, current.get("data") or {}
+    glob, batch = new.get("global_batch_size"), new.get("batch_size")
+    accum = (saved.get("train") or {}).get("grad_accum", 1)
+    if old.get("global_batch_size") is not None or glob is None or old.get("batch_size") != batch:
+        return None
+    if not (isinstance(batch, int) and isinstance(accum, int) and batch > 0 and accum > 0) or glob % (batch * accum):
+        return None
+    kept = batch * accum * saved_world if saved_world else glob
+    return kept if kept == glob else None
+
+
+def check_resume_compatible(saved: Mapping[str, Any] | Config, current: Mapping[str, Any] | Config,
+                            saved_world: int | None = None) -> list[str]:
+    """Lines like `train.epochs: 3 -> 5` for the safe changes; ConfigError listing every unsafe one. `saved_world`:
+    the checkpoint's world size, which data.global_batch_size set on resume must match (see _kept_global_batch)."""
+    old, new = _normalized(saved), _normalized(current)
+    changes = diff_configs(old, new)
+    kept = _kept_global_batch(old, new, saved_world)
+    fixed = {"data.global_batch_size", "train.grad_accum"} if kept is not None else set()
+    unsafe = [f"{key} ({_fmt(a)} -> {_fmt(b)})" for key, a, b in changes
+              if not is_safe_to_change(key) and key not in fixed]
     if unsafe:
+        hint = ""
+        old_data, old_train = old.get("data") or {}, old.get("train") or {}
+        if (saved_world and any(key == "data.global_batch_size" for key, _, _ in changes)
+                and old_data.get("global_batch_size") is None and isinstance(old_data.get("batch_size"), int)):
+            was = old_data["batch_size"] * old_train.get("grad_accum", 1) * saved_world
+            hint = f" (to keep the saved run's global batch on another world size: data.global_batch_size={was})"
         raise ConfigError(f"config differs from the checkpoint's in keys that change the run: {', '.join(unsafe)}; "
-                          f"restore them, or start a new run (run.name=...)")
+                          f"restore them, or start a new run (run.name=...){hint}")
     return [f"{key}: {_fmt(a)} -> {_fmt(b)}" for key, a, b in changes]

@@ -453,12 +453,14 @@ class Session:
         self.begin()
         objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
         if self.sharded:  # [fsdp hook] every rank contributes its shard
-            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait, extra=meta)
+            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait,
+                                                  extra=self.resumption.save_meta(meta))
         else:
             ddps = self._ddps  # [mgpu.ddp bucket layout] the wrapped DDPs' buckets, saved beside the state
             assert ddps is not None
             path = self.checkpointer.save(lambda: ddps.gather(lambda: gather_state(objects, self.version)),
-                                          self.step, reason, is_best=best, wait=wait, extra=meta)
+                                          self.step, reason, is_best=best, wait=wait,
+                                          extra=self.resumption.save_meta(meta))
         if wait:  # durable now: end() does not save this step again
             self._durable = (self.step, path)
         return path

@@ -229,7 +229,7 @@ class Trainer:
         if loaded is None:
             return Progress(), {}
         saved = loaded.state["config"]
-        changes = check_resume_compatible(saved, self.config_dict)
+        changes = check_resume_compatible(saved, self.config_dict, saved_world=loaded.state.get("world_size"))
         if self.is_main:
             for change in changes:
                 log.info("config changed on resume (safe): %s", change)

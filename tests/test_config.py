@@ -411,3 +411,22 @@ def test_fsdp_with_single_file_checkpoints_is_refused_at_load() -> None:
                                                     "checkpoint cannot hold a sharded model; set checkpoint.format=auto")):
         load_config(None, ["train.parallel=fsdp", "checkpoint.format=single"])
     assert load_config(None, ["train.parallel=fsdp", "checkpoint.format=sharded"]).checkpoint.format == "sharded"
+
+
+def test_the_saved_runs_global_batch_may_be_kept_on_another_world_size() -> None:
+    """The resume's advice after a world-size change (data.global_batch_size = the saved run's global batch) can be
+    followed: that key set from null to batch x saved ranks x accumulation (train.grad_accum then 1) is accepted;
+    another value, or a changed per-rank batch, is refused naming the value to set."""
+    saved = config_to_dict(load_config(None, ["data.batch_size=8", "train.grad_accum=2"]))
+    kept = config_to_dict(load_config(None, ["data.batch_size=8", "data.global_batch_size=32"]))
+    assert check_resume_compatible(saved, kept, saved_world=2) == [
+        "data.global_batch_size: null -> 32", "train.grad_accum: 2 -> 1"]
+    assert check_resume_compatible(saved, kept) != []  # before the job knows the saved world: a whole multiple passes
+    with pytest.raises(ConfigError, match=re.escape(
+            "keys that change the run: data.global_batch_size (null -> 32), train.grad_accum (2 -> 1); restore them, "
+            "or start a new run (run.name=...) (to keep the saved run's global batch on another world size: "
+            "data.global_batch_size=64)")):
+        check_resume_compatible(saved, kept, saved_world=4)
+    halved = config_to_dict(load_config(None, ["data.batch_size=4", "data.global_batch_size=32"]))
+    with pytest.raises(ConfigError, match=r"data.batch_size \(8 -> 4\)"):
+        check_resume_compatible(saved, halved, saved_world=2)

@@ -251,22 +251,74 @@ def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
         s.should_stop()
 
 
-@pytest.mark.parametrize("world, saved, batch, expected", [
-    (2, 2, 64, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks"),
-    (2, 4, 64, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch is "
-               "now 128 samples, was 256; to keep it, scale the per-rank batch or the accumulation by 4/2)"),
-    (1, 2, None, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 1 rank (saved on 2)"),
+@pytest.mark.parametrize("world, saved, batch, saved_global, expected", [
+    (2, 2, 64, 128, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks"),
+    # "was": the saved run's own global batch (its checkpoint's record), not this run's per-rank batch x its world
+    (2, 4, 64, 256, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch is "
+                    "now 128 samples, was 256)"),
+    # the per-rank batch was doubled to keep it (saved 2 x 8, now 1 x 16): it stays (it said "now 16, was 32")
+    (1, 2, 16, 16, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 1 rank (saved on 2: the global batch "
+                   "stays 16 samples)"),
+    # the same world, another per-rank batch: said too
+    (2, 2, 32, 128, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (the global batch is now 64 "
+                    "samples, was 128)"),
+    # an older checkpoint (no record of its global batch): no guess at "was"
+    (2, 4, 64, None, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch "
+                     "is now 128 samples)"),
+    (1, 2, None, None, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 1 rank (saved on 2)"),
     # data.global_batch_size=256, 32 a rank per micro-step: the accumulation follows the world size
-    ((2, 256), 4, 32, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global batch "
-                      "stays 256 samples (data.global_batch_size), accumulated over 4 micro-steps per step, was 2)"),
-    ((8, 256), 4, 32, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 8 ranks (saved on 4: the global batch "
-                      "stays 256 samples (data.global_batch_size), accumulated over 1 micro-step per step, was 2)"),
-    ((4, 256), 4, 32, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 4 ranks"),
+    ((2, 256), 4, 32, 256, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 2 ranks (saved on 4: the global "
+                           "batch stays 256 samples (data.global_batch_size), accumulated over 4 micro-steps per "
+                           "step, was 2)"),
+    ((8, 256), 4, 32, None, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 8 ranks (saved on 4: the global "
+                            "batch stays 256 samples (data.global_batch_size), accumulated over 1 micro-step per "
+                            "step, was 2)"),
+    ((4, 256), 4, 32, 256, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 4 ranks"),
+    # data.global_batch_size set on resume to the saved run's global batch (its advice): it stays
+    ((1, 16), 2, 8, 16, "resumed at step 7 (epoch 1, sample 96) from /r/step_7 on 1 rank (saved on 2: the global "
+                        "batch stays 16 samples (data.global_batch_size), accumulated over 2 micro-steps per step, "
+                        "was 1)"),
 ])
-def test_the_resume_line(world: int | tuple[int, int], saved: int, batch: int | None, expected: str) -> None:
+def test_the_resume_line(world: int | tuple[int, int], saved: int, batch: int | None, saved_global: int | None,
+                         expected: str) -> None:
     world, global_batch = world if isinstance(world, tuple) else (world, None)
     assert resume_line(7, {"epoch": 1, "position": 96}, Path("/r/step_7"), world, saved, batch,
-                       global_batch) == expected
+                       global_batch, saved_global) == expected
+
+
+def test_a_changed_global_batch_warns_with_the_steps_per_epoch_and_how_to_keep_them() -> None:
+    """Steps per epoch change with the global batch: a schedule sized from len(loader) would jump mid-run. The
+    warning names data.global_batch_size (trainer) and how a loop of one's own keeps its schedule."""
+    from mgpu.resumption import schedule_warning
+
+    assert schedule_warning(16, 16, 1000) is None and schedule_warning(16, None, 1000) is None
+    line = schedule_warning(8, 16, 1000)
+    assert line is not None and "\n" not in line
+    assert line.startswith("the global batch changed on resume: 8 samples per step, was 16; an epoch is 125 steps "
+                           "now, was 63"), line
+    assert "the trainer: data.global_batch_size=16" in line and "load(state, global_batch=16)" in line, line
+    assert "loader.samples_per_epoch" in line, line
+
+
+def test_a_save_records_the_global_batch_and_a_resume_on_another_batch_warns(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each checkpoint records the run's global batch (batch_size x ranks, or global_batch); a resume compares its
+    own with it: "was" is the saved run's, and a change warns."""
+    import json
+
+    run = tmp_path / "run"
+    with session(run) as s:
+        state = s.load(parts(), batch_size=16)
+        train(state, s, 2)
+        s.save(state, wait=True)
+    meta = json.loads((run / "checkpoints" / "step_00000002" / "meta.json").read_text())
+    assert meta["extra"]["global_batch"] == 16
+    said(capsys)
+    with session(run) as s:
+        s.load(parts(), batch_size=8)
+    out = said(capsys)
+    assert "resumed at step 2 from" in out and "(the global batch is now 8 samples, was 16)" in out, out
+    assert "the global batch changed on resume: 8 samples per step, was 16" in out, out
 
 
 def test_an_optimizer_built_before_the_fsdp_wrap_is_refused_at_load(tmp_path: Path) -> None:

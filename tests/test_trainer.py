@@ -303,3 +303,29 @@ def test_bf16_on_cpu_ranks_says_so_in_one_line(warmup_bf16_on_cpu: tuple[Path, s
     assert stdout.count(line) == 1, stdout  # rank 0's console: one line, not one per rank
     assert (run_dir / "logs" / "rank0.log").read_text().count(line) == 1
     assert line not in (run_dir / "logs" / "rank1.log").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_resume_on_fewer_ranks_warns_and_its_advice_can_be_followed(tmp_path: Path) -> None:
+    """Saved on 2 ranks (3 a rank x 2 micro-steps: 12 samples a step, 4 steps an epoch of 42), resumed on 1: without
+    data.global_batch_size the step halves and the run lengthens, said in a warning that names
+    data.global_batch_size=12; set so (train.grad_accum=1), it is accepted (not refused as a changed key), the
+    step stays 12 samples and the run 12 steps."""
+    import shutil
+
+    blobs = [*BLOBS, "task.args.size=42"]  # 42: no one-sample batch for BatchNorm on 1 rank either
+    first = train(tmp_path / "run", *blobs, "--stop-at-step=2", ranks=2, timeout=240)
+    assert "exitcode  : 3" in first.stdout, first.stdout
+    shutil.copytree(tmp_path / "run", tmp_path / "kept")
+    halved = train(tmp_path / "run", *blobs, "train.max_steps=3", timeout=240)
+    assert halved.returncode == 0, halved.stdout
+    assert "on 1 rank (saved on 2: the global batch is now 6 samples, was 12)" in halved.stdout, halved.stdout
+    assert "the global batch changed on resume: 6 samples per step, was 12" in halved.stdout, halved.stdout
+    assert "the trainer: data.global_batch_size=12" in halved.stdout, halved.stdout
+    kept = train(tmp_path / "kept", *[arg for arg in blobs if arg != "train.grad_accum=2"],
+                 "data.global_batch_size=12", timeout=240)
+    assert kept.returncode == 0, kept.stdout
+    assert ("on 1 rank (saved on 2: the global batch stays 12 samples (data.global_batch_size), accumulated over 4 "
+            "micro-steps per step, was 2)") in kept.stdout, kept.stdout
+    assert "the global batch changed" not in kept.stdout and "step 12/12" in kept.stdout, kept.stdout
+    assert final_state(tmp_path / "kept")["progress"]["step"] == 12
