@@ -23,7 +23,7 @@ from torch import nn
 
 from mgpu.errors import MgpuError
 
-__all__ = ["default_units", "is_sharded", "local_grads", "no_sync", "plain", "refuse_stale_optimizers",
+__all__ = ["check_state", "default_units", "is_sharded", "local_grads", "no_sync", "plain", "refuse_stale_optimizers",
            "refuse_to_wrap", "shard", "sharded_checkpoints", "weights_fingerprint"]
 
 ShardHook = Callable[[nn.Module, Any], "nn.Module | None"]
@@ -123,6 +123,16 @@ def refuse_to_wrap(model: nn.Module, parallel: str, wrapped: bool, checkpoint_fo
     if parallel == "fsdp" and checkpoint_format == "single":
         raise MgpuError("Session.wrap(parallel='fsdp') with checkpoint.format=single: a single-file checkpoint "
                         "cannot hold a sharded model; set checkpoint.format to auto or sharded")
+
+
+def check_state(objects: Mapping[str, Any], sharded: bool) -> None:
+    """Refuse, before any training, a state a checkpoint cannot save (mgpu.train_state.check_checkpointable) and,
+    when the checkpoints are `sharded`, an optimizer over parameters that are not its models'."""
+    from mgpu.train_state import check_checkpointable
+
+    check_checkpointable(objects)
+    if sharded:
+        refuse_stale_optimizers(objects)
 
 
 def refuse_stale_optimizers(objects: Mapping[str, Any]) -> None:

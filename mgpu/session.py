@@ -49,6 +49,7 @@ from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
 from mgpu.runner import discard, join_run, no_beat, prepare_run_dir, process_start, setup_logging, start_watchdog
 from mgpu.slurm_job import owns_slurm_job
+from mgpu.uncaught import record_uncaught
 
 if TYPE_CHECKING:
     import torch
@@ -122,10 +123,7 @@ class Session:
         self._by_batch = recovery_by_batch_script
         try:
             self._start(env)
-            from mgpu.uncaught import record_uncaught
-
-            # A loop that ends with finish(), not `with`: an uncaught exception is recorded as leaving `with` does.
-            self._cleanup.callback(record_uncaught(self.fail))
+            self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
             self._discard_if_unused(error)
@@ -390,12 +388,13 @@ class Session:
         global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
         micro-step): the resume line says how the accumulation changed."""
         from mgpu import hparams
+        from mgpu.fsdp import check_state
         from mgpu.train_state import State
 
         if not isinstance(state, MutableMapping):
             raise MgpuError(f"Session.load() takes a dict of what to checkpoint (name -> model, optimizer, loader, "
                             f"value), got a {type(state).__name__}")
-        self._check_state(state)
+        check_state(state, self.sharded)
         if fresh:
             self.resumption.start_over()
         self.latest()
@@ -416,16 +415,6 @@ class Session:
             log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
         return state if isinstance(state, State) else State(state)
 
-    def _check_state(self, state: Mapping[str, Any]) -> None:
-        """Refuse, before any training, a state a checkpoint cannot save, or (sharded) an optimizer over
-        parameters that are not its models' (built before wrap(parallel='fsdp'))."""
-        from mgpu.fsdp import refuse_stale_optimizers
-        from mgpu.train_state import check_checkpointable
-
-        check_checkpointable(state)
-        if self.sharded:
-            refuse_stale_optimizers(state)
-
     @property
     def resumed_from(self) -> Path | None:
         """The checkpoint this process resumed from (None: a new run)."""
@@ -439,6 +428,7 @@ class Session:
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
         again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
         run whose checkpoint this session did not `load()`."""
+        from mgpu.fsdp import check_state
         from mgpu.train_state import gather_state
 
         state = self._state if state is None else state
@@ -448,19 +438,18 @@ class Session:
             raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
         if not self.resumption.looked:
             self.resumption.refuse_unloaded()
-            self._check_state(state() if callable(state) else state)
+            check_state(state() if callable(state) else state, self.sharded)
         self._state = state
         self.begin()
         objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
+        extra = self.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
         if self.sharded:  # [fsdp hook] every rank contributes its shard
-            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait,
-                                                  extra=self.resumption.save_meta(meta))
+            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait, extra=extra)
         else:
             ddps = self._ddps  # [mgpu.ddp bucket layout] the wrapped DDPs' buckets, saved beside the state
             assert ddps is not None
             path = self.checkpointer.save(lambda: ddps.gather(lambda: gather_state(objects, self.version)),
-                                          self.step, reason, is_best=best, wait=wait,
-                                          extra=self.resumption.save_meta(meta))
+                                          self.step, reason, is_best=best, wait=wait, extra=extra)
         if wait:  # durable now: end() does not save this step again
             self._durable = (self.step, path)
         return path
