@@ -67,14 +67,20 @@ def _own_command(launcher: str, environ: Mapping[str, str], argv: Sequence[str],
         command = [executable, *orig_argv[1:]]
     else:
         command = [executable, *argv]
+    tasks = environ.get("SLURM_NTASKS", "1") if launcher == "slurm" else "1"
+    if tasks.isdigit() and int(tasks) > 1:  # an srun step of several tasks (no submitter's command): srun it again
+        nodes = environ.get("SLURM_NNODES") or environ.get("SLURM_JOB_NUM_NODES") or "1"
+        command = ["srun", "--nodes", nodes, "--ntasks", tasks, *command]
     return f"cd {shlex.quote(cwd)} && {' '.join([*variables, shlex.join(command)])}"
 
 
 def resume_command(env: ProcessEnv) -> str:
     """The exact command that continues this run: what the submitter recorded (a template's sbatch options
     completed from accounting, see mgpu.requeue.resume_command), else this process's own, runnable as printed:
-    the interpreter's full path (a virtual environment need not be active), the MGPU_* variables set, and under
-    torchrun its command line rebuilt from its variables."""
+    the interpreter's full path (a virtual environment need not be active), the MGPU_* variables set, under
+    torchrun its command line rebuilt from its variables, under mgpu.spawn the spawning command, and a task of
+    an srun step of several tasks behind `srun --nodes N --ntasks T` (the same world again; the job's other
+    srun/sbatch options are not known here)."""
     if os.environ.get("MGPU_RESUME_COMMAND"):
         from mgpu.requeue import resume_command as recorded
 

@@ -30,6 +30,11 @@ VENV = "/home/u/proj/.venv/bin/python3"
      ["train.py"], None,
      f"cd /w && MGPU_MAX_FAILURES=2 {VENV} -m torch.distributed.run --nproc-per-node 8 --nnodes 2 --node-rank 0 "
      f"--master-addr n1 --master-port 29400 --max-restarts 3 train.py"),
+    # a task of an srun step of 4 tasks on 2 nodes (a batch script of one's own, no submitter): srun again, the
+    # same world (a one-task job's batch shell: the command alone)
+    ("slurm", {"SLURM_NTASKS": "4", "SLURM_NNODES": "2"}, ["loop.py"], [VENV, "loop.py"],
+     f"cd /w && srun --nodes 2 --ntasks 4 {VENV} loop.py"),
+    ("slurm", {"SLURM_NTASKS": "1", "SLURM_NNODES": "1"}, ["loop.py"], [VENV, "loop.py"], f"cd /w && {VENV} loop.py"),
 ])
 def test_the_resume_command_runs_as_printed(launcher: str, environ: dict[str, str], argv: list[str],
                                             orig: list[str] | None, expected: str) -> None:
