@@ -36,7 +36,9 @@ class DataConfig:
     """Samples per optimizer step over all ranks, kept on any world size: the accumulation is derived
     (global_batch_size / (batch_size * world_size), which must divide; train.grad_accum stays 1), so a resume
     on fewer ranks accumulates more and trains on the same samples per step in the same order (null: the global
-    batch follows the world size)."""
+    batch follows the world size). A run saved with null may resume with it set to the global batch it trained
+    with (data.batch_size x its ranks x train.grad_accum; train.grad_accum then 1): the same run on another world
+    size."""
     eval_batch_size: int | None = None
     """Samples per rank per evaluation step (null: batch_size)."""
     num_workers: int = 0
