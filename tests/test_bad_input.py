@@ -16,7 +16,7 @@ files are in it, unmounted after the case; needs root: skipped without it, excep
 a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 144, status 17, train 46 (207 in all); plus
+Cases by entry point (see `test_case_counts`): submit 145, status 17, train 46 (208 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -121,6 +121,9 @@ def _env(id: str, env: dict[str, str], expect: str, **kw: Any) -> Case:
 
 CASES: list[Case] = [
     # ------------------------------------------------------------------ submit: resources at absurd extremes
+    _submit("fsdp with single-file checkpoints", "train.parallel=fsdp", "checkpoint.format=single",
+            expect="train.parallel=fsdp with checkpoint.format=single: a single-file checkpoint cannot hold a sharded "
+                   "model"),
     _submit("nodes 0", "--nodes", "0", expect="--nodes 0: must be >= 1"),
     _submit("nodes negative", "--nodes", "-5", expect="--nodes -5: must be >= 1"),
     _submit("nodes 10**30", "--nodes", str(10**30), expect="--nodes 1000000000000000000000000000000: at most 100000"),
@@ -578,7 +581,7 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 144, "status": 17, "train": 46}, counts
+    assert counts == {"submit": 145, "status": 17, "train": 46}, counts
 
 
 @pytest.mark.multiprocess  # `outcomes` runs every case as a process of its own (46 of them import torch)
