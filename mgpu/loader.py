@@ -240,6 +240,14 @@ class ResumableLoader:
         """Batches of a whole epoch on this rank (the same on every rank)."""
         return self._batches_from(0)
 
+    def steps_per_epoch(self, global_batch: int) -> int:
+        """Optimizer steps of a whole epoch at `global_batch` samples per step (all ranks together): what a loop
+        that keeps its global batch sizes its schedule from, the same on any world size (`len(self)` counts this
+        rank's batches, which change with it). Exact without drop_last, at most one more step with it."""
+        if global_batch < 1:
+            raise ValueError(f"steps_per_epoch({global_batch}): the global batch is at least 1 sample")
+        return -(-self.plan.num_samples // global_batch)
+
     def __iter__(self) -> Iterator[Any]:
         self.start_position = self.position
         position = self.position

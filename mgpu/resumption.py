@@ -84,7 +84,7 @@ def schedule_warning(now: int | None, was: int | None, samples_per_epoch: int | 
             f"from the steps per epoch (len(loader)) changes mid-run. To keep the run's: the trainer: "
             f"data.global_batch_size={was}; a loop of one's own: keep {was} samples per step (per-rank batch x "
             f"accumulation x ranks; load(state, global_batch={was})) and size its schedule from "
-            f"loader.samples_per_epoch and that global batch, not len(loader)")
+            f"loader.steps_per_epoch({was}) (loader.samples_per_epoch / that global batch), not len(loader)")
 
 
 def finished_note(meta: Mapping[str, Any], step: int, run: Path) -> str | None:

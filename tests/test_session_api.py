@@ -297,7 +297,25 @@ def test_a_changed_global_batch_warns_with_the_steps_per_epoch_and_how_to_keep_t
     assert line.startswith("the global batch changed on resume: 8 samples per step, was 16; an epoch is 125 steps "
                            "now, was 63"), line
     assert "the trainer: data.global_batch_size=16" in line and "load(state, global_batch=16)" in line, line
-    assert "loader.samples_per_epoch" in line, line
+    assert "loader.steps_per_epoch(16)" in line, line
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_steps_per_epoch_at_a_global_batch_are_the_same_on_any_world_size(drop_last: bool) -> None:
+    """What a loop that keeps its global batch sizes its schedule from: len(loader) changes with the world size,
+    loader.steps_per_epoch(global_batch) does not, and bounds the steps the loop makes (exact without drop_last)."""
+    from mgpu.loader import ResumableLoader
+
+    loaders = [ResumableLoader(list(range(100)), 4, rank=0, world_size=world, drop_last=drop_last)
+               for world in (1, 2, 4)]
+    assert [len(loader) for loader in loaders] == ([25, 12, 6] if drop_last else [25, 13, 7])
+    assert [loader.steps_per_epoch(16) for loader in loaders] == [7, 7, 7]
+    for loader, world in zip(loaders, (1, 2, 4)):  # 16 samples a step: 4 / world micro-batches of 4 x world
+        accum = 16 // (4 * world)
+        steps = -(-len(loader) // accum)
+        assert steps == 7 or (drop_last and steps == 6), (world, steps)
+    with pytest.raises(ValueError, match="at least 1 sample"):
+        loaders[0].steps_per_epoch(0)
 
 
 def test_a_save_records_the_global_batch_and_a_resume_on_another_batch_warns(
