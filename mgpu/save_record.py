@@ -166,7 +166,8 @@ def note_event(ledger: Path, event: Mapping[str, Any]) -> None:
     name, now = event.get("event"), event.get("time")
     if name not in ("checkpoint_saved", "checkpoint_failed", "hang", "started") or not isinstance(now, (int, float)):
         return
-    job, restart = str(event.get("job_id", "")), event.get("restart", 0)
+    job, counted = str(event.get("job_id", "")), event.get("restart")
+    restart = counted if isinstance(counted, int) and not isinstance(counted, bool) else 0
 
     def close(attempts: list[Attempt]) -> list[Attempt] | None:
         if name == "checkpoint_saved":
@@ -176,10 +177,10 @@ def note_event(ledger: Path, event: Mapping[str, Any]) -> None:
             world = event.get("world_size")
             sharded = event.get("sharded") is True
             writers = world if sharded and isinstance(world, int) and not isinstance(world, bool) and world > 0 else 1
-            fields = dict(outcome="saved", seconds=seconds, bytes=int(size), writers=writers, sharded=sharded)
-            # A save no session opened (a checkpointer used on its own): recorded all the same.
-            return _close(attempts, "save", job, restart, now, **fields) or \
-                [*attempts, Attempt("save", now - seconds, job=job, restart=restart, **fields)]  # type: ignore[arg-type]
+            done = Attempt("save", now - seconds, "saved", seconds, int(size), writers, sharded, job, restart)
+            # A save no session opened (a checkpointer used on its own) is recorded all the same.
+            return _close(attempts, "save", job, restart, now, outcome="saved", seconds=seconds, bytes=int(size),
+                          writers=writers, sharded=sharded) or [*attempts, done]
         if name == "checkpoint_failed":
             return _close(attempts, "save", job, restart, now, outcome="failed")
         if name == "started":

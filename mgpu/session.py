@@ -161,8 +161,9 @@ class Session:
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
         join_run(self.run, self.env, str(self.device), self.backend)
-        # The saves measured so far, earlier runs' included (the ledger's tail: the same on every rank): how long
-        # the next one should take sizes the watchdog's allowance, the collective timeout and the deadline stop.
+        # The saves and resumes so far, earlier runs' included (the side record: the same on every rank): how long
+        # the next save should take sizes the watchdog's allowance, the collective timeout and the deadline stop;
+        # the checkpoint's size and the read rate, the resume's allowance.
         from mgpu.save_budget import allowances
 
         budget = allowances(self.run.ledger, self.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s)
@@ -375,22 +376,27 @@ class Session:
         """*Collective.* The run's newest checkpoint that verifies (rank 0 checks it), loaded memory-mapped
         on every rank; None for a new run. A look before `load()` (the trainer reads its progress to size
         its schedule): `load()` restores this one."""
-        if not self.resumption.looked:  # the resume's own allowance (mgpu.save_budget), its start recorded
-            from mgpu.save_record import open_attempt
-
-            open_attempt(self.ledger.path, "resume", writers=self.world_size, sharded=self.sharded,
-                         job=self.env.job_id, restart=self.env.restart_count)
-            self.beat("resume")
-            if self.watchdog is not None:  # the resume's collectives wait out a long hash on rank 0 (init_timeout_s)
-                from mgpu.distributed import set_collective_timeout
-
-                wait = self.watchdog.collective_timeout(self.cfg.distributed.init_timeout_s)
-                if wait > self.cfg.distributed.init_timeout_s:
-                    set_collective_timeout(timedelta(seconds=wait))
+        if not self.resumption.looked:
+            self._resume_begins()
         self.timings.setdefault("find", time.time())
         found = self.resumption.latest()
         self.timings.setdefault("loaded", time.time())
         return found
+
+    def _resume_begins(self) -> None:
+        """The resume's own watchdog allowance until load() ends (mgpu.save_budget), its start recorded
+        (mgpu.save_record), and a group timeout that waits out rank 0's hash when that may be longer."""
+        from mgpu.save_record import open_attempt
+
+        open_attempt(self.ledger.path, "resume", writers=self.world_size, sharded=self.sharded,
+                     job=self.env.job_id, restart=self.env.restart_count)
+        self.beat("resume")
+        if self.watchdog is not None:
+            from mgpu.distributed import set_collective_timeout
+
+            wait = self.watchdog.collective_timeout(self.cfg.distributed.init_timeout_s, resuming=True)
+            if wait > self.cfg.distributed.init_timeout_s:
+                set_collective_timeout(timedelta(seconds=wait))
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
              override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None,

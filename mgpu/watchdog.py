@@ -391,16 +391,18 @@ class Watchdog:
             return self.first_step_s
         return max(self.floor_s, self.step_multiple * statistics.median(self._step_times))
 
-    def collective_timeout(self, configured: float) -> float:
+    def collective_timeout(self, configured: float, *, resuming: bool = False) -> float:
         """The process group's timeout once training runs: `configured`, but longer than any allowance this
         watchdog may apply (a checkpoint write, a first evaluation batch, the steps so far times
         step_multiple) plus the time it takes to notice and leave evidence: a hang then ends through the
         watchdog, with the stacks, the ledger's `hang` event and the node's exclusion, not through a
-        collective's timeout error, and a long but healthy save is never cut short by one."""
+        collective's timeout error, and a long but healthy save is never cut short by one. `resuming`: while a
+        resume's collectives wait for a rank that hashes a checkpoint (its allowance counts too)."""
         so_far = [*self._step_times, *self._eval_times,
                   *([self.clock() - self._step_started] if self._step_started is not None else [])]
-        longest = min(max(self.first_step_s, self.checkpoint_s, self.eval_s, self.resume_s, self.floor_s,
-                          self.step_multiple * max(so_far, default=0.0)), MAX_ALLOWANCE_S)
+        longest = min(max(self.first_step_s, self.checkpoint_s, self.eval_s, self.floor_s,
+                          self.resume_s if resuming else 0.0, self.step_multiple * max(so_far, default=0.0)),
+                      MAX_ALLOWANCE_S)
         return max(configured, longest + WRITE_EVERY_S + STALE_AFTER_S + EVIDENCE_S + LOOK_SLACK_S)
 
     def teardown(self, exit_code: int = HANG_EXIT_CODE, allowance_s: float = TEARDOWN_S) -> None:

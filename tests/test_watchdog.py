@@ -528,7 +528,8 @@ def test_a_resume_has_its_own_allowance_and_reading_is_progress() -> None:
     assert watchdog.allowance() == 600
     watchdog.beat("resume")
     assert watchdog.allowance() == 3528
-    assert watchdog.collective_timeout(300) > 3528
+    assert watchdog.collective_timeout(300, resuming=True) > 3528  # the resume's collectives wait it out
+    assert watchdog.collective_timeout(300) < 3528  # training's: not lengthened by the resume's allowance
     watchdog.note_reads()  # the bytes read when it began
     for _ in range(20):  # 20 x 500 s of reading: 10,000 s, past the allowance, yet not hung
         clock.now += 500
