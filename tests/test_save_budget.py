@@ -291,3 +291,30 @@ def test_a_first_save_that_does_not_fit_raises_the_next_runs_allowance(tmp_path:
         assert session.watchdog.checkpoint_s >= SAFETY * hang["waited_s"] > SAFETY * 2
     finally:
         session.finish()
+
+
+def test_allowances_from_the_record_or_the_ledger(tmp_path: Path) -> None:
+    """`allowances` reads the side record: a save left open by a process killed without a word (SIGKILL in the
+    middle of it) counts until that process's last ledger event; a resume killed as a hang counts for the next
+    resume. A run from before the record: the saves in the ledger's tail, as before."""
+    from mgpu.save_budget import Allowances, allowances
+    from mgpu.save_record import open_attempt
+
+    path = tmp_path / "events.jsonl"
+    ledger = Ledger(path, "9", 0)
+    ledger.write("checkpoint_saved", step=1, seconds=10.0, bytes=GB, path="a", reason="periodic")
+    assert allowances(path, 1, 60.0, 600.0) == Allowances(10.0, 60.0, 600.0)  # the floors: checkpoint_s, first_step_s
+    start = time.time()
+    open_attempt(path, "save", job="9", restart=0, now=start)  # a save began; its process's last sign of life
+    with open(path, "a") as file:  # came 500 s later (then SIGKILL: no event of the save's end)
+        file.write(json.dumps({"time": start + 500, "event": "progress", "job_id": "9", "restart": 0}) + "\n")
+    budget = allowances(path, 1, 60.0, 600.0)
+    assert budget.expected_save_s == pytest.approx(500.0)
+    assert budget.save_allowance_s == pytest.approx(SAFETY * 500.0)
+    open_attempt(path, "resume", job="9", restart=1, now=start - 100)  # a resume began 100 s ago ...
+    Ledger(path, "9", 1).write("hang", ranks=[], phases={"0": "resume"})  # ... and was ended as a hang now
+    assert allowances(path, 1, 60.0, 1.0).resume_allowance_s == pytest.approx(SAFETY * 100.0, abs=3.0)
+    legacy = tmp_path / "legacy" / "events.jsonl"  # a ledger from before the side record
+    legacy.parent.mkdir()
+    legacy.write_text(json.dumps(saved(588.0, 50 * GB, step=3)) + "\n")
+    assert allowances(legacy, 1, 600.0, 600.0) == Allowances(588.0, SAFETY * 588.0, SAFETY * 2 * 588.0)
