@@ -34,12 +34,13 @@ import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from mgpu.save_record import Attempt, read_attempts, record_path
 
 __all__ = ["MAX_ALLOWANCE_S", "OUTLIER", "PEER_WAIT_SHARE", "READ_PASSES", "RECENT", "SAFETY", "TAIL_BYTES",
-           "Allowances", "Save", "allowances", "expected_resume_s", "expected_save_s", "lower_bounds", "measured",
+           "Allowances", "Save", "allowances", "expected_resume_s", "expected_save_s", "last_sign_of_life",
+           "lower_bounds", "measured",
            "parse_saves", "peer_wait_s", "save_allowance_s", "saves_in_ledger"]
 
 RECENT = 5
@@ -118,7 +119,7 @@ def saves_in_ledger(path: Path, tail_bytes: int = TAIL_BYTES) -> list[Save]:
 
 
 
-def _rate_bound(samples: Sequence[Save], size: int, writers_of: Any) -> float:
+def _rate_bound(samples: Sequence[Save], size: int, writers_of: Callable[[Save], int]) -> float:
     """Seconds for `size` bytes at the slowest per-rank rate of `samples`, the absurdly slow ones left out.
     `writers_of(sample)`: how many ranks would share the work now."""
     rates = [s.bytes / s.writers / s.seconds for s in samples]
@@ -177,8 +178,15 @@ def measured(attempts: Sequence[Attempt], kind: str) -> list[Save]:
             if a.kind == kind and a.outcome == done and a.seconds is not None and a.bytes is not None]
 
 
-def lower_bounds(attempts: Sequence[Attempt], kind: str, world: int,
-                 alive_until: Any = lambda attempt: None) -> float:
+AliveUntil = Callable[[Attempt], "float | None"]
+"""When an attempt's process was last seen alive after the attempt began (None: unknown)."""
+
+
+def _unknown(attempt: Attempt) -> float | None:
+    return None
+
+
+def lower_bounds(attempts: Sequence[Attempt], kind: str, world: int, alive_until: AliveUntil = _unknown) -> float:
     """The longest time a save or resume of `kind` ran before it failed or was killed, since the last one that
     ended well, scaled to `world` ranks as `expected_save_s` scales a rate (0: none). An attempt still open (its
     process ended without a word) ran at least until `alive_until(attempt)` (its process's last sign of life;
@@ -202,7 +210,7 @@ def lower_bounds(attempts: Sequence[Attempt], kind: str, world: int,
     return min(longest, MAX_ALLOWANCE_S)
 
 
-def last_sign_of_life(ledger: Path, tail_bytes: int = TAIL_BYTES) -> Any:
+def last_sign_of_life(ledger: Path, tail_bytes: int = TAIL_BYTES) -> AliveUntil:
     """A function: the time of the last event in the ledger's tail written by an attempt's process (its job
     and restart) after the attempt started (None: none)."""
     latest: dict[tuple[str, int], list[float]] = {}
@@ -245,7 +253,7 @@ def allowances(ledger: Path, world: int, checkpoint_s: float, first_step_s: floa
         saves, resumes, save_floor, resume_floor = saves_in_ledger(ledger), [], 0.0, 0.0
     else:
         saves, resumes = measured(attempts, "save"), measured(attempts, "resume")
-        alive = last_sign_of_life(ledger) if any(a.outcome == "open" for a in attempts) else (lambda a: None)
+        alive = last_sign_of_life(ledger) if any(a.outcome == "open" for a in attempts) else _unknown
         save_floor = lower_bounds(attempts, "save", world, alive)
         resume_floor = lower_bounds(attempts, "resume", world, alive)
     expected_save = expected_save_s(saves, world, save_floor)
