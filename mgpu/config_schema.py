@@ -215,14 +215,17 @@ class WatchdogConfig:
     floor_s: float = 60.0
     """... but never sooner than this many seconds in a training step."""
     first_step_s: float = 600.0
-    """Allowance before a run's first step (data loading, compilation)."""
+    """Allowance before a run's first step (data loading, compilation). A resume (finding, hashing and loading
+    the checkpoint) gets at least this, more where the run's saves and resumes say its checkpoint takes
+    longer to read, and its reads count as progress (docs/allowances.md)."""
     eval_s: float = 300.0
     """Allowance for a run's first evaluation batch (a compiled model builds its evaluation graph), and the
     least any later one gets (step_multiple x the median evaluation batch time where that is more)."""
     checkpoint_s: float = 600.0
     """Allowance for gathering and writing one checkpoint, at least; raised to 3x the time the next save is
     expected to take (the newest checkpoint's size at the slowest write rate of the run's last saves, earlier
-    runs' included: mgpu.save_budget)."""
+    runs' included, and at least as long as a save that failed or was killed since ran; capped at a day:
+    docs/allowances.md)."""
     collective_timeout_s: float = 300.0
     """The process group's timeout after the first step (the rendezvous keeps distributed.init_timeout_s);
     raised to outlast every allowance above (with the defaults: 650 s), so the watchdog, with its evidence,

@@ -20,6 +20,8 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      of its own (Session.log, mgpu.loop_progress): step, epoch (its loader's, if any), metrics
                      (what it gave), fingerprint (of its state's models, comma-joined), no total_steps
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
+                     (with `checkpoint_failed`, `hang` and `started`, also kept in the side record `saves.json`
+                     beside the ledger: mgpu.save_record, read back for the allowances, mgpu.save_budget)
     checkpoint_failed step, reason, error (one line naming the errno and the path), errno; training goes on
                      and the next due save tries again (a stop's save that fails ends the run: `failed`)
     preempted        step, reasons (mgpu.preemption.REASONS agreed by all ranks), signals and signal_times
@@ -54,6 +56,7 @@ from typing import Any
 
 from mgpu.errors import MgpuError
 from mgpu.fsutil import read_bounded
+from mgpu.save_record import note_event
 
 __all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
 
@@ -94,6 +97,10 @@ class Ledger:
             if not self._warned:
                 self._warned = True
                 log.warning("ledger %s: cannot append (%s); events are lost until it can", self.path, error.strerror)
+            return
+        # The event that ends a save or a resume also ends its attempt in the side record (mgpu.save_record),
+        # where the next run's allowances are read from, however long this file grows.
+        note_event(self.path, record)
 
 
 def _well_formed(event: Any) -> bool:

@@ -97,8 +97,10 @@ def record_rank(run: RunDir, env: ProcessEnv, device: str, backend: str) -> None
         log.warning("cannot write %s: %s", run.rank_record(env.rank), error.strerror)
 
 
-def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str, checkpoint_s: float | None = None) -> Any:
-    """This rank's watchdog, started; `checkpoint_s`: its allowance for a save (default: the config's)."""
+def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str, checkpoint_s: float | None = None,
+                   resume_s: float | None = None) -> Any:
+    """This rank's watchdog, started; `checkpoint_s`, `resume_s`: its allowances for a save and for a resume
+    (default: the config's checkpoint_s and first_step_s; mgpu.save_budget)."""
     from mgpu.watchdog import Watchdog, report_hang
 
     def on_hang(beats: Any, stuck: list[int], waited: float, detected: float) -> None:
@@ -112,7 +114,7 @@ def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str, chec
                      if isinstance(h, logging.FileHandler)), None)
 
     watchdog = Watchdog.from_config(cfg.watchdog, env.rank, env.world_size, run.logs, on_hang=on_hang,
-                                    log_file=log_file, checkpoint_s=checkpoint_s)
+                                    log_file=log_file, checkpoint_s=checkpoint_s, resume_s=resume_s)
     return watchdog.start()
 
 

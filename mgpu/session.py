@@ -163,18 +163,20 @@ class Session:
         self.device: torch.device = ctx.device
         self.backend = ctx.backend
         join_run(self.run, self.env, str(self.device), self.backend)
-        # The saves measured so far, earlier runs' included (the ledger's tail: the same on every rank): how long
-        # the next one should take sizes the watchdog's allowance, the collective timeout and the deadline stop.
-        from mgpu.save_budget import expected_save_s, save_allowance_s, saves_in_ledger
+        # The saves and resumes so far, earlier runs' included (the side record: the same on every rank): how long
+        # the next save should take sizes the watchdog's allowance, the collective timeout and the deadline stop;
+        # the checkpoint's size and the read rate, the resume's allowance.
+        from mgpu.save_budget import allowances
 
-        self.expected_save_s = expected_save_s(saves_in_ledger(self.run.ledger), self.world_size)
-        self.save_allowance_s = save_allowance_s(self.expected_save_s, cfg.watchdog.checkpoint_s)
+        budget = allowances(self.run.ledger, self.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s)
+        self.expected_save_s, self.save_allowance_s = budget.expected_save_s, budget.save_allowance_s
         if self.is_main and self.save_allowance_s > cfg.watchdog.checkpoint_s:
             log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
                      "allows %.0f s for one, more than watchdog.checkpoint_s", self.expected_save_s or 0.0,
                      self.save_allowance_s)
         if cfg.watchdog.enabled:
-            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend, checkpoint_s=self.save_allowance_s)
+            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend, checkpoint_s=self.save_allowance_s,
+                                           resume_s=budget.resume_allowance_s)
             self._cleanup.callback(self._arm_teardown)
             self.beat = self.watchdog.beat
         self.stopper = StopController.for_rank(
@@ -355,9 +357,12 @@ class Session:
             from mgpu.checkpointer import open_checkpointer
 
             from mgpu.save_budget import peer_wait_s
+            from mgpu.save_record import saving_beat
 
+            beat = saving_beat(self.beat, self.ledger.path, writers=self.world_size if self.sharded else 1,
+                               sharded=self.sharded, job=self.env.job_id, restart=self.env.restart_count)
             self._checkpointer = open_checkpointer(self.run, self.rank, self.world_size, self.ledger,
-                                                   self.cfg.checkpoint, sharded=self.sharded, beat=self.beat,
+                                                   self.cfg.checkpoint, sharded=self.sharded, beat=beat,
                                                    version=self.version, wait_s=peer_wait_s(self.save_allowance_s))
             self._cleanup.callback(self._checkpointer.close)
         return self._checkpointer
@@ -366,10 +371,27 @@ class Session:
         """*Collective.* The run's newest checkpoint that verifies (rank 0 checks it), loaded memory-mapped
         on every rank; None for a new run. A look before `load()` (the trainer reads its progress to size
         its schedule): `load()` restores this one."""
+        if not self.resumption.looked:
+            self._resume_begins()
         self.timings.setdefault("find", time.time())
         found = self.resumption.latest()
         self.timings.setdefault("loaded", time.time())
         return found
+
+    def _resume_begins(self) -> None:
+        """The resume's own watchdog allowance until load() ends (mgpu.save_budget), its start recorded
+        (mgpu.save_record), and a group timeout that waits out rank 0's hash when that may be longer."""
+        from mgpu.save_record import open_attempt
+
+        open_attempt(self.ledger.path, "resume", writers=self.world_size, sharded=self.sharded,
+                     job=self.env.job_id, restart=self.env.restart_count)
+        self.beat("resume")
+        if self.watchdog is not None:
+            from mgpu.distributed import set_collective_timeout
+
+            wait = self.watchdog.collective_timeout(self.cfg.distributed.init_timeout_s, resuming=True)
+            if wait > self.cfg.distributed.init_timeout_s:
+                set_collective_timeout(timedelta(seconds=wait))
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
              override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None,
@@ -408,6 +430,7 @@ class Session:
             for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
                 log.warning("%s (to change it on purpose: load(state, override={...}))", line)
         changes = hparams.apply(state, override or {})
+        self.beat("start")  # resumed: the first step's allowance from here
         self._state = state
         self.begin()
         if changes:

@@ -7,8 +7,10 @@ backward, each optimizer step, each evaluation batch and each checkpoint. A watc
 with nothing but clocks, how long ago the last beat was against an allowance learned from the run itself:
 `step_multiple` times the median step time with the floor `floor_s` (`first_step_s` before a run's first
 step); `step_multiple` times the median evaluation batch time with the floor `eval_s` (`eval_s` for a run's
-first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written (sized by the saves measured
-so far: mgpu.save_budget). A step's time runs from its first beat to the end of its optimizer phase: the
+first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written, `resume_s` while a checkpoint
+is found, hashed and loaded (both sized by the saves and resumes measured so far: mgpu.save_budget); and while
+a resume reads, each read counts as progress (the training thread's bytes read, from /proc, sampled by the
+publisher thread): a big checkpoint on a slow filesystem is read, not hung. A step's time runs from its first beat to the end of its optimizer phase: the
 evaluation or checkpoint that may follow it has its own allowance and is not part of it.
 
 Heartbeats go on a board, never on the run's shared filesystem (one stalled `open()` there would block every
@@ -67,12 +69,13 @@ __all__ = ["ENDED_TEARDOWN_S", "HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Board"
 
 log = logging.getLogger("mgpu.train")
 HANG_EXIT_CODE = 4
-PHASES = ("start", "data", "forward", "model", "backward", "optimizer", "eval", "agree", "checkpoint", "write",
+PHASES = ("start", "resume", "data", "forward", "model", "backward", "optimizer", "eval", "agree", "checkpoint", "write",
           "checkpoint-wait")
 """A step's phases in order: a rank in an earlier phase of the same step is behind the others. `forward` is
 the task's loss, `model` the DDP forward inside it (whose buffer broadcast waits for every rank), so a
 rank stuck in its own code before the model is behind those waiting in DDP; `agree` (an evaluation's stop
-agreement) waits for the others; rank 0 `write`s a checkpoint while the others wait (`checkpoint-wait`)."""
+agreement) waits for the others; rank 0 `write`s a checkpoint while the others wait (`checkpoint-wait`); `resume`:
+finding, hashing and loading the checkpoint a run resumes from."""
 WRITE_EVERY_S = 2.0
 STALE_AFTER_S = 4 * WRITE_EVERY_S
 LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
@@ -91,6 +94,22 @@ EVAL_PHASES = ("eval", "agree")
 WAITING_PHASES = ("model", "agree", "checkpoint-wait")
 """Phases in which a rank waits for the others in a collective."""
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
+MAX_ALLOWANCE_S = 86_400.0
+"""No allowance, and no collective timeout derived from one, is longer (mgpu.save_budget.MAX_ALLOWANCE_S): a
+step or save timed across a suspended job must not make a timeout overflow."""
+
+
+def thread_bytes_read(tid: int) -> int | None:
+    """Bytes the thread `tid` of this process passed through read() so far (Linux's /proc `rchar`; None
+    elsewhere or when unreadable). procfs answers from the kernel's counters: it never waits on a disk."""
+    try:
+        with open(f"/proc/self/task/{tid}/io", "rb") as file:
+            for line in file.read().splitlines():
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 @dataclass(frozen=True)
@@ -275,9 +294,11 @@ class Watchdog:
 
     def __init__(self, rank: int, world: int, board: "Board | Path", *, step_multiple: float, floor_s: float,
                  first_step_s: float, checkpoint_s: float, eval_s: float | None = None,
+                 resume_s: float | None = None,
                  on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
                  log_file: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 bytes_read: Callable[[int], int | None] = thread_bytes_read) -> None:
         self.rank, self.world = rank, world
         # A path: heartbeat files there (a test's directory, or a node-local one); else the board given.
         self._board: Board | None = DirBoard(board) if isinstance(board, Path) else board
@@ -286,6 +307,11 @@ class Watchdog:
         self.first_step_s, self.checkpoint_s = first_step_s, checkpoint_s
         # None: the first step's allowance, as before evaluation had its own (a caller not passing it yet).
         self.eval_s = first_step_s if eval_s is None else eval_s
+        # A resume: at least the first step's allowance (None: that alone, as before it had its own).
+        self.resume_s = first_step_s if resume_s is None else max(first_step_s, resume_s)
+        self.bytes_read = bytes_read
+        self._reader: int | None = None  # the training thread's id, for its bytes read during a resume
+        self._read_mark: tuple[int, float] | None = None  # (bytes read, when they last grew) in this resume
         self.on_hang, self.log_file, self.exit, self.clock = on_hang, log_file, exit, clock
         self.step, self.phase, self.since = 0, "start", clock()
         self._step_started: float | None = None  # the current step's first beat
@@ -309,14 +335,15 @@ class Watchdog:
     def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
                     on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
                     log_file: Callable[[], Any] | None = None, board: "Board | None" = None,
-                    checkpoint_s: float | None = None) -> "Watchdog":
+                    checkpoint_s: float | None = None, resume_s: float | None = None) -> "Watchdog":
         """A watchdog with the allowances of the config's `watchdog` section, its heartbeats on `board`
         (default: the rendezvous store, or a node-local directory; `logs` only names the attempt);
-        `checkpoint_s`: the save's allowance derived from the saves measured so far (mgpu.save_budget)."""
+        `checkpoint_s`, `resume_s`: the save's and the resume's allowances derived from the saves and resumes
+        measured so far (mgpu.save_budget)."""
         return cls(rank, world, board if board is not None else default_board(world, attempt_key(logs)),
                    step_multiple=config.step_multiple, floor_s=config.floor_s, first_step_s=config.first_step_s,
                    checkpoint_s=config.checkpoint_s if checkpoint_s is None else checkpoint_s, eval_s=config.eval_s,
-                   on_hang=on_hang, log_file=log_file)
+                   resume_s=resume_s, on_hang=on_hang, log_file=log_file)
 
     # ------------------------------------------------------------------ the training thread's side
     def beat(self, phase: str, step: int | None = None) -> None:
@@ -344,6 +371,8 @@ class Watchdog:
             self.step = step
             self._step_started = now
             self._step_timed = False
+        if phase == "resume" and self.phase != "resume":
+            self._reader, self._read_mark = threading.get_native_id(), None
         self.phase, self.since = phase, now
 
     def allowance(self) -> float:
@@ -352,6 +381,8 @@ class Watchdog:
             return self._teardown[0]
         if self.phase in CHECKPOINT_PHASES:
             return self.checkpoint_s
+        if self.phase == "resume":
+            return self.resume_s
         if self.phase == "eval" or (self.phase == "agree" and self._in_eval):
             if not self._eval_times:
                 return self.eval_s
@@ -360,16 +391,18 @@ class Watchdog:
             return self.first_step_s
         return max(self.floor_s, self.step_multiple * statistics.median(self._step_times))
 
-    def collective_timeout(self, configured: float) -> float:
+    def collective_timeout(self, configured: float, *, resuming: bool = False) -> float:
         """The process group's timeout once training runs: `configured`, but longer than any allowance this
         watchdog may apply (a checkpoint write, a first evaluation batch, the steps so far times
         step_multiple) plus the time it takes to notice and leave evidence: a hang then ends through the
         watchdog, with the stacks, the ledger's `hang` event and the node's exclusion, not through a
-        collective's timeout error, and a long but healthy save is never cut short by one."""
+        collective's timeout error, and a long but healthy save is never cut short by one. `resuming`: while a
+        resume's collectives wait for a rank that hashes a checkpoint (its allowance counts too)."""
         so_far = [*self._step_times, *self._eval_times,
                   *([self.clock() - self._step_started] if self._step_started is not None else [])]
-        longest = max(self.first_step_s, self.checkpoint_s, self.eval_s, self.floor_s,
-                      self.step_multiple * max(so_far, default=0.0))
+        longest = min(max(self.first_step_s, self.checkpoint_s, self.eval_s, self.floor_s,
+                          self.resume_s if resuming else 0.0, self.step_multiple * max(so_far, default=0.0)),
+                      MAX_ALLOWANCE_S)
         return max(configured, longest + WRITE_EVERY_S + STALE_AFTER_S + EVIDENCE_S + LOOK_SLACK_S)
 
     def teardown(self, exit_code: int = HANG_EXIT_CODE, allowance_s: float = TEARDOWN_S) -> None:
@@ -418,8 +451,33 @@ class Watchdog:
         except (OSError, RuntimeError, ValueError):
             pass  # the others then see this rank as frozen, which is what they can know
 
+    def note_reads(self) -> None:
+        """During a resume, the time the training thread's bytes read last grew (the publisher's, once a poll):
+        a resume that keeps reading is making progress, whatever its allowance."""
+        reader = self._reader
+        if self.phase != "resume" or reader is None:
+            return
+        count = self.bytes_read(reader)
+        if count is None:
+            return
+        mark = self._read_mark
+        if mark is None:  # what it had read when the resume began: growth from here on is progress
+            self._read_mark = (count, self.since)
+        elif count > mark[0]:
+            self._read_mark = (count, self.clock())
+
+    def waited(self) -> float:
+        """Seconds since this rank's last progress: its last beat, or during a resume its last read, but
+        never past MAX_ALLOWANCE_S since the beat."""
+        now = self.clock()
+        mark = self._read_mark
+        if self.phase == "resume" and mark is not None and mark[1] > self.since:
+            return max(now - mark[1], now - self.since - MAX_ALLOWANCE_S)
+        return now - self.since
+
     def _publish_loop(self) -> None:
         while not self._stop.is_set():
+            self.note_reads()
             self._publish()
             self._publish_now.wait(min(1.0, WRITE_EVERY_S))
             self._publish_now.clear()
@@ -443,7 +501,7 @@ class Watchdog:
                 _bounded(lambda: self._dump_stacks("another rank found a hang: dumping every thread's stack"),
                          EVIDENCE_S)
                 self._publish_now.set()  # tell the one waiting for it at once
-            waited = self.clock() - self.since
+            waited = self.waited()
             if waited > self.allowance():
                 if self.phase == "teardown" and self._teardown is not None:
                     self._stuck_in_teardown(waited, self._teardown[1])

@@ -414,3 +414,29 @@ class CrashingBlobTask(BlobTask):
         if self.calls == self.at and (dist.get_rank() if dist.is_initialized() else 0) == self.rank:
             raise ValueError(f"rank {self.rank}'s own bug at loss call {self.at}")
         return super().loss(model, batch)
+
+
+class SlowHashBlobTask(BlobTask):
+    """BlobTask whose checkpoint hashes read slowly (a loaded filesystem): `chunk` bytes every
+    $SLOW_HASH_PAUSE_S seconds (unset: as usual; not a task argument, which a resume refuses to change), so
+    that a resume's hash outlasts watchdog.first_step_s while it keeps reading."""
+
+    def __init__(self, chunk: int = 1024, **kwargs) -> None:
+        import os
+
+        super().__init__(**kwargs)
+        pause_s = float(os.environ.get("SLOW_HASH_PAUSE_S", "0"))
+        if pause_s > 0:
+            import hashlib
+
+            import mgpu.checkpoint
+
+            def slow_sha256(path: Path) -> str:
+                digest = hashlib.sha256()
+                with open(path, "rb") as file:
+                    while block := file.read(chunk):
+                        digest.update(block)
+                        time.sleep(pause_s)
+                return digest.hexdigest()
+
+            mgpu.checkpoint._sha256 = slow_sha256  # type: ignore[attr-defined]  # the hash every resume runs

@@ -512,3 +512,86 @@ def test_a_world_of_one_own_loop_learns_its_steps_from_its_agreements() -> None:
         dog.beat("agree", step)
         clock.tick(0.3)
     assert dog.allowance() == pytest.approx(3.0)
+
+
+# ------------------------------------------------------------------------- a resume's own allowance (issue 30)
+def test_a_resume_has_its_own_allowance_and_reading_is_progress() -> None:
+    """Finding, hashing and loading a checkpoint: the resume's allowance (not the first step's), and while the
+    training thread's bytes read grow it is not hung, however long (up to a day); once they stop, the
+    allowance counts from the last read."""
+    from mgpu.watchdog import MAX_ALLOWANCE_S
+
+    clock, read = Clock(), {"bytes": 0}
+    watchdog = Watchdog(0, 1, None, step_multiple=3, floor_s=10, first_step_s=600, checkpoint_s=60,  # type: ignore[arg-type]
+                        resume_s=3528, on_hang=lambda *a: None, clock=clock,
+                        bytes_read=lambda tid: read["bytes"])
+    assert watchdog.allowance() == 600
+    watchdog.beat("resume")
+    assert watchdog.allowance() == 3528
+    assert watchdog.collective_timeout(300, resuming=True) > 3528  # the resume's collectives wait it out
+    assert watchdog.collective_timeout(300) < 3528  # training's: not lengthened by the resume's allowance
+    watchdog.note_reads()  # the bytes read when it began
+    for _ in range(20):  # 20 x 500 s of reading: 10,000 s, past the allowance, yet not hung
+        clock.now += 500
+        read["bytes"] += 85 * 10**6 * 500
+        watchdog.note_reads()
+        assert watchdog.waited() == 0
+    clock.now += 3000  # the reads stopped 3000 s ago: within the allowance, then past it
+    watchdog.note_reads()
+    assert watchdog.waited() == 3000 < watchdog.allowance()
+    clock.now += 600
+    assert watchdog.waited() > watchdog.allowance()
+    clock.now += MAX_ALLOWANCE_S  # reading forever is not progress forever: a day after its beat at most
+    read["bytes"] += 1
+    watchdog.note_reads()
+    assert watchdog.waited() > watchdog.allowance()
+    watchdog.beat("start")  # resumed: the first step's allowance again, reads no longer count
+    clock.now += 700
+    read["bytes"] += 1
+    watchdog.note_reads()
+    assert watchdog.allowance() == 600 and watchdog.waited() == 700
+    # Without a resume allowance of its own (a caller not passing it): the first step's; never below it.
+    assert Watchdog(0, 1, None, step_multiple=3, floor_s=10, first_step_s=600, checkpoint_s=60,  # type: ignore[arg-type]
+                    resume_s=5, on_hang=lambda *a: None).resume_s == 600
+
+
+def test_a_sessions_resume_is_allowed_as_long_as_its_checkpoint_takes_to_read(tmp_path: Path) -> None:
+    """Issue 30: a run whose saves took 588 s for 50 GB resumes under 2 x 3 x 588 s (the checkpoint read twice at
+    that rate, with the save's margin), not the first step's fixed 600 s, until load() has restored it."""
+    from mgpu.config import Config
+    from mgpu.environment import detect_environment
+    from mgpu.ledger import Ledger
+    from mgpu.save_budget import SAFETY
+    from mgpu.session import Session
+
+    Ledger(tmp_path / "events.jsonl", "1", 0).write("checkpoint_saved", step=3, seconds=588.0, bytes=50 * 10**9,
+                                                    path="p", reason="periodic")
+    session = Session(tmp_path, seed=0, config=Config(), env=detect_environment({}))
+    try:
+        assert session.watchdog is not None
+        assert session.latest() is None  # (no checkpoint on disk here: the allowance is the point)
+        assert session.watchdog.allowance() == pytest.approx(2 * SAFETY * 588.0)  # save_budget.READ_PASSES
+        session.load({"progress": {"step": 0}})
+        assert session.watchdog.allowance() == Config().watchdog.first_step_s
+    finally:
+        session.finish()
+
+
+@pytest.mark.multiprocess
+def test_a_slow_hash_at_resume_is_not_a_hang(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: the resume's hash reads 512 bytes every 0.3 s (~16 s for this 27 kB checkpoint), past
+    watchdog.first_step_s (10 s: the rest of the start fits it on a loaded machine): it kept reading, so the
+    run resumes and finishes (on 8a0cea0: exit 4, a `hang` with no culprit)."""
+    args = ["task.target=tests.tasks:SlowHashBlobTask", "task.args.chunk=512", "data.batch_size=8",
+            "log.tensorboard=false"]
+    ((code, output),) = finish_step(start_step(tmp_path, 1, *args, "train.epochs=1"), timeout=120)
+    assert code == 0, output[-3000:]
+    monkeypatch.setenv("SLOW_HASH_PAUSE_S", "0.3")
+    ((code, output),) = finish_step(start_step(tmp_path, 1, *args, "train.epochs=2", "watchdog.first_step_s=10"),
+                                    timeout=120)
+    events = read_ledger(tmp_path / "events.jsonl")
+    assert code == 0, output[-3000:]
+    assert not [e for e in events if e["event"] == "hang"]
+    (resumed,) = [e for e in events if e["event"] == "resumed"]
+    first = [e for e in events if e["event"] == "first_step"][-1]
+    assert first["timings"]["loaded"] - first["timings"]["find"] > 10  # the slow hash did outlast first_step_s
