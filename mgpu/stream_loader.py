@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import get_worker_info
 
+from mgpu.check_hooks import record_batch
 from mgpu.loader import ResumableLoader, make_loader, start
 
 __all__ = ["StatefulStreamLoader", "is_stateful", "open_loader"]
@@ -197,6 +198,7 @@ class StatefulStreamLoader:
             self._next = (worker + 1) % workers
             self.position += 1
             self.last_size, self.last_global_size = size, global_size
+            record_batch(self.rank, self.epoch, self.position, batch, workers=self.num_workers)  # check_resume only
             if item is None:
                 self._end_epoch()
             yield batch
