@@ -46,13 +46,17 @@ def check(target: Target, args: argparse.Namespace, runner: Runner, scratch: Pat
     workers = _workers(unbroken.segments[0])
     outcomes = []
 
+    chosen = set(args.checks.split(","))
     stopped = Run("stopped", scratch / "stopped")
-    outcomes.append(_stop_and_resume(runner, stopped, unbroken, reference, world, stop, args.steps,
+    if "stop" in chosen:
+        outcomes.append(_stop_and_resume(runner, stopped, unbroken, reference, world, stop, args.steps,
                                      f"stop at step {stop}{_where(reference[0], stop)} and resume"))
 
     saves = _saved_steps(unbroken.run_dir)
     during = next((s + 1 for s in saves if s + 1 < total and s + 1 != stop), None)
-    if during is None:
+    if "save" not in chosen:
+        pass
+    elif during is None:
         outcomes.append(Outcome("stop during a save", None, "skipped: the loop saved no checkpoint before its "
                                 "last step (session.save every few steps gives one to stop during)"))
     else:
@@ -61,7 +65,9 @@ def check(target: Target, args: argparse.Namespace, runner: Runner, scratch: Pat
                                          f"stop at step {during}, while step {during - 1}'s save is written"))
 
     half = world // 2
-    if target.halved_args is None:
+    if "world" not in chosen:
+        pass
+    elif target.halved_args is None:
         why = ("needs an even --nproc" if world % 2 else
                "the config has no data.global_batch_size (per-rank batches change the run with the world size)"
                if target.config else "give --world-args with the arguments that keep the loop's global batch on "
@@ -134,11 +140,13 @@ def _stop_and_resume(runner: Runner, run: Run, unbroken: Run, reference: dict[in
     codes = runner.segment(run, resumed_world, steps, halved=resume_world is not None)
     if failed(codes):
         return Outcome(name, False, f"the resumed run failed (exit codes {codes})\n{last_lines(run.segments[1], codes)}",
-                       _failure_hint(run.segments[1], codes))
+                       _failure_hint(run.segments[1], codes, no_batches=not any(reference.values())))
     return compare_runs(unbroken, run, reference, stop, name, world, resumed_world)
 
 
-def _failure_hint(check_dir: Path, codes: list[int]) -> str:
+def _failure_hint(check_dir: Path, codes: list[int], no_batches: bool) -> str:
+    if no_batches:
+        return hint([], outside={}, world_changed=False, batches_differ=False, has_scheduler=True, no_batches=True)
     text = last_lines(check_dir, codes, 40)
     if "IndexError" in text and "worker" in text.lower():
         return ("a DataLoader worker failed on the resume: the stream's own state is not per worker; read its files "
@@ -173,21 +181,23 @@ def compare_runs(unbroken: Run, run: Run, reference: dict[int, list[Batch]], sto
         has_scheduler = has_scheduler or any(p.startswith("scheduler.") for p in a)
         exact = differences(a, b, skip=skip)
         if changed:  # floating weights and moments: reported, not compared; the rest exactly
-            floats = [d for d in exact if _is_weight(d.path, a)]
+            floats = [d for d in exact if _is_weight(d.path, a) and not d.path.endswith("num_batches_tracked")]
             if floats and step == end_a:
                 worst = max(floats, key=lambda d: d.largest)
-                notes.append(f"weights and moments differ by up to {worst.largest:.2g} ({worst.path}): a world "
-                             "size sums gradients in another order and gives ranks other random streams")
+                notes.append(f"weights and moments differ by up to {worst.largest:.2g} ({worst.path}; not compared "
+                             "exactly: another world size sums gradients in another order and gives ranks other "
+                             "random streams)")
             exact = [d for d in exact if not _is_weight(d.path, a) or d.largest == float("inf")]
         if exact and first is None:
             first = (step, exact, parameter_names(a))
     text_parts = []
     if end_a != end_b:
-        diff = Outcome(name, False, f"the resumed run ended at step {end_b}, the unbroken run at step {end_a}",
+        return Outcome(name, False, f"the resumed run ended at step {end_b}, the unbroken run at step {end_a}",
+                       hint([], outside=outside, world_changed=changed, batches_differ=False, has_scheduler=True,
+                            no_batches=True) if no_batches else
                        "the loop's length depends on something a resume rebuilds (len(loader) with the world size, "
                        "a counter not in `state`)")
-        return diff
-    logged = ""
+    logged, first_logged = "", None
     if not changed:
         from mgpu.goodput import compare_fingerprints, fingerprints
         from mgpu.ledger import read_ledger
@@ -195,7 +205,8 @@ def compare_runs(unbroken: Run, run: Run, reference: dict[int, list[Batch]], sto
         prints = [fingerprints(read_ledger(r.run_dir / "events.jsonl")) for r in (unbroken, run)]
         verdict = compare_fingerprints(*prints)
         if verdict.common and not verdict.agree:
-            logged = f"; the weights first differ at logged step {verdict.first_difference}"
+            first_logged = verdict.first_difference
+            logged = f"; the weights first differ at logged step {first_logged}"
         elif verdict.common:
             text_parts.append(f"weights equal at {len(verdict.common)} logged step(s)")
     if not batches.same or first is not None or logged:
@@ -211,13 +222,17 @@ def compare_runs(unbroken: Run, run: Run, reference: dict[int, list[Batch]], sto
             more = f"; {len(found) - 1} more path(s) differ" if len(found) > 1 else ""
             detail = (f"at step {step}: {named(d.path, names)}: {d.a} vs {d.b} (max difference "
                       f"{_number(d.largest)}){more}")
+            if first_logged is not None and first_logged < step:
+                detail = (f"the weights first differ at logged step {first_logged}; at the first saved "
+                          f"step both runs kept, {detail.removeprefix('at ')}")
+                logged = ""
         else:
             detail = "the saved states agree"
         return Outcome(name, False, detail + logged, hint_text)
     text_parts.insert(0, f"{len(common)} saved step(s) equal ({', '.join(map(str, common))})" if not changed else
                       f"{len(common)} saved step(s) agree ({', '.join(map(str, common))}; loader, schedule and "
                       "step counts exactly)")
-    text_parts.append(f"batches of {sum(len(r) for r in reference.values())} rank-steps the same"
+    text_parts.append(f"the same {sum(len(r) for r in reference.values())} batches on the ranks"
                       if not changed else f"all {batches.batches} samples trained once, as unbroken")
     if no_batches:
         text_parts.append("no batch recorded (the loop's data does not come from session.loader)")
@@ -229,10 +244,14 @@ def _number(value: float) -> str:
 
 
 def _is_weight(path: str, flat: dict[str, Any]) -> bool:
+    """A floating value that follows from the weights (weights, moments, a best metric): not exact across a
+    world-size change. The loader, the schedule, the learning rates and the step counts are."""
     value: Any = flat.get(path)
-    floating = bool(hasattr(value, "is_floating_point") and value.is_floating_point())
-    return floating and path.split(".")[0] in ("model", "optimizer") or (
-        floating and path.split(".")[0] not in ("loader", "progress", "scheduler", "rng"))
+    if path.endswith("num_batches_tracked"):
+        return True  # a batch norm counts its forwards: accumulation on fewer ranks makes more
+    floating = isinstance(value, float) or bool(hasattr(value, "is_floating_point") and value.is_floating_point())
+    return floating and path.split(".")[0] not in ("loader", "scheduler", "rng") and \
+        not path.startswith("optimizer.param_groups")
 
 
 def _checkpoints(run_dir: Path) -> dict[int, Path]:

@@ -52,6 +52,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--world-args", default=None, metavar="ARGS",
                         help="a script's extra arguments on N/2 ranks that keep its global batch (e.g. "
                              "'--accumulate 2'); without it an own loop's world-size change is skipped")
+    parser.add_argument("--checks", default="stop,save,world", metavar="LIST",
+                        help="which stops to make: stop (mid-epoch), save (during a save), world (on half the "
+                             "ranks); default all three")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole check (default 900)")
     parser.add_argument("--keep", metavar="DIR", help="keep the runs in DIR (default: removed)")
     if "--" in argv:
@@ -77,6 +80,9 @@ def target_from(args: argparse.Namespace, cwd: Path) -> Target:
         raise MgpuError(f"--steps {args.steps}: a resume check needs at least 2 steps")
     if args.stop_at is not None and (args.stop_at < 1 or (args.steps is not None and args.stop_at >= args.steps)):
         raise MgpuError(f"--stop-at {args.stop_at}: must be a step from 1 to one before the last (--steps)")
+    unknown = set(args.checks.split(",")) - {"stop", "save", "world"}
+    if unknown or not args.checks:
+        raise MgpuError(f"--checks {args.checks}: a comma-separated list of stop, save, world")
     if args.timeout <= 0:
         raise MgpuError(f"--timeout {args.timeout:g}: must be > 0 seconds")
     if args.config and args.command:

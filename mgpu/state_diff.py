@@ -84,6 +84,10 @@ def _compare(a: Any, b: Any, tolerance: float) -> float:
         delta = float((a.double() - b.double()).abs().max())
         scale = max(float(a.double().abs().max()), float(b.double().abs().max()), 1e-12)
         return 0.0 if delta <= tolerance * scale else delta
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and _number_list(a) and _number_list(b):
+        if len(a) != len(b):
+            return math.inf
+        return max((_compare(x, y, tolerance) for x, y in zip(a, b)), default=0.0)
     if type(a) is not type(b) and not (isinstance(a, (int, float)) and isinstance(b, (int, float))):
         return math.inf
     if isinstance(a, (int, float)) and not isinstance(a, bool):
@@ -173,11 +177,12 @@ def hint(found: list[Difference], *, outside: dict[str, str], world_changed: boo
             return ("the scheduler was built from len(loader), which changes with the world size: size it in "
                     "samples or optimizer steps of the global batch, or keep the world size")
         return "the scheduler's state differs: it is not in `state`, or it is stepped on a resume before the first step"
-    if first.startswith("optimizer.param_groups") and first.endswith(("lr", "initial_lr")):
+    if first.startswith("optimizer.param_groups"):
         if not has_scheduler:
-            return ("the learning rate differs and no scheduler is in `state`: a scheduler of yours not in `state` "
-                    "restarts its schedule on a resume" + (f" (not in `state`: {names})" if names else ""))
-        return "the learning rate differs: something sets it outside the scheduler in `state`"
+            return ("the optimizer's hyperparameters (learning rate, momentum) differ and no scheduler is in "
+                    "`state`: a scheduler of yours not in `state` restarts its schedule on a resume"
+                    + (f" (not in `state`: {names})" if names else ""))
+        return "the optimizer's hyperparameters differ: something sets them outside the scheduler in `state`"
     if first.startswith("rng"):
         return ("an RNG stream differs: the loop draws random numbers on a resume that the unbroken run did not "
                 "draw at that point (between session.load() and the first step, e.g. at an epoch's start, or "
@@ -186,8 +191,9 @@ def hint(found: list[Difference], *, outside: dict[str, str], world_changed: boo
             first.startswith("model") and not first.endswith(("weight", "bias"))):
         return "a buffer differs first: a module updated outside its forward, or a buffer left out of its state_dict"
     if first.startswith(("model", "optimizer")) or first.split(".")[0] not in STANDARD:
-        if names:
-            return f"the weights differ, the data and every saved entry before them agree: objects of yours not in `state`: {names}"
+        kept = ", ".join(f"`{name}` ({kind})" for name, kind in sorted(outside.items()) if not kind.startswith("DataLoader"))
+        if kept:
+            return f"the weights differ, the data and every saved entry before them agree: objects of yours not in `state`: {kept}"
         return ("the weights differ, the data and every saved entry before them agree: an object of yours not in "
                 "`state` (a plain value, an average, a counter) that decides the step")
     return "an entry of the state differs"
