@@ -117,7 +117,7 @@ def record_outside(rank: int, state: Any, frame: Any) -> None:
             for item in value:
                 hold(item, depth + 1)
         modules = getattr(value, "modules", None)
-        if callable(modules) and _kind(value) == "module":
+        if callable(modules) and (_kind(value) or "").startswith("module"):
             for sub in modules():
                 held.add(id(sub))
         for attribute in ("module", "optimizer"):  # DDP's module; a scheduler's optimizer

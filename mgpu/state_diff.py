@@ -167,7 +167,7 @@ def hint(found: list[Difference], *, outside: dict[str, str], world_changed: boo
         return ("no batch came from the session's loader: a DataLoader of your own starts its epoch over on a "
                 "resume; use session.loader(dataset, ...) and put it in `state`")
     if batches_differ and own_loaders and not first.startswith("loader"):
-        return (f"the batches differ: {', '.join(own_loaders)} is a DataLoader of your own, not in `state`; "
+        return (f"the batches differ: {', '.join(f'`{n}`' for n in own_loaders)} is a DataLoader of your own, not in `state`; "
                 "use session.loader(dataset, ...) and put it in `state`")
     if first.startswith(("loader", "progress", "stream")) or batches_differ:
         return ("the data differs: the loader is not the session's, not in `state`, or its source does not "
