@@ -34,8 +34,8 @@ def check(target: Target, args: argparse.Namespace, runner: Runner, scratch: Pat
     unbroken = Run("unbroken", scratch / "unbroken")
     codes = runner.segment(unbroken, world, args.steps)
     if failed(codes):
-        raise MgpuError(f"the unbroken run failed (exit codes {codes}); a resume can only be checked on a loop that "
-                        f"runs:\n{last_lines(unbroken.segments[0], codes)}")
+        raise MgpuError(f"the unbroken run failed (exit codes {codes}): {last_lines(unbroken.segments[0], codes, 1)}; "
+                        "a resume can only be checked on a loop that runs")
     reference = {r: read_batches(unbroken.segments[0] / f"batches.rank{r}.jsonl") for r in range(world)}
     total = _last_step(unbroken, reference[0])
     if total < 2:
@@ -191,7 +191,7 @@ def compare_runs(unbroken: Run, run: Run, reference: dict[int, list[Batch]], sto
         if exact and first is None:
             first = (step, exact, parameter_names(a))
     text_parts = []
-    if end_a != end_b:
+    if end_a != end_b and batches.same:
         return Outcome(name, False, f"the resumed run ended at step {end_b}, the unbroken run at step {end_a}",
                        hint([], outside=outside, world_changed=changed, batches_differ=False, has_scheduler=True,
                             no_batches=True) if no_batches else
@@ -212,10 +212,16 @@ def compare_runs(unbroken: Run, run: Run, reference: dict[int, list[Batch]], sto
     if not batches.same or first is not None or logged:
         hint_text = hint(first[1] if first else [], outside=outside, world_changed=changed,
                          batches_differ=not batches.same, has_scheduler=has_scheduler, no_batches=no_batches)
+        if not batches.same and _said(unbroken, "shuffles through a buffer"):
+            hint_text = ("the stream shuffles through a buffer its state_dict() does not hold (its loader said so at "
+                         "the start): shuffle without a buffer (the shard order), or read the files through "
+                         "mgpu.stream.ShardedStream, which rebuilds its buffer on a resume")
         if not batches.same:
             detail = f"the batches differ: {batches.first}"
             if batches.lost or batches.repeated:
                 detail += f" ({batches.lost} sample(s) never trained, {batches.repeated} trained twice or more)"
+            if end_a != end_b:
+                detail += f"; the resumed run ended at step {end_b}, the unbroken run at step {end_a}"
         elif first is not None:
             step, found, names = first
             d = found[0]
@@ -269,6 +275,11 @@ def _load(path: Path) -> dict[str, Any]:
     if is_sharded_checkpoint(path):
         return consolidate(path)
     return CheckpointStore.load_dir(path).state
+
+
+def _said(run: Run, phrase: str) -> bool:
+    """Whether a rank of `run`'s first segment wrote `phrase` (a warning of mgpu's)."""
+    return any(phrase in path.read_text(errors="replace") for path in run.segments[0].glob("rank*.out"))
 
 
 def _outside(run: Run) -> dict[str, str]:

@@ -9,6 +9,8 @@
 --fault own_dataloader: a torch DataLoader of its own (a resume starts its epoch over).
 --fault ema_not_saved: a mean-teacher EMA model in the loss, not in `state` (a resume copies the weights).
 --fault schedule_from_len: the schedule's length from len(loader) (micro-batches: changes with the world size).
+--fault hf_shuffle_buffer: a Hugging Face-style stream shuffled through a buffer its state does not hold
+    (tests/hf_like.py): a resume loses the buffer's samples.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mgpu  # noqa: E402
+from tests.hf_like import IterableDataset as HFLikeStream  # noqa: E402
 
 FAULTS = ("none", "outside_value", "scheduler_missing", "rng_at_epoch_start", "own_dataloader", "ema_not_saved",
-          "schedule_from_len")
+          "schedule_from_len", "hf_shuffle_buffer")
 
 
 def blobs() -> TensorDataset:
@@ -53,6 +56,10 @@ def main() -> None:
             sampler = DistributedSampler(dataset, session.world_size, session.rank, seed=1)
             loader: object = DataLoader(dataset, batch_size=4, sampler=sampler)
             batches_per_epoch = len(sampler) // 4
+        elif args.fault == "hf_shuffle_buffer":
+            stream = HFLikeStream.from_ids(64, 4, session.rank, session.world_size).shuffle(seed=0, buffer_size=8)
+            loader = session.loader(stream, batch_size=4)
+            batches_per_epoch = 64 // 4 // session.world_size
         else:
             loader = session.loader(dataset, batch_size=4)
             batches_per_epoch = len(loader)  # type: ignore[arg-type]
@@ -74,7 +81,8 @@ def main() -> None:
             if args.fault == "own_dataloader":
                 sampler.set_epoch(epoch)
             jitter = torch.rand(1).item() if args.fault == "rng_at_epoch_start" else 0.0
-            for index, (inputs, targets) in enumerate(loader):  # type: ignore[call-overload]
+            for index, batch in enumerate(loader):  # type: ignore[call-overload]
+                inputs, targets = (batch["x"], batch["x"].sum(1, keepdim=True).sin()) if isinstance(batch, dict) else batch
                 prediction = model(inputs)
                 loss = F.mse_loss(prediction, targets) * (1 + jitter)
                 if args.fault == "outside_value":
