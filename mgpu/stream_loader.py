@@ -238,12 +238,15 @@ class StatefulStreamLoader:
         try:
             first = next(batches, None)
         except Exception as error:  # noqa: BLE001  (whatever the user's stream raises, said in one line)
-            where = f" under {self.num_workers} DataLoader workers" if self.num_workers else ""
             cause = str(error).strip().splitlines()
+            said = cause[-1] if cause else type(error).__name__
+        else:
+            said = ""
+        if said:  # outside the handler: the error's frames (the workers' iterator) are let go
+            where = f" under {self.num_workers} DataLoader workers" if self.num_workers else ""
             raise StreamError(f"{type(self.dataset).__name__} failed on its first batch after a resume{where} "
-                              f"({cause[-1] if cause else type(error).__name__}): its load_state_dict() does not "
-                              f"resume there; resume with num_workers=0, or read the files through "
-                              f"mgpu.stream.ShardedStream (exact on any worker count)") from error
+                              f"({said}): its load_state_dict() does not resume there; resume with num_workers=0, "
+                              "or read the files through mgpu.stream.ShardedStream (exact on any worker count)")
         if first is not None:
             yield first
             yield from batches
