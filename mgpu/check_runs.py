@@ -76,6 +76,7 @@ class Runner:
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(self.cwd), env.get("PYTHONPATH")) if p),
                    MGPU_CHECK_RESUME_DIR=str(check_dir), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.scratch / "torchinductor"))  # torch's, in the scratch
         env.pop("MGPU_STOP_AT_STEP", None)
         if stop_at is not None:
             env["MGPU_STOP_AT_STEP"] = str(stop_at)
