@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from mgpu.check_plan import check
-from mgpu.check_runs import OutOfTime, Runner, Target
+from mgpu.check_runs import Runner, Target
 from mgpu.errors import MgpuError, exit_with
 
 __all__ = ["main"]
@@ -119,18 +119,16 @@ def main(argv: list[str] | None = None) -> int:
         exit_with(error, PROG)
     if args.keep:
         keep = Path(args.keep)
-        if keep.exists() and any(keep.iterdir()):
-            exit_with(MgpuError(f"--keep {args.keep}: not empty; give a new or empty directory"), PROG)
+        if keep.exists() and (not keep.is_dir() or any(keep.iterdir())):
+            exit_with(MgpuError(f"--keep {args.keep}: not empty (or not a directory); give a new or empty directory"),
+                      PROG)
         keep.mkdir(parents=True, exist_ok=True)
         scratch = keep.resolve()
     else:
         scratch = Path(tempfile.mkdtemp(prefix="mgpu-check-resume-"))
     try:
         code, report = check(target, args, Runner(target, scratch, cwd, time.monotonic() + args.timeout), scratch)
-    except OutOfTime as error:
-        print("\n".join(getattr(error, "report", [])), flush=True)
-        exit_with(error, PROG)
-    except MgpuError as error:
+    except MgpuError as error:  # out of time (OutOfTime) too
         exit_with(error, PROG)
     finally:
         if not args.keep:
