@@ -273,7 +273,10 @@ def _load(path: Path) -> dict[str, Any]:
     from mgpu.sharded_export import consolidate, is_sharded_checkpoint
 
     if is_sharded_checkpoint(path):
-        return consolidate(path)
+        whole = consolidate(path)
+        if "optim" in whole and "optimizer" not in whole:  # keyed by parameter name: optimizer.state.<param>.exp_avg
+            whole["optimizer"] = whole.pop("optim")
+        return whole
     return CheckpointStore.load_dir(path).state
 
 

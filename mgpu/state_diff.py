@@ -6,7 +6,7 @@ Used by `python -m mgpu.check_resume`."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 __all__ = ["Difference", "differences", "flatten", "hint", "order_key", "parameter_names"]
@@ -28,7 +28,6 @@ class Difference:
     largest: float
     a: str
     b: str
-    others: list[str] = field(default_factory=list)
 
 
 def flatten(state: Any, prefix: str = "") -> dict[str, Any]:

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from mgpu import check_hooks
 from mgpu.batch_diff import Batch, compare_batches, compare_samples, pieced, read_batches
 from mgpu.check_plan import choose_stop
 from mgpu.state_diff import differences, flatten, hint, named, parameter_names
+from tests.conftest import ROOT
 
 
 def state(**changes: object) -> dict:
@@ -190,3 +192,22 @@ def test_the_hooks_do_nothing_without_the_checker(tmp_path: Path, monkeypatch: p
     check_hooks.record_step(0, 1)
     check_hooks.record_outside(0, {}, sys._getframe(0))
     assert list(tmp_path.iterdir()) == []
+
+
+def parsed(*argv: str) -> Any:
+    from mgpu.check_resume import parse_args, target_from
+
+    return target_from(parse_args(list(argv)), ROOT)
+
+
+def test_the_command_line_makes_each_runs_command() -> None:
+    own = parsed("--", "tests/own_loop.py", "{run}", "--epochs", "1")
+    assert own.command(Path("/s/run")) == [sys.executable, str(ROOT / "tests/own_loop.py"), "/s/run", "--epochs", "1"]
+    assert own.halved_args is None  # a loop of one's own: no world-size change without --world-args
+    resized = parsed("--world-args=--accumulate 2", "--", "tests/own_loop.py", "{run}")
+    assert resized.command(Path("/r"), halved=True)[-3:] == ["/r", "--accumulate", "2"]
+    assert parsed("--nproc", "3", "--world-args=--accumulate 2", "--", "tests/own_loop.py", "{run}").halved_args is None
+    trainer = parsed("--config", "jobs/configs/mnist.yaml", "data.global_batch_size=128")
+    assert trainer.halved_args == []  # the accumulation follows the world size
+    assert trainer.command(Path("/t"))[-3:] == ["data.global_batch_size=128", "run.dir=/t", "checkpoint.keep_last=1000"]
+    assert parsed("--config", "jobs/configs/mnist.yaml").halved_args is None  # a per-rank batch
