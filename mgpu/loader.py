@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from mgpu.check_hooks import record_batch
 from mgpu.preemption import signal_number
 from mgpu.rng import derived_seed, seed_everything
 
@@ -263,6 +264,7 @@ class ResumableLoader:
         batches = Batches(build, count, self.num_workers, self.stopping, self.requeue_signal)
         for mb, batch in zip(self._micro_batches(position), batches):
             self.last, self.position = mb, mb.end_position
+            record_batch(self.plan.rank, self.epoch, mb.end_position, batch, mb.indices, self.num_workers)  # check_resume only
             yield batch
         # Only a loop that ran to the end of the epoch gets here (a `break` leaves the position as it is).
         self.epoch, self.position = self.epoch + 1, 0

@@ -38,6 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
+from mgpu.check_hooks import record_outside, record_step
 from mgpu.config import Config
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
@@ -299,6 +300,8 @@ class Session:
         self.step = self.step + 1 if step is None else step
         if self.step == self.resume_step + 1:
             self._after_first_step()
+            record_outside(self.rank, self._state, sys._getframe(1))  # check_resume only: what `state` lacks
+        record_step(self.rank, self.step)  # check_resume only
         reasons = stopper.at_step(self.step)
         if self.watchdog is not None:
             # The step's end; a loop whose forwards the watchdog does not see (no `wrap`) advances its step here.

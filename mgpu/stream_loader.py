@@ -9,19 +9,42 @@ Workers are mgpu.loader's (they survive the step's signals); only the state book
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import get_worker_info
 
+from mgpu.check_hooks import record_batch
 from mgpu.loader import ResumableLoader, make_loader, start
 
-__all__ = ["StatefulStreamLoader", "is_stateful", "open_loader"]
+__all__ = ["StatefulStreamLoader", "is_stateful", "open_loader", "shuffle_buffer"]
+
+log = logging.getLogger("mgpu.train")
 
 
 def is_stateful(dataset: Any) -> bool:
     """torchdata's Stateful protocol: `state_dict()` and `load_state_dict(state)`."""
     return callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+
+
+def shuffle_buffer(dataset: Any, depth: int = 6) -> tuple[str, int] | None:
+    """(its class, its size) when `dataset` shuffles through a buffer: an object in its chain of wrapped
+    iterables (Hugging Face's `_ex_iterable`/`ex_iterable`, torchdata's `source_datapipe`/`source`/`dataset`)
+    whose class name says it shuffles and that has a `buffer_size`. Such a buffer is not in the state
+    `state_dict()` returns (Hugging Face's `BufferShuffledExamplesIterable`): a resume loses its samples."""
+    seen: set[int] = set()
+    node = dataset
+    for _ in range(depth):
+        if node is None or id(node) in seen:
+            return None
+        seen.add(id(node))
+        size = getattr(node, "buffer_size", None)
+        if "shuffl" in type(node).__name__.lower() and isinstance(size, int) and size > 1:
+            return type(node).__name__, size
+        node = next((getattr(node, name) for name in ("_ex_iterable", "ex_iterable", "source_datapipe", "source",
+                                                      "dataset") if getattr(node, name, None) is not None), None)
+    return None
 
 
 def _act_as_worker(logical: int) -> None:
@@ -120,6 +143,12 @@ class StatefulStreamLoader:
         """Samples in that step's batches on all ranks together."""
         self._states: Any = None  # the dataset's state after the last consumed batch (per worker: a list)
         self._next = 0  # the worker whose batch comes next
+        buffer = shuffle_buffer(dataset)
+        if buffer is not None and rank == 0:
+            log.warning("%s shuffles through a buffer of %d samples (%s) that its state_dict() does not hold: a "
+                        "resume loses the samples in it and trains others twice; shuffle without a buffer (the "
+                        "shard order, or a map-style dataset) or read the files through mgpu.stream.ShardedStream, "
+                        "which rebuilds its buffer on a resume", type(dataset).__name__, buffer[1], buffer[0])
 
     # One state per rank: mgpu.train_state gathers every rank's `rank_state_dict()` into the checkpoint.
     def rank_state_dict(self) -> dict[str, Any]:
@@ -186,7 +215,7 @@ class StatefulStreamLoader:
         workers = max(self.num_workers, 1)
         if self.position == 0:
             self._states, self._next = [None] * workers, 0
-        batches = self._batches()
+        batches = self._batches() if self.position == 0 else self._resumed(self._batches())
         # One batch ahead: when a batch is handed out it is known whether it ends the epoch, so the state after
         # it (what a checkpoint then holds) is already the next epoch's start, and a trainer knows an epoch's end
         # at its last step. The ranks' agreement on the next batch comes one step early, the same on every rank.
@@ -200,9 +229,30 @@ class StatefulStreamLoader:
             self._next = (worker + 1) % workers
             self.position += 1
             self.last_size, self.last_global_size = size, global_size
+            record_batch(self.rank, self.epoch, self.position, batch, workers=self.num_workers)  # check_resume only
             if item is None:
                 self._end_epoch()
             yield batch
+
+    def _resumed(self, batches: Iterator[tuple[Any, int, Any, int]]) -> Iterator[tuple[Any, int, Any, int]]:
+        """`batches` of a resumed epoch: a failure on its first batch is the stream's state not fitting (one line)."""
+        from mgpu.stream import StreamError
+
+        try:
+            first = next(batches, None)
+        except Exception as error:  # noqa: BLE001  (whatever the user's stream raises, said in one line)
+            cause = str(error).strip().splitlines()
+            said = cause[-1] if cause else type(error).__name__
+        else:
+            said = ""
+        if said:  # outside the handler: the error's frames (the workers' iterator) are let go
+            where = f" under {self.num_workers} DataLoader workers" if self.num_workers else ""
+            raise StreamError(f"{type(self.dataset).__name__} failed on its first batch after a resume{where} "
+                              f"({said}): its load_state_dict() does not resume there; resume with num_workers=0, "
+                              "or read the files through mgpu.stream.ShardedStream (exact on any worker count)")
+        if first is not None:
+            yield first
+            yield from batches
 
     def _end_epoch(self) -> None:
         self.epoch, self.position, self._states, self._next = self.epoch + 1, 0, None, 0

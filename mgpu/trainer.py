@@ -33,6 +33,7 @@ from mgpu.distributed import all_reduce
 from mgpu.errors import MgpuError
 from mgpu.evaluation import EvalInterrupted, check_metrics, evaluate
 from mgpu.fsdp import local_grads, no_sync, plain, weights_fingerprint
+from mgpu.check_hooks import record_batch
 from mgpu.loader import Batches, make_loader
 from mgpu.metrics import LossSum, Sums
 from mgpu.optim import build_optimizer, build_scheduler
@@ -290,6 +291,8 @@ class Trainer:
             batches = self._batches(self.train_set, indices)
             group: list[tuple[MicroBatch, Any]] = []
             for index, (mb, batch) in enumerate(zip(micro, batches)):
+                record_batch(self.rank, self.progress.epoch, mb.end_position, batch, mb.indices,
+                             self.cfg.data.num_workers)  # check_resume only
                 group.append((mb, batch))
                 if len(group) == self.accum or index == len(micro) - 1:
                     yield group

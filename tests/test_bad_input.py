@@ -16,7 +16,7 @@ files are in it, unmounted after the case; needs root: skipped without it, excep
 a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 145, status 17, train 46 (208 in all); plus
+Cases by entry point (see `test_case_counts`): submit 145, status 17, train 46, check_resume 13 (221 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -39,7 +39,8 @@ from tests.conftest import PYTHON, ROOT, base_env
 
 TIMEOUT_S = 60
 MEMORY_LIMIT = 3 << 30
-PROGS = {"submit": "jobs/submit.py", "status": "jobs/status.py", "train": "jobs/train.py"}
+PROGS = {"submit": "jobs/submit.py", "status": "jobs/status.py", "train": "jobs/train.py",
+         "check_resume": "mgpu/check_resume.py"}
 BLOB_YAML = """\
 task: {target: 'tests.tasks:BlobTask', args: {size: 32, eval_size: 8}}
 data: {batch_size: 4}
@@ -431,6 +432,27 @@ CASES: list[Case] = [
          "SUBMITIT_LOCAL_GLOBALID=3 outside SUBMITIT_LOCAL_NTASKS=2"),
     _env("env SLURM_NODEID beyond", {**SLURM_TASK, "SLURM_NODEID": "3"}, "SLURM_NODEID=3 but the step has 1 nodes"),
     _env("env node count contradicts", {**SLURM_TASK, "SLURM_JOB_NUM_NODES": "4"}, "names 1 nodes but"),
+    # ------------------------------------------------------------------ check_resume (mgpu/check_resume.py)
+    Case("check nothing", ["check_resume"], expect="nothing to check"),
+    Case("check no script", ["check_resume", "--", "nosuch.py", "{run}"], expect="nosuch.py: no such script"),
+    Case("check no {run}", ["check_resume", "--", "loop.py"], files={"loop.py": "x"}, expect="put {run} in its"),
+    Case("check nproc 0", ["check_resume", "--nproc", "0", "--", "loop.py", "{run}"], files={"loop.py": "x"},
+         expect="--nproc 0"),
+    Case("check steps 1", ["check_resume", "--steps", "1", "--", "loop.py", "{run}"], files={"loop.py": "x"},
+         expect="--steps 1"),
+    Case("check stop-at beyond", ["check_resume", "--steps", "4", "--stop-at", "4", "--", "loop.py", "{run}"],
+         files={"loop.py": "x"}, expect="--stop-at 4"),
+    Case("check checks unknown", ["check_resume", "--checks", "stop,bogus", "--", "loop.py", "{run}"],
+         files={"loop.py": "x"}, expect="--checks stop,bogus"),
+    Case("check timeout 0", ["check_resume", "--timeout", "0", "--", "loop.py", "{run}"], files={"loop.py": "x"},
+         expect="--timeout 0"),
+    Case("check config and script", ["check_resume", "--config", "blob.yaml", "--", "loop.py", "{run}"],
+         files={"loop.py": "x"}, expect="not both"),
+    Case("check config bad key", ["check_resume", "--config", "blob.yaml", "train.epoch=2"], expect="train.epoch"),
+    Case("check config run.dir", ["check_resume", "--config", "blob.yaml", "run.dir=x"], expect="run.dir"),
+    Case("check config stray word", ["check_resume", "--config", "blob.yaml", "epochs"], expect="unrecognized"),
+    Case("check keep not empty", ["check_resume", "--keep", "kept", "--", "loop.py", "{run}"],
+         files={"loop.py": "x", "kept/a": "x"}, expect="--keep kept: not empty"),
 ]
 
 # Ledgers with malformed lines: status shows the rest, exit 0, one note on stderr naming the lines.
@@ -581,7 +603,7 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 145, "status": 17, "train": 46}, counts
+    assert counts == {"submit": 145, "status": 17, "train": 46, "check_resume": 13}, counts
 
 
 @pytest.mark.multiprocess  # `outcomes` runs every case as a process of its own (46 of them import torch)
