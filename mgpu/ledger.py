@@ -26,7 +26,10 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      (seen by rank 0)
     stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...; node_excluded: a
                      hang's node that cannot be excluded keeps the job down), requeue, reason, action ("restart" |
-                     "requeued" | "none"), error, rank (mgpu.recovery, after a failed step)
+                     "requeued" | "none"), error, rank (mgpu.recovery, after a failed step); progressed; unknown
+                     (what Slurm did not answer: the decision is the stop's evidence, or "unknown" and the batch
+                     script's mgpu.recovery asks again: its own has by "recovery")
+    requeue_unknown  step, error: the requeue got no answer (requeue_refused: Slurm refused it), by
     requeued         step, how ("self" | "slurm"), message, after (a failure's kind: "failure" | "no_progress" |
                      "hang"; absent after a stop)
     restarted        after ("failure" | "hang"), message: the step starts again in the same allocation (counted

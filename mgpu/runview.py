@@ -117,10 +117,17 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
     }
     state = "running"
     down: dict[str, Any] | None = None  # a stop's decision that the job stays down (not requeued)
+    unanswered: dict[str, Any] | None = None  # a stop's requeue that Slurm did not answer (or refused)
+    decided = False  # the newest stop decision seen (mgpu.recovery's, asked again, supersedes rank 0's)
     for event in reversed(events):
         name = event["event"]
-        if name == "stop_decision" and event.get("requeue") is False:
-            down = down or event
+        if name == "stop_decision":
+            if not decided and event.get("requeue") is False:
+                down = event
+            decided = True
+            continue
+        if name in ("requeue_unknown", "requeue_refused"):
+            unanswered = unanswered or (None if decided else event)
             continue
         if name == "finished":
             status = event.get("status")
@@ -130,8 +137,15 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
             rank = f" (rank {cause['rank']})" if isinstance(cause.get("rank"), int) and cause.get("rank") else ""
             state = f"failed{rank}: {cause.get('error', '?')}"
         elif name == "preempted":
-            state = (f"stopped, stays down: {down.get('reason') or down.get('what') or '?'}" if down is not None
-                     else "stopped by a signal (requeue pending)")
+            if down is not None and down.get("unknown"):
+                state = f"stopped, Slurm gave no answer: {down.get('reason') or '?'}"
+            elif down is not None:
+                state = f"stopped, stays down: {down.get('reason') or down.get('what') or '?'}"
+            elif unanswered is not None:
+                said = "got no answer" if unanswered["event"] == "requeue_unknown" else "was refused"
+                state = f"stopped, the requeue {said}: {unanswered.get('error') or '?'}"
+            else:
+                state = "stopped by a signal (requeue pending)"
         elif name not in ("started", "resumed"):
             continue
         break
