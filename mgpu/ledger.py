@@ -1,5 +1,6 @@
-"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0 (and by a rank with an error of
-its own, the watchdog rank that reports a hang, and the batch script's recovery).
+"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0 (and by the watchdog rank that
+reports a hang, and the batch script's recovery). A rank other than 0 with an error of its own records it in a
+file of its own (mgpu.failures: many nodes' concurrent appends are not atomic on NFS); readers merge them in.
 
 Every event has `time` (unix seconds), `event` and the job's `job_id` and `restart`; the rest
 depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.

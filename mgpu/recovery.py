@@ -32,11 +32,13 @@ import os
 import re
 import signal
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
+from mgpu.failures import record_failure
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
 from mgpu.hostlist import expand_hostlist
@@ -274,9 +276,18 @@ def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, re
     if rank == 0 or not (consequence or isinstance(error, MgpuError)):
         # Every rank with an error of its own records it (rank 0's is often only the consequence: `Connection
         # closed by peer`); retry: whether a requeue can help; bad input or a full disk fails the same way again.
-        Ledger(run.ledger, job_id, restart).write(
-            "failed", error=f"{type(error).__name__}: {error}", retry=not isinstance(error, MgpuError),
-            rank=rank, **({"consequence": True} if consequence else {}))
+        # Rank 0 in the ledger; the others each in a file of their own (mgpu.failures: many nodes' concurrent
+        # appends to one file are not atomic on NFS).
+        fields = {"error": f"{type(error).__name__}: {error}", "retry": not isinstance(error, MgpuError),
+                  **({"consequence": True} if consequence else {})}
+        if rank == 0:
+            Ledger(run.ledger, job_id, restart).write("failed", rank=rank, **fields)
+        else:
+            try:
+                record_failure(run.path, job_id, restart, rank, fields, time.time())
+            except OSError as unwritten:
+                logging.getLogger("mgpu.train").error("rank %d: cannot record its failure in %s: %s", rank,
+                                                      run.path, unwritten.strerror or unwritten)
     by_batch = by_batch if by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
     if slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
         _, what = handle_failure(run, slurm_job, restart, limits,

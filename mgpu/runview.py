@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mgpu.errors import MgpuError
+from mgpu.failures import merge, read_failures
 from mgpu.goodput import SACCT_FIELDS, SacctRun, goodput, goodput_lines, parse_sacct
 from mgpu.ledger import read_ledger
 from mgpu.recovery import Limits, failure_requeues
@@ -45,7 +46,8 @@ class RunView:
     def load(cls, run: RunDir | Path) -> "RunView":
         run = run if isinstance(run, RunDir) else RunDir(Path(run))
         skipped: list[int] = []
-        return cls(run, read_ledger(run.ledger, skipped), skipped)
+        events = read_ledger(run.ledger, skipped)
+        return cls(run, merge(events, read_failures(run.path)), skipped)  # the ranks' own failures (mgpu.failures)
 
 
 def is_run_dir(path: Path) -> bool:
