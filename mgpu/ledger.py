@@ -30,7 +30,8 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      "requeued" | "none"), error, rank (mgpu.recovery, after a failed step); progressed; unknown
                      (what Slurm did not answer: the decision is the stop's evidence, or "unknown" and the batch
                      script's mgpu.recovery asks again: its own has by "recovery")
-    requeue_unknown  step, error: the requeue got no answer (requeue_refused: Slurm refused it), by
+    requeue_unknown  step, error, by: the requeue got no answer (mgpu.recovery asks again)
+    requeue_refused  step, error, by: Slurm refused the requeue (e.g. a job submitted with --no-requeue)
     requeued         step, how ("self" | "slurm"), message, after (a failure's kind: "failure" | "no_progress" |
                      "hang"; absent after a stop)
     restarted        after ("failure" | "hang"), message: the step starts again in the same allocation (counted
@@ -62,7 +63,7 @@ from mgpu.fsutil import read_bounded
 __all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
 
 EVENTS = ("started", "resumed", "fresh_start", "hyperparameters", "first_step", "progress", "checkpoint_saved", "checkpoint_failed", "preempted",
-          "stop_decision", "requeued", "restarted", "node_excluded", "hang", "evaluated", "early_stopped", "finished",
+          "stop_decision", "requeue_unknown", "requeue_refused", "requeued", "restarted", "node_excluded", "hang", "evaluated", "early_stopped", "finished",
           "failed")
 """Every event mgpu writes (tests/test_goodput.py checks it against the code's writes and this docstring)."""
 
