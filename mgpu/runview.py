@@ -214,7 +214,11 @@ def hang_line(hang: dict[str, Any]) -> str:
     phases: dict[str, Any] = found if isinstance(found, dict) else {}
     who = (f"rank(s) {', '.join(map(str, ranks))} on {', '.join(map(str, hosts)) or '?'}" if ranks
            else "no rank identified")
-    where = ", ".join(f"{phases[str(r)]}" for r in ranks if str(r) in phases)
+    found_steps = hang.get("steps")
+    steps: dict[str, Any] = found_steps if isinstance(found_steps, dict) else {}
+    # Each late rank's phase and the last step it completed (a heartbeat's step is the one in progress).
+    where = ", ".join(f"{phases[str(r)]}" + (f" (its last step {steps[str(r)] - 1})" if isinstance(
+        steps.get(str(r)), int) and steps[str(r)] - 1 != hang.get("step") else "") for r in ranks if str(r) in phases)
     return (f"after step {hang.get('step')}: {who}" + (f" in {where}" if where else "")
             + (f", found after {hang['waited_s']} s" if isinstance(hang.get("waited_s"), (int, float)) else ""))
 
