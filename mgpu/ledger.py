@@ -37,6 +37,8 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     restarted        after ("failure" | "hang"), message: the step starts again in the same allocation (counted
                      against the failure budget)
     node_excluded    node, excluded (the job's whole ExcNodeList now), reason
+    node_decision    node, decision ("excluded": blamed in 2 attempts, kept off at this submission; "forgotten":
+                     --forget-node), blames, evidence, by ("submit"; mgpu.exclusion)
     hang             ranks (the stuck ones), hosts, step (the last step every live rank completed), phases and
                      steps (per rank), frozen, missing, detected_by, waited_s, allowance_s (mgpu.watchdog)
     evaluated        step, metrics
@@ -63,7 +65,7 @@ from mgpu.fsutil import read_bounded
 __all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
 
 EVENTS = ("started", "resumed", "fresh_start", "hyperparameters", "first_step", "progress", "checkpoint_saved", "checkpoint_failed", "preempted",
-          "stop_decision", "requeue_unknown", "requeue_refused", "requeued", "restarted", "node_excluded", "hang", "evaluated", "early_stopped", "finished",
+          "stop_decision", "requeue_unknown", "requeue_refused", "requeued", "restarted", "node_excluded", "node_decision", "hang", "evaluated", "early_stopped", "finished",
           "failed")
 """Every event mgpu writes (tests/test_goodput.py checks it against the code's writes and this docstring)."""
 

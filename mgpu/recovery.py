@@ -31,6 +31,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -279,7 +280,7 @@ def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, re
         # Rank 0 in the ledger; the others each in a file of their own (mgpu.failures: many nodes' concurrent
         # appends to one file are not atomic on NFS).
         fields = {"error": f"{type(error).__name__}: {error}", "retry": not isinstance(error, MgpuError),
-                  **({"consequence": True} if consequence else {})}
+                  "host": socket.gethostname(), **({"consequence": True} if consequence else {})}
         if rank == 0:
             Ledger(run.ledger, job_id, restart).write("failed", rank=rank, **fields)
         else:

@@ -223,6 +223,23 @@ def hang_line(hang: dict[str, Any]) -> str:
             + (f", found after {hang['waited_s']} s" if isinstance(hang.get("waited_s"), (int, float)) else ""))
 
 
+def node_lines(events: list[dict[str, Any]], now: float) -> list[str]:
+    """The nodes this run blames (mgpu.exclusion: remembered across submissions) and the submissions' decisions."""
+    from mgpu.exclusion import BLAMES_TO_EXCLUDE, blamed_nodes
+
+    lines = []
+    for node, blamed in sorted(blamed_nodes(events).items()):
+        then = ("excluded at the next submission" if blamed.count >= BLAMES_TO_EXCLUDE
+                else f"excluded once blamed {BLAMES_TO_EXCLUDE} times")
+        lines.append(f"bad node    {node}: blamed {blamed.count}x ({blamed.evidence[-1]}); {then} "
+                     f"(--forget-node {node} clears it)")
+    decisions = [e for e in events if e.get("event") == "node_decision"]
+    for decision in decisions[-5:]:
+        lines.append(f"node        {decision.get('node')} {decision.get('decision')} at a submission, "
+                     f"{_age(now - decision['time'])} ago")
+    return lines
+
+
 def progress_line(summary: dict[str, Any]) -> str:
     """One line: state, step, throughput, ETA, evaluation, restarts. Nothing in it changes unless the ledger
     does (no ages): `submit.py --wait` prints it again only when it differs."""
@@ -357,6 +374,7 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
         lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")
     if "excluded" in summary:
         lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
+    lines.extend(node_lines(events, now))
     lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
     runs, sacct_known = sacct_runs(events) if slurm else ([], False)
     # A running segment counts until now; without Slurm's word, only while the ledger is recent (a killed
