@@ -79,7 +79,9 @@ def hang(world: int, folder: Path) -> dict[str, float]:
     (event,) = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "hang"]
     return {"world": world, "scenario": "hang", "blamed": "+".join(map(str, event["ranks"])),
             "to_event_s": round(event["time"] - stalled, 2),
-            "to_all_out_s": round(out - stalled, 2), "codes_ok": all(p.returncode == 4 for p in procs)}
+            "to_all_out_s": round(out - stalled, 2), "codes_ok": all(p.returncode == 4 for p in procs),
+            "codes": "+".join(f"{code}x{sum(p.returncode == code for p in procs)}"
+                              for code in sorted({p.returncode for p in procs}))}
 
 
 def preemption(world: int, folder: Path) -> dict[str, float]:

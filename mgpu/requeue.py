@@ -40,7 +40,7 @@ __all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "c
            "decide_unanswered", "parse_job_view", "query_job", "requeue", "resume_command", "sbatch_options"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
-                "terminated", "not_slurm", "unknown"]
+                "terminated", "not_slurm", "unknown", "node_drain"]
 RequeueError = SlurmError
 """Slurm cannot be asked or told (the name callers catch; mgpu.slurm's error)."""
 
@@ -119,6 +119,8 @@ def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
         return "preempted"
     if view.reason == "TimeLimit" or "deadline" in reasons:
         return "time_limit"
+    if "drain" in reasons and view.state not in ("COMPLETING", "CANCELLED"):
+        return "node_drain"  # stopped ahead of a node's drain, maintenance or reboot: come back elsewhere or later
     if view.state in ("COMPLETING", "CANCELLED") and "requeue_signal" not in reasons:
         return "cancelled"
     if "interrupt" in reasons and "requeue_signal" not in reasons:
@@ -174,15 +176,16 @@ def decide_unanswered(reasons: set[str], budget: Budget, unanswered: str) -> Dec
     The user signal or the job's own deadline: the job was not cancelled (scancel sends SIGTERM), and whether
     Slurm requeues it already (GraceTime 0) or not, a requeue of our own is right (it fails harmlessly when
     Slurm's came first). Ctrl-C alone: stays down. A SIGTERM alone (or a test stop): `unknown`."""
-    evidence = "requeue_signal" if "requeue_signal" in reasons else "deadline" if "deadline" in reasons else None
+    evidence = next((r for r in ("requeue_signal", "deadline", "drain") if r in reasons), None)
     if evidence is None and "interrupt" in reasons:
         return Decision("interrupted", False, "the job was interrupted; it stays down")
     if evidence is None:
         return Decision("unknown", False, f"Slurm gave no answer ({unanswered}); without it, a SIGTERM (or a test "
                                           "stop) cannot tell a scancel from a preemption or the time limit: not "
                                           "requeued from here")
-    event: Event = "user_signal" if evidence == "requeue_signal" else "time_limit"
-    said = "the user signal came" if evidence == "requeue_signal" else "the job's own deadline was reached"
+    event: Event = {"requeue_signal": "user_signal", "deadline": "time_limit", "drain": "node_drain"}[evidence]  # type: ignore[assignment]
+    said = {"requeue_signal": "the user signal came", "deadline": "the job's own deadline was reached",
+            "drain": "the job stopped ahead of a node's drain"}[evidence]
     if budget.spent:
         return Decision(event, False, f"{event}, but the {budget.kind} budget is spent ({budget.used} of "
                                       f"{budget.limit} {budget.noun} used)")

@@ -177,7 +177,7 @@ class Session:
             self.beat = self.watchdog.beat
         self.stopper = StopController.for_rank(
             self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            longest_write_s=self._longest_write_s)
+            longest_write_s=self._longest_write_s, nodes=self.env.nodes)
         seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
 
     def _longest_write_s(self) -> float:
