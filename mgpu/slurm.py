@@ -221,16 +221,18 @@ class SlurmClient:
                 return proc
             why = (f"no answer from Slurm: killed by signal {-proc.returncode}" if proc.returncode < 0
                    else f"no answer from Slurm: exit {proc.returncode}: {' '.join((proc.stderr or '').split())[:160]}")
-        # A controller that could not be reached on any try (or a killed command) told nothing: no answer.
         self._note(f"{command}: {why} ({tries} {'try' if tries == 1 else 'tries'})")
-        return None
+        # A controller unreachable on every try is returned as its refusal (its words are the evidence; `_required`
+        # reads it as no answer); a timeout or a killed command told nothing at all.
+        return proc if proc is not None and proc.returncode >= 0 else None
 
     def _note(self, line: str) -> None:
         self.unanswered[:] = [*self.unanswered[-(MAX_NOTES - 1):], line]  # a long outage must not grow it forever
 
     def _required(self, tool: str, *args: str) -> "subprocess.CompletedProcess[str]":
+        """The answer, or SlurmUnanswered: none came, or the controller could not be reached on any try."""
         proc = self.call(tool, *args, required=True)
-        if proc is None:
+        if proc is None or (proc.returncode and any(t in (proc.stderr or "").lower() for t in _TRANSIENT)):
             raise SlurmUnanswered(self.unanswered[-1])
         return proc
 
