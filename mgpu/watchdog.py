@@ -161,19 +161,16 @@ def second_look_s(load_per_cpu: float) -> float:
 
 
 def still_silent(first: Mapping[int, float], beats: Sequence[Heartbeat], world: int, detected: float) -> list[int]:
-    """The ranks that showed no sign of life since the hang was found: a heartbeat unchanged since `first` (each
-    rank's `written` by its own clock, so no two machines' clocks are compared), or none at all. Without a
-    first reading of a rank, its `written` is compared with `detected` (this machine's clock)."""
+    """The ranks that showed no sign of life since the hang was found: none at all, or a heartbeat written before
+    `detected` (this machine's clock) and unchanged since `first` (the rank's own clock: a rank whose clock is
+    behind this one's is alive once its heartbeat changes)."""
     now = {b.rank: b for b in beats}
     silent = []
     for rank in range(world):
         beat = now.get(rank)
         if beat is None:
             silent.append(rank)
-        elif rank in first:
-            if beat.written == first[rank]:
-                silent.append(rank)
-        elif beat.written < detected:
+        elif beat.written < detected and (rank not in first or beat.written == first[rank]):
             silent.append(rank)
     return silent
 
@@ -543,8 +540,10 @@ class Watchdog:
             everyone = len(beats) == self.world and not silent and all(b.stacks for b in beats)
             now = time.time()
             load = max([machine_load(), *(b.load for b in beats)])
+            # No second look without a board to look at (its host, rank 0's process, may have left already).
+            look_s = second_look_s(load) if beats else 0.0
             if everyone or (now > detected + STALE_AFTER_S and
-                            (not silent or now > detected + STALE_AFTER_S + second_look_s(load))):
+                            (not silent or now > detected + STALE_AFTER_S + look_s)):
                 break
             time.sleep(0.25)
         if silent and beats:

@@ -30,6 +30,7 @@ def hb(rank: int, written: float, step: int = 5, phase: str = "backward", stacks
     ({0: 10.0, 1: -20.0}, [hb(0, 12.0), hb(1, -19.0)], []),
     ({0: 10.0}, [hb(0, 12.0), hb(1, 11.5)], []),                     # no first reading: this machine's clock
     ({0: 10.0}, [hb(0, 12.0), hb(1, 9.0)], [1]),
+    ({0: 10.0, 1: 11.5}, [hb(0, 12.0), hb(1, 11.5)], []),  # written after the hang was found: alive
 ])
 def test_still_silent(first: dict[int, float], beats: list[Heartbeat], silent: list[int]) -> None:
     assert still_silent(first, beats, 2, detected=11.0) == silent
