@@ -2,6 +2,7 @@
 
     python bench/scale.py                     # 8 16 32
     python bench/scale.py --worlds 8 16 --out bench/results/scale.json
+    python bench/scale.py --worlds 8 16 --scenarios hang    # the blame only
 
 For each world size, one step of N ranks (tests.conftest.start_ranks: one process group, as slurmstepd):
 - hang: the last rank falls asleep inside its loss (tests.tasks:HangingBlobTask, at its 6th call; 2 s floor).
@@ -78,7 +79,9 @@ def hang(world: int, folder: Path) -> dict[str, float]:
     (event,) = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "hang"]
     return {"world": world, "scenario": "hang", "blamed": "+".join(map(str, event["ranks"])),
             "to_event_s": round(event["time"] - stalled, 2),
-            "to_all_out_s": round(out - stalled, 2), "codes_ok": all(p.returncode == 4 for p in procs)}
+            "to_all_out_s": round(out - stalled, 2), "codes_ok": all(p.returncode == 4 for p in procs),
+            "codes": "+".join(f"{code}x{sum(p.returncode == code for p in procs)}"
+                              for code in sorted({p.returncode for p in procs}))}
 
 
 def preemption(world: int, folder: Path) -> dict[str, float]:
@@ -97,15 +100,17 @@ def preemption(world: int, folder: Path) -> dict[str, float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
+    parser.add_argument("--scenarios", nargs="+", choices=["hang", "preemption"], default=["hang", "preemption"])
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="mgpu-scale-") as tmp:
         for world in args.worlds:
-            for scenario in (hang, preemption):
+            for scenario in [{"hang": hang, "preemption": preemption}[name] for name in args.scenarios]:
                 started = time.time()
                 row = scenario(world, Path(tmp))
                 row.update(wall_s=round(time.time() - started, 1), heartbeats_per_s=round(world / WRITE_EVERY_S, 1),
+                           load_per_cpu=round(os.getloadavg()[0] / (os.cpu_count() or 1), 1),
                            watchdog_rundir_metadata_ops_per_s=0)
                 print(row, flush=True)
                 rows.append(row)

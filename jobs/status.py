@@ -9,7 +9,8 @@
 Reads `<run dir>/events.jsonl` (see mgpu/ledger.py): the newest step, its epoch and logged metrics (the
 trainer's, or a loop's own `session.log`), throughput and ETA (none for a loop that logs no total), evaluations,
 requeues and the budgets left, and where the time went (mgpu/goodput.py); asks squeue/sacct/scontrol
-where they exist; ledger lines that are not well-formed events are skipped with a note on stderr.
+where they exist, each try within SLURM_TRY_S and all of them within SLURM_TOTAL_S (what gave no answer is
+left out, with a note on stderr); ledger lines that are not well-formed events are skipped with a note on stderr.
 Exit codes: 0 shown (--verify: the runs agree), 1 (--verify) they differ, 2 no such run (or bad
 arguments, or an unreadable ledger, or runs --verify cannot compare).
 """
@@ -29,6 +30,7 @@ from mgpu.config import control_problem  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 from mgpu.ledger import read_ledger  # noqa: E402
 from mgpu.rundir import RunDir  # noqa: E402
+from mgpu.slurm import SlurmClient, set_client  # noqa: E402
 from mgpu.runview import (SLURM_ID, RunView, budgets, describe, is_run_dir, job_limits, progress_line,  # noqa: E402
                           sacct_runs, scheduler_state, summarize, verify)
 
@@ -37,6 +39,23 @@ __all__ = ["budgets", "describe", "find_run_dirs", "job_limits", "progress_line"
 
 PROG = "status"
 _SLURM_ID = SLURM_ID
+SLURM_TRY_S = 4.0
+"""One try of a Slurm command (the jobs' own client waits 20 s: a person waits here)."""
+SLURM_TOTAL_S = 8.0
+"""Every Slurm command status runs, together (a hanging squeue used to keep it silent for 122 s)."""
+
+
+def _bounded_slurm() -> SlurmClient:
+    slurm = SlurmClient(timeout_s=SLURM_TRY_S)
+    set_client(slurm)
+    return slurm
+
+
+def _say_unanswered(slurm: SlurmClient) -> None:
+    """What status could not ask (a command not installed is no news: a run looked at off the cluster)."""
+    for line in slurm.unanswered:
+        if "not found on PATH" not in line:
+            print(f"{PROG}: note: {line}: left out of what is shown", file=sys.stderr)
 
 
 def _job_ids(run_dir: Path) -> set[str]:
@@ -141,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if args.target is None:
         parser.error("the following arguments are required: RUN_DIR_OR_JOB_ID")
+    slurm = _bounded_slurm()
     try:
         _check_target(args.target, args.folder)
         plot = _check_plot(args.plot)
@@ -148,11 +168,14 @@ def main(argv: list[str] | None = None) -> int:
         if plot is not None and len(run_dirs) > 1:
             raise MgpuError(f"--plot draws one run; {args.target!r} has {len(run_dirs)}: give one run directory")
         shown = []
-        for run_dir in run_dirs:
-            view = RunView.load(run_dir)  # the ledger, read once for everything below
-            shown.append((view, describe(view)))
+        with slurm.within(SLURM_TOTAL_S):
+            for run_dir in run_dirs:
+                view = RunView.load(run_dir)  # the ledger, read once for everything below
+                shown.append((view, describe(view)))
     except MgpuError as error:
         exit_with(error, PROG)
+    _say_unanswered(slurm)
+    slurm.unanswered.clear()
     for i, (view, lines) in enumerate(shown):
         print(("\n" if i else "") + "\n".join(lines))
         if view.skipped:
@@ -164,7 +187,9 @@ def main(argv: list[str] | None = None) -> int:
 
         view = shown[0][0]
         try:
-            runs, _ = sacct_runs(view.events)
+            with slurm.within(SLURM_TOTAL_S):
+                runs, _ = sacct_runs(view.events)
+            _say_unanswered(slurm)
             plot_timeline(view.events, plot, runs, title=str(view.run.path))
         except OSError as error:
             exit_with(MgpuError(f"--plot {str(plot)!r}: cannot write: {error.strerror or error}"), PROG)

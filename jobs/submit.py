@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import itertools
 import math
@@ -32,10 +33,12 @@ if __name__ == "__main__":  # find task modules as the job will, from the workin
 
 from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
 from mgpu.config import Config  # noqa: E402
+from mgpu.exclusion import NodeMemory  # noqa: E402
 from mgpu.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
                              run_dir_for, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
 
 PROG = "submit"
+_NODE = re.compile(r"[A-Za-z0-9_.-]+")
 # Slurm states after which a job may still run again (submitit's list and the transient ones).
 _UNFINISHED = {"READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "COMPLETING", "PREEMPTED", "CONFIGURING",
                "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SUSPENDED", "SIGNALING", "STAGE_OUT"}
@@ -60,7 +63,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     r.add_argument("--time", default="01:00:00", help="time limit: MM, HH:MM:SS, D-HH:MM or D-HH (default: 01:00:00)")
     for flag in ("partition", "account", "qos", "constraint"):
         r.add_argument(f"--{flag}", help=f"sbatch --{flag}")
-    r.add_argument("--exclude", help="nodes to avoid, a Slurm node list (e.g. gpu[03-04])")
+    r.add_argument("--exclude", help="nodes to avoid, a Slurm node list (e.g. gpu[03-04]); nodes this run blamed in "
+                   "two attempts (hangs, failures confined to them) are added")
+    r.add_argument("--forget-node", action="append", default=[], metavar="NODE",
+                   help="allow a node this run remembers as bad again (its blames are cleared); repeatable")
     r.add_argument("--job-name", help="Slurm job name (default: run.name)")
     j = p.add_argument_group("job")
     j.add_argument("--folder", help="root of the run directories; sets run.root (default: run.root, i.e. runs)")
@@ -116,6 +122,13 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
         args.overrides = [*args.overrides, f"run.name={_new_run_name(sub.configs[0])}"]
         sub = build_submission(args.config, args.overrides, args.sweep, args.folder)
     res = _resources(args, sub)
+    for node in args.forget_node:
+        check_line("--forget-node", node)
+        if not _NODE.fullmatch(node):
+            raise MgpuError(f"--forget-node {node!r}: give one node's name (letters, digits, . _ -)")
+    args.nodes_memory = NodeMemory.read([run_dir_for(cfg) for cfg in sub.configs], args.forget_node)
+    if cluster == "slurm":
+        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude))
     if cluster in ("local", "debug") and res.nodes > 1:
         raise MgpuError(f"--nodes {res.nodes}: --cluster {cluster} runs on this machine only; use --nodes 1")
     if cluster == "slurm" and not args.dry_run and not (shutil.which("sbatch") and shutil.which("srun")):
@@ -317,9 +330,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         resume = _resume_command(args, argv)
     except MgpuError as error:
         exit_with(error, PROG)
+    memory: NodeMemory = args.nodes_memory
     if args.dry_run:
         dry_run(cluster, sub, res, args.max_parallel, resume, args.resume_steps)
+        for line in memory.lines() if cluster == "slurm" else []:
+            print(f"# {line} (dry run: not recorded)", file=sys.stderr)
         return 0
+    if cluster == "slurm":
+        for line in memory.lines():
+            print(line, flush=True)
+        memory.record()
     for line in _resume_note(sub, args.resume_steps):
         print(line.lstrip("# "), flush=True)
     if cluster == "debug" and res.ntasks_per_node > 1:

@@ -2,13 +2,18 @@
 
 Slurm kills a job at its time limit whether or not the user signal came (`--signal` may be missing,
 stripped by a wrapper, or too short for a slow save). Rank 0 reads the job's end time from Slurm when the
-run starts and again every minute (a time limit can be changed while the job runs: `scontrol update
+run starts (in the clock's thread: a hanging squeue does not delay the start) and again every minute (a time limit can be changed while the job runs: `scontrol update
 TimeLimit=`), and the session compares it at every step with what a stop still needs: the agreement's
 delay (its interval plus one step, at the slowest step seen lately), the longest checkpoint write seen,
 and a margin (at most a tenth of the job's time limit). When that reaches the end, rank 0 requests a stop
 (`deadline`); the ranks agree as for a signal, save, and the job requeues itself as at a time limit. The
 signal stays the fast path. A time limit so short that a stop would need more than half of it is left to
 the signal: a requeued job gets the same limit again, so each run would stop after a few steps, forever.
+
+The same poll looks at the job's own nodes (`scontrol show node`): one set to DRAIN or DRAINING, in a
+maintenance reservation (MAINT) or with a reboot requested is known to Slurm long before its first signal. The
+session then stops at a step boundary for `drain`, saves, and requeues the job: Slurm gives a drained node no
+new job, so it comes back elsewhere or once the node is resumed.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import datetime as dt
 import logging
 import threading
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
-__all__ = ["JobClock", "parse_times", "time_needed"]
+__all__ = ["JobClock", "draining_nodes", "parse_times", "time_needed"]
 
 log = logging.getLogger("mgpu.train")
 POLL_S = 60.0
@@ -51,6 +56,32 @@ def _squeue_times(job_id: str) -> str:
     return client().times(job_id)
 
 
+DRAIN_FLAGS = {"DRAIN", "DRAINING", "DRAINED", "MAINT", "REBOOT_REQUESTED", "REBOOT_ISSUED", "POWER_DOWN",
+               "POWERING_DOWN"}
+"""Node state flags that say the node is about to go (its jobs will be stopped or it takes no new one)."""
+
+
+def draining_nodes(text: str) -> dict[str, str]:
+    """`scontrol show node -o` output -> {node: its state and reason} for the nodes about to go (DRAIN_FLAGS)."""
+    found = {}
+    for line in text.splitlines():
+        fields = dict(token.split("=", 1) for token in line.split() if "=" in token)
+        flags = {flag.rstrip("*~#!%$@^-") for flag in fields.get("State", "").split("+")}
+        if fields.get("NodeName") and flags & DRAIN_FLAGS:
+            reason = fields.get("Reason", "")
+            found[fields["NodeName"]] = fields["State"] + (f" ({reason})" if reason and reason != "(null)" else "")
+    return found
+
+
+def _scontrol_nodes(nodes: Sequence[str]) -> str:
+    from mgpu.slurm import SlurmError, client
+
+    try:
+        return client().show_nodes(nodes)
+    except SlurmError:
+        return ""  # no answer: nothing is known to be draining
+
+
 def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: float,
                 limit_s: float | None = None) -> float:
     """Seconds a stop takes from the step where it is requested to a durable checkpoint: the agreement
@@ -64,10 +95,14 @@ def time_needed(step_s: float, every: int, longest_write_s: float, margin_s: flo
 class JobClock:
     """Rank 0's view of when Slurm will end the job, refreshed in a daemon thread every `poll_s`."""
 
-    def __init__(self, job_id: str, poll_s: float = POLL_S, read: Callable[[str], str] = _squeue_times) -> None:
+    def __init__(self, job_id: str, poll_s: float = POLL_S, read: Callable[[str], str] = _squeue_times,
+                 nodes: Sequence[str] = (), read_nodes: Callable[[Sequence[str]], str] = _scontrol_nodes) -> None:
         self.job_id, self.poll_s, self.read = job_id, poll_s, read
+        self.nodes, self.read_nodes = tuple(nodes), read_nodes
         self.start_time: float | None = None
         self.end: float | None = None
+        self.draining: dict[str, str] = {}
+        """The job's nodes about to go (draining, maintenance, reboot), as of the last poll."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -78,15 +113,21 @@ class JobClock:
             log.info("job %s ends at %s (Slurm's time limit)", self.job_id,
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(end)))
         self.end = end if end is not None else self.end
+        if self.nodes:
+            draining = draining_nodes(self.read_nodes(self.nodes))
+            if draining and draining != self.draining:
+                log.warning("the job's node(s) about to go: %s", "; ".join(f"{n}: {w}" for n, w in draining.items()))
+            self.draining = draining
         return self.end
 
     def start(self) -> "JobClock":
-        self.refresh()
+        """Poll in a daemon thread, the first time at once: a squeue that hangs must not hold up the start."""
         self._thread = threading.Thread(target=self._poll, name="mgpu-job-clock", daemon=True)
         self._thread.start()
         return self
 
     def _poll(self) -> None:
+        self.refresh()
         while not self._stop.wait(self.poll_s):
             self.refresh()
 

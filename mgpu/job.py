@@ -31,7 +31,7 @@ from typing import Any, Callable
 from mgpu.config import Config, config_from_dict
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
-from mgpu.outcome import STOPPED_EXIT_CODE, JobStopped, Outcome, exit_code, resume_command
+from mgpu.outcome import JobStopped, Outcome, exit_code, resume_command
 
 __all__ = ["JobStopped", "TrainJob", "cli_exit_code", "failure_note", "local_rank", "resume_command", "run_job",
            "run_training"]
@@ -101,7 +101,7 @@ def cli_exit_code(load: Callable[[], Config], config_path: str | None, prog: str
         exit_with(error, prog)
     except JobStopped as stopped:
         print(f"{prog}: {stopped}", file=sys.stderr, flush=True)
-        return STOPPED_EXIT_CODE
+        return stopped.code
     except Exception as error:  # not the user's input: keep the traceback, then say what it means
         traceback.print_exc()
         note = failure_note(error, cfg) if cfg is not None else f"{type(error).__name__} while reading the config"
@@ -133,8 +133,8 @@ def run_job(cfg: Config, config_path: str | None = None, env: ProcessEnv | None 
     summary = {"status": result.status, "step": result.step, "epoch": result.epoch, "metrics": result.metrics,
                "best_metrics": result.best_metrics, "best_step": result.best_step,
                "checkpoint": str(result.checkpoint) if result.checkpoint else None}
-    if outcome.kind == "stays_down":
-        raise JobStopped(outcome.message)
+    if outcome.kind in ("stays_down", "unknown"):
+        raise JobStopped(outcome.message, exit_code(outcome))
     if outcome.kind != "finished":
         raise SystemExit(exit_code(outcome))
     return summary

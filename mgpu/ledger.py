@@ -1,5 +1,6 @@
-"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0 (and by a rank with an error of
-its own, the watchdog rank that reports a hang, and the batch script's recovery).
+"""The run ledger: `events.jsonl`, one JSON object per line, appended by rank 0 (and by the watchdog rank that
+reports a hang, and the batch script's recovery). A rank other than 0 with an error of its own records it in a
+file of its own (mgpu.failures: many nodes' concurrent appends are not atomic on NFS); readers merge them in.
 
 Every event has `time` (unix seconds), `event` and the job's `job_id` and `restart`; the rest
 depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.
@@ -28,12 +29,18 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      (seen by rank 0)
     stop_decision    step, what (mgpu.requeue's event: preempted, time_limit, cancelled, ...; node_excluded: a
                      hang's node that cannot be excluded keeps the job down), requeue, reason, action ("restart" |
-                     "requeued" | "none"), error, rank (mgpu.recovery, after a failed step)
+                     "requeued" | "none"), error, rank (mgpu.recovery, after a failed step); progressed; unknown
+                     (what Slurm did not answer: the decision is the stop's evidence, or "unknown" and the batch
+                     script's mgpu.recovery asks again: its own has by "recovery")
+    requeue_unknown  step, error, by: the requeue got no answer (mgpu.recovery asks again)
+    requeue_refused  step, error, by: Slurm refused the requeue (e.g. a job submitted with --no-requeue)
     requeued         step, how ("self" | "slurm"), message, after (a failure's kind: "failure" | "no_progress" |
                      "hang"; absent after a stop)
     restarted        after ("failure" | "hang"), message: the step starts again in the same allocation (counted
                      against the failure budget)
     node_excluded    node, excluded (the job's whole ExcNodeList now), reason
+    node_decision    node, decision ("excluded": blamed in 2 attempts, kept off at this submission; "forgotten":
+                     --forget-node), blames, evidence, by ("submit"; mgpu.exclusion)
     hang             ranks (the stuck ones), hosts, step (the last step every live rank completed), phases and
                      steps (per rank), frozen, missing, detected_by, waited_s, allowance_s (mgpu.watchdog)
     evaluated        step, metrics
@@ -61,7 +68,7 @@ from mgpu.save_record import note_event
 __all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
 
 EVENTS = ("started", "resumed", "fresh_start", "hyperparameters", "first_step", "progress", "checkpoint_saved", "checkpoint_failed", "preempted",
-          "stop_decision", "requeued", "restarted", "node_excluded", "hang", "evaluated", "early_stopped", "finished",
+          "stop_decision", "requeue_unknown", "requeue_refused", "requeued", "restarted", "node_excluded", "node_decision", "hang", "evaluated", "early_stopped", "finished",
           "failed")
 """Every event mgpu writes (tests/test_goodput.py checks it against the code's writes and this docstring)."""
 

@@ -6,6 +6,11 @@ with GraceTime > 0), never after a `scancel`, and not beyond `MGPU_MAX_REQUEUES`
 no limit; see `mgpu.recovery.Limits`). A run that made no progress at all counts against the failure
 budget instead, so a job whose time limit leaves no time to train does not requeue forever. Slurm is
 asked about a job only when it is this process's own (`mgpu.slurm_job.owns_slurm_job`).
+
+Every Slurm call here ends before Slurm's SIGKILL (`mgpu.slurm.stop_window_s`). Where Slurm gives no answer,
+rank 0 decides on the stop's evidence (`mgpu.requeue.decide_unanswered`); what stays unknown (no decision,
+or a requeue without an answer) is the `unknown` outcome: exit UNANSWERED_EXIT_CODE, the ledger's
+`stop_decision` carries `unknown`, and the batch script's `mgpu.recovery` asks Slurm again after srun.
 """
 
 from __future__ import annotations
@@ -22,19 +27,29 @@ from typing import Literal, Mapping, Sequence
 from mgpu.environment import ProcessEnv
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.recovery import Limits, failure_requeues, stop_requeues
-from mgpu.requeue import Budget, decide, query_job, requeue
+from mgpu.requeue import Budget, Decision, decide, decide_unanswered, query_job, requeue
 from mgpu.rundir import RunDir
+from mgpu.slurm import SlurmError, SlurmUnanswered, client, stop_window_s
 
-__all__ = ["SPAWN_ARGV", "STOPPED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome", "StopBudgets", "decide_after_stop",
+__all__ = ["SPAWN_ARGV", "STOPPED_EXIT_CODE", "UNANSWERED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome",
+           "StopBudgets", "decide_after_stop",
            "exit_code", "resume_command"]
 
 log = logging.getLogger("mgpu.job")
 STOPPED_EXIT_CODE = 3
 """A process's exit code when the run stopped on a signal, saved, and stays down (not requeued)."""
+UNANSWERED_EXIT_CODE = 5
+"""Rank 0's exit code when the run stopped and saved, but Slurm did not answer what to do (mgpu.recovery asks
+again): never 2, which says bad input and is not requeued."""
 
 
 class JobStopped(Exception):
-    """The job stopped on a signal and will not come back (cancelled, or out of requeues)."""
+    """The job stopped on a signal and will not come back (cancelled, or out of requeues), or Slurm did not
+    say whether it does (`code`: UNANSWERED_EXIT_CODE)."""
+
+    def __init__(self, message: str, code: int = STOPPED_EXIT_CODE) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 SPAWN_ARGV = "MGPU_SPAWN_ARGV"
@@ -106,8 +121,9 @@ def _command_line(launcher: str, environ: Mapping[str, str], spawned: bool,
 
 def exit_code(outcome: "Outcome") -> int:
     """The process's exit code for what happens to the job: 0 finished, requeued (or another rank's end after a
-    stop: rank 0 decides), STOPPED_EXIT_CODE when it stays down after a stop."""
-    return STOPPED_EXIT_CODE if outcome.kind == "stays_down" else 0
+    stop: rank 0 decides), STOPPED_EXIT_CODE when it stays down after a stop, UNANSWERED_EXIT_CODE when Slurm
+    did not say."""
+    return {"stays_down": STOPPED_EXIT_CODE, "unknown": UNANSWERED_EXIT_CODE}.get(outcome.kind, 0)
 
 
 @dataclass(frozen=True)
@@ -146,29 +162,64 @@ class StopBudgets:
 class Outcome:
     """What happens to the job after this rank's run."""
 
-    kind: Literal["finished", "requeued", "stays_down", "other_rank"]
+    kind: Literal["finished", "requeued", "stays_down", "other_rank", "unknown"]
     """finished: nothing to do; requeued: it comes back (by us or by Slurm); stays_down: it does not, see
-    `message`; other_rank: a stopped rank other than 0 (rank 0 decides and acts)."""
+    `message`; other_rank: a stopped rank other than 0 (rank 0 decides and acts); unknown: Slurm did not
+    answer what to do or whether the requeue happened, see `message`."""
     message: str = ""
 
 
 def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoint: str | None,
-                      budgets: StopBudgets, env: ProcessEnv, ledger: Ledger) -> Outcome:
-    """Rank 0, after the stop checkpoint: ask Slurm, requeue or not within the budgets, record it."""
+                      budgets: StopBudgets, env: ProcessEnv, ledger: Ledger,
+                      signals: Sequence[tuple[str, float]] = ()) -> Outcome:
+    """Rank 0, after the stop checkpoint: ask Slurm, requeue or not within the budgets, record it; every Slurm
+    call within the time left before the kill (`signals`: rank 0's, with their Unix times)."""
     if env.rank != 0:
         return Outcome("other_rank")  # a non-zero exit here would make srun kill rank 0 before it acts
     progressed = step > resumed_step
     budget = budgets.stops if progressed else Budget(budgets.failures_used, budgets.limits.max_failures, "failure")
-    decision = decide(reasons, query_job(budgets.job_id) if budgets.job_id else None, env.restart_count, budget)
-    why = decision.why if progressed else f"{decision.why} (this run made no progress)"
-    ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why)
-    log.info("stopped at step %d: %s", step, why)
-    if decision.requeue:
-        outcome = requeue(budgets.job_id)  # type: ignore[arg-type]  # decide() requeues only a job of ours
-        ledger.write("requeued", step=step, how=outcome.how, message=outcome.message,
-                     **({} if progressed else {"after": "no_progress"}))
-        log.info("requeue: %s", outcome.message)
-    if decision.requeue or decision.event == "requeued_by_slurm":
-        return Outcome("requeued", why)
-    return Outcome("stays_down", f"stopped at step {step}: {why}; checkpoint {checkpoint}; to resume: "
-                                 f"{resume_command(env)}")
+    with client().within(stop_window_s(signals)):
+        decision, unknown = _decision(reasons, budgets.job_id, env.restart_count, budget)
+        why = decision.why if progressed else f"{decision.why} (this run made no progress)"
+        ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why,
+                     progressed=progressed, **({"unknown": unknown} if unknown else {}))
+        log.info("stopped at step %d: %s", step, why)
+        if decision.requeue:
+            try:
+                outcome = requeue(budgets.job_id)  # type: ignore[arg-type]  # decide() requeues only a job of ours
+            except SlurmUnanswered as error:
+                ledger.write("requeue_unknown", step=step, error=error.note)
+                return Outcome("unknown", f"stopped at step {step}: {why}; but the requeue got no answer "
+                                          f"({error.note}); checkpoint {checkpoint}; {_asked_again(env)}")
+            except SlurmError as error:  # refused (e.g. a job submitted with --no-requeue)
+                ledger.write("requeue_refused", step=step, error=str(error))
+                return Outcome("stays_down", f"stopped at step {step}: {why}; but Slurm refused the requeue "
+                                             f"({error}); checkpoint {checkpoint}; to resume: {resume_command(env)}")
+            ledger.write("requeued", step=step, how=outcome.how, message=outcome.message,
+                         **({} if progressed else {"after": "no_progress"}))
+            log.info("requeue: %s", outcome.message)
+        if decision.requeue or decision.event == "requeued_by_slurm":
+            return Outcome("requeued", why)
+        if decision.event == "unknown":
+            return Outcome("unknown", f"stopped at step {step}: {why}; checkpoint {checkpoint}; {_asked_again(env)}")
+        return Outcome("stays_down", f"stopped at step {step}: {why}; checkpoint {checkpoint}; to resume: "
+                                     f"{resume_command(env)}")
+
+
+def _decision(reasons: set[str], job_id: str | None, restarts: int, budget: Budget) -> tuple[Decision, str | None]:
+    """Slurm's view decides; without an answer (or a view), the stop's evidence does. (decision, what Slurm
+    did not answer)."""
+    if job_id is None:
+        return decide(reasons, None, restarts, budget), None
+    try:
+        view = query_job(job_id)
+    except SlurmError as error:  # no answer, a refusal, or no scontrol here: never the user's bad input
+        said = error.note if isinstance(error, SlurmUnanswered) else str(error)
+        return decide_unanswered(reasons, budget, said), said
+    return decide(reasons, view, restarts, budget), None
+
+
+def _asked_again(env: ProcessEnv) -> str:
+    if os.environ.get("MGPU_RECOVERY") == "batch":
+        return "the batch script's mgpu.recovery asks Slurm again after srun"
+    return f"nothing asks Slurm again: if the job does not come back, resume with: {resume_command(env)}"

@@ -27,8 +27,9 @@ __all__ = ["REASONS", "StopAgreement", "StopRequest", "install_stop_request", "s
 
 # Index in the agreement vector -> reason. "test" is the `stop_at_step` hook (a deterministic preemption);
 # "interrupt" is Ctrl-C (SIGINT): a stop like SIGTERM, and a second Ctrl-C interrupts at once; "deadline":
-# rank 0 saw the job's time limit too close for one more interval of steps (mgpu.deadline).
-REASONS = ("requeue_signal", "sigterm", "test", "interrupt", "deadline")
+# rank 0 saw the job's time limit too close for one more interval of steps (mgpu.deadline); "drain": one of the
+# job's nodes is draining, in maintenance or to be rebooted (mgpu.deadline's poll).
+REASONS = ("requeue_signal", "sigterm", "test", "interrupt", "deadline", "drain")
 AGREE_EVERY_S = 1.0
 """How often the ranks agree on a stop when `preemption.check_every_steps` is null."""
 

@@ -17,6 +17,11 @@ watchdog pinned on one node, that node is excluded and the job requeued; else th
 step again in the same allocation (it prints `restart`: no requeue hold), or, without
 `--may-restart`, the job is requeued. Scripts without this line fall back on the first surviving
 rank requeueing (`mgpu.job`), deduplicated by the `.failure-<job>-<restart>` claim either way.
+
+A stop Slurm did not answer (rank 0's `stop_decision` carries `unknown`, or its requeue got no answer:
+`requeue_unknown`; the step's exit code is then mgpu.outcome.UNANSWERED_EXIT_CODE) is not a failure: this
+module asks Slurm again, within KillWait, and decides it as rank 0 would have (within the stop budget),
+on the stop's evidence when Slurm still does not answer.
 """
 
 from __future__ import annotations
@@ -26,20 +31,25 @@ import logging
 import os
 import re
 import signal
+import socket
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
+from mgpu.failures import record_failure
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
 from mgpu.hostlist import expand_hostlist
-from mgpu.requeue import Budget, JobView, decide, query_job, requeue, resume_command
+from mgpu.requeue import Budget, JobView, decide, decide_unanswered, query_job, requeue, resume_command
 from mgpu.rundir import RunDir
+from mgpu.slurm import SlurmError, SlurmUnanswered, client, stop_window_s
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "handle_failure", "main", "peer_consequence", "rank_failed",
+__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "finish_stop", "handle_failure", "main",
+           "peer_consequence", "rank_failed",
            "stop_requeues"]
 
 log = logging.getLogger("mgpu.job")
@@ -121,6 +131,57 @@ def _handled(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return None
 
 
+def _open_stop(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """This attempt's stop decision that Slurm left open (no answer to the question or to the requeue)."""
+    for event in reversed(attempt):
+        if event.get("event") == "requeue_unknown":
+            return next((e for e in reversed(attempt) if e.get("event") == "stop_decision"), event)
+        if event.get("event") in ("requeued", "requeue_refused"):
+            return None
+        if event.get("event") == "stop_decision":
+            return event if event.get("unknown") else None
+    return None
+
+
+def finish_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: Sequence[Mapping[str, Any]],
+                attempt: Sequence[Mapping[str, Any]], decided: Mapping[str, Any]) -> tuple[Action, str]:
+    """Decide a stop rank 0 could not (Slurm did not answer it): as rank 0 would have, asking Slurm again
+    within KillWait, on the stop's evidence if it still does not answer. Raises nothing it can catch."""
+    ledger = Ledger(run.ledger, job_id, restart)
+    stop: Mapping[str, Any] = next((e for e in reversed(attempt) if e.get("event") == "preempted"), {})
+    reasons = {str(r) for r in stop.get("reasons") or []}
+    step = decided.get("step")
+    progressed = decided.get("progressed") is not False
+    budget = (Budget(stop_requeues(events, job_id, restart), limits.max_requeues) if progressed
+              else Budget(failure_requeues(events, job_id), limits.max_failures, "failure"))
+    with client().within(stop_window_s([])):  # a SIGTERM may come now: KillWait from here at least
+        unknown = None
+        try:
+            decision = decide(reasons, query_job(job_id), restart, budget)
+        except SlurmError as error:
+            unknown = error.note if isinstance(error, SlurmUnanswered) else str(error)
+            decision = decide_unanswered(reasons, budget, unknown)
+        why = f"asked again after the step: {decision.why}" + ("" if progressed else " (this run made no progress)")
+        ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why,
+                     progressed=progressed, by="recovery", **({"unknown": unknown} if unknown else {}))
+        if decision.requeue:
+            try:
+                outcome = requeue(job_id)
+            except SlurmUnanswered as error:
+                ledger.write("requeue_unknown", step=step, error=error.note, by="recovery")
+                return "none", (f"{why}; but the requeue got no answer ({error.note}); if the job does not come back, "
+                                f"resume with: {resume_command()}")
+            except SlurmError as error:
+                ledger.write("requeue_refused", step=step, error=str(error), by="recovery")
+                return "none", f"{why}; but Slurm refused the requeue ({error}); to resume: {resume_command()}"
+            ledger.write("requeued", step=step, how=outcome.how, message=outcome.message, by="recovery",
+                         **({} if progressed else {"after": "no_progress"}))
+            return "requeued", f"{why}: {outcome.message}"
+        if decision.event == "requeued_by_slurm":
+            return "none", why
+        return "none", f"{why}; the job stays down; to resume: {resume_command()}"
+
+
 Action = Literal["restart", "requeued", "none"]
 
 
@@ -146,6 +207,9 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             return "none", "another process handles this failure"
         with os.fdopen(fd, "w") as file:
             file.write(f"{message}\n")
+        undecided = _open_stop(attempt)
+        if undecided is not None:
+            return finish_stop(run, job_id, restart, limits, events, attempt, undecided)
         handled = _handled(attempt)
         if handled is not None:
             return "none", (f"nothing to do: the run recorded {handled['event']} "
@@ -213,9 +277,18 @@ def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, re
     if rank == 0 or not (consequence or isinstance(error, MgpuError)):
         # Every rank with an error of its own records it (rank 0's is often only the consequence: `Connection
         # closed by peer`); retry: whether a requeue can help; bad input or a full disk fails the same way again.
-        Ledger(run.ledger, job_id, restart).write(
-            "failed", error=f"{type(error).__name__}: {error}", retry=not isinstance(error, MgpuError),
-            rank=rank, **({"consequence": True} if consequence else {}))
+        # Rank 0 in the ledger; the others each in a file of their own (mgpu.failures: many nodes' concurrent
+        # appends to one file are not atomic on NFS).
+        fields = {"error": f"{type(error).__name__}: {error}", "retry": not isinstance(error, MgpuError),
+                  "host": socket.gethostname(), **({"consequence": True} if consequence else {})}
+        if rank == 0:
+            Ledger(run.ledger, job_id, restart).write("failed", rank=rank, **fields)
+        else:
+            try:
+                record_failure(run.path, job_id, restart, rank, fields, time.time())
+            except OSError as unwritten:
+                logging.getLogger("mgpu.train").error("rank %d: cannot record its failure in %s: %s", rank,
+                                                      run.path, unwritten.strerror or unwritten)
     by_batch = by_batch if by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
     if slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
         _, what = handle_failure(run, slurm_job, restart, limits,

@@ -17,6 +17,12 @@ sees in `scontrol show job` right after the signal, measured on Slurm 22.05 (2 n
 A self-requeue of a cancelled job *does* bring it back, so the cancelled case must be recognised
 before requeueing. A preempted job with GraceTime > 0 that exits without requeueing itself ends
 COMPLETED and never returns.
+
+When Slurm gives no answer (a hung or failing scontrol, a container without it), `decide_unanswered`
+decides on the evidence the ranks have: the user signal (USR2 without a SIGTERM before it) or the job's
+own deadline means a time limit or a preemption with grace, never a `scancel` (which sends SIGTERM), so
+the job requeues itself as it would have; after a SIGTERM alone it cannot tell a cancel from a preemption
+and decides nothing (`unknown`): the batch script's `mgpu.recovery` asks again after srun.
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from typing import Literal, Mapping
 from mgpu.slurm import JobView, RequeueOutcome, SlurmClient, SlurmError, client, parse_job_view
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide", "parse_job_view",
-           "query_job", "requeue", "resume_command", "sbatch_options"]
+__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide",
+           "decide_unanswered", "parse_job_view", "query_job", "requeue", "resume_command", "sbatch_options"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
-                "terminated", "not_slurm"]
+                "terminated", "not_slurm", "unknown", "node_drain"]
 RequeueError = SlurmError
 """Slurm cannot be asked or told (the name callers catch; mgpu.slurm's error)."""
 
@@ -113,6 +119,8 @@ def classify(reasons: set[str], view: JobView, restarts_at_start: int) -> Event:
         return "preempted"
     if view.reason == "TimeLimit" or "deadline" in reasons:
         return "time_limit"
+    if "drain" in reasons and view.state not in ("COMPLETING", "CANCELLED"):
+        return "node_drain"  # stopped ahead of a node's drain, maintenance or reboot: come back elsewhere or later
     if view.state in ("COMPLETING", "CANCELLED") and "requeue_signal" not in reasons:
         return "cancelled"
     if "interrupt" in reasons and "requeue_signal" not in reasons:
@@ -160,6 +168,29 @@ def decide(reasons: set[str], view: JobView | None, restarts_at_start: int, budg
         return Decision(event, False, f"{event}, but the {budget.kind} budget is spent ({budget.used} of "
                                       f"{budget.limit} {budget.noun} used)")
     return Decision(event, True, f"{event}: requeueing, {budget.describe()}")
+
+
+def decide_unanswered(reasons: set[str], budget: Budget, unanswered: str) -> Decision:
+    """`decide` without Slurm's view (`unanswered`: what it did not answer), on the stop's own evidence. Pure.
+
+    The user signal or the job's own deadline: the job was not cancelled (scancel sends SIGTERM), and whether
+    Slurm requeues it already (GraceTime 0) or not, a requeue of our own is right (it fails harmlessly when
+    Slurm's came first). Ctrl-C alone: stays down. A SIGTERM alone (or a test stop): `unknown`."""
+    evidence = next((r for r in ("requeue_signal", "deadline", "drain") if r in reasons), None)
+    if evidence is None and "interrupt" in reasons:
+        return Decision("interrupted", False, "the job was interrupted; it stays down")
+    if evidence is None:
+        return Decision("unknown", False, f"Slurm gave no answer ({unanswered}); without it, a SIGTERM (or a test "
+                                          "stop) cannot tell a scancel from a preemption or the time limit: not "
+                                          "requeued from here")
+    event: Event = {"requeue_signal": "user_signal", "deadline": "time_limit", "drain": "node_drain"}[evidence]  # type: ignore[assignment]
+    said = {"requeue_signal": "the user signal came", "deadline": "the job's own deadline was reached",
+            "drain": "the job stopped ahead of a node's drain"}[evidence]
+    if budget.spent:
+        return Decision(event, False, f"{event}, but the {budget.kind} budget is spent ({budget.used} of "
+                                      f"{budget.limit} {budget.noun} used)")
+    return Decision(event, True, f"{event} (Slurm gave no answer: {unanswered}; {said}, so the job was not "
+                                 f"cancelled): requeueing, {budget.describe()}")
 
 
 def requeue(job_id: str) -> RequeueOutcome:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mgpu.errors import MgpuError
+from mgpu.failures import merge, read_failures
 from mgpu.goodput import SACCT_FIELDS, SacctRun, goodput, goodput_lines, parse_sacct
 from mgpu.ledger import read_ledger
 from mgpu.recovery import Limits, failure_requeues
@@ -45,7 +46,8 @@ class RunView:
     def load(cls, run: RunDir | Path) -> "RunView":
         run = run if isinstance(run, RunDir) else RunDir(Path(run))
         skipped: list[int] = []
-        return cls(run, read_ledger(run.ledger, skipped), skipped)
+        events = read_ledger(run.ledger, skipped)
+        return cls(run, merge(events, read_failures(run.path)), skipped)  # the ranks' own failures (mgpu.failures)
 
 
 def is_run_dir(path: Path) -> bool:
@@ -117,10 +119,17 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
     }
     state = "running"
     down: dict[str, Any] | None = None  # a stop's decision that the job stays down (not requeued)
+    unanswered: dict[str, Any] | None = None  # a stop's requeue that Slurm did not answer (or refused)
+    decided = False  # the newest stop decision seen (mgpu.recovery's, asked again, supersedes rank 0's)
     for event in reversed(events):
         name = event["event"]
-        if name == "stop_decision" and event.get("requeue") is False:
-            down = down or event
+        if name == "stop_decision":
+            if not decided and event.get("requeue") is False:
+                down = event
+            decided = True
+            continue
+        if name in ("requeue_unknown", "requeue_refused"):
+            unanswered = unanswered or (None if decided else event)
             continue
         if name == "finished":
             status = event.get("status")
@@ -130,8 +139,15 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
             rank = f" (rank {cause['rank']})" if isinstance(cause.get("rank"), int) and cause.get("rank") else ""
             state = f"failed{rank}: {cause.get('error', '?')}"
         elif name == "preempted":
-            state = (f"stopped, stays down: {down.get('reason') or down.get('what') or '?'}" if down is not None
-                     else "stopped by a signal (requeue pending)")
+            if down is not None and down.get("unknown"):
+                state = f"stopped, Slurm gave no answer: {down.get('reason') or '?'}"
+            elif down is not None:
+                state = f"stopped, stays down: {down.get('reason') or down.get('what') or '?'}"
+            elif unanswered is not None:
+                said = "got no answer" if unanswered["event"] == "requeue_unknown" else "was refused"
+                state = f"stopped, the requeue {said}: {unanswered.get('error') or '?'}"
+            else:
+                state = "stopped by a signal (requeue pending)"
         elif name not in ("started", "resumed"):
             continue
         break
@@ -198,9 +214,30 @@ def hang_line(hang: dict[str, Any]) -> str:
     phases: dict[str, Any] = found if isinstance(found, dict) else {}
     who = (f"rank(s) {', '.join(map(str, ranks))} on {', '.join(map(str, hosts)) or '?'}" if ranks
            else "no rank identified")
-    where = ", ".join(f"{phases[str(r)]}" for r in ranks if str(r) in phases)
+    found_steps = hang.get("steps")
+    steps: dict[str, Any] = found_steps if isinstance(found_steps, dict) else {}
+    # Each late rank's phase and the last step it completed (a heartbeat's step is the one in progress).
+    where = ", ".join(f"{phases[str(r)]}" + (f" (its last step {steps[str(r)] - 1})" if isinstance(
+        steps.get(str(r)), int) and steps[str(r)] - 1 != hang.get("step") else "") for r in ranks if str(r) in phases)
     return (f"after step {hang.get('step')}: {who}" + (f" in {where}" if where else "")
             + (f", found after {hang['waited_s']} s" if isinstance(hang.get("waited_s"), (int, float)) else ""))
+
+
+def node_lines(events: list[dict[str, Any]], now: float) -> list[str]:
+    """The nodes this run blames (mgpu.exclusion: remembered across submissions) and the submissions' decisions."""
+    from mgpu.exclusion import BLAMES_TO_EXCLUDE, blamed_nodes
+
+    lines = []
+    for node, blamed in sorted(blamed_nodes(events).items()):
+        then = ("excluded at the next submission" if blamed.count >= BLAMES_TO_EXCLUDE
+                else f"excluded once blamed {BLAMES_TO_EXCLUDE} times")
+        lines.append(f"bad node    {node}: blamed {blamed.count}x ({blamed.evidence[-1]}); {then} "
+                     f"(--forget-node {node} clears it)")
+    decisions = [e for e in events if e.get("event") == "node_decision"]
+    for decision in decisions[-5:]:
+        lines.append(f"node        {decision.get('node')} {decision.get('decision')} at a submission, "
+                     f"{_age(now - decision['time'])} ago")
+    return lines
 
 
 def progress_line(summary: dict[str, Any]) -> str:
@@ -337,6 +374,7 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
         lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")
     if "excluded" in summary:
         lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
+    lines.extend(node_lines(events, now))
     lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
     runs, sacct_known = sacct_runs(events) if slurm else ([], False)
     # A running segment counts until now; without Slurm's word, only while the ledger is recent (a killed

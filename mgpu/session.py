@@ -182,7 +182,7 @@ class Session:
             self.beat = self.watchdog.beat
         self.stopper = StopController.for_rank(
             self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            longest_write_s=self._longest_write_s)
+            longest_write_s=self._longest_write_s, nodes=self.env.nodes)
         seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
 
     def _longest_write_s(self) -> float:
@@ -532,7 +532,7 @@ class Session:
         than 0 after a stop), and with code 3, after one line with the command that resumes, when it stays
         down. The context manager calls it on leaving the block."""
         outcome = self.end()
-        if outcome.kind == "stays_down":
+        if outcome.kind in ("stays_down", "unknown"):
             print(f"mgpu: {outcome.message}", file=sys.stderr, flush=True)
         if outcome.kind != "finished":
             raise SystemExit(exit_code(outcome))
@@ -575,7 +575,7 @@ class Session:
                           signals=[name for name, _ in self.stop.received],
                           signal_times=[round(t, 3) for _, t in self.stop.received])
         outcome = decide_after_stop(reasons, self.step, self.resume_step, str(path) if path else None,
-                                    self.budgets, self.env, self.ledger)
+                                    self.budgets, self.env, self.ledger, signals=list(self.stop.received))
         if outcome.kind == "stays_down":
             self.run.release(self.env.job_id)
         return outcome

@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 from mgpu.deadline import time_needed
 from mgpu.errors import MgpuError
@@ -62,6 +62,7 @@ class Agreement(Protocol):
 
 class Clock(Protocol):
     end: float | None
+    draining: dict[str, str]
 
     @property
     def limit_s(self) -> float | None: ...
@@ -93,9 +94,11 @@ class StopController:
 
     @classmethod
     def for_rank(cls, flags: Any, preemption: Any, cleanup: contextlib.ExitStack, *, slurm_job: str | None,
-                 longest_write_s: Callable[[], float], environ: Mapping[str, str] = os.environ) -> "StopController":
+                 longest_write_s: Callable[[], float], environ: Mapping[str, str] = os.environ,
+                 nodes: Sequence[str] = ()) -> "StopController":
         """*Collective* (the agreement's side group): the real parts for one rank of a run, their teardown in
         `cleanup`. `preemption`: the config's section; `slurm_job`: rank 0's own Slurm job (its clock), else None;
+        `nodes`: the job's nodes, whose drains the clock watches;
         `environ`: where the test stop is read (MGPU_STOP_AT_STEP)."""
         from mgpu.preemption import StopAgreement
 
@@ -106,7 +109,7 @@ class StopController:
         if slurm_job and preemption.deadline_margin_s > 0:
             from mgpu.deadline import JobClock
 
-            clock = JobClock(slurm_job).start()
+            clock = JobClock(slurm_job, nodes=nodes).start()
             cleanup.callback(clock.stop)
         return cls(flags, agreement, clock=clock, check_every=preemption.check_every_steps, stop_at_step=stop_at_step,
                    margin_s=preemption.deadline_margin_s, longest_write_s=longest_write_s)
@@ -143,8 +146,16 @@ class StopController:
         return reasons
 
     def check_deadline(self) -> None:
-        """Rank 0 under Slurm: request a stop when the job's end is closer than what a stop needs."""
-        if self.clock is None or self.flags.pending or not self.step_times:
+        """Rank 0 under Slurm: request a stop when the job's end is closer than what a stop needs, or when one of
+        its nodes is about to go (draining, maintenance, reboot: before Slurm's first signal)."""
+        if self.clock is None or self.flags.pending:
+            return
+        if self.clock.draining:
+            log.info("stopping: the job's node(s) %s are about to go (%s): saving and requeueing before Slurm's "
+                     "signal", ", ".join(self.clock.draining), "; ".join(self.clock.draining.values()))
+            self.flags.request("drain")
+            return
+        if not self.step_times:
             return
         every = self.agreement.auto_every if self.check_every is None else self.check_every
         longest = self.longest_write_s()

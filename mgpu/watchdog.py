@@ -27,7 +27,10 @@ Past the allowance, the rank:
    its exit ends the step (srun --kill-on-bad-exit) before a rank that waits for it would see its own hang;
 2. reads every rank's heartbeat and names the stuck ranks: a heartbeat that stopped changing (a frozen
    process: SIGSTOP, a D-state read, C code holding the GIL), or ranks behind the others (still in a
-   forward while the others wait in the gradient all-reduce of that step);
+   forward while the others wait in the gradient all-reduce of that step). Frozen means no new heartbeat since
+   the hang was found, by the rank's own clock (`still_silent`: no two machines' clocks are compared), within
+   STALE_AFTER_S and then a second look as long as the machine's load makes a live publisher slow
+   (`second_look_s`, from the load each heartbeat reports): an overloaded but live rank is not blamed;
 3. one rank (the first to claim `.hang-<job>-<restart>`) writes a `hang` event to the ledger: the stuck
    ranks, their hosts, the last step every rank completed, each rank's phase (steps 1-3 on a helper thread,
    bounded: on a filesystem that does not answer they are cut short, never the exit);
@@ -45,6 +48,7 @@ may have left already).
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import hashlib
 import json
@@ -78,6 +82,10 @@ agreement) waits for the others; rank 0 `write`s a checkpoint while the others w
 finding, hashing and loading the checkpoint a run resumes from."""
 WRITE_EVERY_S = 2.0
 STALE_AFTER_S = 4 * WRITE_EVERY_S
+SECOND_LOOK_MAX_S = 2 * STALE_AFTER_S
+"""At most this much longer a rank that did not republish within STALE_AFTER_S is waited for, on a loaded machine
+(`second_look_s`), before it is called frozen: within LOOK_SLACK_S, the collective timeout's margin for a loaded
+machine, so the others' collectives still outlast the verdict."""
 LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
 TEARDOWN_S = 60.0
@@ -128,13 +136,17 @@ class Heartbeat:
     """Wall time the watchdog thread wrote the file (it stops changing when the process is frozen)."""
     stacks: bool = False
     """This rank's stacks are in its log (for this hang)."""
+    load: float = 0.0
+    """Its machine's load average per CPU when it was written (how slow a live publisher may be there)."""
 
 
-def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = None) -> list[int]:
+def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = None,
+          frozen_ranks: Sequence[int] | None = None) -> list[int]:
     """The ranks that hold the others up: frozen ones (a file not rewritten since `fresh_after`, or none at
-    all), else those behind the rest."""
+    all; `frozen_ranks`, when given, is the verdict of the second look instead of the clocks), else those
+    behind the rest."""
     seen = {b.rank for b in beats}
-    frozen = [b.rank for b in beats if b.written < fresh_after]
+    frozen = (list(frozen_ranks) if frozen_ranks is not None else [b.rank for b in beats if b.written < fresh_after])
     frozen += [rank for rank in range(world or 0) if rank not in seen]
     if frozen:
         return sorted(frozen)
@@ -150,6 +162,36 @@ def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = No
     behind = [rank for rank, where in position.items()
               if where < furthest and (where == least or phase[rank] not in WAITING_PHASES)]
     return sorted(behind)
+
+
+def machine_load() -> float:
+    """This machine's 1-minute load average per CPU (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def second_look_s(load_per_cpu: float) -> float:
+    """How much longer than STALE_AFTER_S to wait for a rank that has not republished: none on a machine with a
+    CPU per runnable thread, STALE_AFTER_S per unit of load beyond that, at most SECOND_LOOK_MAX_S. At 32 ranks
+    on 2 cores (load ~20 per CPU) a live rank's publisher went unscheduled for more than 8 s and was blamed."""
+    return min(SECOND_LOOK_MAX_S, max(0.0, load_per_cpu - 1.0) * STALE_AFTER_S)
+
+
+def still_silent(first: Mapping[int, float], beats: Sequence[Heartbeat], world: int, detected: float) -> list[int]:
+    """The ranks that showed no sign of life since the hang was found: none at all, or a heartbeat written before
+    `detected` (this machine's clock) and unchanged since `first` (the rank's own clock: a rank whose clock is
+    behind this one's is alive once its heartbeat changes)."""
+    now = {b.rank: b for b in beats}
+    silent = []
+    for rank in range(world):
+        beat = now.get(rank)
+        if beat is None:
+            silent.append(rank)
+        elif beat.written < detected and (rank not in first or beat.written == first[rank]):
+            silent.append(rank)
+    return silent
 
 
 class Board(Protocol):
@@ -437,7 +479,7 @@ class Watchdog:
     def _beat_text(self) -> str:
         return json.dumps({"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
                            "phase": self.phase, "since": round(self.since, 3), "written": round(time.time(), 3),
-                           "stacks": self._stacks})
+                           "stacks": self._stacks, "load": round(machine_load(), 2)})
 
     def _publish(self) -> None:
         if self._board is None:
@@ -476,10 +518,12 @@ class Watchdog:
         return now - self.since
 
     def _publish_loop(self) -> None:
+        # Every WRITE_EVERY_S, as documented (it was every 1 s: twice the store's load, ~1,000 requests/s at 512
+        # ranks on the store the rendezvous and DCP use); at once when asked (stacks written, a hang found).
         while not self._stop.is_set():
             self.note_reads()
             self._publish()
-            self._publish_now.wait(min(1.0, WRITE_EVERY_S))
+            self._publish_now.wait(WRITE_EVERY_S)
             self._publish_now.clear()
 
     def read_all(self) -> list[Heartbeat]:
@@ -514,7 +558,7 @@ class Watchdog:
         self.exit(code)
 
     def _hung(self, waited: float) -> None:
-        _bounded(lambda: self._evidence(waited), STALE_AFTER_S + EVIDENCE_S)
+        _bounded(lambda: self._evidence(waited), STALE_AFTER_S + SECOND_LOOK_MAX_S + EVIDENCE_S)
         self._leave(HANG_EXIT_CODE)
 
     def _stuck_in_teardown(self, waited: float, code: int) -> None:
@@ -534,25 +578,48 @@ class Watchdog:
     def _evidence(self, waited: float) -> None:
         detected = time.time()
         board = self._board
+        first = self._first_look()
         if board is not None:  # first, so that the others start on their stacks while this rank writes its own
             _bounded(lambda: board.request_stacks(detected), STORE_TIMEOUT_S)
         self._dump_stacks(f"no progress for {waited:.0f} s in phase {self.phase} of step {self.step} (allowance "
                           f"{self.allowance():.0f} s): dumping every thread's stack")
-        # A live rank's publisher rewrites its heartbeat within WRITE_EVERY_S, with its stacks written; one that
-        # does not by STALE_AFTER_S is frozen. Waiting for them also lets the others' watchdogs reach the same view.
+        # A live rank's publisher rewrites its heartbeat within WRITE_EVERY_S, with its stacks written. One that has
+        # not by STALE_AFTER_S gets a second look on a loaded machine (second_look_s: its publisher may be waiting
+        # for a CPU): only one silent until then is frozen. Waiting also lets the others reach the same view.
         beats: list[Heartbeat] = []
+        silent: list[int] = []
         while True:
             self._publish_now.set()  # this rank's publisher is alive, whatever its training thread does
             try:
                 beats = self.read_all()
             except (OSError, RuntimeError):
                 beats = []  # the board is out of reach: nobody can be blamed on what it held
-            if (len(beats) == self.world and all(b.written >= detected and b.stacks for b in beats)) or \
-                    time.time() > detected + STALE_AFTER_S:
+            silent = [r for r in still_silent(first, beats, self.world, detected) if r != self.rank]
+            everyone = len(beats) == self.world and not silent and all(b.stacks for b in beats)
+            now = time.time()
+            load = max([machine_load(), *(b.load for b in beats)])
+            # No second look without a board to look at (its host, rank 0's process, may have left already).
+            look_s = second_look_s(load) if beats else 0.0
+            if everyone or (now > detected + STALE_AFTER_S and
+                            (not silent or now > detected + STALE_AFTER_S + look_s)):
                 break
             time.sleep(0.25)
-        stuck = blame(beats, detected, self.world) if beats else []
+        if silent and beats:
+            log.error("rank(s) %s did not publish a heartbeat for %.0f s since the hang was found (load %.1f per "
+                      "CPU): frozen", silent, time.time() - detected, load)
+        stuck = blame(beats, detected, self.world, frozen_ranks=silent) if beats else []
         self.on_hang(beats, stuck, waited, detected)
+
+    def _first_look(self) -> dict[int, float]:
+        """Every rank's heartbeat time (by its own clock) when the hang is found, to tell later which moved."""
+        found: list[dict[int, float]] = []
+
+        def read() -> None:
+            with contextlib.suppress(OSError, RuntimeError):
+                found.append({b.rank: b.written for b in self.read_all()})
+
+        _bounded(read, STORE_TIMEOUT_S, "mgpu-watchdog-first-look")
+        return found[0] if found else {}
 
 
 def report_hang(run: Any, job_id: str, restart: int, rank: int, beats: Sequence[Heartbeat], stuck: list[int],

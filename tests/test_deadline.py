@@ -54,3 +54,39 @@ def test_a_stop_that_needs_most_of_the_time_limit_is_left_to_the_signal(needed_s
     clock.refresh()
     assert clock.too_short(needed_s) == too_short
     assert not JobClock("7", read=lambda job: "N/A N/A").too_short(1e9)  # no limit known: nothing to judge
+
+
+# ------------------------------------------------------------------------------------------ drains (issue 32)
+NODE = "NodeName={name} Arch=x86_64 CoresPerSocket=1 State={state} Partitions=main Reason={reason}"
+
+
+@pytest.mark.parametrize("states, expected", [
+    ([("n1", "ALLOCATED", "(null)"), ("n2", "ALLOCATED", "(null)")], {}),
+    ([("n1", "ALLOCATED", "(null)"), ("n2", "MIXED+DRAIN", "x")], {"n2": "MIXED+DRAIN (x)"}),
+    ([("n1", "ALLOCATED+DRAIN", "disk")], {"n1": "ALLOCATED+DRAIN (disk)"}),   # draining: its jobs still run
+    ([("n1", "ALLOCATED+MAINT", "(null)")], {"n1": "ALLOCATED+MAINT"}),         # in a maintenance reservation
+    ([("n1", "MIXED+REBOOT_REQUESTED", "kernel")], {"n1": "MIXED+REBOOT_REQUESTED (kernel)"}),
+    ([("n1", "ALLOCATED*", "(null)")], {}),                                    # not responding: not a drain
+])
+def test_draining_nodes(states: list[tuple[str, str, str]], expected: dict[str, str]) -> None:
+    from mgpu.deadline import draining_nodes
+
+    text = "\n".join(NODE.format(name=n, state=s, reason=r) for n, s, r in states) + "\n"
+    assert draining_nodes(text) == expected
+    assert draining_nodes("") == {}
+
+
+def test_the_clock_watches_the_jobs_own_nodes() -> None:
+    asked: list[tuple[str, ...]] = []
+    answers = iter(["", NODE.format(name="n2", state="MIXED+DRAIN", reason="x")])
+
+    def read_nodes(nodes: tuple[str, ...]) -> str:
+        asked.append(tuple(nodes))
+        return next(answers)
+
+    clock = JobClock("7", read=lambda job: "", nodes=("n1", "n2"), read_nodes=read_nodes)  # type: ignore[arg-type]
+    clock.refresh()
+    assert clock.draining == {}
+    clock.refresh()
+    assert clock.draining == {"n2": "MIXED+DRAIN (x)"} and asked == [("n1", "n2")] * 2
+    assert JobClock("7", read=lambda job: "").draining == {}  # no nodes given: none asked about

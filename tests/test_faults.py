@@ -276,7 +276,8 @@ def test_a_stop_inside_a_long_evaluation_is_not_held_to_its_end(tmp_path: Path) 
 # ---------------------------------------------------------------------- D4: only rank 0 asks Slurm
 def test_only_rank_0_asks_slurm_after_a_stop(tmp_path: Path) -> None:
     # Workers of torchrun in a Slurm job of this test process (its pid as SLURM_TASK_PID, as slurmstepd sets
-    # it), and no scontrol on PATH: rank 0 must ask Slurm (and fails in one line, saying so); rank 1 must not.
+    # it), and no scontrol on PATH: rank 0 must ask Slurm (and says in one line it got no answer: exit 5, not the
+    # bad input's 2); rank 1 must not.
     job = {"SLURM_JOB_ID": str(random.randint(10**6, 10**7)), "SLURM_TASK_PID": str(os.getpid()),
            "TORCHELASTIC_RUN_ID": "test", "PATH": str(Path(PYTHON).parent)}
     port, procs = str(random.SystemRandom().randint(20000, 32000)), []
@@ -287,6 +288,6 @@ def test_only_rank_0_asks_slurm_after_a_stop(tmp_path: Path) -> None:
                                        "data.batch_size=4", "--stop-at-step=2"], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     (rc0, out0), (rc1, out1) = finish_step(procs)
-    assert rc0 == 2 and "scontrol not found on PATH" in out0, out0[-2000:]
+    assert rc0 == 5 and "scontrol not found on PATH" in out0, out0[-2000:]
     assert rc1 == 0 and "scontrol" not in out1, out1[-2000:]
     assert CheckpointStore(tmp_path / "checkpoints").latest().step == 2

@@ -21,7 +21,7 @@ def test_a_signal_only_sets_a_flag_and_the_time() -> None:
     with StopRequest("USR2") as stop:
         assert not stop.pending
         os.kill(os.getpid(), signal.SIGUSR2)
-        assert stop.flags() == [1, 0, 0, 0, 0] and [name for name, _ in stop.received] == ["SIGUSR2"]
+        assert stop.flags() == [1, 0, 0, 0, 0, 0] and [name for name, _ in stop.received] == ["SIGUSR2"]
     assert signal.getsignal(signal.SIGUSR2) is signal.SIG_DFL  # uninstalled: the previous handler is back
 
 
@@ -32,7 +32,7 @@ def test_the_first_ctrl_c_is_a_stop_the_second_interrupts() -> None:
     try:
         with StopRequest("USR2") as stop:
             os.kill(os.getpid(), signal.SIGINT)
-            assert stop.flags() == [0, 0, 0, 1, 0] and [name for name, _ in stop.received] == ["SIGINT"]
+            assert stop.flags() == [0, 0, 0, 1, 0, 0] and [name for name, _ in stop.received] == ["SIGINT"]
             with pytest.raises(KeyboardInterrupt):
                 os.kill(os.getpid(), signal.SIGINT)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # uninstalled: the previous is back

@@ -142,13 +142,14 @@ def test_requeue_budget_is_honoured(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_missing_scontrol_after_a_stop_is_a_clear_error(tmp_path: Path) -> None:
-    # A container without Slurm's client commands: only the venv's programs on PATH.
+def test_missing_scontrol_after_a_stop_is_a_clear_line_and_not_bad_input(tmp_path: Path) -> None:
+    # A container without Slurm's client commands: only the venv's programs on PATH. Not exit 2 (bad input, which
+    # mgpu.recovery never requeues): UNANSWERED_EXIT_CODE, and the batch script outside the container asks again.
     env = slurm_env(tmp_path, PATH=str(Path(PYTHON).parent))
     result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask",
                              "data.batch_size=8", "--stop-at-step=2"], env=env, cwd=ROOT, capture_output=True,
                             text=True, timeout=60)
-    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.returncode == 5, result.stdout + result.stderr
     errors = result.stderr.strip().splitlines()
     assert len(errors) == 1 and "scontrol not found on PATH" in errors[0]
     assert CheckpointStore(tmp_path / "checkpoints").latest().step == 2  # the checkpoint is kept

@@ -336,7 +336,10 @@ def test_the_ledger_records_the_failing_ranks_own_error(tmp_path: Path) -> None:
     results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:CrashingBlobTask", "train.epochs=2",
                                      "data.batch_size=4", "log.tensorboard=false"), timeout=150)
     assert [rc for rc, _ in results] == [1, 1]
-    failed = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "failed"]
+    from mgpu.runview import RunView
+
+    # Rank 1's record is a file of its own (mgpu.failures); the ledger has rank 0's; status reads both.
+    failed = [e for e in RunView.load(tmp_path).events if e["event"] == "failed"]
     own = [e for e in failed if not e.get("consequence")]
     assert [(e["rank"], e["error"]) for e in own] == [(1, "ValueError: rank 1's own bug at loss call 3")], failed
     assert all(e["rank"] == 0 for e in failed if e.get("consequence")), failed

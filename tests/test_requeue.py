@@ -27,6 +27,8 @@ CASES = [
     ({"test"}, RUNNING, 0, "terminated"),
     ({"interrupt"}, RUNNING, 0, "interrupted"),  # Ctrl-C on an interactive srun
     ({"interrupt", "requeue_signal"}, RUNNING, 0, "user_signal"),
+    ({"drain"}, RUNNING, 0, "node_drain"),  # stopped ahead of a node's drain (mgpu.deadline): requeued
+    ({"drain", "sigterm"}, JobView("COMPLETING", "None", 0, None), 0, "cancelled"),  # scancel meanwhile
 ]
 
 
@@ -170,3 +172,15 @@ def test_resume_command_survives_a_failing_sacct() -> None:
         raise subprocess.TimeoutExpired(cmd, seconds)
 
     assert resume_command(OWN, slurm=SlurmClient(run=timeout, which=lambda name: name, retry_wait_s=0)) == OPEN
+
+
+@pytest.mark.parametrize("reasons, event, requeue_wanted", [
+    ({"requeue_signal"}, "user_signal", True), ({"deadline"}, "time_limit", True), ({"drain"}, "node_drain", True),
+    ({"sigterm"}, "unknown", False), ({"test"}, "unknown", False), ({"interrupt"}, "interrupted", False),
+])
+def test_decide_unanswered_on_the_stops_evidence(reasons: set[str], event: str, requeue_wanted: bool) -> None:
+    from mgpu.requeue import decide_unanswered
+
+    decision = decide_unanswered(reasons, Budget(0, None), "scontrol show job -o 7: no answer")
+    assert (decision.event, decision.requeue) == (event, requeue_wanted)
+    assert not decide_unanswered(reasons, Budget(2, 2), "x").requeue  # a spent budget still holds

@@ -40,8 +40,8 @@ class Agreement:
 
 
 class Clock:
-    def __init__(self, end: float | None, limit_s: float | None = None) -> None:
-        self.end, self.limit_s = end, limit_s
+    def __init__(self, end: float | None, limit_s: float | None = None, draining: dict[str, str] | None = None) -> None:
+        self.end, self.limit_s, self.draining = end, limit_s, draining or {}
 
     def too_close(self, now: float, needed_s: float) -> bool:
         return self.end is not None and now + needed_s >= self.end
@@ -130,3 +130,12 @@ def test_no_clock_no_deadline() -> None:
     for step in range(1, 4):
         stopper.at_step(step)
     assert flags.requested == [] and len(stopper.step_times) == 2
+
+
+def test_a_draining_node_stops_the_run_at_the_next_step_before_any_signal() -> None:
+    # Rank 0's clock saw one of the job's nodes set to DRAIN: a stop for `drain`, even before a step time is known.
+    flags = Flags()
+    stopper = StopController(flags, Agreement(auto_every=4), clock=Clock(end=None, draining={"n2": "IDLE+DRAIN (x)"}),
+                             margin_s=10.0, longest_write_s=lambda: 5.0, monotonic=Ticks(2.0), now=lambda: 1000.0)
+    stopper.at_step(1)
+    assert flags.requested == ["drain"]

@@ -90,7 +90,9 @@ def job_output(folder: Path, jobid: str) -> str:
 
 
 def events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
-    found = read_ledger(run_dir / "events.jsonl")
+    from mgpu.failures import merge, read_failures  # the ranks' own failures are files of their own
+
+    found = merge(read_ledger(run_dir / "events.jsonl"), read_failures(run_dir))
     return [e for e in found if name is None or e["event"] == name]
 
 
