@@ -131,9 +131,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
-    """The planner that rebuilds a whole state from the metadata (one process), loading values safely."""
+    """The planner that rebuilds a state from the metadata (one process), loading values safely: the whole
+    state, or (`module`) one saved module's entries alone, no optimizer tensor read."""
 
     load_bytes = _load_bytes_safely
+
+    def __init__(self, module: str | None = None) -> None:
+        super().__init__()
+        self.module = module
+
+    def _should_include_key(self, key: str, metadata: Any) -> bool:
+        if self.module is None:
+            return True
+        return module_of(key, metadata) == self.module
+
+
+def module_of(key: str, metadata: Any) -> str | None:
+    """The saved module a DCP key of `metadata` belongs to (None: an optimizer's entry)."""
+    path: tuple[Any, ...] = tuple((metadata.planner_data or {}).get(key) or (key,))
+    return str(path[1]).partition(".")[0] if len(path) > 1 and path[0] == "model" else None
 
 
 # ---------------------------------------------------------------------------------------------- state layout
