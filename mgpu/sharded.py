@@ -23,8 +23,9 @@ written) and writes that copy in a thread; at most one save is in flight.
 Every save's collectives wait `wait_s` at most (the save's group's timeout), and a save that failed on any rank
 never leaves its group to the next: the ranks agree at the start of each save (one gather on the training
 thread's group, which every save makes anyway) and make a fresh group when any of them saw the last one fail.
-A gloo group whose collective timed out stays out of step for good (a late rank's messages arrive in the next
-save's collectives); a fresh one per failure costs nothing while saves succeed.
+A gloo group whose collective timed out is broken for good (its connections closed: every later collective on
+it fails at once, "Application timeout caused pair closure", and the late rank's name was lost with it); a fresh
+one per failure costs nothing while saves succeed.
 """
 
 from __future__ import annotations
