@@ -398,18 +398,19 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
             subprocess.run(["umount", "-l", str(mounted)], capture_output=True)
 
 
-def test_the_export_command_is_one_line_as_a_process(exported_run: Path, tmp_path: Path) -> None:
-    """`python -m mgpu.sharded_export` itself: a refusal on stderr (no traceback, exit 2); then an export."""
+@pytest.mark.multiprocess
+def test_the_export_command_is_one_line_as_a_process(exported_run: Path) -> None:
+    """`python -m mgpu.sharded_export` itself: a refusal on stderr in one line, no traceback, exit 2 (an export
+    that works: test_a_sharded_run_exports_and_loads_for_inference)."""
     from tests.conftest import PYTHON, ROOT, base_env
 
-    run = lambda *argv: subprocess.run([PYTHON, "-m", "mgpu.sharded_export", *map(str, argv)], cwd=ROOT,  # noqa: E731
-                                       env=base_env(), capture_output=True, text=True, timeout=120)
-    refused = run(exported_run / "run", exported_run / STEP2 / "common.pt")
+    common = exported_run / STEP2 / "common.pt"
+    before = common.read_bytes()
+    refused = subprocess.run([PYTHON, "-m", "mgpu.sharded_export", str(exported_run / "run"), str(common)], cwd=ROOT,
+                             env=base_env(), capture_output=True, text=True, timeout=120)
     assert (refused.returncode, refused.stdout) == (2, ""), refused
     assert refused.stderr.startswith("mgpu.sharded_export: error: ") and len(refused.stderr.splitlines()) == 1
-    done = run(exported_run / "run", tmp_path / "model.pt")
-    assert done.returncode == 0, done
-    assert torch.load(tmp_path / "model.pt", weights_only=True)["progress"] == {"step": 2}
+    assert "exists: an export never overwrites" in refused.stderr and common.read_bytes() == before
 
 
 def test_load_model_reads_the_models_tensors_alone(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
