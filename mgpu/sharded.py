@@ -350,7 +350,11 @@ class ShardedCheckpointer:
             views = [None] * self.world
             dist.all_gather_object(views, (name, self._group_failed))
         if any(failed for _, failed in views):
-            self._replace_group()
+            try:
+                self._replace_group()
+            except RuntimeError as error:  # a rank gone as well: this save fails; the next one tries again
+                raise CheckpointError(f"sharded checkpoint step {step} not written: its ranks could not form the "
+                                      f"save's group: {_one_line(error, 200)}") from None
         return self.directory / str(views[0][0])
 
     def _new_group(self) -> Any:
@@ -365,7 +369,7 @@ class ShardedCheckpointer:
                 dist.destroy_process_group(old)
             except Exception as error:  # noqa: BLE001  (a broken group that cannot even close: dropped anyway)
                 log.debug("closing a failed save's group: %s", error)
-        self.group = self._new_group()
+        self.group = self._new_group()  # (until it exists, _group_failed stays set: the next save tries again)
         self._group_failed = False
 
     def _arrivals(self, job: "_Job") -> Arrivals | None:

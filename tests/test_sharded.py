@@ -438,3 +438,30 @@ def test_load_model_reads_the_models_tensors_alone(group: None, tmp_path: Path, 
         from mgpu.sharded_export import consolidated_model
 
         consolidated_model(tmp_path / "checkpoints", "latest", name="teacher")
+
+
+def test_a_failed_save_leaves_its_group_behind(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that failed (here its write: EIO) is never followed by a wait on its group: the next save makes a
+    fresh one (a group that could not be formed fails that save in one line, the one after tries again); saves
+    that succeed keep theirs."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    store, state = checkpointer(tmp_path), objects()
+    store.save_objects(state, 1, "periodic", wait=True)
+    first = store.group
+    store.save_objects(state, 2, "periodic", wait=True)
+    assert store.group is first  # nothing failed: no new group
+    real_write = FileSystemWriter.write_data
+    monkeypatch.setattr(FileSystemWriter, "write_data", lambda *a: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(CheckpointError, match="step 3 not written"):
+        store.save_objects(state, 3, "periodic", wait=True)
+    monkeypatch.setattr(FileSystemWriter, "write_data", real_write)
+    monkeypatch.setattr(dist, "new_group", lambda **_: (_ for _ in ()).throw(RuntimeError("Connection refused")))
+    with pytest.raises(CheckpointError, match="step 4 not written: its ranks could not form the save's group: "
+                                              "Connection refused"):
+        store.save_objects(state, 4, "periodic", wait=True)
+    monkeypatch.undo()
+    assert store.save_objects(state, 5, "periodic", wait=True) is not None
+    assert store.group is not None and store.group is not first
+    store.close()
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_00000002", "step_00000005"]
