@@ -141,7 +141,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
             mine = list(step_dir.iterdir()) if rank == 0 else []
         sizes = [None] * world
         dist.all_gather_object(sizes, sum(p.stat().st_size for p in mine))
-        rows.append({"form": form, "ranks": world, "returns_s": median(returns), "blocked_s": median(blocked), "write_s": median(written),
+        rows.append({"form": form, "ranks": world, "returns_s": median(returns),
+                     "blocked_s": median(blocked), "write_s": median(written),
                      "step_s": median(alone), "step_in_flight_s": median(in_flight), "resume_s": resumed,
                      "peak_host_mb_node": round(median(peaks), 1),
                      **{f"bytes_rank{r}": sizes[r] for r in range(world)}})

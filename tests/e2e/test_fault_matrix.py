@@ -303,7 +303,8 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
         if scenario.kind == LATE_RANK:  # that save alone failed, naming rank 1; every later one is durable
             (failed,) = events(run_dir, "checkpoint_failed")
             assert failed["step"] == LATE_STEP, failed
-            assert "rank 1 had not written its shard when rank 0 stopped waiting (after 10 s)" in failed["error"], failed
+            late = "rank 1 had not written its shard when rank 0 stopped waiting (after 10 s)"
+            assert late in failed["error"], failed
             saved = [e["step"] for e in events(run_dir, "checkpoint_saved")]
             assert [s for s in saved if s > LATE_STEP] and LATE_STEP not in saved, saved
             assert {e["step"] for e in events(run_dir, "preempted")} <= set(saved), saved  # the stop's save
