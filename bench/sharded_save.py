@@ -3,9 +3,11 @@
     python bench/sharded_save.py [--ranks 2] [--mb 64] [--saves 3]
 
 One run, side by side, on gloo/CPU ranks of this machine: a stack of Linear layers (`--mb` of fp32 weights,
-AdamW state on top: about 3x that in all). `blocked_s`: the save call plus the wait for the host copy (what
-the next step waits for at worst); `write_s`: until durable; `step_s` / `step_in_flight_s`: one training
-step alone / while the save is still being written (its slowdown); `resume_s`: finding the newest checkpoint
+AdamW state on top: about 3x that in all). `returns_s`: the time save() holds the loop (since the host copy is
+taken before it returns, the whole copy); `blocked_s`: that plus any wait for a host copy still being taken
+after it returned (8a0cea0's sharded save: the next forward waited for it; now none); `write_s`: until
+durable; `step_s` / `step_in_flight_s`: one training step alone / while the save is still being written (its
+slowdown); `resume_s`: finding the newest checkpoint
 and putting it back into fresh objects (every rank); `peak_host_mb_node`: the ranks' resident memory above
 their level before the save, at its highest during save and write, summed over the node's ranks (the copy a
 save stages); `bytes_rank<r>`: what rank r wrote. Medians over the saves.
@@ -104,7 +106,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
             saver: Any = Checkpointer(run, rank, world, Ledger(None, "", 0), keep_last=1)
         else:
             saver = ShardedCheckpointer(root / "checkpoints", rank, world, Ledger(None, "", 0), keep_last=1)
-        blocked, written, alone, in_flight, peaks = [], [], [], [], []
+        returns, blocked, written, alone, in_flight, peaks = [], [], [], [], [], []
         for save in range(1, args.saves + 1):
             dist.barrier()
             alone.append(_timed_step(model, optimizer))
@@ -113,16 +115,19 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
                 started = time.perf_counter()
                 if form == "ddp-single":
                     saver.save(lambda: gather_state(objects, None), save, "periodic")
-                    end = time.perf_counter()
+                    end = returned = time.perf_counter()
                     in_flight.append(_timed_step(model, optimizer))  # the write goes on in the background
                     saver.store and saver.store.wait()
                 else:
                     saver.save_objects(objects, save, "periodic")
-                    saver.wait_staged()
+                    returned = time.perf_counter()
+                    # 8a0cea0's saver returned before its host copy was taken (the next forward waited for it)
+                    getattr(saver, "wait_staged", lambda: None)()
                     end = time.perf_counter()
                     in_flight.append(_timed_step(model, optimizer))
                     saver.settle()
                 dist.barrier()
+            returns.append(returned - started)
             blocked.append(end - started)
             written.append(time.perf_counter() - started)
             peak = [0.0] * world
@@ -136,7 +141,8 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
             mine = list(step_dir.iterdir()) if rank == 0 else []
         sizes = [None] * world
         dist.all_gather_object(sizes, sum(p.stat().st_size for p in mine))
-        rows.append({"form": form, "ranks": world, "blocked_s": median(blocked), "write_s": median(written),
+        rows.append({"form": form, "ranks": world, "returns_s": median(returns),
+                     "blocked_s": median(blocked), "write_s": median(written),
                      "step_s": median(alone), "step_in_flight_s": median(in_flight), "resume_s": resumed,
                      "peak_host_mb_node": round(median(peaks), 1),
                      **{f"bytes_rank{r}": sizes[r] for r in range(world)}})

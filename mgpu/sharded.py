@@ -16,8 +16,16 @@ unpickles anything but tensors, numbers, strings and DCP's own metadata classes 
 sharded checkpoint with mgpu.sharded_export). DCP reshards the models and
 optimizers onto any world size; a rank the saved run did not have gets a fresh, derived RNG stream.
 
-`async_save`: dcp.async_save stages the state to host memory in a thread (the next forward or optimizer step
-waits for that copy only) and writes it in another; at most one save is in flight.
+`async_save`: dcp.async_save copies the state to host memory before `save_objects` returns (a save is a
+snapshot of its step: nothing the loop does afterwards, an EMA's in-place update included, changes what is
+written) and writes that copy in a thread; at most one save is in flight.
+
+Every save's collectives wait `wait_s` at most (the save's group's timeout), and a save that failed on any rank
+never leaves its group to the next: the ranks agree at the start of each save (one gather on the training
+thread's group, which every save makes anyway) and make a fresh group when any of them saw the last one fail.
+A gloo group whose collective timed out is broken for good (its connections closed: every later collective on
+it fails at once, "Application timeout caused pair closure", and the late rank's name was lost with it); a fresh
+one per failure costs nothing while saves succeed.
 """
 
 from __future__ import annotations
@@ -124,9 +132,25 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
-    """The planner that rebuilds a whole state from the metadata (one process), loading values safely."""
+    """The planner that rebuilds a state from the metadata (one process), loading values safely: the whole
+    state, or (`module`) one saved module's entries alone, no optimizer tensor read."""
 
     load_bytes = _load_bytes_safely
+
+    def __init__(self, module: str | None = None) -> None:
+        super().__init__()
+        self.module = module
+
+    def _should_include_key(self, key: str, metadata: Any) -> bool:
+        if self.module is None:
+            return True
+        return module_of(key, metadata) == self.module
+
+
+def module_of(key: str, metadata: Any) -> str | None:
+    """The saved module a DCP key of `metadata` belongs to (None: an optimizer's entry)."""
+    path: tuple[Any, ...] = tuple((metadata.planner_data or {}).get(key) or (key,))
+    return str(path[1]).partition(".")[0] if len(path) > 1 and path[0] == "model" else None
 
 
 # ---------------------------------------------------------------------------------------------- state layout
@@ -240,8 +264,8 @@ class ShardedCheckpointer:
         # `wait_s`: how long its ranks wait for each other (DCP's gathers, the outcome's), so that a late rank ends
         # the save in that bound, named (mgpu.shard_arrivals), not in torch's default 30 minutes (None: that).
         self.wait_s = wait_s
-        timeout = None if wait_s is None else timedelta(seconds=wait_s)
-        self.group = dist.new_group(backend="gloo", timeout=timeout) if dist.is_initialized() else None
+        self.group = self._new_group() if dist.is_initialized() else None
+        self._group_failed = False  # a save failed on this rank since the group was made: replaced at the next
         self._store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and world > 1 else None
         self.last_saved_step = -1
         self.longest_write_s = 0.0
@@ -250,8 +274,6 @@ class ShardedCheckpointer:
         self._outcome: str | None = None  # the last background save's error (None: it succeeded)
         self._checked_loadable = False
         self._stager: Any = None
-        self._staging: Future[Any] | None = None
-        self._hooks: list[Any] = []
 
     # ------------------------------------------------------------------ saving
     def save_objects(self, objects: Mapping[str, Any], step: int, reason: str, *, is_best: bool = False,
@@ -297,7 +319,7 @@ class ShardedCheckpointer:
             self.last_saved_step = step
             self._checked_loadable = True
             return self.directory / f"step_{step:08d}" if self.rank == 0 else None
-        self._write_async(state, job, list(modules.values()), list(optimizers.values()))
+        self._write_async(state, job)
         self.last_saved_step = step
         self._checked_loadable = True
         return None
@@ -314,17 +336,41 @@ class ShardedCheckpointer:
         return holder[0]
 
     def _make_tmp(self, step: int) -> Path:
-        """Rank 0 creates the save's temporary directory; every rank learns its name (a collective)."""
+        """Rank 0 creates the save's temporary directory; every rank learns its name, and the save runs on a
+        fresh group when the last one failed on any rank (a collective of every rank on the training thread's
+        group: the previous save has settled everywhere, so the new group's connections do not wait on one)."""
         name = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.store._remove_stale_tmp()  # a killed save's space back before this one needs it
             name = f"{_TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
             (self.directory / name).mkdir()
-        holder = [name]
+        views: list[Any] = [(name, self._group_failed)]
         if self.world > 1:
-            dist.broadcast_object_list(holder, src=0)
-        return self.directory / str(holder[0])
+            views = [None] * self.world
+            dist.all_gather_object(views, (name, self._group_failed))
+        if any(failed for _, failed in views):
+            try:
+                self._replace_group()
+            except RuntimeError as error:  # a rank gone as well: this save fails; the next one tries again
+                raise CheckpointError(f"sharded checkpoint step {step} not written: its ranks could not form the "
+                                      f"save's group: {_one_line(error, 200)}") from None
+        return self.directory / str(views[0][0])
+
+    def _new_group(self) -> Any:
+        """A gloo group for one save's collectives (DCP's and the outcome's), each waiting `wait_s` at most."""
+        return dist.new_group(backend="gloo", timeout=None if self.wait_s is None else timedelta(seconds=self.wait_s))
+
+    def _replace_group(self) -> None:
+        """*Collective.* The failed save's group given up (never waited on again), a fresh one in its place."""
+        old, self.group = self.group, None
+        if old is not None:
+            try:
+                dist.destroy_process_group(old)
+            except Exception as error:  # noqa: BLE001  (a broken group that cannot even close: dropped anyway)
+                log.debug("closing a failed save's group: %s", error)
+        self.group = self._new_group()  # (until it exists, _group_failed stays set: the next save tries again)
+        self._group_failed = False
 
     def _arrivals(self, job: "_Job") -> Arrivals | None:
         return Arrivals(self._store, job.tmp.name, self.rank, self.world) if self._store is not None else None
@@ -344,47 +390,29 @@ class ShardedCheckpointer:
             error = self._naming_late(job, failure)
         return self._finish(job, error)
 
-    def _write_async(self, state: dict[str, Any], job: "_Job", modules: list[nn.Module],
-                     optimizers: list[torch.optim.Optimizer]) -> None:
+    def _write_async(self, state: dict[str, Any], job: "_Job") -> None:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         # A stager for every save: reused, torch's DefaultStager fails each save after its first on CUDA tensors
-        # (KeyError: <class 'type'> in its deepcopy dispatch; torch 2.11 on an H100, pinned or not). The previous
-        # save's host copy is done by now: wait_staged runs before anything changes a weight.
+        # (KeyError: <class 'type'> in its deepcopy dispatch; torch 2.11 on an H100, pinned or not).
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-        if self._stager is None:
-            cuda = torch.cuda.is_available()
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=True, use_non_blocking_copy=cuda))
+        cuda = torch.cuda.is_available()
+        # Staged before dcp.async_save returns (not in a thread that only the next forward or optimizer step
+        # waited for): a module changed without its own forward (an EMA, a momentum teacher, p.data.clamp_())
+        # was written half old, half new. A non-blocking device copy is synchronized before the return too.
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
         response = dcp.async_save(state, storage_writer=self._writer(job),
                                   process_group=self.group, async_stager=self._stager)
         staging = getattr(response, "staging_completion", None)
+        if staging is not None:  # (not with synchronous staging; kept so that no torch version tears a save)
+            staging.result()
         upload = getattr(response, "upload_completion", response)
-        if staging is not None:
-            # The host copy is taken in a thread: the next change of a weight, an optimizer state or a buffer
-            # (the next forward, the next optimizer step) waits for it; nothing else does.
-            self._staging = staging
-            for module in modules:
-                self._hooks.append(module.register_forward_pre_hook(lambda *_: self.wait_staged()))
-            for optimizer in optimizers:
-                self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait_staged()))
         self._thread = threading.Thread(target=self._background, args=(upload, job), daemon=False,
                                         name=f"mgpu-sharded-checkpoint-{job.step}")
         self._thread.start()
-
-    def wait_staged(self) -> None:
-        """Block until the save in flight has its host copy (then training may change the weights)."""
-        staging, self._staging = self._staging, None
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks.clear()
-        if staging is not None:
-            try:
-                staging.result()
-            except BaseException:  # noqa: BLE001  (the upload fails with it and reports it)
-                pass
 
     def _background(self, upload: Future[Any], job: "_Job") -> None:
         error = None
@@ -396,6 +424,7 @@ class ShardedCheckpointer:
             self._outcome = self._finish(job, error)
         except BaseException as failure:  # noqa: BLE001  (a peer gone mid-save: reported, never a silent success)
             self._failed_step = job.step
+            self._group_failed = True
             self._outcome = f"sharded checkpoint step {job.step} not written: {_describe(failure, job.tmp)}"
             log.error("%s", self._outcome)
 
@@ -457,6 +486,7 @@ class ShardedCheckpointer:
         if not error.startswith("sharded checkpoint"):
             error = f"sharded checkpoint step {job.step} not written: {error}"
         self._failed_step = job.step
+        self._group_failed = True
         if self.rank == 0:
             with _claimed(job.tmp):
                 pass  # removes what the failed save left
@@ -499,7 +529,6 @@ class ShardedCheckpointer:
 
     def settle(self) -> str | None:
         """Wait for the save in flight (if any); its error line, or None."""
-        self.wait_staged()
         thread, self._thread = self._thread, None
         if thread is None:
             return None

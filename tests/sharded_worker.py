@@ -6,7 +6,9 @@
                                                        # and optimizer state equals ref.pt, then one more step
     python -m tests.sharded_worker kill DIR POINT RANK # save step 1, then SIGKILL rank RANK at POINT of step 2's save
     python -m tests.sharded_worker late DIR RANK       # save step 1, then rank RANK writes step 2's shard 8 s late
-                                                       # (the ranks wait 3 s for each other): each rank's outcome
+                                                       # (the ranks wait 3 s for each other), then steps 3 and 4
+                                                       # (asynchronous) and 5 (the final, waited-for save) on time:
+                                                       # each rank's outcome of each save
 """
 
 from __future__ import annotations
@@ -121,9 +123,10 @@ def main() -> None:
         train_step(model, optimizer, 1)
         checkpointer.save_objects({**objects, "progress": {"step": 1}}, 1, "periodic", wait=True)
         original_write = FileSystemWriter.write_data
+        late_once = [rank == victim]
 
         def late_write(self: Any, plan: Any, planner: Any) -> Any:
-            if rank == victim:
+            if late_once.pop() if late_once else False:
                 time.sleep(8)
             return original_write(self, plan, planner)
 
@@ -131,10 +134,17 @@ def main() -> None:
         started = time.monotonic()
         try:
             checkpointer.save_objects({**objects, "progress": {"step": 2}}, 2, "periodic", wait=True)
-            print(f"rank {rank}: saved", flush=True)
+            print(f"rank {rank}: step 2 saved", flush=True)
         except CheckpointError as error:
             print(f"rank {rank}: after {time.monotonic() - started:.0f} s: {error}", flush=True)
-        os._exit(0)  # the group is out of step after a failed save: no orderly teardown to wait for
+        for step in (3, 4, 5):  # the later saves, asynchronous ones and the final one (as a stop's)
+            train_step(model, optimizer, step)
+            try:
+                checkpointer.save_objects({**objects, "progress": {"step": step}}, step, "periodic", wait=step == 5)
+                outcome = checkpointer.settle() if step < 5 else None
+                print(f"rank {rank}: step {step} {'saved' if outcome is None else outcome}", flush=True)
+            except CheckpointError as error:
+                print(f"rank {rank}: step {step} {error}", flush=True)
     checkpointer.close()
     dist.destroy_process_group()
 

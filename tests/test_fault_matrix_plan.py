@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "e2e"))
-from fault_matrix import (BEGIN, CI_SEED, END, FSDP_KINDS, KINDS, MOMENTS, WORKERS, all_scenarios,  # noqa: E402
-                          ci_subset, publish, render, selected, summarize)
+from fault_matrix import (BEGIN, CI_SEED, END, FSDP_KINDS, KINDS, LATE_RANK, MOMENTS, WORKERS,  # noqa: E402
+                          all_scenarios, ci_subset, publish, render, selected, summarize)
 
 
 def test_the_whole_matrix_is_every_kind_at_every_moment() -> None:
@@ -19,10 +19,12 @@ def test_the_whole_matrix_is_every_kind_at_every_moment() -> None:
     assert {(s.kind, s.moment) for s in scenarios if s.kind == "time-limit"} == {("time-limit", "mid-step")}
     assert {s.moment for s in scenarios} == set(MOMENTS) and {s.workers for s in scenarios} == set(WORKERS)
     # FSDP2: preemption at GraceTime 0 and 10, a killed rank, a full disk, at every moment and both worker counts
+    # and one rank late past the wait at one sharded save (FSDP2 alone: a sharded save's own failure)
     fsdp = [s for s in scenarios if s.parallel == "fsdp"]
     assert {(s.kind, s.moment, s.workers) for s in fsdp} == {(k, m, w) for k in FSDP_KINDS for m in MOMENTS
-                                                           for w in WORKERS}
-    assert len({s.id for s in scenarios}) == len(scenarios) == 72 + 40
+                                                           for w in WORKERS} | {(LATE_RANK, "checkpoint-write", 0)}
+    assert len({s.id for s in scenarios}) == len(scenarios) == 72 + 41
+    assert scenarios[-1].id == "late-rank@checkpoint-write/w0/fsdp"
 
 
 def test_the_ci_subset_is_seeded_and_covers_every_kind_and_moment() -> None:
@@ -35,7 +37,7 @@ def test_the_ci_subset_is_seeded_and_covers_every_kind_and_moment() -> None:
     assert ci_subset(1) != subset  # another seed, another draw
 
 
-@pytest.mark.parametrize("selection, count", [(None, 8), ("ci", 8), ("all", 112), ("fsdp", 40),
+@pytest.mark.parametrize("selection, count", [(None, 8), ("ci", 8), ("all", 113), ("fsdp", 41),
                                                      ("seed:7", 8)])
 def test_selection(selection: str | None, count: int) -> None:
     assert len(selected(selection)) == count

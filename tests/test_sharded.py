@@ -7,6 +7,9 @@ import hashlib
 import json
 import os
 import pickle
+import shutil
+import subprocess
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -243,3 +246,222 @@ def test_a_save_group_waits_as_long_as_it_is_told(group: None, tmp_path: Path) -
     timeout = lambda g: g._get_backend(torch.device("cpu")).options._timeout  # noqa: E731
     assert timeout(bounded.group) == timedelta(seconds=42)
     assert timeout(default.group) == timedelta(minutes=30)
+
+
+def ema_objects() -> dict[str, Any]:
+    """Six EMA-like layers (changed in place, without a forward of their own), all 1.0, beside a trained model."""
+    ema = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+    with torch.no_grad():
+        for parameter in ema.parameters():
+            parameter.fill_(1.0)
+    return {**objects(), "ema": ema}
+
+
+def set_in_place(module: nn.Module, value: float) -> None:
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.data.fill_(value)
+
+
+@pytest.mark.parametrize("form", ["sharded", "single"])
+def test_nothing_the_loop_does_after_save_returns_changes_what_is_written(form: str, group: None, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An EMA updated in place right after save() returns (no forward, no optimizer step of its own): the
+    checkpoint holds the EMA of the save's step. The asynchronous sharded save copied it in a thread that only
+    the next forward or optimizer step waited for: [1.0, 2.0, 2.0, 2.0, 2.0, 2.0] was written (a race; a host
+    copy made slow here, as a large state's is, loses it every time)."""
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    copy = DefaultStager._stage
+    monkeypatch.setattr(DefaultStager, "_stage", lambda self, *a, **k: (time.sleep(0.5), copy(self, *a, **k))[1])
+    state = ema_objects()
+    if form == "sharded":
+        store = checkpointer(tmp_path, async_save=True)
+        store.save_objects(state, 1, "periodic")
+        set_in_place(state["ema"], 2.0)
+        assert store.settle() is None
+        store.close()
+        saved = consolidate(tmp_path / "checkpoints" / "step_00000001")["ema"]
+    else:
+        from mgpu.checkpointer import Checkpointer
+        from mgpu.rundir import RunDir
+        from mgpu.train_state import gather_state
+
+        single = Checkpointer(RunDir(tmp_path), 0, 1, Ledger(None, None, 0), async_save=True)
+        single.save(lambda: gather_state(state, None), 1, "periodic")
+        set_in_place(state["ema"], 2.0)
+        single.close()
+        loaded = single.find_latest()
+        assert loaded is not None and loaded.step == 1
+        saved = loaded.state["ema"]
+    values = [float(saved[f"{layer}.weight"].unique().item()) for layer in range(6)]
+    assert values == [1.0] * 6, values
+    assert all(torch.equal(saved[f"{layer}.bias"], torch.ones(256)) for layer in range(6))
+
+
+# ---------------------------------------------------------------------------------------------- the export command
+@pytest.fixture(scope="module")
+def exported_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory with two sharded checkpoints (steps 1, 2) and a single-file run beside it."""
+    from mgpu.checkpointer import Checkpointer
+    from mgpu.rundir import RunDir
+    from mgpu.train_state import gather_state
+
+    root = tmp_path_factory.mktemp("exported")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        save_steps(root / "run", [1, 2])[0].close()
+        single = Checkpointer(RunDir(root / "single"), 0, 1, Ledger(None, None, 0), async_save=False)
+        single.save(lambda: gather_state(objects(), None), 1, "periodic")
+        single.close()
+    finally:
+        dist.destroy_process_group()
+    return root
+
+
+def forge_metadata(step: Path, content: bytes) -> None:
+    """`.metadata` replaced by `content`, every hash made to match (a forged or rewritten checkpoint)."""
+    (step / ".metadata").write_bytes(content)
+    manifest = json.loads((step / "manifest_0.json").read_text())
+    manifest["files"][".metadata"] = {"bytes": len(content), "sha256": hashlib.sha256(content).hexdigest()}
+    (step / "manifest_0.json").write_text(json.dumps(manifest))
+    meta = json.loads((step / "meta.json").read_text())
+    meta["manifests"]["0"] = hashlib.sha256((step / "manifest_0.json").read_bytes()).hexdigest()
+    (step / "meta.json").write_text(json.dumps(meta))
+
+
+STEP2 = "run/checkpoints/step_00000002"
+EXPORT_REFUSALS = [  # (id, argv with {t} for the case's directory, a setup, the substring of the one line)
+    ("out over a checkpoint's common.pt", ["{t}/run", f"{{t}}/{STEP2}/common.pt"], None, "exists: an export never"),
+    ("out inside a step directory", ["{t}/run", f"{{t}}/{STEP2}/model.pt"], None,
+     "is inside the checkpoint directory"),
+    ("out inside the checkpoints directory", ["{t}/run", "{t}/run/checkpoints/model.pt"], None,
+     "is inside the checkpoint directory"),
+    ("out over an existing file", ["{t}/run", "{t}/taken.pt"], lambda t: (t / "taken.pt").write_text("mine"),
+     "taken.pt exists"),
+    ("out a directory", ["{t}/run", "{t}/outdir"], lambda t: (t / "outdir").mkdir(), "is a directory"),
+    ("out in a missing directory", ["{t}/run", "{t}/nowhere/model.pt"], None, "does not exist"),
+    ("out on a read-only filesystem", ["{t}/run", "{t}/ro/model.pt"], "read-only", "is not writable"),
+    ("a single-file run", ["{t}/single", "{t}/model.pt"], None, "checkpoints are single files"),
+    ("a single-file step directory", ["{t}/single/checkpoints/step_00000001", "{t}/model.pt"], None,
+     "is a single-file checkpoint"),
+    ("a refused .metadata", [f"{{t}}/{STEP2}", "{t}/model.pt"],
+     lambda t: forge_metadata(t / STEP2, pickle.dumps(Boom())), "does not load safely: posix.system"),
+    ("a corrupt .metadata", [f"{{t}}/{STEP2}", "{t}/model.pt"],
+     lambda t: forge_metadata(t / STEP2, b"\x80\x04not a pickle at all"), "does not load safely"),
+    ("a damaged .metadata", [f"{{t}}/{STEP2}", "{t}/model.pt"],
+     lambda t: (t / STEP2 / ".metadata").write_bytes(b"x"), "is invalid"),
+    ("every checkpoint of the run refused", ["{t}/run", "{t}/model.pt"],
+     lambda t: [forge_metadata(p, b"x") for p in (t / "run/checkpoints").glob("step_*")], "no valid checkpoint"),
+    ("a step directory without _N", ["{t}/copied", "{t}/model.pt"],
+     lambda t: shutil.copytree(t / STEP2, t / "copied"), "is not a checkpoint's step directory"),
+    ("no such run", ["{t}/nowhere", "{t}/model.pt"], None, "no such file or directory"),
+    ("no checkpoint there", ["{t}", "{t}/model.pt"], None, "no sharded checkpoint there"),
+    ("one argument", ["{t}/run"], None, "the following arguments are required: out"),
+]
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(root)): (p.lstat().st_size, p.lstat().st_mtime_ns) for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize("argv, setup, expect", [pytest.param(a, s, e, id=i) for i, a, s, e in EXPORT_REFUSALS])
+def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
+        argv: list[str], setup: Any, expect: str, exported_run: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil as copying
+
+    from mgpu.sharded_export import main
+    from tests.test_bad_input import MountUnavailable, _mount
+
+    copying.copytree(exported_run, tmp_path, dirs_exist_ok=True)
+    mounted = None
+    try:
+        if setup == "read-only":
+            (tmp_path / "ro").mkdir()
+            try:
+                _mount(tmp_path / "ro", "-o", "size=1m,ro")
+            except MountUnavailable as unavailable:
+                pytest.skip(str(unavailable))
+            mounted = tmp_path / "ro"
+        elif setup is not None:
+            setup(tmp_path)
+        before = snapshot(tmp_path)
+        code = main([arg.format(t=tmp_path) for arg in argv])
+        out, err = capsys.readouterr()
+        assert code == 2, (out, err)
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("mgpu.sharded_export: error: "), err
+        assert expect in err, err
+        assert snapshot(tmp_path) == before
+    finally:
+        if mounted is not None:
+            subprocess.run(["umount", "-l", str(mounted)], capture_output=True)
+
+
+@pytest.mark.multiprocess
+def test_the_export_command_is_one_line_as_a_process(exported_run: Path) -> None:
+    """`python -m mgpu.sharded_export` itself: a refusal on stderr in one line, no traceback, exit 2 (an export
+    that works: test_a_sharded_run_exports_and_loads_for_inference)."""
+    from tests.conftest import PYTHON, ROOT, base_env
+
+    common = exported_run / STEP2 / "common.pt"
+    before = common.read_bytes()
+    refused = subprocess.run([PYTHON, "-m", "mgpu.sharded_export", str(exported_run / "run"), str(common)], cwd=ROOT,
+                             env=base_env(), capture_output=True, text=True, timeout=120)
+    assert (refused.returncode, refused.stdout) == (2, ""), refused
+    assert refused.stderr.startswith("mgpu.sharded_export: error: ") and len(refused.stderr.splitlines()) == 1
+    assert "exists: an export never overwrites" in refused.stderr and common.read_bytes() == before
+
+
+def test_load_model_reads_the_models_tensors_alone(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                   ) -> None:
+    """mgpu.load_model on a sharded run asks DCP for the model's entries only: no optimizer tensor is read
+    (AdamW's state is 2x the model: every one was read into host memory to hand back one module)."""
+    import mgpu
+
+    store, state = save_steps(tmp_path, [1])
+    store.close()
+    read: list[str] = []
+    real_read = SafeReader.read_data
+
+    def spying(self: SafeReader, plan: Any, planner: Any) -> Any:
+        read.extend(item.storage_index.fqn for item in plan.items)
+        return real_read(self, plan, planner)
+
+    monkeypatch.setattr(SafeReader, "read_data", spying)
+    weights = mgpu.load_model(tmp_path, which="latest")
+    assert set(weights) == set(state["model"].state_dict())
+    for key, value in state["model"].state_dict().items():
+        assert torch.equal(weights[key], value), key
+    assert read and all(fqn.startswith("model.model.") for fqn in read), read
+    with pytest.raises(CheckpointError, match=r"holds no module named 'teacher' \(it has \['model'\]\)"):
+        from mgpu.sharded_export import consolidated_model
+
+        consolidated_model(tmp_path / "checkpoints", "latest", name="teacher")
+
+
+def test_a_failed_save_leaves_its_group_behind(group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that failed (here its write: EIO) is never followed by a wait on its group: the next save makes a
+    fresh one (a group that could not be formed fails that save in one line, the one after tries again); saves
+    that succeed keep theirs."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    store, state = checkpointer(tmp_path), objects()
+    store.save_objects(state, 1, "periodic", wait=True)
+    first = store.group
+    store.save_objects(state, 2, "periodic", wait=True)
+    assert store.group is first  # nothing failed: no new group
+    real_write = FileSystemWriter.write_data
+    monkeypatch.setattr(FileSystemWriter, "write_data", lambda *a: (_ for _ in ()).throw(OSError(5, "I/O error")))
+    with pytest.raises(CheckpointError, match="step 3 not written"):
+        store.save_objects(state, 3, "periodic", wait=True)
+    monkeypatch.setattr(FileSystemWriter, "write_data", real_write)
+    monkeypatch.setattr(dist, "new_group", lambda **_: (_ for _ in ()).throw(RuntimeError("Connection refused")))
+    with pytest.raises(CheckpointError, match="step 4 not written: its ranks could not form the save's group: "
+                                              "Connection refused"):
+        store.save_objects(state, 4, "periodic", wait=True)
+    monkeypatch.undo()
+    assert store.save_objects(state, 5, "periodic", wait=True) is not None
+    assert store.group is not None and store.group is not first
+    store.close()
+    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_00000002", "step_00000005"]

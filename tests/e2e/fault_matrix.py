@@ -13,7 +13,9 @@ Stop kinds: preemption with GraceTime 0 (Slurm requeues; the user signal, then T
 preemption with GraceTime 10 and the user signal (the job requeues itself), `scancel`, `scancel
 --signal=USR2`, the time limit's `--signal` lead, an outside `scontrol requeue`, one rank SIGKILLed,
 the run's own filesystem (`run.dir`; the job's output is elsewhere) full from that moment until a
-write has met it and said so (at least 4 s, at most 94 s). Moments: the rendezvous (the job has just
+write has met it and said so (at least 4 s, at most 94 s); and, FSDP2 alone (one row), one rank late past
+the ranks' wait at one sharded save (`late-rank`: that save fails naming it, every later save and the stop's
+after an outside requeue are durable). Moments: the rendezvous (the job has just
 started; for a killed rank or a full disk, its processes have), the first step after a resume (an
 outside requeue first), mid-step, inside an evaluation, inside a checkpoint write. The time limit's signal comes at Slurm's own 30 s check, so it has one moment: whenever it
 lands (recorded as mid-step).
@@ -42,8 +44,10 @@ MOMENTS = ("rendezvous", "first-step-after-resume", "mid-step", "evaluation", "c
 WORKERS = (0, 2)
 FSDP_KINDS = ("preempt-grace0", "preempt-grace10", "kill-rank", "disk-full")
 """The kinds that also run with FSDP2: the ways a sharded save can be cut short or never come."""
+LATE_RANK = "late-rank"
+"""FSDP2 alone, one row: rank 1 writes its shard of one save past the ranks' wait (a save's own failure)."""
 CI_SEED = 20261123
-SIGNAL_KINDS = frozenset(KINDS) - {"kill-rank", "disk-full"}
+SIGNAL_KINDS = frozenset(KINDS) - {"kill-rank", "disk-full"} | {LATE_RANK}
 """Stops that give the ranks a signal to save on: no step may be lost."""
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,10 +70,12 @@ class Scenario:
 
 
 def all_scenarios() -> list[Scenario]:
-    """Kinds x moments x workers, in a fixed order; the time limit at its one moment; then the FSDP2 rows."""
+    """Kinds x moments x workers, in a fixed order; the time limit at its one moment; then the FSDP2 rows, the
+    late rank's last."""
     ddp = [Scenario(kind, moment, workers) for kind, moment, workers in itertools.product(KINDS, MOMENTS, WORKERS)
            if kind != "time-limit" or moment == "mid-step"]
-    return ddp + [dataclasses.replace(s, parallel="fsdp") for s in ddp if s.kind in FSDP_KINDS]
+    return ddp + [dataclasses.replace(s, parallel="fsdp") for s in ddp if s.kind in FSDP_KINDS] + [
+        Scenario(LATE_RANK, "checkpoint-write", 0, "fsdp")]
 
 
 def ci_subset(seed: int = CI_SEED) -> list[Scenario]:
@@ -122,7 +128,7 @@ def summarize(rows: list[dict]) -> str:
     """The README's compact table: per stop kind, its scenarios, their outcomes, passes, median seconds."""
     lines = ["| stop kind | scenarios | outcomes (Slurm's runs: count) | passed | median seconds |",
              "|---|---|---|---|---|"]
-    for kind in [*KINDS, *(f"{k} (FSDP2)" for k in FSDP_KINDS)]:
+    for kind in [*KINDS, *(f"{k} (FSDP2)" for k in (*FSDP_KINDS, LATE_RANK))]:
         mine = [r for r in rows if r["id"].split("@")[0] + (" (FSDP2)" if r["id"].endswith("/fsdp") else "") == kind]
         if not mine:
             continue

@@ -50,11 +50,16 @@ class MatrixTask(FirstRunSlowBlobTask):
 
     `step_s` per loss call in the job's first run, `later_step_s` after; `eval_step_s` per evaluation
     batch; rank 0 appends `<restart> <call>` to `<marker_dir>/eval` at every metrics() call, so the test
-    can land a stop inside an evaluation. `ballast_mb` (SlowBlobTask) makes checkpoint writes slow."""
+    can land a stop inside an evaluation. `ballast_mb` (SlowBlobTask) makes checkpoint writes slow.
+    `late_save`, `late_s`: in the job's first run, rank 1 writes its shard of the `late_save`-th sharded save
+    `late_s` seconds late (a slow or stalled filesystem on one node)."""
 
-    def __init__(self, marker_dir: str = "", eval_step_s: float = 0.0, ballast_mb: int = 0, **kwargs) -> None:
+    def __init__(self, marker_dir: str = "", eval_step_s: float = 0.0, ballast_mb: int = 0, late_save: int = 0,
+                 late_s: float = 0.0, **kwargs) -> None:
         super().__init__(**kwargs)
         self.marker_dir, self.eval_step_s, self.ballast_mb, self.metric_calls = marker_dir, eval_step_s, ballast_mb, 0
+        if late_save and int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
+            _write_late(late_save, late_s)
 
     def build_model(self) -> nn.Module:
         model = super().build_model()
@@ -69,6 +74,22 @@ class MatrixTask(FirstRunSlowBlobTask):
                 marker.write(f"{os.environ.get('SLURM_RESTART_COUNT') or 0} {self.metric_calls}\n")
         time.sleep(self.eval_step_s)
         return super().metrics(model, batch)
+
+
+def _write_late(save: int, late_s: float) -> None:
+    """Rank 1's `save`-th shard write (DCP's FileSystemWriter, which every sharded save goes through) `late_s` late."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+    calls = [0]
+
+    def write_data(writer, plan, planner):
+        calls[0] += 1
+        if calls[0] == save and dist.get_rank() == 1:
+            time.sleep(late_s)
+        return original(writer, plan, planner)
+
+    FileSystemWriter.write_data = write_data
 
 
 class DyingWorkerBlobs(Blobs):

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import pytest
-from fault_matrix import REPORT_ENV, SELECT_ENV, SIGNAL_KINDS, Scenario, all_scenarios, selected
+from fault_matrix import LATE_RANK, REPORT_ENV, SELECT_ENV, SIGNAL_KINDS, Scenario, all_scenarios, selected
 from job_helpers import (ALL_CPUS, TWO_RANKS, Reference, cancel, events, job_output, latest_checkpoint, preempt,
                          rank_record, submit_one, wait_steps)
 from slurm_helpers import final_state, job, runs, wait_until
@@ -49,6 +49,10 @@ FULL_AT_MOST_S = 90.0
 # a first run of 30 x 2 s steps always meets it; the run after the requeue is quick.
 TIME_LIMIT = ["--time", "1", "--signal-lead", "10", "task.args.step_s=2.0", "task.args.later_step_s=0.05"]
 ORDER = {s.id: i for i, s in enumerate(all_scenarios())}
+# The late rank: rank 1 writes its shard of the first run's 2nd save (step 4) 14 s late; the ranks wait 10 s for
+# each other (peer_wait_s: half the save allowance, watchdog.checkpoint_s while no save is measured).
+LATE = ["task.args.late_save=2", "task.args.late_s=14", "watchdog.checkpoint_s=20"]
+LATE_STEP = 4
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +82,10 @@ def _eval_started(markers: Path) -> bool:
 def land(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, run_dir: Path, markers: Path) -> int:
     """Wait for the scenario's moment; the run (1 = the job's first) it lands in."""
     moment = scenario.moment
+    if scenario.kind == LATE_RANK:  # the late save has failed (rank 0 stopped waiting), and a later one is done
+        wait_until("the late save to fail, then a save", lambda: events(run_dir, "checkpoint_failed") and [
+            e for e in events(run_dir, "checkpoint_saved") if e["step"] > LATE_STEP], 120, 0.05)
+        return 1
     if moment == "rendezvous":
         wait_until("the job to start", lambda: job(cluster, jobid).get("JobState") == "RUNNING", 90, 0.05)
         if scenario.kind in ("kill-rank", "disk-full"):  # a process to kill, or to write on the full disk
@@ -136,7 +144,7 @@ def fire(scenario: Scenario, cluster: SlurmCluster, jobid: str, folder: Path, ru
         cluster.run("scancel", jobid)
     elif kind == "scancel-usr2":
         cluster.run("scancel", "--signal=USR2", jobid)
-    elif kind == "outside-requeue":
+    elif kind in ("outside-requeue", LATE_RANK):  # the late rank's: the stop's save after the failed one
         cluster.run("scontrol", "requeue", jobid)
     elif kind == "kill-rank":
         os.kill(_rank_pid(folder, run_dir, run), signal.SIGKILL)
@@ -175,7 +183,7 @@ ALLOWED = {  # each kind: the states sacct may show for the runs before the last
     "preempt-grace0": {"PREEMPTED", "REQUEUED"}, "preempt-grace10": {"REQUEUED"}, "scancel": set(),
     "scancel-usr2": {"REQUEUED"}, "time-limit": {"REQUEUED"}, "outside-requeue": {"REQUEUED"},
     "kill-rank": set(),  # the batch script starts the step again in the same allocation: no requeue
-    "disk-full": {"REQUEUED"},
+    "disk-full": {"REQUEUED"}, LATE_RANK: {"REQUEUED"},
 }
 
 
@@ -201,7 +209,8 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
                         references: dict[str, Reference], small_fs: Callable[[int], Path], tmp_path: Path) -> None:
     grace = 10 if scenario.kind == "preempt-grace10" else 0
     slurm_policy(grace=grace, user_signal=True)
-    ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" else []
+    ballast = ["task.args.ballast_mb=150"] if scenario.moment == "checkpoint-write" and scenario.kind != LATE_RANK \
+        else []
     folder = tmp_path / "runs"
     # disk-full: the run's own filesystem (checkpoints, ledger, logs) fills up; the job's stdout and stderr
     # (submitit's folder) are elsewhere, as on clusters with scratch space, so what the job says is kept.
@@ -210,7 +219,8 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
     markers.mkdir()
     args = [*TWO_RANKS, *ALL_CPUS, *MATRIX, f"data.num_workers={scenario.workers}", f"task.args.marker_dir={markers}",
             *ballast, *own_fs, *(TIME_LIMIT if scenario.kind == "time-limit" else []),
-            *(["train.parallel=fsdp"] if scenario.parallel == "fsdp" else [])]
+            *(["train.parallel=fsdp"] if scenario.parallel == "fsdp" else []),
+            *(LATE if scenario.kind == LATE_RANK else [])]
     started = time.monotonic()
     row: dict[str, Any] = {"order": ORDER[scenario.id], "id": scenario.id, "outcome": "", "stops": [], "lost": "-",
                            "identical": False, "seconds": 0.0, "passed": False}
@@ -290,6 +300,14 @@ def test_fault_scenario(scenario: Scenario, slurm_cluster: SlurmCluster, slurm_p
             else:
                 assert ("requeued_by_slurm", False) in {(e["what"], e["requeue"])
                                                          for e in events(run_dir, "stop_decision")}
+        if scenario.kind == LATE_RANK:  # that save alone failed, naming rank 1; every later one is durable
+            (failed,) = events(run_dir, "checkpoint_failed")
+            assert failed["step"] == LATE_STEP, failed
+            late = "rank 1 had not written its shard when rank 0 stopped waiting (after 10 s)"
+            assert late in failed["error"], failed
+            saved = [e["step"] for e in events(run_dir, "checkpoint_saved")]
+            assert [s for s in saved if s > LATE_STEP] and LATE_STEP not in saved, saved
+            assert {e["step"] for e in events(run_dir, "preempted")} <= set(saved), saved  # the stop's save
         if scenario.kind == "disk-full":
             failures = events(run_dir, "checkpoint_failed")
             assert all("ENOSPC" in e["error"] for e in failures), failures
