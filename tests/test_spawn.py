@@ -76,6 +76,7 @@ def test_under_spawn_the_resume_command_restarts_the_same_world_and_a_crash_with
         tmp_path) -> None:
     """`python -m mgpu.spawn -n 2 loop.py`: a stop's resume command is that command (pasted, 2 ranks again, not 1);
     a loop that ends with finish() and raises is recorded as failed, with its error, on each rank."""
+    from mgpu.failures import merge, read_failures
     from mgpu.ledger import read_ledger
     from mgpu.runview import summarize
 
@@ -93,7 +94,7 @@ def test_under_spawn_the_resume_command_restarts_the_same_world_and_a_crash_with
     assert line.endswith(f"to resume: cd {ROOT} && {sys.executable} -m mgpu.spawn -n 2 {script} {run} stop"), line
     crashed = spawned("raise")
     assert crashed.returncode == 1, crashed.stderr[-3000:]
-    events = read_ledger(run / "events.jsonl")
+    events = merge(read_ledger(run / "events.jsonl"), read_failures(run))  # rank 1's in a file of its own
     failed = sorted((e["rank"], e["error"]) for e in events if e["event"] == "failed")
     assert failed == [(0, "ValueError: rank 0's bug"), (1, "ValueError: rank 1's bug")], failed
     assert summarize(events)["state"].startswith("failed"), summarize(events)
