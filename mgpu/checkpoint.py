@@ -1,6 +1,7 @@
 """The on-disk checkpoint store: atomic saves, verified loads, pruning, and an optional background writer.
 
-`directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and sha256)
+`directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and checksum:
+mgpu.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
 and `latest` / `best`, one-line files naming a step directory. A save is built under a `.tmp-*` name and
 renamed into place, so a killed writer leaves the old checkpoint or the new one, never a torn one.
 Rank 0 only; call a store from one thread (its own background writer aside).
@@ -31,6 +32,7 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import torch
 
+from mgpu.digest import DigestingFile, digest_file, mismatch
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
@@ -51,8 +53,11 @@ WRITER_NICE = 10
 work is hashing and copying into the page cache, on a CPU, not the GIL (bench/save_in_flight.py): where the
 cores are all busy (a rank per core, DataLoader workers), it then takes what training leaves, about a tenth
 of a core under full contention, instead of slowing the step by its share of a core."""
+DIGEST = "crc32"
+"""The checksum of new saves (mgpu.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
+A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
 ZIP_CRC32 = False
-"""Whether torch.save computes its zip format's CRC32 of every record. The sha256 in meta.json covers every
+"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json covers every
 byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t` reports it): a quarter
 of the writer's CPU saved. True, or a torch without the writer this needs: torch.save as it is."""
 
@@ -154,35 +159,6 @@ def _torch_save(state: dict[str, Any], file: BinaryIO) -> None:
     finally:
         writer.write_end_of_file()  # the zip's central directory, as torch.save's writer context does on exit
     file.flush()
-
-
-class _HashingFile(io.RawIOBase):
-    """A write-only file that hashes what passes through it, and keeps the first OSError of the file
-    below: torch's zip writer swallows it into 'unexpected pos', which names neither the errno nor the file."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        super().__init__()
-        self.file, self.digest = file, hashlib.sha256()
-        self.error: OSError | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as error:
-            self.error = self.error or error
-            raise
-        self.digest.update(memoryview(data)[:written])
-        return written
-
-    def flush(self) -> None:
-        try:
-            self.file.flush()
-        except OSError as error:
-            self.error = self.error or error
-            raise
 
 
 @dataclass(frozen=True)
@@ -328,6 +304,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _mismatch(path: Path, meta: dict[str, Any]) -> str | None:
+    """Why `path` does not match the checksum `meta` records (None: it does): a checkpoint saved before
+    mgpu.digest records the sha256 of the whole file."""
+    if "checksum" in meta:
+        return mismatch(path, meta["checksum"])
+    sha = _sha256(path)
+    if sha != meta["sha256"]:
+        return f"{path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... (corrupted)"
+    return None
+
+
 def _remove(path: Path) -> None:
     try:
         if path.is_dir() and not path.is_symlink():
@@ -370,7 +357,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), verify: bool = True) -> LoadedCheckpoint:
-    """Check size and sha256 (`verify`), then load memory-mapped: ranks on one node then share the page
+    """Check size and checksum (`verify`), then load memory-mapped: ranks on one node then share the page
     cache's one copy of the file instead of each reading its own."""
     match = _STEP_DIR.fullmatch(path.name)
     if match is None:
@@ -383,18 +370,18 @@ def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), ver
     except (OSError, ValueError) as e:
         raise _Invalid(f"{meta_path} is unreadable: {e}") from None
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("step") == step
-            and isinstance(meta.get("sha256"), str) and isinstance(meta.get("bytes"), int)):
+            and (isinstance(meta.get("sha256"), str) or isinstance(meta.get("checksum"), dict))
+            and isinstance(meta.get("bytes"), int)):
         raise _Invalid(f"{meta_path} is not format-{FORMAT} metadata for step {step}")
     try:
         size = state_path.stat().st_size
         if size != meta["bytes"]:
             raise _Invalid(f"{state_path} is {size} bytes, {META_FILE} says {meta['bytes']} (truncated?)")
-        sha = _sha256(state_path) if verify else meta["sha256"]
+        problem = _mismatch(state_path, meta) if verify else None
     except OSError as e:
         raise _Invalid(f"{state_path} is unreadable: {e.strerror}") from None
-    if sha != meta["sha256"]:
-        raise _Invalid(f"{state_path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... "
-                       f"(corrupted)")
+    if problem is not None:
+        raise _Invalid(problem)
     try:
         state = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
@@ -425,7 +412,7 @@ class CheckpointStore:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
-        self._writer = writer  # None: torch.save through a hashing file (no second read for the sha256)
+        self._writer = writer  # None: torch.save through a digesting file (no second read for the checksum)
         self._thread: threading.Thread | None = None
         self._outcome: SavedCheckpoint | BaseException | None = None
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}  # reused snapshot buffers (see save_async)
@@ -519,23 +506,25 @@ class CheckpointStore:
             raise CheckpointWriteError(f"checkpoint step {step} not written: {_describe_os_error(error, where)}",
                                        error.errno) from error
 
-    def _write_state(self, state: dict[str, Any], path: Path) -> str:
-        """state.pt, fsynced; returns its sha256 (computed while writing with the default writer)."""
+    def _write_state(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """state.pt, fsynced; returns its checksum (computed while writing with the default writer)."""
         if self._writer is not None:
             self._writer(state, path)
             fsync_path(path)
-            return _sha256(path)
+            return digest_file(path, DIGEST)
         with open(path, "wb") as file:
-            hashing = _HashingFile(file)
+            digesting = DigestingFile(file, DIGEST)
             try:
-                _torch_save(state, hashing)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
+                _torch_save(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
             except RuntimeError as error:
-                if hashing.error is not None:
-                    raise hashing.error from error
+                if digesting.error is not None:
+                    raise digesting.error from error
                 raise
+            finally:
+                digesting.close()  # its digest thread; `file` stays open
             file.flush()
             os.fsync(file.fileno())
-        return hashing.digest.hexdigest()
+        return digesting.digest.entry()
 
     def _write_unchecked(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                          started: float) -> SavedCheckpoint:
@@ -547,9 +536,9 @@ class CheckpointStore:
         final = self.directory / name
         with _claimed(self.directory / _tmp_name(name)) as tmp:
             tmp.mkdir()
-            sha = self._write_state(state, tmp / STATE_FILE)
+            checksum = self._write_state(state, tmp / STATE_FILE)
             size = (tmp / STATE_FILE).stat().st_size
-            meta = {"step": step, "sha256": sha, "bytes": size, "created": time.time(), "format": FORMAT,
+            meta = {"step": step, "checksum": checksum, "bytes": size, "created": time.time(), "format": FORMAT,
                     "extra": extra}
             write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
             fsync_path(tmp, directory=True)
@@ -637,7 +626,7 @@ class CheckpointStore:
 
     @staticmethod
     def load_dir(path: Path, verify: bool = True) -> LoadedCheckpoint:
-        """Load one checkpoint directory. `verify=False`: skip the sha256, for the ranks that load what rank 0
+        """Load one checkpoint directory. `verify=False`: skip the checksum, for the ranks that load what rank 0
         has just verified (one verification per job, not one per rank)."""
         try:
             return _verify_and_load(Path(path), verify=verify)

@@ -30,6 +30,7 @@ import torch
 import mgpu.checkpoint
 from mgpu.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
                              snapshot_to_cpu)
+from mgpu.digest import digest_file
 from tests.conftest import PYTHON, ROOT, base_env, fill
 
 WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
@@ -85,7 +86,7 @@ def test_round_trip_meta_and_list_steps(tmp_path: Path) -> None:
     meta = json.loads((saved.path / "meta.json").read_text())
     assert first.meta == meta
     assert meta["step"] == 5 and meta["format"] == 1 and meta["bytes"] == saved.bytes
-    assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+    assert meta["checksum"] == digest_file(saved.path / "state.pt") and meta["checksum"]["algorithm"] == "crc32"
     assert before <= meta["created"] <= time.time()
     assert meta["extra"] == {"epoch": 3, "metrics": {"loss": 0.5}}
     assert store.best() is None and _tmp_entries(tmp_path / "ckpt") == []
@@ -148,7 +149,7 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, reason", [(_truncate, "bytes"), (_flip_a_byte, "sha256")])
+@pytest.mark.parametrize("damage, reason", [(_truncate, "bytes"), (_flip_a_byte, "crc32 checksum")])
 def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                      damage: Callable[[Path], None], reason: str) -> None:
     store = CheckpointStore(tmp_path, keep_last=3)
@@ -169,7 +170,7 @@ def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pyt
 def test_a_checkpoint_that_would_run_code_is_rejected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 1)
-    store.save({"obj": NotAllowed()}, 2)  # sha256 and size match: only the weights_only load refuses it
+    store.save({"obj": NotAllowed()}, 2)  # checksum and size match: only the weights_only load refuses it
     with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
@@ -528,10 +529,10 @@ class _RefusingFile(io.RawIOBase):
 
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     """Every state.pt written from now on meets `code` (below torch.save, which would hide it)."""
-    from mgpu.checkpoint import _HashingFile
+    from mgpu.digest import DigestingFile
 
-    wrap = _HashingFile.__init__
-    monkeypatch.setattr(_HashingFile, "__init__", lambda self, file: wrap(self, _RefusingFile(code)))
+    wrap = DigestingFile.__init__
+    monkeypatch.setattr(DigestingFile, "__init__", lambda self, file, *args: wrap(self, _RefusingFile(code), *args))
 
 
 @pytest.mark.parametrize("code, words", [
@@ -586,12 +587,35 @@ def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp
     assert CheckpointStore(run.checkpoints).list_steps() == [3]
 
 
-def test_the_sha256_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Re-reading a large state.pt for its hash would happen inside the stop's time window.
     monkeypatch.setattr("mgpu.checkpoint._sha256", lambda path: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())
-    assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+    assert meta["checksum"] == digest_file(saved.path / "state.pt")
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_a_checkpoint_of_either_checksum_or_an_older_sha256_verifies_and_damage_is_found(
+        algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mgpu.checkpoint, "DIGEST", algorithm)
+    store = CheckpointStore(tmp_path, keep_last=3)
+    older = store.save(_big_state(1.0), 1).path
+    meta = json.loads((older / "meta.json").read_text())
+    assert meta["checksum"]["algorithm"] == algorithm
+    # As saved before mgpu.digest: the sha256 of the whole file.
+    del meta["checksum"]
+    meta["sha256"] = hashlib.sha256((older / "state.pt").read_bytes()).hexdigest()
+    (older / "meta.json").write_text(json.dumps(meta))
+    assert CheckpointStore.load_dir(older).step == 1
+    newer = store.save(_big_state(2.0), 2).path
+    _flip_a_byte(newer / "state.pt")
+    with pytest.raises(CheckpointError, match=f"does not match its {algorithm} checksum"):
+        CheckpointStore.load_dir(newer)
+    _flip_a_byte(older / "state.pt")
+    with pytest.raises(CheckpointError, match="has sha256"):
+        CheckpointStore.load_dir(older)
 
 
 # ------------------------------------------------------------- the writer's cost to training (issue 16)
@@ -697,7 +721,7 @@ def test_an_unloadable_value_is_named_at_save_time(state: dict[str, Any], key: s
 @pytest.mark.multiprocess
 def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_it(tmp_path: Path) -> None:
     """3 real ranks (a gloo group under torchrun) resume: rank 0 alone reads the newest checkpoint through
-    sha256 (once); the others load the file it verified, memory-mapped, without hashing it: not 8 full
+    its checksum (once); the others load the file it verified, memory-mapped, without hashing it: not 8 full
     reads and copies per 8-GPU node."""
     run = tmp_path / "run"
     store = CheckpointStore(run / "checkpoints", keep_last=3)
@@ -712,7 +736,7 @@ def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["step"] for r in ranks] == [2, 2, 2]
     size = newest.path.joinpath("state.pt").stat().st_size
-    assert [r["sha256_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
+    assert [r["digested_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
     assert all(r["loads"] == [{"mmap": True, "weights_only": True}] for r in ranks)  # each maps the one file
     assert ranks[0]["load_dirs"] == [] and all(r["load_dirs"] == [{"verify": False}] for r in ranks[1:])
 
