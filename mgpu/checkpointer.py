@@ -2,7 +2,9 @@
 
 Every rank calls `save()` and `find_latest()` at the same points; rank 0 alone holds the store
 (mgpu.checkpoint). A save gathers the state (a collective the caller supplies), rank 0 writes it in the
-background or at once, and every rank learns the same outcome: a failed background save is reported
+background or at once (a periodic save never waits for the writer: one that comes while the last is being
+written waits for the writer in a queue of one, and a newer one supersedes it there; ledger event
+`checkpoint_superseded`), and every rank learns the same outcome: a failed background save is reported
 (log line, `checkpoint_failed`) and the next due save tries again; a synchronous one that fails raises
 the same CheckpointError on every rank. The first save of a process checks that a resume could load
 the state. A resume: rank 0 finds the newest checkpoint that verifies, every rank loads that file,
@@ -16,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, check_loadable
+from mgpu.checkpoint import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint, check_loadable
 from mgpu.distributed import broadcast_object
 from mgpu.ledger import Ledger
 from mgpu.rundir import RunDir
@@ -109,7 +111,9 @@ class Checkpointer:
         blocked = 0.0
 
         def done(result: Any) -> None:
-            if isinstance(result, BaseException):
+            if isinstance(result, CheckpointSuperseded):
+                self.ledger.write("checkpoint_superseded", step=result.step, by_step=result.by, reason=reason)
+            elif isinstance(result, BaseException):
                 self._failed_step = step
                 message = " ".join(str(result).split())
                 log.error("%s; training goes on, the next checkpoint will try again", message)
@@ -119,11 +123,15 @@ class Checkpointer:
                 self.longest_write_s = max(self.longest_write_s, result.seconds)
                 self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
                                   blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
+                                  **({"queued_s": round(result.queued_s, 4)} if result.queued_s else {}),
                                   reason=reason)
 
         if self.async_save and not wait:
+            queued_behind = self.store.in_flight  # this save waits for the writer; training does not
             self.store.save_async(state, step, is_best=is_best, extra=extra, on_done=done)
             blocked = time.perf_counter() - started
+            if queued_behind:
+                log.info("checkpoint step %d queued behind the save being written; training goes on", step)
             return None
         try:
             saved = self.store.save(state, step, is_best=is_best, extra=extra)

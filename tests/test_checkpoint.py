@@ -297,6 +297,7 @@ def test_the_snapshot_copy_is_freed_at_close_or_after_each_write(keep: bool, tmp
 
     store = CheckpointStore(tmp_path, writer=writer, keep_snapshot_buffers=keep)
     store.save_async(_state(1.0), 1)
+    store.settle()
     store.save_async(_state(2.0), 2)  # the first copy is reused (kept) or was freed (not kept)
     store.wait()
     gc.collect()
@@ -354,21 +355,77 @@ def test_without_cuda_nothing_is_released(tmp_path: Path, monkeypatch: pytest.Mo
     assert calls == [] and not torch.cuda.is_initialized()  # nothing was pinned: no call (it raises on a CPU)
 
 
-def test_save_async_waits_for_the_save_in_flight(tmp_path: Path) -> None:
+def test_save_async_never_waits_for_the_writer_and_a_newer_save_supersedes_a_queued_one(tmp_path: Path) -> None:
+    """Issue 31: a periodic save that comes while the last is being written does not hold the loop: it waits for
+    the writer in a queue of one, and a newer one takes its place there (the one being written is finished)."""
+    from mgpu.checkpoint import CheckpointSuperseded
+
     writer = PausedWriter()
-    store = CheckpointStore(tmp_path, writer=writer)
-    store.save_async(_state(1.0), 1)  # returns while the writer is paused
+    results: list[Any] = []
+    store = CheckpointStore(tmp_path, writer=writer, keep_last=5)
+    store.save_async(_state(1.0), 1, on_done=results.append)  # returns while the writer is paused
     assert writer.entered.wait(10)
-    second = threading.Thread(target=store.save_async, args=(_state(2.0), 2))
-    second.start()
-    second.join(0.3)
-    assert second.is_alive() and writer.calls == []
+    for step in (2, 3):
+        second = threading.Thread(target=store.save_async, args=(_state(float(step)), step),
+                                  kwargs={"on_done": results.append})
+        second.start()
+        second.join(5)
+        assert not second.is_alive() and writer.calls == []  # returned while step 1 is still being written
+        assert store.in_flight and store.queued_step == step
+    [superseded] = results
+    assert isinstance(superseded, CheckpointSuperseded) and (superseded.step, superseded.by) == (2, 3)
     writer.release.set()
-    second.join(10)
+    last = store.wait()
+    assert last is not None and last.step == 3 and last.queued_s > 0  # written next, once the writer was free
     store.close()
-    (_, first_left), (second_entered, _) = writer.calls
-    assert second_entered >= first_left
-    assert store.list_steps() == [1, 2]
+    assert store.list_steps() == [1, 3] and [r.step for r in results[1:]] == [1, 3]
+    (_, first_left), (third_entered, _) = writer.calls
+    assert third_entered >= first_left
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 3
+    _assert_same(loaded.state, _state(3.0))
+
+
+def test_the_stops_save_supersedes_a_queued_save_and_waits_for_the_one_being_written(tmp_path: Path) -> None:
+    from mgpu.checkpoint import CheckpointSuperseded
+
+    writer = PausedWriter()
+    results: list[Any] = []
+    store = CheckpointStore(tmp_path, writer=writer, keep_last=5)
+    store.save_async(_state(1.0), 1, on_done=results.append)
+    assert writer.entered.wait(10)
+    store.save_async(_state(2.0), 2, on_done=results.append)
+    stop = threading.Thread(target=store.save, args=(_state(3.0), 3))
+    stop.start()
+    stop.join(0.3)
+    assert stop.is_alive()  # waits for step 1's write (one writer at a time)
+    assert isinstance(results[0], CheckpointSuperseded) and results[0].step == 2
+    writer.release.set()
+    stop.join(10)
+    store.close()
+    assert store.list_steps() == [1, 3] and [len(writer.calls)] == [2]
+
+
+def test_a_superseded_and_a_queued_save_are_in_the_ledger(tmp_path: Path) -> None:
+    from mgpu.checkpointer import Checkpointer
+    from mgpu.ledger import Ledger, read_ledger
+    from mgpu.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0), keep_last=5)
+    writer = PausedWriter()
+    assert checkpointer.store is not None
+    checkpointer.store._writer = writer
+    checkpointer.save(_state, 1, "interval")
+    assert writer.entered.wait(10)
+    checkpointer.save(lambda: _state(2.0), 2, "interval")
+    checkpointer.save(lambda: _state(3.0), 3, "interval")
+    writer.release.set()
+    checkpointer.close()
+    events = [(e["event"], e["step"]) for e in read_ledger(run.ledger)]
+    assert events == [("checkpoint_superseded", 2), ("checkpoint_saved", 1), ("checkpoint_saved", 3)], events
+    superseded, first, third = read_ledger(run.ledger)
+    assert superseded["by_step"] == 3 and "queued_s" not in first and third["queued_s"] > 0
 
 
 def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
