@@ -3,8 +3,8 @@
 Every rank calls `save()` and `find_latest()` at the same points; rank 0 alone holds the store
 (mgpu.checkpoint). A save gathers the state (a collective the caller supplies), rank 0 writes it in the
 background or at once (a periodic save never waits for the writer: one that comes while the last is being
-written waits for the writer in a queue of one, and a newer one supersedes it there; ledger event
-`checkpoint_superseded`), and every rank learns the same outcome: a failed background save is reported
+written waits for the writer in a queue of one, and a newer one supersedes it there: the newer one's
+`checkpoint_saved` or `checkpoint_failed` names it, `superseded_step`), and every rank learns the same outcome: a failed background save is reported
 (log line, `checkpoint_failed`) and the next due save tries again; a synchronous one that fails raises
 the same CheckpointError on every rank. The first save of a process checks that a resume could load
 the state. A resume: rank 0 finds the newest checkpoint that verifies, every rank loads that file,
@@ -44,6 +44,7 @@ class Checkpointer:
         self.last_saved_step = -1
         self._failed_step = -1  # rank 0: the step of the last save that failed
         self._checked_loadable = False
+        self._superseded: dict[int, int] = {}  # rank 0: a newer save's step -> the queued step it superseded
         self.longest_write_s = 0.0
         """Rank 0: the longest checkpoint write so far (what a stop before the time limit must leave room for)."""
 
@@ -111,19 +112,22 @@ class Checkpointer:
         blocked = 0.0
 
         def done(result: Any) -> None:
-            if isinstance(result, CheckpointSuperseded):
-                self.ledger.write("checkpoint_superseded", step=result.step, by_step=result.by, reason=reason)
-            elif isinstance(result, BaseException):
+            if isinstance(result, CheckpointSuperseded):  # called by the newer save, before its own outcome
+                self._superseded[result.by] = result.step
+                return
+            superseded = self._superseded.pop(step, None)
+            named = {"superseded_step": superseded} if superseded is not None else {}
+            if isinstance(result, BaseException):
                 self._failed_step = step
                 message = " ".join(str(result).split())
                 log.error("%s; training goes on, the next checkpoint will try again", message)
                 self.ledger.write("checkpoint_failed", step=step, reason=reason, error=message,
-                                  errno=getattr(result, "errno", None))
+                                  errno=getattr(result, "errno", None), **named)
             else:
                 self.longest_write_s = max(self.longest_write_s, result.seconds)
                 self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
                                   blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
-                                  **({"queued_s": round(result.queued_s, 4)} if result.queued_s else {}),
+                                  **({"queued_s": round(result.queued_s, 4)} if result.queued_s else {}), **named,
                                   reason=reason)
 
         if self.async_save and not wait:
@@ -137,8 +141,10 @@ class Checkpointer:
             saved = self.store.save(state, step, is_best=is_best, extra=extra)
         except CheckpointError as failure:
             self._failed_step = step
+            superseded = self._superseded.pop(step, None)
             self.ledger.write("checkpoint_failed", step=step, reason=reason, error=" ".join(str(failure).split()),
-                              errno=getattr(failure, "errno", None))
+                              errno=getattr(failure, "errno", None),
+                              **({"superseded_step": superseded} if superseded is not None else {}))
             raise
         blocked = time.perf_counter() - started
         done(saved)

@@ -406,7 +406,7 @@ def test_the_stops_save_supersedes_a_queued_save_and_waits_for_the_one_being_wri
     assert store.list_steps() == [1, 3] and [len(writer.calls)] == [2]
 
 
-def test_a_superseded_and_a_queued_save_are_in_the_ledger(tmp_path: Path) -> None:
+def test_a_superseded_and_a_queued_save_are_in_the_ledger_by_the_newer_save(tmp_path: Path) -> None:
     from mgpu.checkpointer import Checkpointer
     from mgpu.ledger import Ledger, read_ledger
     from mgpu.rundir import RunDir
@@ -423,9 +423,10 @@ def test_a_superseded_and_a_queued_save_are_in_the_ledger(tmp_path: Path) -> Non
     writer.release.set()
     checkpointer.close()
     events = [(e["event"], e["step"]) for e in read_ledger(run.ledger)]
-    assert events == [("checkpoint_superseded", 2), ("checkpoint_saved", 1), ("checkpoint_saved", 3)], events
-    superseded, first, third = read_ledger(run.ledger)
-    assert superseded["by_step"] == 3 and "queued_s" not in first and third["queued_s"] > 0
+    assert events == [("checkpoint_saved", 1), ("checkpoint_saved", 3)], events
+    first, third = read_ledger(run.ledger)
+    assert third["superseded_step"] == 2 and third["queued_s"] > 0
+    assert "queued_s" not in first and "superseded_step" not in first
 
 
 def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
