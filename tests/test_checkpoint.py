@@ -406,7 +406,10 @@ def test_the_stops_save_supersedes_a_queued_save_and_waits_for_the_one_being_wri
     assert store.list_steps() == [1, 3] and [len(writer.calls)] == [2]
 
 
-def test_a_superseded_and_a_queued_save_are_in_the_ledger_by_the_newer_save(tmp_path: Path) -> None:
+def test_a_periodic_save_due_while_the_writer_is_busy_is_deferred_and_the_stops_save_still_waits(
+        tmp_path: Path) -> None:
+    """Issue 31: the checkpointer takes no host copy for a periodic save the writer could not start: it is deferred
+    to the first due save after the writer is free, which says how many were (`deferred`); a stop's save waits."""
     from mgpu.checkpointer import Checkpointer
     from mgpu.ledger import Ledger, read_ledger
     from mgpu.rundir import RunDir
@@ -416,17 +419,38 @@ def test_a_superseded_and_a_queued_save_are_in_the_ledger_by_the_newer_save(tmp_
     writer = PausedWriter()
     assert checkpointer.store is not None
     checkpointer.store._writer = writer
-    checkpointer.save(_state, 1, "interval")
+    gathered: list[int] = []
+
+    def gather(step: int) -> Callable[[], dict[str, Any]]:
+        return lambda: gathered.append(step) or _state(float(step))
+
+    checkpointer.save(gather(1), 1, "interval")
     assert writer.entered.wait(10)
-    checkpointer.save(lambda: _state(2.0), 2, "interval")
-    checkpointer.save(lambda: _state(3.0), 3, "interval")
+    for step in (2, 3):
+        due = threading.Thread(target=checkpointer.save, args=(gather(step), step, "interval"))
+        due.start()
+        due.join(5)
+        assert not due.is_alive()  # training goes on
+    assert gathered == [1]  # no copy taken for the deferred ones
     writer.release.set()
+    checkpointer.store.settle()
+    checkpointer.save(gather(4), 4, "interval")
+    checkpointer.store.settle()
+    writer.release.clear()
+    writer.entered.clear()
+    checkpointer.save(gather(5), 5, "interval")
+    assert writer.entered.wait(10)  # being written when the stop comes
+    stop = threading.Thread(target=checkpointer.save, args=(gather(6), 6, "preemption"), kwargs={"wait": True})
+    stop.start()
+    stop.join(0.3)
+    assert stop.is_alive()  # the stop's save waits for the writer, and is written
+    writer.release.set()
+    stop.join(10)
     checkpointer.close()
-    events = [(e["event"], e["step"]) for e in read_ledger(run.ledger)]
-    assert events == [("checkpoint_saved", 1), ("checkpoint_saved", 3)], events
-    first, third = read_ledger(run.ledger)
-    assert third["superseded_step"] == 2 and third["queued_s"] > 0
-    assert "queued_s" not in first and "superseded_step" not in first
+    events = [(e["event"], e["step"], e.get("deferred")) for e in read_ledger(run.ledger)]
+    assert events == [("checkpoint_saved", 1, None), ("checkpoint_saved", 4, 2), ("checkpoint_saved", 5, None),
+                      ("checkpoint_saved", 6, None)], events
+    assert gathered == [1, 4, 5, 6] and CheckpointStore(run.checkpoints).list_steps() == [1, 4, 5, 6]
 
 
 def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
