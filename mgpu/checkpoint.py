@@ -1,6 +1,7 @@
 """The on-disk checkpoint store: atomic saves, verified loads, pruning, and an optional background writer.
 
-`directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and sha256)
+`directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and checksum:
+mgpu.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
 and `latest` / `best`, one-line files naming a step directory. A save is built under a `.tmp-*` name and
 renamed into place, so a killed writer leaves the old checkpoint or the new one, never a torn one.
 Rank 0 only; call a store from one thread (its own background writer aside).
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import dataclasses
 import errno
 import hashlib
 import io
@@ -31,10 +33,11 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 
 import torch
 
+from mgpu.digest import DigestingFile, digest_file, mismatch
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
-__all__ = ["CheckpointError", "CheckpointStore", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
+__all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
            "check_loadable", "release_pinned_cache", "snapshot_to_cpu"]
 
 FORMAT = 1
@@ -51,8 +54,11 @@ WRITER_NICE = 10
 work is hashing and copying into the page cache, on a CPU, not the GIL (bench/save_in_flight.py): where the
 cores are all busy (a rank per core, DataLoader workers), it then takes what training leaves, about a tenth
 of a core under full contention, instead of slowing the step by its share of a core."""
+DIGEST = "crc32"
+"""The checksum of new saves (mgpu.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
+A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
 ZIP_CRC32 = False
-"""Whether torch.save computes its zip format's CRC32 of every record. The sha256 in meta.json covers every
+"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json covers every
 byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t` reports it): a quarter
 of the writer's CPU saved. True, or a torch without the writer this needs: torch.save as it is."""
 
@@ -98,6 +104,14 @@ def _drop_locals(error: BaseException) -> None:
 
 class CheckpointError(MgpuError):
     """No usable checkpoint, or a save that cannot be made."""
+
+
+class CheckpointSuperseded(CheckpointError):
+    """A background save dropped before its write began: a newer save came while it waited for the writer."""
+
+    def __init__(self, step: int, by: int) -> None:
+        super().__init__(f"checkpoint step {step} superseded by step {by} before its write began")
+        self.step, self.by = step, by
 
 
 class CheckpointWriteError(CheckpointError):
@@ -156,41 +170,26 @@ def _torch_save(state: dict[str, Any], file: BinaryIO) -> None:
     file.flush()
 
 
-class _HashingFile(io.RawIOBase):
-    """A write-only file that hashes what passes through it, and keeps the first OSError of the file
-    below: torch's zip writer swallows it into 'unexpected pos', which names neither the errno nor the file."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        super().__init__()
-        self.file, self.digest = file, hashlib.sha256()
-        self.error: OSError | None = None
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, data: Any) -> int:
-        try:
-            written = self.file.write(data)
-        except OSError as error:
-            self.error = self.error or error
-            raise
-        self.digest.update(memoryview(data)[:written])
-        return written
-
-    def flush(self) -> None:
-        try:
-            self.file.flush()
-        except OSError as error:
-            self.error = self.error or error
-            raise
-
-
 @dataclass(frozen=True)
 class SavedCheckpoint:
     path: Path
     step: int
     bytes: int
-    seconds: float  # wall time of the whole write: snapshot, blocking and background parts
+    seconds: float  # wall time of the whole write: snapshot, blocking and background parts (not the queue's wait)
+    queued_s: float = 0.0  # how long its snapshot waited for the writer (a save queued behind another)
+
+
+@dataclass
+class _Queued:
+    """A background save: its snapshot (in a box the writer empties) and particulars."""
+    box: list[dict[str, Any]]
+    step: int
+    is_best: bool
+    extra: dict[str, Any]
+    started: float
+    on_done: OnDone | None
+    staging: dict[tuple[Any, ...], torch.Tensor]
+    queued_at: float = 0.0  # when the snapshot was complete
 
 
 @dataclass(frozen=True)
@@ -328,6 +327,17 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def _mismatch(path: Path, meta: dict[str, Any]) -> str | None:
+    """Why `path` does not match the checksum `meta` records (None: it does): a checkpoint saved before
+    mgpu.digest records the sha256 of the whole file."""
+    if "checksum" in meta:
+        return mismatch(path, meta["checksum"])
+    sha = _sha256(path)
+    if sha != meta["sha256"]:
+        return f"{path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... (corrupted)"
+    return None
+
+
 def _remove(path: Path) -> None:
     try:
         if path.is_dir() and not path.is_symlink():
@@ -370,7 +380,7 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), verify: bool = True) -> LoadedCheckpoint:
-    """Check size and sha256 (`verify`), then load memory-mapped: ranks on one node then share the page
+    """Check size and checksum (`verify`), then load memory-mapped: ranks on one node then share the page
     cache's one copy of the file instead of each reading its own."""
     match = _STEP_DIR.fullmatch(path.name)
     if match is None:
@@ -383,18 +393,18 @@ def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), ver
     except (OSError, ValueError) as e:
         raise _Invalid(f"{meta_path} is unreadable: {e}") from None
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("step") == step
-            and isinstance(meta.get("sha256"), str) and isinstance(meta.get("bytes"), int)):
+            and (isinstance(meta.get("sha256"), str) or isinstance(meta.get("checksum"), dict))
+            and isinstance(meta.get("bytes"), int)):
         raise _Invalid(f"{meta_path} is not format-{FORMAT} metadata for step {step}")
     try:
         size = state_path.stat().st_size
         if size != meta["bytes"]:
             raise _Invalid(f"{state_path} is {size} bytes, {META_FILE} says {meta['bytes']} (truncated?)")
-        sha = _sha256(state_path) if verify else meta["sha256"]
+        problem = _mismatch(state_path, meta) if verify else None
     except OSError as e:
         raise _Invalid(f"{state_path} is unreadable: {e.strerror}") from None
-    if sha != meta["sha256"]:
-        raise _Invalid(f"{state_path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... "
-                       f"(corrupted)")
+    if problem is not None:
+        raise _Invalid(problem)
     try:
         state = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:
@@ -425,88 +435,141 @@ class CheckpointStore:
             raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
-        self._writer = writer  # None: torch.save through a hashing file (no second read for the sha256)
-        self._thread: threading.Thread | None = None
+        self._writer = writer  # None: torch.save through a digesting file (no second read for the checksum)
+        self._lock = threading.Lock()  # the queue below, between the caller's thread and the writer's
+        self._thread: threading.Thread | None = None  # the writer: runs while saves are queued
+        self._running = False
+        self._queued: _Queued | None = None  # a snapshot waiting for the writer (at most one)
         self._outcome: SavedCheckpoint | BaseException | None = None
-        self._staging: dict[tuple[Any, ...], torch.Tensor] = {}  # reused snapshot buffers (see save_async)
+        self._spare: dict[tuple[Any, ...], torch.Tensor] = {}  # snapshot buffers kept for the next save
         self._keep_staging = keep_snapshot_buffers
 
     # ------------------------------------------------------------------ saving
     def save(self, state: dict[str, Any], step: int, *, is_best: bool = False,
              extra: dict[str, Any] | None = None) -> SavedCheckpoint:
-        """Write a checkpoint and return once it is durable, after any background save in flight.
+        """Write a checkpoint and return once it is durable, after the background save being written (a queued
+        one, older than this state, is superseded: never written).
 
         Always a fresh attempt: a background save that failed before was reported through its
         `on_done` and does not stop this one (the stop path must try, whatever happened earlier).
         A refusal of the filesystem raises CheckpointWriteError naming the errno and the path."""
-        self.settle()
         extra = _checked_extra(state, step, extra)
+        self._supersede(step)
+        self.settle()
         return self._write(state, step, is_best, extra, time.monotonic())
 
     def save_async(self, state: dict[str, Any], step: int, *, is_best: bool = False,
                    extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
         """Snapshot `state` to CPU memory now and write it in a background thread.
 
-        Blocks only for a save already in flight and for the snapshot. The snapshot's buffers are kept
-        for the next one (one extra copy of the state stays in host memory until `close()`), or with
-        `keep_snapshot_buffers=False` freed once the write ends. `on_done` is called from
-        the writer thread with the result or the exception; a failed save is not raised again later.
+        Blocks only for the snapshot, never for the writer: while an earlier save is being written, this one
+        waits in a queue of one and is written next; a snapshot still queued when the next save comes is
+        superseded by it (its `on_done` gets a CheckpointSuperseded; it never reached the disk). Snapshot
+        buffers: one set is kept for the next save (a copy of the state in host memory until `close()`), a
+        second only while a save is queued behind one being written; with `keep_snapshot_buffers=False` each
+        is freed once its write ends. `on_done` is called from the writer thread with the result or the
+        exception; a failed save is not raised again later.
         """
-        self.settle()
         extra = _checked_extra(state, step, extra)
         started = time.monotonic()
-        # In a box the writer empties: the thread object's own reference to its arguments lasts until it ends.
-        snapshot = [snapshot_to_cpu(state, self._staging)]
-        self._thread = threading.Thread(target=self._background, name=f"mgpu-checkpoint-{step}", daemon=False,
-                                        args=(snapshot, step, is_best, extra, started, on_done))
-        del snapshot
-        self._thread.start()
+        staging = self._supersede(step)
+        if staging is None:
+            with self._lock:
+                staging, self._spare = self._spare, {}
+        # In a box the writer empties: the job's own reference to the snapshot lasts no longer than the write.
+        job = _Queued([snapshot_to_cpu(state, staging)], step, is_best, extra, started, on_done, staging)
+        job.queued_at = time.monotonic()
+        with self._lock:
+            self._queued = job
+            if not self._running:
+                self._running = True
+                self._thread = threading.Thread(target=self._background, name=f"mgpu-checkpoint-{step}",
+                                                daemon=False)
+                self._thread.start()
 
     @property
     def in_flight(self) -> bool:
-        """Whether a background save is still being written."""
-        return self._thread is not None and self._thread.is_alive()
+        """Whether a background save is still being written or waits for the writer."""
+        with self._lock:
+            return self._running
+
+    @property
+    def queued_step(self) -> int | None:
+        """The step of the snapshot waiting for the writer (None: none waits)."""
+        with self._lock:
+            return self._queued.step if self._queued is not None else None
 
     def settle(self) -> SavedCheckpoint | BaseException | None:
-        """Block until the background save in flight (if any) ends; its result or its exception."""
+        """Block until the background saves (the one being written, any queued) end; the last one's result or
+        its exception."""
         thread = self._thread
         if thread is None:
             return None
-        thread.join()
+        thread.join()  # it ends once nothing is queued (the caller's thread is the only one that queues)
         outcome, self._thread, self._outcome = self._outcome, None, None
         return outcome
 
     def wait(self) -> SavedCheckpoint | None:
-        """Block until the background save in flight (if any) is durable; re-raise its exception."""
+        """Block until the background saves are durable; re-raise the last one's exception."""
         outcome = self.settle()
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
     def close(self) -> None:
-        """Wait for a background save in flight and free the snapshot buffers (a full copy of the state)."""
+        """Wait for the background saves and free the snapshot buffers (a full copy of the state)."""
         self.settle()  # idempotent: a second call finds nothing in flight; a failure was reported by on_done
-        if self._staging:
-            self._staging.clear()
+        if self._spare:
+            self._spare.clear()
             release_pinned_cache()
 
-    def _background(self, box: list[dict[str, Any]], step: int, is_best: bool, extra: dict[str, Any],
-                    started: float, on_done: OnDone | None) -> None:
-        _lower_writer_priority()  # this thread only: it ends with this save
-        state = box.pop()
+    def _supersede(self, by: int) -> dict[tuple[Any, ...], torch.Tensor] | None:
+        """Drop the queued snapshot (a newer state is being saved); its buffers, for reuse."""
+        with self._lock:
+            job, self._queued = self._queued, None
+        if job is None:
+            return None
+        job.box.clear()
+        log.info("checkpoint step %d superseded by step %d before its write began", job.step, by)
+        if job.on_done is not None:
+            try:
+                job.on_done(CheckpointSuperseded(job.step, by))
+            except Exception:
+                log.exception("checkpoint on_done callback failed")
+        return job.staging
+
+    def _background(self) -> None:
+        _lower_writer_priority()  # this thread only: it ends when nothing is queued
+        while True:
+            with self._lock:
+                job, self._queued = self._queued, None
+                if job is None:
+                    self._running = False
+                    return
+            self._run(job)
+
+    def _run(self, job: "_Queued") -> None:
+        state = job.box.pop()
+        waited = time.monotonic() - job.queued_at
         try:
-            outcome: SavedCheckpoint | BaseException = self._write(state, step, is_best, extra, started)
+            saved = self._write(state, job.step, job.is_best, job.extra, job.started + waited)
+            outcome: SavedCheckpoint | BaseException = dataclasses.replace(saved, queued_s=waited) \
+                if waited > 0.01 else saved
         except BaseException as e:
             _drop_locals(e)  # the frames of its traceback hold the snapshot, which must not outlive the write
             outcome = e
         del state
-        if not self._keep_staging:
-            self._staging.clear()  # no snapshot is taken while this thread runs (save_async settles first)
+        with self._lock:
+            keep = self._keep_staging and not self._spare  # one set kept between saves, not two
+            if keep:
+                self._spare = job.staging
+        if not keep:
+            job.staging.clear()
             release_pinned_cache()
         self._outcome = outcome
-        if on_done is not None:
+        if job.on_done is not None:
             try:
-                on_done(outcome)
+                job.on_done(outcome)
             except Exception:
                 log.exception("checkpoint on_done callback failed")
 
@@ -519,23 +582,25 @@ class CheckpointStore:
             raise CheckpointWriteError(f"checkpoint step {step} not written: {_describe_os_error(error, where)}",
                                        error.errno) from error
 
-    def _write_state(self, state: dict[str, Any], path: Path) -> str:
-        """state.pt, fsynced; returns its sha256 (computed while writing with the default writer)."""
+    def _write_state(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """state.pt, fsynced; returns its checksum (computed while writing with the default writer)."""
         if self._writer is not None:
             self._writer(state, path)
             fsync_path(path)
-            return _sha256(path)
+            return digest_file(path, DIGEST)
         with open(path, "wb") as file:
-            hashing = _HashingFile(file)
+            digesting = DigestingFile(file, DIGEST)
             try:
-                _torch_save(state, hashing)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
+                _torch_save(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
             except RuntimeError as error:
-                if hashing.error is not None:
-                    raise hashing.error from error
+                if digesting.error is not None:
+                    raise digesting.error from error
                 raise
+            finally:
+                digesting.close()  # its digest thread; `file` stays open
             file.flush()
             os.fsync(file.fileno())
-        return hashing.digest.hexdigest()
+        return digesting.digest.entry()
 
     def _write_unchecked(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                          started: float) -> SavedCheckpoint:
@@ -547,9 +612,9 @@ class CheckpointStore:
         final = self.directory / name
         with _claimed(self.directory / _tmp_name(name)) as tmp:
             tmp.mkdir()
-            sha = self._write_state(state, tmp / STATE_FILE)
+            checksum = self._write_state(state, tmp / STATE_FILE)
             size = (tmp / STATE_FILE).stat().st_size
-            meta = {"step": step, "sha256": sha, "bytes": size, "created": time.time(), "format": FORMAT,
+            meta = {"step": step, "checksum": checksum, "bytes": size, "created": time.time(), "format": FORMAT,
                     "extra": extra}
             write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
             fsync_path(tmp, directory=True)
@@ -637,7 +702,7 @@ class CheckpointStore:
 
     @staticmethod
     def load_dir(path: Path, verify: bool = True) -> LoadedCheckpoint:
-        """Load one checkpoint directory. `verify=False`: skip the sha256, for the ranks that load what rank 0
+        """Load one checkpoint directory. `verify=False`: skip the checksum, for the ranks that load what rank 0
         has just verified (one verification per job, not one per rank)."""
         try:
             return _verify_and_load(Path(path), verify=verify)

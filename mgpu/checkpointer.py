@@ -2,7 +2,10 @@
 
 Every rank calls `save()` and `find_latest()` at the same points; rank 0 alone holds the store
 (mgpu.checkpoint). A save gathers the state (a collective the caller supplies), rank 0 writes it in the
-background or at once, and every rank learns the same outcome: a failed background save is reported
+background or at once (a periodic save never waits for the writer: one that comes due while the last is still
+being written is deferred, on every rank alike, to the first due save after the writer is free, whose
+`checkpoint_saved` says how many were, `deferred`; a best save then waits in the store's queue instead), and
+every rank learns the same outcome: a failed background save is reported
 (log line, `checkpoint_failed`) and the next due save tries again; a synchronous one that fails raises
 the same CheckpointError on every rank. The first save of a process checks that a resume could load
 the state. A resume: rank 0 finds the newest checkpoint that verifies, every rank loads that file,
@@ -16,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mgpu.checkpoint import CheckpointError, CheckpointStore, LoadedCheckpoint, check_loadable
+from mgpu.checkpoint import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint, check_loadable
 from mgpu.distributed import broadcast_object
 from mgpu.ledger import Ledger
 from mgpu.rundir import RunDir
@@ -42,6 +45,8 @@ class Checkpointer:
         self.last_saved_step = -1
         self._failed_step = -1  # rank 0: the step of the last save that failed
         self._checked_loadable = False
+        self._superseded: dict[int, int] = {}  # rank 0: a newer save's step -> the queued step it superseded
+        self._deferred = 0  # periodic saves deferred since the last one started (the writer was busy)
         self.longest_write_s = 0.0
         """Rank 0: the longest checkpoint write so far (what a stop before the time limit must leave room for)."""
 
@@ -78,6 +83,11 @@ class Checkpointer:
             failed = self._failed_step == step
             if not (broadcast_object(failed) if self.world > 1 else failed):
                 return self.store.latest_path() if self.store is not None else None
+        if not wait and not is_best and self.async_save and self._writer_busy():
+            # Deferred, not queued: no host copy (and no second one held) for a save the writer could not start.
+            self._deferred += 1
+            log.info("checkpoint step %d deferred: the last save is still being written; training goes on", step)
+            return None
         self.beat("checkpoint")
         state = gather()
         path, error = None, None
@@ -98,6 +108,11 @@ class Checkpointer:
         self.last_saved_step = step
         return path
 
+    def _writer_busy(self) -> bool:
+        """*Collective* (ranks > 1): whether rank 0's writer is still writing the last save, on every rank."""
+        busy = self.store is not None and self.store.in_flight
+        return bool(broadcast_object(busy)) if self.world > 1 else busy
+
     def _write(self, state: dict[str, Any], step: int, reason: str, is_best: bool, wait: bool,
                extra: dict[str, Any]) -> Path | None:
         """Rank 0: hand the gathered state to the store, in the background unless `wait` (or async is off)."""
@@ -107,30 +122,44 @@ class Checkpointer:
         extra = {**extra, "reason": reason}
         started = time.perf_counter()
         blocked = 0.0
+        deferred, self._deferred = self._deferred, 0
 
         def done(result: Any) -> None:
+            if isinstance(result, CheckpointSuperseded):  # called by the newer save, before its own outcome
+                self._superseded[result.by] = result.step
+                return
+            superseded = self._superseded.pop(step, None)
+            named = {"superseded_step": superseded} if superseded is not None else {}
+            if deferred:
+                named["deferred"] = deferred  # due saves skipped while the writer was busy, since the last one
             if isinstance(result, BaseException):
                 self._failed_step = step
                 message = " ".join(str(result).split())
                 log.error("%s; training goes on, the next checkpoint will try again", message)
                 self.ledger.write("checkpoint_failed", step=step, reason=reason, error=message,
-                                  errno=getattr(result, "errno", None))
+                                  errno=getattr(result, "errno", None), **named)
             else:
                 self.longest_write_s = max(self.longest_write_s, result.seconds)
                 self.ledger.write("checkpoint_saved", step=result.step, seconds=round(result.seconds, 4),
                                   blocked_s=round(blocked, 4), bytes=result.bytes, path=str(result.path),
+                                  **({"queued_s": round(result.queued_s, 4)} if result.queued_s else {}), **named,
                                   reason=reason)
 
         if self.async_save and not wait:
+            queued_behind = self.store.in_flight  # this save waits for the writer; training does not
             self.store.save_async(state, step, is_best=is_best, extra=extra, on_done=done)
             blocked = time.perf_counter() - started
+            if queued_behind:
+                log.info("checkpoint step %d queued behind the save being written; training goes on", step)
             return None
         try:
             saved = self.store.save(state, step, is_best=is_best, extra=extra)
         except CheckpointError as failure:
             self._failed_step = step
+            superseded = self._superseded.pop(step, None)
             self.ledger.write("checkpoint_failed", step=step, reason=reason, error=" ".join(str(failure).split()),
-                              errno=getattr(failure, "errno", None))
+                              errno=getattr(failure, "errno", None),
+                              **({"superseded_step": superseded} if superseded is not None else {}))
             raise
         blocked = time.perf_counter() - started
         done(saved)

@@ -6,7 +6,7 @@ stale `.tmp-*` removal), built under a temporary name every rank writes into:
     .metadata, __R_0.distcp   DCP's metadata (rank 0) and rank R's shard of the models and optimizers
     common.pt                 rank 0: everything else (progress, scheduler, scaler, loader, plain values)
     rank_R.pt                 rank R's own pieces: its RNG state
-    manifest_R.json           rank R's files with their size and sha256, hashed by rank R after its fsync
+    manifest_R.json           rank R's files with their size and checksum (mgpu.digest), computed while written
     meta.json                 rank 0, last: the step, the world size, every manifest's sha256
 
 Rank 0 renames the directory into place only after every rank reported its manifest durable, so a killed
@@ -56,6 +56,9 @@ from torch.nn.parallel import DistributedDataParallel
 from mgpu.errors import MgpuError
 from mgpu.checkpoint import (META_FILE, CheckpointError, CheckpointStore, LoadedCheckpoint,
                              _claimed, _describe_os_error, _one_line, _sha256, _TMP_PREFIX, check_loadable)
+from mgpu import checkpoint as _checkpoint
+from mgpu.digest import digest_bytes, digest_file, mismatch
+from mgpu.shard_digest import DigestingFileSystem
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.ledger import Ledger
 from mgpu.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
@@ -211,8 +214,23 @@ def _sync_buffers(modules: Mapping[str, nn.Module]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- verification
-def _file_entry(path: Path) -> dict[str, Any]:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+def _file_entry(path: Path, recorded: Mapping[str, dict[str, Any]], data: bytes | None = None) -> dict[str, Any]:
+    """A manifest's line for `path`: its size and checksum, as computed while writing (`recorded` by name, or
+    from its bytes `data`); read back only for a file neither covers (DCP's small `.metadata`)."""
+    if data is not None:
+        checksum = digest_bytes(data, _checkpoint.DIGEST)
+    else:
+        checksum = recorded.get(path.name) or digest_file(path, _checkpoint.DIGEST)
+    return {"bytes": path.stat().st_size, "checksum": checksum}
+
+
+def _entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
+    """Why `file` does not match its manifest line (a checksum, or the sha256 of a checkpoint saved before)."""
+    if "checksum" in entry:
+        return mismatch(file, entry["checksum"])
+    if _sha256(file) != entry["sha256"]:
+        return f"{file} does not match the sha256 in its manifest (corrupted)"
+    return None
 
 
 def _verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | None:
@@ -228,8 +246,9 @@ def _verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | 
             size = file.stat().st_size
             if size != entry["bytes"]:
                 return f"{file} is {size} bytes, {manifest_path.name} says {entry['bytes']} (truncated?)"
-            if _sha256(file) != entry["sha256"]:
-                return f"{file} does not match the sha256 in {manifest_path.name} (corrupted)"
+            problem = _entry_problem(file, entry)
+            if problem is not None:
+                return f"{problem} ({manifest_path.name})"
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{path}: rank {saved_rank}'s files unreadable: {_one_line(error, 200)}"
     return None
@@ -378,9 +397,10 @@ class ShardedCheckpointer:
     def _writer(self, job: "_Job") -> FileSystemWriter:
         """DCP's writer into the save's directory; it marks this rank's shard written (a late rank is named)."""
         arrivals = self._arrivals(job)
-        if arrivals is None:
-            return FileSystemWriter(job.tmp, sync_files=True)
-        return MarkingWriter(job.tmp, sync_files=True, on_written=arrivals.mark)
+        writer = (FileSystemWriter(job.tmp, sync_files=True) if arrivals is None
+                  else MarkingWriter(job.tmp, sync_files=True, on_written=arrivals.mark))
+        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST)  # the manifest's checksums, no re-read
+        return writer
 
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
         error = None
@@ -498,14 +518,16 @@ class ShardedCheckpointer:
         tmp = job.tmp
         write_durably(tmp / _rank_file(self.rank), job.pieces)
         names = [_rank_file(self.rank)]
+        from_bytes = {_rank_file(self.rank): job.pieces}
         if job.common is not None:
             write_durably(tmp / COMMON, job.common)
             names += [COMMON, ".metadata"]
+            from_bytes[COMMON] = job.common
         names += sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{self.rank}_")
                         and p.name.endswith(".distcp"))
         for name in names:
             fsync_path(tmp / name)  # FileSystemWriter fsyncs its own; .metadata and ours are made sure of here
-        files = {name: _file_entry(tmp / name) for name in names}
+        files = {name: _file_entry(tmp / name, job.digests, from_bytes.get(name)) for name in names}
         write_durably(tmp / _manifest(self.rank), (json.dumps({"rank": self.rank, "files": files}, indent=1)
                                                    + "\n").encode())
 
@@ -608,6 +630,7 @@ class _Job:
                  common: bytes | None, pieces: bytes) -> None:
         self.step, self.reason, self.is_best, self.extra, self.tmp = step, reason, is_best, extra, tmp
         self.started, self.common, self.pieces = started, common, pieces
+        self.digests: dict[str, dict[str, Any]] = {}  # file name -> checksum, recorded while DCP wrote it
 
 
 def _os_cause(error: BaseException) -> OSError | None:

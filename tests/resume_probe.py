@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 3 tests/resume_probe.py RUN_DIR OUT_DIR
 
 Every rank forms a gloo group and calls `Checkpointer.find_latest()` as the trainer does, counting the bytes
-it feeds to sha256 and how it calls `torch.load` and `CheckpointStore.load_dir`; it writes them to
+it feeds to a checksum (mgpu.digest's, or an older checkpoint's sha256) and how it calls `torch.load` and `CheckpointStore.load_dir`; it writes them to
 `OUT_DIR/rank<N>.json`.
 """
 
@@ -17,14 +17,14 @@ from typing import Any
 
 import torch
 
-from mgpu import checkpoint
+from mgpu import checkpoint, digest
 from mgpu.checkpoint import CheckpointStore
 from mgpu.checkpointer import Checkpointer
 from mgpu.distributed import process_group
 from mgpu.ledger import Ledger
 from mgpu.rundir import RunDir
 
-hashed: list[int] = []  # bytes per sha256 object this process created
+hashed: list[int] = []  # bytes per sha256 or ChunkDigest object this process created
 loads: list[dict[str, Any]] = []
 load_dirs: list[dict[str, Any]] = []
 
@@ -58,13 +58,23 @@ def main() -> int:
         return real_load_dir(path, verify=verify)
 
     hashlib.sha256 = CountingSha256  # type: ignore[assignment,misc]
+    real_update = digest.ChunkDigest.update
+
+    def counting_update(self: digest.ChunkDigest, data: Any) -> None:
+        if not hasattr(self, "counted"):
+            self.counted = len(hashed)  # type: ignore[attr-defined]
+            hashed.append(0)
+        hashed[self.counted] += memoryview(data).nbytes  # type: ignore[attr-defined]
+        real_update(self, data)
+
+    digest.ChunkDigest.update = counting_update  # type: ignore[method-assign]
     checkpoint.torch.load = load  # type: ignore[assignment]
     CheckpointStore.load_dir = staticmethod(load_dir)  # type: ignore[method-assign]
     with process_group() as ctx:
         rank, world = ctx.env.rank, ctx.env.world_size
         found = Checkpointer(run, rank, world, Ledger(None)).find_latest()
         assert found is not None
-        record = {"rank": rank, "step": found.step, "sha256_bytes": sum(hashed), "sha256_objects": len(hashed),
+        record = {"rank": rank, "step": found.step, "digested_bytes": sum(hashed), "digests": len(hashed),
                   "loads": loads, "load_dirs": load_dirs, "file_bytes": (found.path / "state.pt").stat().st_size}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.json").write_text(json.dumps(record))

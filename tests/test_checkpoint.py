@@ -30,6 +30,7 @@ import torch
 import mgpu.checkpoint
 from mgpu.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
                              snapshot_to_cpu)
+from mgpu.digest import digest_file
 from tests.conftest import PYTHON, ROOT, base_env, fill
 
 WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
@@ -85,7 +86,7 @@ def test_round_trip_meta_and_list_steps(tmp_path: Path) -> None:
     meta = json.loads((saved.path / "meta.json").read_text())
     assert first.meta == meta
     assert meta["step"] == 5 and meta["format"] == 1 and meta["bytes"] == saved.bytes
-    assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+    assert meta["checksum"] == digest_file(saved.path / "state.pt") and meta["checksum"]["algorithm"] == "crc32"
     assert before <= meta["created"] <= time.time()
     assert meta["extra"] == {"epoch": 3, "metrics": {"loss": 0.5}}
     assert store.best() is None and _tmp_entries(tmp_path / "ckpt") == []
@@ -148,7 +149,7 @@ def _flip_a_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage, reason", [(_truncate, "bytes"), (_flip_a_byte, "sha256")])
+@pytest.mark.parametrize("damage, reason", [(_truncate, "bytes"), (_flip_a_byte, "crc32 checksum")])
 def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                      damage: Callable[[Path], None], reason: str) -> None:
     store = CheckpointStore(tmp_path, keep_last=3)
@@ -169,7 +170,7 @@ def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pyt
 def test_a_checkpoint_that_would_run_code_is_rejected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 1)
-    store.save({"obj": NotAllowed()}, 2)  # sha256 and size match: only the weights_only load refuses it
+    store.save({"obj": NotAllowed()}, 2)  # checksum and size match: only the weights_only load refuses it
     with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
@@ -296,6 +297,7 @@ def test_the_snapshot_copy_is_freed_at_close_or_after_each_write(keep: bool, tmp
 
     store = CheckpointStore(tmp_path, writer=writer, keep_snapshot_buffers=keep)
     store.save_async(_state(1.0), 1)
+    store.settle()
     store.save_async(_state(2.0), 2)  # the first copy is reused (kept) or was freed (not kept)
     store.wait()
     gc.collect()
@@ -353,21 +355,102 @@ def test_without_cuda_nothing_is_released(tmp_path: Path, monkeypatch: pytest.Mo
     assert calls == [] and not torch.cuda.is_initialized()  # nothing was pinned: no call (it raises on a CPU)
 
 
-def test_save_async_waits_for_the_save_in_flight(tmp_path: Path) -> None:
+def test_save_async_never_waits_for_the_writer_and_a_newer_save_supersedes_a_queued_one(tmp_path: Path) -> None:
+    """Issue 31: a periodic save that comes while the last is being written does not hold the loop: it waits for
+    the writer in a queue of one, and a newer one takes its place there (the one being written is finished)."""
+    from mgpu.checkpoint import CheckpointSuperseded
+
     writer = PausedWriter()
-    store = CheckpointStore(tmp_path, writer=writer)
-    store.save_async(_state(1.0), 1)  # returns while the writer is paused
+    results: list[Any] = []
+    store = CheckpointStore(tmp_path, writer=writer, keep_last=5)
+    store.save_async(_state(1.0), 1, on_done=results.append)  # returns while the writer is paused
     assert writer.entered.wait(10)
-    second = threading.Thread(target=store.save_async, args=(_state(2.0), 2))
-    second.start()
-    second.join(0.3)
-    assert second.is_alive() and writer.calls == []
+    for step in (2, 3):
+        second = threading.Thread(target=store.save_async, args=(_state(float(step)), step),
+                                  kwargs={"on_done": results.append})
+        second.start()
+        second.join(5)
+        assert not second.is_alive() and writer.calls == []  # returned while step 1 is still being written
+        assert store.in_flight and store.queued_step == step
+    [superseded] = results
+    assert isinstance(superseded, CheckpointSuperseded) and (superseded.step, superseded.by) == (2, 3)
     writer.release.set()
-    second.join(10)
+    last = store.wait()
+    assert last is not None and last.step == 3 and last.queued_s > 0  # written next, once the writer was free
     store.close()
-    (_, first_left), (second_entered, _) = writer.calls
-    assert second_entered >= first_left
-    assert store.list_steps() == [1, 2]
+    assert store.list_steps() == [1, 3] and [r.step for r in results[1:]] == [1, 3]
+    (_, first_left), (third_entered, _) = writer.calls
+    assert third_entered >= first_left
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 3
+    _assert_same(loaded.state, _state(3.0))
+
+
+def test_the_stops_save_supersedes_a_queued_save_and_waits_for_the_one_being_written(tmp_path: Path) -> None:
+    from mgpu.checkpoint import CheckpointSuperseded
+
+    writer = PausedWriter()
+    results: list[Any] = []
+    store = CheckpointStore(tmp_path, writer=writer, keep_last=5)
+    store.save_async(_state(1.0), 1, on_done=results.append)
+    assert writer.entered.wait(10)
+    store.save_async(_state(2.0), 2, on_done=results.append)
+    stop = threading.Thread(target=store.save, args=(_state(3.0), 3))
+    stop.start()
+    stop.join(0.3)
+    assert stop.is_alive()  # waits for step 1's write (one writer at a time)
+    assert isinstance(results[0], CheckpointSuperseded) and results[0].step == 2
+    writer.release.set()
+    stop.join(10)
+    store.close()
+    assert store.list_steps() == [1, 3] and [len(writer.calls)] == [2]
+
+
+def test_a_periodic_save_due_while_the_writer_is_busy_is_deferred_and_the_stops_save_still_waits(
+        tmp_path: Path) -> None:
+    """Issue 31: the checkpointer takes no host copy for a periodic save the writer could not start: it is deferred
+    to the first due save after the writer is free, which says how many were (`deferred`); a stop's save waits."""
+    from mgpu.checkpointer import Checkpointer
+    from mgpu.ledger import Ledger, read_ledger
+    from mgpu.rundir import RunDir
+
+    run = RunDir(tmp_path)
+    checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0), keep_last=5)
+    writer = PausedWriter()
+    assert checkpointer.store is not None
+    checkpointer.store._writer = writer
+    gathered: list[int] = []
+
+    def gather(step: int) -> Callable[[], dict[str, Any]]:
+        return lambda: gathered.append(step) or _state(float(step))
+
+    checkpointer.save(gather(1), 1, "interval")
+    assert writer.entered.wait(10)
+    for step in (2, 3):
+        due = threading.Thread(target=checkpointer.save, args=(gather(step), step, "interval"))
+        due.start()
+        due.join(5)
+        assert not due.is_alive()  # training goes on
+    assert gathered == [1]  # no copy taken for the deferred ones
+    writer.release.set()
+    checkpointer.store.settle()
+    checkpointer.save(gather(4), 4, "interval")
+    checkpointer.store.settle()
+    writer.release.clear()
+    writer.entered.clear()
+    checkpointer.save(gather(5), 5, "interval")
+    assert writer.entered.wait(10)  # being written when the stop comes
+    stop = threading.Thread(target=checkpointer.save, args=(gather(6), 6, "preemption"), kwargs={"wait": True})
+    stop.start()
+    stop.join(0.3)
+    assert stop.is_alive()  # the stop's save waits for the writer, and is written
+    writer.release.set()
+    stop.join(10)
+    checkpointer.close()
+    events = [(e["event"], e["step"], e.get("deferred")) for e in read_ledger(run.ledger)]
+    assert events == [("checkpoint_saved", 1, None), ("checkpoint_saved", 4, 2), ("checkpoint_saved", 5, None),
+                      ("checkpoint_saved", 6, None)], events
+    assert gathered == [1, 4, 5, 6] and CheckpointStore(run.checkpoints).list_steps() == [1, 4, 5, 6]
 
 
 def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
@@ -528,10 +611,10 @@ class _RefusingFile(io.RawIOBase):
 
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     """Every state.pt written from now on meets `code` (below torch.save, which would hide it)."""
-    from mgpu.checkpoint import _HashingFile
+    from mgpu.digest import DigestingFile
 
-    wrap = _HashingFile.__init__
-    monkeypatch.setattr(_HashingFile, "__init__", lambda self, file: wrap(self, _RefusingFile(code)))
+    wrap = DigestingFile.__init__
+    monkeypatch.setattr(DigestingFile, "__init__", lambda self, file, *args: wrap(self, _RefusingFile(code), *args))
 
 
 @pytest.mark.parametrize("code, words", [
@@ -586,12 +669,35 @@ def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp
     assert CheckpointStore(run.checkpoints).list_steps() == [3]
 
 
-def test_the_sha256_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Re-reading a large state.pt for its hash would happen inside the stop's time window.
     monkeypatch.setattr("mgpu.checkpoint._sha256", lambda path: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())
-    assert meta["sha256"] == hashlib.sha256((saved.path / "state.pt").read_bytes()).hexdigest()
+    assert meta["checksum"] == digest_file(saved.path / "state.pt")
+
+
+@pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
+def test_a_checkpoint_of_either_checksum_or_an_older_sha256_verifies_and_damage_is_found(
+        algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mgpu.checkpoint, "DIGEST", algorithm)
+    store = CheckpointStore(tmp_path, keep_last=3)
+    older = store.save(_big_state(1.0), 1).path
+    meta = json.loads((older / "meta.json").read_text())
+    assert meta["checksum"]["algorithm"] == algorithm
+    # As saved before mgpu.digest: the sha256 of the whole file.
+    del meta["checksum"]
+    meta["sha256"] = hashlib.sha256((older / "state.pt").read_bytes()).hexdigest()
+    (older / "meta.json").write_text(json.dumps(meta))
+    assert CheckpointStore.load_dir(older).step == 1
+    newer = store.save(_big_state(2.0), 2).path
+    _flip_a_byte(newer / "state.pt")
+    with pytest.raises(CheckpointError, match=f"does not match its {algorithm} checksum"):
+        CheckpointStore.load_dir(newer)
+    _flip_a_byte(older / "state.pt")
+    with pytest.raises(CheckpointError, match="has sha256"):
+        CheckpointStore.load_dir(older)
 
 
 # ------------------------------------------------------------- the writer's cost to training (issue 16)
@@ -697,7 +803,7 @@ def test_an_unloadable_value_is_named_at_save_time(state: dict[str, Any], key: s
 @pytest.mark.multiprocess
 def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_it(tmp_path: Path) -> None:
     """3 real ranks (a gloo group under torchrun) resume: rank 0 alone reads the newest checkpoint through
-    sha256 (once); the others load the file it verified, memory-mapped, without hashing it: not 8 full
+    its checksum (once); the others load the file it verified, memory-mapped, without hashing it: not 8 full
     reads and copies per 8-GPU node."""
     run = tmp_path / "run"
     store = CheckpointStore(run / "checkpoints", keep_last=3)
@@ -712,7 +818,7 @@ def test_a_resume_hashes_the_checkpoint_once_per_job_and_every_rank_memory_maps_
     ranks = [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(3)]
     assert [r["step"] for r in ranks] == [2, 2, 2]
     size = newest.path.joinpath("state.pt").stat().st_size
-    assert [r["sha256_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
+    assert [r["digested_bytes"] for r in ranks] == [size, 0, 0]  # one verification for the whole job
     assert all(r["loads"] == [{"mmap": True, "weights_only": True}] for r in ranks)  # each maps the one file
     assert ranks[0]["load_dirs"] == [] and all(r["load_dirs"] == [{"verify": False}] for r in ranks[1:])
 

@@ -43,12 +43,14 @@ def test_the_stop_saves_afresh_after_background_saves_failed(small_fs: Callable[
                       "--stop-at-step=8")
     assert "exitcode  : 3" in result.stdout, result.stdout[-3000:]  # stopped (not a Slurm job), not crashed
     failures = re.findall(r"checkpoint step (\d+) not written: disk full \(ENOSPC\) at (\S+);", result.stdout)
-    assert {int(step) for step, _ in failures} >= {3, 4}, result.stdout[-3000:]
+    # A periodic save due while the last is still being written is deferred (issue 31), so which of 3-5 met the
+    # full disk depends on the writer's timing; at least one did.
+    assert {int(step) for step, _ in failures} & {3, 4, 5}, result.stdout[-3000:]
     assert all(path.startswith(str(run_dir / "checkpoints")) for _, path in failures)
     latest = CheckpointStore(run_dir / "checkpoints").latest()
     assert latest is not None and latest.step == 8 and not latest.skipped
     saved = [e["step"] for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "checkpoint_saved"]
-    assert saved[-3:] == [6, 7, 8], saved
+    assert saved[-1] == 8 and max(saved[:-1]) >= 6, saved  # saves went on once space was back; the stop's is last
 
 
 def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Callable[[int], Path]) -> None:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mgpu.checkpoint import CheckpointError
+from mgpu.digest import digest_file
 from mgpu.ledger import Ledger
 from mgpu.sharded import SafeReader, ShardedCheckpointer, restore_sharded
 from mgpu.shard_arrivals import Arrivals, late_line
@@ -70,7 +71,7 @@ def test_a_save_is_one_verified_step_directory_that_loads_back(group: None, tmp_
     manifest = json.loads((path / "manifest_0.json").read_text())
     assert set(manifest["files"]) == {"rank_0.pt", "common.pt", ".metadata", "__0_0.distcp"}
     for name, entry in manifest["files"].items():
-        assert hashlib.sha256((path / name).read_bytes()).hexdigest() == entry["sha256"]
+        assert entry == {"bytes": (path / name).stat().st_size, "checksum": digest_file(path / name)}
     assert not [p for p in (tmp_path / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
     fresh = objects(seed=1)
     loaded = checkpointer(tmp_path).find_latest()
@@ -81,6 +82,36 @@ def test_a_save_is_one_verified_step_directory_that_loads_back(group: None, tmp_
     assert fresh["progress"] == {"step": 1} and fresh["note"] == "plain"
     assert fresh["optimizer"].state_dict()["state"][0]["exp_avg"].equal(state["optimizer"].state_dict()["state"][0]["exp_avg"])
     store.close()
+
+
+def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import mgpu.sharded
+
+    read_back: list[str] = []
+    real_sha, real_digest = mgpu.sharded._sha256, mgpu.sharded.digest_file
+    monkeypatch.setattr(mgpu.sharded, "_sha256", lambda path: read_back.append(path.name) or real_sha(path))
+    monkeypatch.setattr(mgpu.sharded, "digest_file", lambda path, *a: read_back.append(path.name) or real_digest(path, *a))
+    save_steps(tmp_path, [1])[0].close()
+    assert not [name for name in read_back if name.endswith(".distcp")], read_back  # only small files: .metadata, manifests
+    path = tmp_path / "checkpoints" / "step_00000001"
+    manifest = json.loads((path / "manifest_0.json").read_text())
+    assert manifest["files"]["__0_0.distcp"]["checksum"] == real_digest(path / "__0_0.distcp")
+
+
+def test_a_checkpoint_whose_manifest_records_sha256s_still_verifies(group: None, tmp_path: Path) -> None:
+    """As saved before mgpu.digest: a whole-file sha256 per file."""
+    save_steps(tmp_path, [1])[0].close()
+    path = tmp_path / "checkpoints" / "step_00000001"
+    manifest = json.loads((path / "manifest_0.json").read_text())
+    for name, entry in manifest["files"].items():
+        manifest["files"][name] = {"bytes": entry["bytes"], "sha256": hashlib.sha256((path / name).read_bytes()).hexdigest()}
+    (path / "manifest_0.json").write_text(json.dumps(manifest))
+    meta = json.loads((path / "meta.json").read_text())
+    meta["manifests"]["0"] = hashlib.sha256((path / "manifest_0.json").read_bytes()).hexdigest()
+    (path / "meta.json").write_text(json.dumps(meta))
+    loaded = checkpointer(tmp_path).find_latest()
+    assert loaded is not None and loaded.step == 1 and loaded.skipped == ()
 
 
 @pytest.mark.parametrize("damage", ["flip __0_0.distcp", "truncate __0_0.distcp", "flip .metadata", "flip common.pt",
@@ -124,7 +155,7 @@ def test_a_metadata_pickle_with_a_foreign_global_is_refused(group: None, tmp_pat
     # Even with every hash made to match (a forged checkpoint), it is not unpickled: the previous one loads.
     manifest = json.loads((path / "manifest_0.json").read_text())
     manifest["files"][".metadata"] = {"bytes": (path / ".metadata").stat().st_size,
-                                      "sha256": hashlib.sha256((path / ".metadata").read_bytes()).hexdigest()}
+                                      "checksum": digest_file(path / ".metadata")}
     (path / "manifest_0.json").write_text(json.dumps(manifest))
     meta = json.loads((path / "meta.json").read_text())
     meta["manifests"]["0"] = hashlib.sha256((path / "manifest_0.json").read_bytes()).hexdigest()

@@ -1,0 +1,136 @@
+"""Periodic saves that come faster than writes: the step time with them over the step time without, side by side.
+
+    python bench/periodic_saves.py [--mb 128] [--steps 120] [--repeats 3]
+
+One process (the single-file `Checkpointer`, rank 0 of a world of one): a stack of Linear layers with AdamW
+(`--mb` of fp32 weights, about 3x that of state), `--steps` training steps timed as a whole, three ways per
+repeat, alternating: `none` (no checkpoint), `deferred` (a save every N steps, as mgpu saves now: a save that comes
+due while the last is being written is deferred to the first due save after the writer is free) and `blocking`
+(the same saves, each first waiting for the one in flight, as mgpu did before). N is chosen so that N steps take
+about half a write (measured first): saves come twice as fast as the disk takes them.
+`saved` / `deferred`: saves written / due saves deferred (the ledger's `checkpoint_saved` counts them, `deferred`). `ratio`: the run's time / `none`'s; `ratio_less_copy`: the same less the time the saves held the loop for their
+host copy (`blocked_s`, the snapshot every save must take) — the target is <= 1.05 for `deferred`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import median, report  # noqa: E402
+
+
+def build(mb: int) -> tuple[Any, Any, Any]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    width = 1024
+    model = nn.Sequential(*(nn.Linear(width, width) for _ in range(max(1, mb * 2**20 // (4 * width * width)))))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batch = torch.randn(32, width)
+    return model, optimizer, batch
+
+
+def step(model: Any, optimizer: Any, batch: Any) -> None:
+    model(batch).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: Path) -> dict[str, Any]:
+    from mgpu.checkpointer import Checkpointer
+    from mgpu.ledger import Ledger, read_ledger
+    from mgpu.rundir import RunDir
+    from mgpu.train_state import gather_state
+
+    model, optimizer, batch = objects["model"], objects["optimizer"], objects["batch"]
+    root = directory / form
+    shutil.rmtree(root, ignore_errors=True)
+    run_dir = RunDir(root)
+    ledger_path = root / "ledger.jsonl"
+    checkpointer = Checkpointer(run_dir, 0, 1, Ledger(ledger_path, "bench", 0), keep_last=1)
+    state = {"model": model, "optimizer": optimizer, "progress": {"step": 0}}
+    blocked = 0.0
+    started = time.perf_counter()
+    for n in range(1, steps + 1):
+        step(model, optimizer, batch)
+        if form != "none" and n % every == 0:
+            held = time.perf_counter()
+            if form == "blocking" and checkpointer.store is not None:
+                checkpointer.store.settle()  # as before: a save waited for the one in flight
+            waited = time.perf_counter() - held
+            state["progress"] = {"step": n}
+            checkpointer.save(lambda: gather_state(state, None), n, "periodic")
+            blocked += time.perf_counter() - held - waited
+    elapsed = time.perf_counter() - started
+    checkpointer.close()
+    saved = [e for e in read_ledger(ledger_path) if e["event"] == "checkpoint_saved"] if ledger_path.exists() else []
+    return {"form": form, "seconds": elapsed, "blocked_s": blocked, "saved": len(saved),
+            "deferred": sum(e.get("deferred", 0) for e in saved)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from mgpu.checkpoint import CheckpointStore
+    from mgpu.train_state import gather_state
+
+    torch.set_num_threads(1)  # the step on one core, the writer on the other (a GPU node's spare cores)
+    base = args.dir or Path.cwd()
+    directory = Path(tempfile.mkdtemp(prefix="periodic-saves-", dir=base))
+    try:
+        model, optimizer, batch = build(args.mb)
+        objects = {"model": model, "optimizer": optimizer, "batch": batch}
+        for _ in range(3):
+            step(model, optimizer, batch)
+        step_s = median([_timed(lambda: step(model, optimizer, batch)) for _ in range(10)])
+        probe = CheckpointStore(directory / "probe", keep_last=1)
+        state = gather_state({"model": model, "optimizer": optimizer}, None)
+        assert state is not None
+        write_s = median([_timed(lambda: probe.save(state, n)) for n in range(2)])
+        del state
+        every = max(1, int(0.5 * write_s / step_s))
+        print(f"step {step_s * 1e3:.1f} ms, write {write_s:.2f} s: a save every {every} steps", flush=True)
+        results: dict[str, list[dict[str, Any]]] = {"none": [], "deferred": [], "blocking": []}
+        for repeat in range(args.repeats):
+            for form in results:
+                results[form].append(run(form, every, args.steps, objects, directory))
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{f} {r[-1]['seconds']:.2f} s" for f, r in results.items()),
+                  flush=True)
+        rows = []
+        for form, runs in results.items():
+            ratios = [r["seconds"] / none["seconds"] for r, none in zip(runs, results["none"])]
+            less = [(r["seconds"] - r["blocked_s"]) / none["seconds"] for r, none in zip(runs, results["none"])]
+            rows.append({"form": form, "every": every, "step_ms": step_s * 1e3, "write_s": write_s,
+                         "seconds": median([r["seconds"] for r in runs]), "blocked_s": median([r["blocked_s"] for r in runs]),
+                         "saved": median([r["saved"] for r in runs]), "deferred": median([r["deferred"] for r in runs]),
+                         "ratio": median(ratios), "ratio_less_copy": median(less)})
+        report("periodic_saves", rows, args.out)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _timed(action: Any) -> float:
+    started = time.perf_counter()
+    action()
+    return time.perf_counter() - started
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
+
+    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--profile]
+
+One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
+checkpoints would be on). Per repeat, in this order, each from its call to durable (fsync'd, renamed):
+- `plain`: the N bytes written with 64 MiB writes to a new file, fsync'd (the disk's sequential limit);
+- `single`: `CheckpointStore.save` (the stop's save: synchronous, in the calling thread) of a state of N bytes;
+- `single_async`: `save_async` + `wait` (a periodic save: the background writer), the snapshot included;
+- `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
+A plain write runs before the first save and after every save, so each save has a plain write on either side:
+its `ratio` is the mean of those two plain times / its own time (1.0 = the disk's speed), which follows the
+disk's drift (other processes' writes) better than comparing the best of each column; `ratio_best` /
+`ratio_median` are the best and the median of those per-save ratios. `cpu_s`: the process's CPU seconds during
+the operation (all threads; the plain write's is the copy into the page cache), a figure the disk's noise does
+not move. The disk is noisy: run it a few times and read best and median together.
+
+`--profile`: the phases of one single-file save timed apart (torch.save into a null sink, the digest of N bytes,
+the plain write + fsync) and a cProfile of `CheckpointStore.save`, to bench/results/write_speed_profile.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.common import ROOT, median, report  # noqa: E402
+
+CHUNK = 64 << 20
+
+
+def plain_write(path: Path, data: memoryview) -> None:
+    """The physical limit: large sequential writes, then fsync (file and directory)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for start in range(0, len(data), CHUNK):
+            os.write(fd, data[start:start + CHUNK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def build_module(total_bytes: int) -> Any:
+    """A module of fp32 parameters holding `total_bytes` in all (pieces of 64 MiB: a model's big matrices)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    module = nn.ParameterList()
+    left = total_bytes
+    while left > 0:
+        size = min(left, 64 << 20)
+        module.append(nn.Parameter(torch.randn(size // 4)))
+        left -= size
+    return module
+
+
+def timed(action: Callable[[], Any], cpu: list[float] | None = None) -> float:
+    started, cpu_started = time.perf_counter(), time.process_time()
+    action()
+    if cpu is not None:
+        cpu.append(time.process_time() - cpu_started)
+    return time.perf_counter() - started
+
+
+def profile(directory: Path, state: dict[str, Any], data: memoryview) -> None:
+    import hashlib
+
+    import torch
+
+    from mgpu.checkpoint import CheckpointStore
+
+    class Null(io.RawIOBase):
+        def writable(self) -> bool:
+            return True
+
+        def write(self, b: Any) -> int:
+            return len(memoryview(b))
+
+    lines = [f"{len(data) / 1e9:.3f} GB, {os.cpu_count()} cores, load {os.getloadavg()}"]
+    lines.append(f"torch.save -> null sink   {len(data) / timed(lambda: torch.save(state, Null())) / 1e9:.2f} GB/s")
+    lines.append(f"sha256 of N bytes         {len(data) / timed(lambda: hashlib.sha256(data).digest()) / 1e9:.2f} GB/s")
+    lines.append(f"plain write + fsync       {len(data) / timed(lambda: plain_write(directory / 'p', data)) / 1e9:.2f} GB/s")
+    (directory / "p").unlink()
+    store = CheckpointStore(directory / "profiled", keep_last=1)
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.runcall(store.save, state, 1)
+    lines.append(f"CheckpointStore.save      {len(data) / (time.perf_counter() - started) / 1e9:.2f} GB/s")
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(25)
+    out = ROOT / "bench" / "results" / "write_speed_profile.txt"
+    out.write_text("\n".join(lines) + "\n\n" + text.getvalue())
+    print("\n".join(lines))
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=int, default=1024, help="MiB of tensors per save")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory here)")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+
+    import torch
+    import torch.distributed as dist
+
+    from mgpu.checkpoint import CheckpointStore
+    from mgpu.ledger import Ledger
+    from mgpu.sharded import ShardedCheckpointer
+
+    base = args.dir or Path.cwd()
+    base.mkdir(parents=True, exist_ok=True)
+    directory = Path(tempfile.mkdtemp(prefix="write-speed-", dir=base))
+    try:
+        total = args.mb << 20
+        module = build_module(total)
+        state = {"model": module.state_dict()}
+        data = memoryview(torch.cat([p.detach().view(-1) for p in module]).numpy()).cast("B")
+        if args.profile:
+            profile(directory, state, data)
+            return
+        store = CheckpointStore(directory / "single", keep_last=1)
+        async_store = CheckpointStore(directory / "single_async", keep_last=1)
+        store_file = tempfile.NamedTemporaryFile(prefix="store-", delete=False)
+        dist.init_process_group("gloo", init_method=f"file://{store_file.name}", rank=0, world_size=1)
+        sharded = ShardedCheckpointer(directory / "sharded", 0, 1, Ledger(None, "", 0), keep_last=1)
+        saves: dict[str, Callable[[int], Any]] = {
+            "single": lambda step: store.save(state, step),
+            "single_async": lambda step: (async_store.save_async(state, step), async_store.wait()),
+            "sharded": lambda step: sharded.save_objects({"model": module}, step, "bench", wait=True)}
+        times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
+        cpu: dict[str, list[float]] = {form: [] for form in times}
+        ratios: dict[str, list[float]] = {form: [] for form in times}
+
+        def plain() -> float:
+            seconds = timed(lambda: plain_write(directory / "plain.bin", data), cpu["plain"])
+            (directory / "plain.bin").unlink()
+            times["plain"].append(seconds)
+            return seconds
+
+        before = plain()
+        for step in range(1, args.repeats + 1):
+            for form, save in saves.items():
+                seconds = timed(lambda: save(step), cpu[form])
+                after = plain()
+                times[form].append(seconds)
+                ratios[form].append((before + after) / 2 / seconds)
+                ratios["plain"].append(1.0)
+                before = after
+            print(f"repeat {step}: " + ", ".join(f"{k} {total / v[-1] / 1e9:.2f} GB/s" for k, v in times.items()),
+                  flush=True)
+        sharded.close()
+        async_store.close()
+        dist.destroy_process_group()
+        os.unlink(store_file.name)
+        rows = []
+        for form, seconds in times.items():
+            rows.append({"form": form, "bytes": total, "best_s": min(seconds), "median_s": median(seconds),
+                         "best_gb_s": total / min(seconds) / 1e9, "median_gb_s": total / median(seconds) / 1e9,
+                         "ratio_best": max(ratios[form]), "ratio_median": median(ratios[form]),
+                         "cpu_s": median(cpu[form]), "all_s": [round(s, 3) for s in seconds]})
+        report("write_speed", rows, args.out)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
