@@ -34,12 +34,11 @@ import sys
 import time
 import weakref
 from collections.abc import MutableMapping
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 from mgpu.config import Config
-from mgpu.environment import ProcessEnv, detect_environment
+from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
 from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, exit_code, resume_command
@@ -47,8 +46,8 @@ from mgpu.preemption import install_stop_request, uninstall_stop_request
 from mgpu.recovery import Limits, rank_failed
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import discard, join_run, no_beat, prepare_run_dir, process_start, setup_logging, start_watchdog
-from mgpu.slurm_job import owns_slurm_job
+from mgpu.runner import discard, no_beat, process_start
+from mgpu.session_start import after_first_step, start
 from mgpu.uncaught import record_uncaught
 
 if TYPE_CHECKING:
@@ -81,6 +80,25 @@ class Session:
     (`distributed`, `preemption`, `checkpoint`, `watchdog`, `train.seed`, `train.deterministic`, `run`).
     Testing: `MGPU_STOP_AT_STEP=K` in the environment stops after step K as if preempted (mgpu.stopping).
     """
+
+    # Set by mgpu.session_start.start, in this order.
+    limits: Limits
+    env: ProcessEnv
+    rank: int
+    world_size: int
+    local_rank: int
+    is_main: bool
+    run: RunDir
+    slurm_job: str | None
+    """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
+    budgets: StopBudgets
+    ledger: Ledger
+    started: float
+    resumption: Resumption
+    device: torch.device
+    backend: str
+    expected_save_s: float | None
+    save_allowance_s: float
 
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
                  env: ProcessEnv | None = None, recovery_by_batch_script: bool | None = None,
@@ -122,71 +140,12 @@ class Session:
         """The step this process started from (0 for a new run)."""
         self._by_batch = recovery_by_batch_script
         try:
-            self._start(env)
+            start(self, env)  # mgpu.session_start: who am I, the run, the group, the watchdog
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
             self._discard_if_unused(error)
             raise
-
-    def _start(self, env: ProcessEnv | None) -> None:
-        cfg = self.cfg
-        self.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
-        self.env = env or detect_environment()
-        self.rank, self.world_size, self.local_rank = self.env.rank, self.env.world_size, self.env.local_rank
-        self.is_main = self.rank == 0
-        self.run = RunDir.of(cfg.run)
-        self._created = prepare_run_dir(self.run)  # what this attempt creates, removed if it never trains
-        setup_logging(self.run, self.rank)
-        self.slurm_job = self.env.job_id if owns_slurm_job() else None
-        """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
-        self.budgets = StopBudgets.read(self.run, self.env, self.slurm_job, self.limits)
-        self.budgets.refuse_if_spent(self.run, self.env)
-        self.ledger = Ledger(self.run.ledger if self.is_main else None, self.env.job_id, self.env.restart_count)
-        self.started = time.time()
-        self.resumption = Resumption(self.run, self.rank, self.world_size, cfg.train.seed, self.ledger,
-                                     lambda: self.checkpointer)
-
-        from mgpu.ddp import SessionDDPs
-        from mgpu.distributed import process_group
-        from mgpu.rng import seed_rank
-        from mgpu.stopping import StopController
-
-        # The watchdog outlives the group's teardown, which it bounds (see _arm_teardown): stopped after it.
-        self._cleanup.callback(lambda: self.watchdog.stop() if self.watchdog is not None else None)
-        ctx = self._cleanup.enter_context(process_group(
-            self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
-            backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
-        self._ddps = SessionDDPs()
-        self._cleanup.callback(self._ddps.release)  # before the group's teardown (reverse order)
-        self.timings["group"] = time.time()
-        self.device: torch.device = ctx.device
-        self.backend = ctx.backend
-        join_run(self.run, self.env, str(self.device), self.backend)
-        # The saves measured so far, earlier runs' included (the ledger's tail: the same on every rank): how long
-        # the next one should take sizes the watchdog's allowance, the collective timeout and the deadline stop.
-        from mgpu.save_budget import expected_save_s, save_allowance_s, saves_in_ledger
-
-        self.expected_save_s = expected_save_s(saves_in_ledger(self.run.ledger), self.world_size)
-        self.save_allowance_s = save_allowance_s(self.expected_save_s, cfg.watchdog.checkpoint_s)
-        if self.is_main and self.save_allowance_s > cfg.watchdog.checkpoint_s:
-            log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
-                     "allows %.0f s for one, more than watchdog.checkpoint_s", self.expected_save_s or 0.0,
-                     self.save_allowance_s)
-        if cfg.watchdog.enabled:
-            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend, checkpoint_s=self.save_allowance_s)
-            self._cleanup.callback(self._arm_teardown)
-            self.beat = self.watchdog.beat
-        self.stopper = StopController.for_rank(
-            self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            longest_write_s=self._longest_write_s)
-        seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
-
-    def _longest_write_s(self) -> float:
-        """What the deadline stop leaves for the save: this process's longest write, or the time the saves of
-        earlier runs say the next one takes, whichever is longer."""
-        own = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
-        return max(own, self.expected_save_s or 0.0)
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
@@ -296,7 +255,7 @@ class Session:
         stopper = self._live("should_stop()")
         self.step = self.step + 1 if step is None else step
         if self.step == self.resume_step + 1:
-            self._after_first_step()
+            after_first_step(self)
         reasons = stopper.at_step(self.step)
         if self.watchdog is not None:
             # The step's end; a loop whose forwards the watchdog does not see (no `wrap`) advances its step here.
@@ -331,21 +290,6 @@ class Session:
         if self._finished or self.stopper is None:
             raise MgpuError(f"Session.{what} after finish(): the session has ended (its process group is gone)")
         return self.stopper
-
-    def _after_first_step(self) -> None:
-        """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
-        then fails a collective in minutes, not in distributed.init_timeout_s)."""
-        from mgpu.distributed import set_collective_timeout
-
-        seconds = None
-        if self.watchdog is not None and self.world_size > 1:
-            assert self.stopper is not None
-            seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
-            set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]  # the agreement the controller built for this rank
-        self.timings["first_step"] = time.time()
-        self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
-                          checkpoint_allowance_s=round(self.save_allowance_s, 1),
-                          timings={k: round(v, 3) for k, v in self.timings.items()})
 
     # ------------------------------------------------------------------ checkpoints
     @property
