@@ -41,12 +41,13 @@ from mgpu.config import Config
 from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
-from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, exit_code, resume_command
+from mgpu.outcome import JobStopped, Outcome, StopBudgets, exit_code, resume_command
 from mgpu.preemption import install_stop_request, uninstall_stop_request
 from mgpu.recovery import Limits, rank_failed
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import discard, no_beat, process_start
+from mgpu.runner import no_beat, process_start
+from mgpu.session_end import conclude, discard_if_unused
 from mgpu.session_start import after_first_step, start
 from mgpu.uncaught import record_uncaught
 
@@ -144,7 +145,7 @@ class Session:
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
-            self._discard_if_unused(error)
+            discard_if_unused(self, error)
             raise
 
     # ------------------------------------------------------------------ the model and the data
@@ -463,7 +464,7 @@ class Session:
         if self._finished:
             raise MgpuError("the session has ended already (finish() or end() was called)")
         try:
-            outcome = self._conclude(status, fields)
+            outcome = conclude(self, status, fields)  # mgpu.session_end
         except BaseException as error:  # the stop's save failed: recorded like any failure, then raised
             self.fail(error)
             raise
@@ -473,29 +474,6 @@ class Session:
         from mgpu.process_exit import skip_collection_at_exit
 
         skip_collection_at_exit()  # the run is over: the process's exit need not collect its heap (~1 s of CPU)
-        return outcome
-
-    def _conclude(self, status: str | None, fields: dict[str, Any]) -> Outcome:
-        reasons = self.reasons
-        stopped = bool(reasons) if status is None else status == "stopped"
-        saved_at, path = self._durable  # a stop's checkpoint has one owner: the loop, else here
-        if self._state is not None and saved_at != self.step:
-            path = self.save(reason="preemption" if stopped else "final", wait=True)
-        if not stopped:
-            self.ledger.write("finished", step=self.step, status=status or "finished",
-                              seconds=round(time.time() - self.started, 3), **fields)
-            if self.is_main:
-                self.run.release(self.env.job_id)
-            return Outcome("finished")
-        log.info("stopping at step %d (%s; signals on this rank: %s)", self.step, ", ".join(sorted(reasons)),
-                 [name for name, _ in self.stop.received])
-        self.ledger.write("preempted", step=self.step, reasons=sorted(reasons),
-                          signals=[name for name, _ in self.stop.received],
-                          signal_times=[round(t, 3) for _, t in self.stop.received])
-        outcome = decide_after_stop(reasons, self.step, self.resume_step, str(path) if path else None,
-                                    self.budgets, self.env, self.ledger)
-        if outcome.kind == "stays_down":
-            self.run.release(self.env.job_id)
         return outcome
 
     def fail(self, error: BaseException) -> None:
@@ -508,25 +486,7 @@ class Session:
         rank_failed(error, self.run, rank=self.rank, job_id=self.env.job_id, restart=self.env.restart_count,
                     slurm_job=self.slurm_job, limits=self.limits, by_batch=self._by_batch)
         self._cleanup.close()
-        self._discard_if_unused(error)
-
-    def _arm_teardown(self) -> None:
-        """From here the watchdog bounds the group's teardown (a dead peer can block it): past its allowance,
-        stacks to the log and an exit, 4 when the run did not end as it should; when it did (its outcome is
-        recorded: nothing is lost by cutting the teardown short), within ENDED_TEARDOWN_S and with the outcome's
-        exit code, so that the rank is gone before Slurm's KillWait runs out."""
-        assert self.watchdog is not None
-        from mgpu.watchdog import ENDED_TEARDOWN_S, HANG_EXIT_CODE, TEARDOWN_S
-
-        if self._ended:
-            self.watchdog.teardown(exit_code=self._ended_code, allowance_s=ENDED_TEARDOWN_S)
-        else:
-            self.watchdog.teardown(exit_code=HANG_EXIT_CODE, allowance_s=TEARDOWN_S)
-
-    def _discard_if_unused(self, error: BaseException) -> None:
-        """Bad input found before the run began leaves no trace of this attempt."""
-        if isinstance(error, MgpuError) and not self._began and self._created is not None:
-            discard(self.run, self.rank, self._created)
+        discard_if_unused(self, error)
 
     def __enter__(self) -> "Session":
         return self

@@ -19,6 +19,7 @@ from mgpu.recovery import Limits
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
 from mgpu.runner import join_run, prepare_run_dir, setup_logging, start_watchdog
+from mgpu.session_end import arm_teardown
 from mgpu.slurm_job import owns_slurm_job
 
 if TYPE_CHECKING:  # the session these functions start; no import at run time (session imports this module)
@@ -57,7 +58,7 @@ def start(session: Session, env: ProcessEnv | None) -> None:
     from mgpu.stopping import StopController
 
     cleanup = session._cleanup
-    # The watchdog outlives the group's teardown, which it bounds (see Session._arm_teardown): stopped after it.
+    # The watchdog outlives the group's teardown, which it bounds (see mgpu.session_end.arm_teardown): stopped after it.
     cleanup.callback(lambda: session.watchdog.stop() if session.watchdog is not None else None)
     ctx = cleanup.enter_context(process_group(
         session.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
@@ -81,7 +82,7 @@ def start(session: Session, env: ProcessEnv | None) -> None:
     if cfg.watchdog.enabled:
         session.watchdog = start_watchdog(cfg, session.env, session.run, session.backend,
                                           checkpoint_s=session.save_allowance_s)
-        cleanup.callback(session._arm_teardown)
+        cleanup.callback(lambda: arm_teardown(session))
         session.beat = session.watchdog.beat
     session.stopper = StopController.for_rank(
         session.stop, cfg.preemption, cleanup, slurm_job=session.slurm_job if session.is_main else None,
