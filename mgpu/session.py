@@ -37,6 +37,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
+from mgpu import session_state
 from mgpu.config import Config
 from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
@@ -297,14 +298,7 @@ class Session:
     def checkpointer(self) -> Any:
         """The run's checkpoint coordination (mgpu.checkpointer; sharded: mgpu.sharded), made at first use."""
         if self._checkpointer is None:
-            from mgpu.checkpointer import open_checkpointer
-
-            from mgpu.save_budget import peer_wait_s
-
-            self._checkpointer = open_checkpointer(self.run, self.rank, self.world_size, self.ledger,
-                                                   self.cfg.checkpoint, sharded=self.sharded, beat=self.beat,
-                                                   version=self.version, wait_s=peer_wait_s(self.save_allowance_s))
-            self._cleanup.callback(self._checkpointer.close)
+            self._checkpointer = session_state.open_checkpointer(self)
         return self._checkpointer
 
     def latest(self) -> LoadedCheckpoint | None:
@@ -332,33 +326,7 @@ class Session:
         per optimizer step, for the resume line (default: the state's `session.loader`'s); `global_batch`: the
         global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
         micro-step): the resume line says how the accumulation changed."""
-        from mgpu import hparams
-        from mgpu.fsdp import check_state
-        from mgpu.train_state import State
-
-        if not isinstance(state, MutableMapping):
-            raise MgpuError(f"Session.load() takes a dict of what to checkpoint (name -> model, optimizer, loader, "
-                            f"value), got a {type(state).__name__}")
-        check_state(state, self.sharded)
-        if fresh:
-            self.resumption.start_over()
-        self.latest()
-        before = hparams.constructed(state)
-        loaded = self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
-        if loaded is not None:
-            self.timings["restored"] = time.time()
-            self.step = self.resume_step = loaded.step
-            if self._ddps is not None:  # [mgpu.ddp bucket layout] the wrapped DDPs' saved buckets
-                self._ddps.resume(loaded.state.get("ddp"))
-            for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
-                log.warning("%s (to change it on purpose: load(state, override={...}))", line)
-        changes = hparams.apply(state, override or {})
-        self._state = state
-        self.begin()
-        if changes:
-            self.ledger.write("hyperparameters", step=self.step, changes=changes)
-            log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
-        return state if isinstance(state, State) else State(state)
+        return session_state.load(self, state, missing_ok, override, fresh, batch_size, global_batch)
 
     @property
     def resumed_from(self) -> Path | None:
@@ -373,31 +341,7 @@ class Session:
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
         again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
         run whose checkpoint this session did not `load()`."""
-        from mgpu.fsdp import check_state
-        from mgpu.train_state import gather_state
-
-        state = self._state if state is None else state
-        if state is None:
-            raise MgpuError("Session.save(): nothing to save: pass the state (or load() it first)")
-        if not (callable(state) or isinstance(state, Mapping)):
-            raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
-        if not self.resumption.looked:
-            self.resumption.refuse_unloaded()
-            check_state(state() if callable(state) else state, self.sharded)
-        self._state = state
-        self.begin()
-        objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
-        extra = self.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
-        if self.sharded:  # [fsdp hook] every rank contributes its shard
-            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait, extra=extra)
-        else:
-            ddps = self._ddps  # [mgpu.ddp bucket layout] the wrapped DDPs' buckets, saved beside the state
-            assert ddps is not None
-            path = self.checkpointer.save(lambda: ddps.gather(lambda: gather_state(objects, self.version)),
-                                          self.step, reason, is_best=best, wait=wait, extra=extra)
-        if wait:  # durable now: end() does not save this step again
-            self._durable = (self.step, path)
-        return path
+        return session_state.save(self, state, best, wait, reason, meta)
 
     @property
     def run_id(self) -> str:
