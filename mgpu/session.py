@@ -37,7 +37,7 @@ from collections.abc import MutableMapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
-from mgpu import session_state
+from mgpu import session_state, session_wrap
 from mgpu.config import Config
 from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
@@ -159,36 +159,7 @@ class Session:
 
         `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
         way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
-        from mgpu.fsdp import refuse_to_wrap
-
-        refuse_to_wrap(model, parallel, model in self._wrapped, self.cfg.checkpoint.format)
-        if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
-            from mgpu.fsdp import shard
-
-            if self._checkpointer is not None and not self.sharded:
-                raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
-                                "checkpoints are sharded)")
-            self._fsdp = True
-            return self._watched(shard(model, self.device, shard_hook))
-        model = model.to(self.device)
-        if self.world_size == 1:
-            self._wrapped.add(model)
-            return model
-        assert self._ddps is not None
-        ddp = self._ddps.wrap(model, self.device, find_unused_parameters, static_graph)  # [mgpu.ddp bucket layout]
-        self._wrapped.add(ddp)
-        return self._watched(ddp)
-
-    def _watched(self, model: nn.Module) -> nn.Module:
-        """Entering the model's forward (of the next step), this rank waits for the others: a watchdog beat. A
-        loop that beats nothing else starts its step here; a step's first forward starts it, not each one."""
-        watchdog = self.watchdog
-        if watchdog is not None:
-            def beat(module: Any, args: Any) -> None:
-                following = self.step + 1
-                self.beat("model", following if watchdog.step != following else None)
-            model.register_forward_pre_hook(beat)
-        return model
+        return session_wrap.wrap(self, model, find_unused_parameters, static_graph, parallel, shard_hook)
 
     @property
     def sharded(self) -> bool:
