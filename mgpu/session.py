@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 import sys
 import time
 import weakref
@@ -49,7 +48,7 @@ from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
 from mgpu.runner import no_beat, process_start
 from mgpu.session_end import conclude, discard_if_unused
-from mgpu.session_start import after_first_step, start
+from mgpu.session_start import after_first_step, record_start, start
 from mgpu.uncaught import record_uncaught
 
 if TYPE_CHECKING:
@@ -67,8 +66,6 @@ if TYPE_CHECKING:
     from mgpu.watchdog import Watchdog
 
 __all__ = ["Session"]
-
-log = logging.getLogger("mgpu.train")
 
 
 class Session:
@@ -352,12 +349,7 @@ class Session:
         if self._began:
             return
         self._began = True
-        self.ledger.write("started", world_size=self.world_size, nodes=list(self.env.nodes),
-                          launcher=self.env.launcher, device=str(self.device), backend=self.backend,
-                          run_dir=str(self.run.path), limits={"max_requeues": self.limits.max_requeues,
-                                                              "max_failures": self.limits.max_failures},
-                          **{"config_path": self.config_path, "git_sha": self.version, **fields})
-        self.resumption.record()
+        record_start(self, fields)
 
     def finish(self) -> None:
         """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)

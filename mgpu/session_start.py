@@ -1,7 +1,7 @@
 """A Session's way to its first step: who this rank is, the run directory and its budgets, the process group,
 the wrapped DDPs' registry, the run's claim, the save allowance measured from earlier saves, the watchdog, the
-stop controller and the seeded generators; then, at the first step, the collective timeout that no longer needs
-a rendezvous allowance. Each part is registered with the session's cleanup as it is made, in the order its
+stop controller and the seeded generators; then the ledger's `started` event when the run begins, and at the
+first step the collective timeout that no longer needs a rendezvous allowance. Each part is registered with the session's cleanup as it is made, in the order its
 teardown needs. `mgpu.session.Session` calls these; nothing else should. No torch at import.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.ledger import Ledger
@@ -25,7 +25,7 @@ from mgpu.slurm_job import owns_slurm_job
 if TYPE_CHECKING:  # the session these functions start; no import at run time (session imports this module)
     from mgpu.session import Session
 
-__all__ = ["after_first_step", "longest_write_s", "start"]
+__all__ = ["after_first_step", "longest_write_s", "record_start", "start"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -88,6 +88,16 @@ def start(session: Session, env: ProcessEnv | None) -> None:
         session.stop, cfg.preemption, cleanup, slurm_job=session.slurm_job if session.is_main else None,
         longest_write_s=lambda: longest_write_s(session))
     seed_rank(cfg.train.seed, session.rank, cfg.train.deterministic)
+
+
+def record_start(session: Session, fields: dict[str, Any]) -> None:
+    """The ledger's `started` event (who, where, the limits, the config and code; `fields`), then `resumed`."""
+    env, limits = session.env, session.limits
+    session.ledger.write("started", world_size=session.world_size, nodes=list(env.nodes), launcher=env.launcher,
+                         device=str(session.device), backend=session.backend, run_dir=str(session.run.path),
+                         limits={"max_requeues": limits.max_requeues, "max_failures": limits.max_failures},
+                         **{"config_path": session.config_path, "git_sha": session.version, **fields})
+    session.resumption.record()
 
 
 def longest_write_s(session: Session) -> float:
