@@ -25,7 +25,6 @@ import contextlib
 import logging
 import gc
 import os
-import sys
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -250,17 +249,37 @@ def _assign_buckets(ddp: ResumableDDP, order: list[int]) -> dict[str, Any]:
     return {"buckets": buckets, "limits": sizes}
 
 
+BUCKET_ASSIGNMENT = "_compute_bucket_assignment_by_size"
+"""The torch.distributed private that DDP's constructor asks for its initial buckets (torch 2.x)."""
+
+
 @contextlib.contextmanager
 def _initial_buckets(buckets: list[list[int]], limits: list[int]) -> Iterator[None]:
-    """DDP's __init__ helper computes its initial buckets with this function and reverses them: answer with
-    the saved buckets, reversed, so that the reducer gets them as they were."""
-    original = dist._compute_bucket_assignment_by_size
-    dist._compute_bucket_assignment_by_size = lambda *args, **kwargs: (
-        [list(b) for b in reversed(buckets)], list(reversed(limits)))
+    """DDP's __init__ helper computes its initial buckets with torch.distributed's private BUCKET_ASSIGNMENT and
+    reverses them: answer with the saved buckets, reversed, so that the reducer gets them as they were. Torch has
+    no public way to give a reducer its buckets (the Reducer's own constructor is private too), so the answer is
+    replaced for the constructor's duration alone, here and nowhere else. Should a torch release rename the
+    function, or stop asking it, this raises rather than let the resumed run reduce in another order unnoticed."""
+    original = getattr(dist, BUCKET_ASSIGNMENT, None)
+    if original is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch.distributed.{BUCKET_ASSIGNMENT}, which "
+                           f"mgpu.ddp answers to give a resumed DDP its saved gradient buckets: mgpu needs updating "
+                           f"for this torch")
+    asked: list[bool] = []
+
+    def saved(*args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
+        asked.append(True)
+        return [list(b) for b in reversed(buckets)], list(reversed(limits))
+
+    setattr(dist, BUCKET_ASSIGNMENT, saved)
     try:
         yield
     finally:
-        dist._compute_bucket_assignment_by_size = original
+        setattr(dist, BUCKET_ASSIGNMENT, original)
+    if not asked:
+        raise RuntimeError(f"DDP's constructor (torch {torch.__version__}) did not ask torch.distributed."
+                           f"{BUCKET_ASSIGNMENT} for its buckets: mgpu.ddp cannot give a resumed DDP its saved "
+                           f"gradient buckets; mgpu needs updating for this torch")
 
 
 @contextlib.contextmanager
@@ -315,17 +334,17 @@ def release_ddps(ddps: Iterable[weakref.ref[Any]]) -> None:
     """DDP's reducer must go while the group is alive: destroyed after it, its destructor joins a gloo
     thread that waits for the GIL the destructor holds (an intermittent hang at exit). Dropped here; a full
     garbage collection (0.2 s of CPU with torch loaded, seconds on a loaded node, in a stop's way to the
-    exit) runs only where something else still refers to one (a reference cycle would keep it past the
-    teardown)."""
+    exit) runs only where one outlives its last reference here: something else refers to it (a reference
+    cycle would keep it past the teardown). Weak references tell, not reference counts (which differ between
+    Python versions)."""
     held: list[Any] = []
     for ref in ddps:
         ddp = ref()
         if ddp is not None:
             held += [ddp.__dict__.pop("logger", None), ddp.__dict__.pop("reducer", None)]
-    # sys.getrefcount: the list's reference and the call's own; any more is a holder elsewhere
-    shared = any(held[i] is not None and sys.getrefcount(held[i]) > 2 for i in range(len(held)))
-    held.clear()  # the loggers first, then the reducers: destroyed now, while the group exists
-    if shared:
+    alive = [weakref.ref(obj) for obj in held if obj is not None]
+    held.clear()  # the loggers first, then the reducers: destroyed now, while the group exists, unless held elsewhere
+    if any(ref() is not None for ref in alive):
         gc.collect()
 
 

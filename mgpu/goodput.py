@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = ["Interval", "Segment", "Goodput", "SacctRun", "StopCost", "Verdict", "compare_fingerprints",
-           "fingerprints", "goodput", "goodput_lines", "parse_sacct", "parse_slurm_time", "segments", "timeline",
+           "duration", "fingerprints", "goodput", "goodput_lines", "parse_sacct", "parse_slurm_time", "segments", "timeline",
            "PREEMPTION_KINDS", "SACCT_FIELDS"]
 
 Event = Mapping[str, Any]
@@ -352,7 +352,8 @@ def goodput(events: Sequence[Event], runs: Sequence[SacctRun] = (), now: float |
                    sum(1 for s in segs if s.kind in PREEMPTION_KINDS), len(segs))
 
 
-def _dur(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """`42s`, `3m07s`, `5h02m`, `2d03h`: a duration (or an age) as the status and goodput reports print it."""
     seconds = max(0, round(seconds))
     if seconds < 60:
         return f"{seconds}s"
@@ -379,7 +380,7 @@ def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
         return []
     base = g.allocated_s if g.allocated_s else g.span_s
     of = "allocated (sacct)" if g.allocated_s else "from the first event to the last"
-    lines = [f"goodput     {100 * g.useful_s / base if base else 0:.1f}% of {_dur(base)} {of} spent training; "
+    lines = [f"goodput     {100 * g.useful_s / base if base else 0:.1f}% of {duration(base)} {of} spent training; "
              f"{g.segments} segment(s)" + ("" if g.allocated_s else
                                            f"; {'sacct has no record of its jobs' if sacct_known else 'no sacct'}: "
                                            "time queued is not known apart")]
@@ -389,7 +390,7 @@ def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
             continue
         share = f"{100 * (seconds or 0) / base:5.1f}%" if key != "queued" and base else "      "
         what = what.format(queue="" if g.allocated_s else "; and the queue wait, without sacct")
-        lines.append(f"  {key:<13}{_dur(seconds or 0):>9} {share}  {what}")
+        lines.append(f"  {key:<13}{duration(seconds or 0):>9} {share}  {what}")
     lines.append(f"  {'lost steps':<13}{g.lost_steps:>9}         trained again after a stop (normally 0)")
     if g.stops:
         per_day = g.preemptions_per_day
@@ -398,9 +399,9 @@ def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
         lines.append(f"  {'kind':<20}{'count':>6}{'cost each':>11}{'total':>9}{'lost steps':>12}")
         for s in g.stops:
             done = s.count - s.unrecovered
-            each = _dur(s.total_s / done) if done else "-"
+            each = duration(s.total_s / done) if done else "-"
             note = f"  ({s.unrecovered} not back yet)" if s.unrecovered else ""
-            lines.append(f"  {s.kind:<20}{s.count:>6}{each:>11}{_dur(s.total_s):>9}{s.lost_steps:>12}{note}")
+            lines.append(f"  {s.kind:<20}{s.count:>6}{each:>11}{duration(s.total_s):>9}{s.lost_steps:>12}{note}")
     return lines
 
 

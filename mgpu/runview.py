@@ -17,7 +17,7 @@ from typing import Any
 
 from mgpu.errors import MgpuError
 from mgpu.failures import merge, read_failures
-from mgpu.goodput import SACCT_FIELDS, SacctRun, goodput, goodput_lines, parse_sacct
+from mgpu.goodput import SACCT_FIELDS, SacctRun, duration, goodput, goodput_lines, parse_sacct
 from mgpu.ledger import read_ledger
 from mgpu.recovery import Limits, failure_requeues
 from mgpu.rundir import RunDir
@@ -85,15 +85,6 @@ def _int(value: Any) -> int:
 
 def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _age(seconds: float) -> str:
-    seconds = max(0, int(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _metrics(metrics: Any, limit: int = 3) -> str:
@@ -236,7 +227,7 @@ def node_lines(events: list[dict[str, Any]], now: float) -> list[str]:
     decisions = [e for e in events if e.get("event") == "node_decision"]
     for decision in decisions[-5:]:
         lines.append(f"node        {decision.get('node')} {decision.get('decision')} at a submission, "
-                     f"{_age(now - decision['time'])} ago")
+                     f"{duration(now - decision['time'])} ago")
     return lines
 
 
@@ -253,7 +244,7 @@ def progress_line(summary: dict[str, Any]) -> str:
     elif "steps_per_s" in summary:
         parts.append(f"{summary['steps_per_s']:.3g} steps/s")
     if "eta_s" in summary:
-        parts.append(f"ETA {_age(summary['eta_s'])}")
+        parts.append(f"ETA {duration(summary['eta_s'])}")
     if "checkpoint" in summary:
         parts.append(f"checkpoint step {summary['checkpoint']['step']}")
     if "last_eval" in summary:
@@ -332,7 +323,7 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
         total = f" of {summary['total_steps']}" if "total_steps" in summary else ""
         epoch = f", epoch {summary['epoch']}" if summary.get("epoch") is not None else ""
         beat = summary.get("heartbeat")
-        seen = f"; logged {_age(beat['age_s'])} ago" if beat else ""
+        seen = f"; logged {duration(beat['age_s'])} ago" if beat else ""
         lines.append(f"progress    step {summary['step']}{total}{epoch}{seen}")
     if "metrics" in summary:
         lines.append(f"metrics     step {summary['metrics']['step']}: {_metrics(summary['metrics']['metrics'], 4)}")
@@ -343,10 +334,10 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
     if "step_time_s" in beat:
         rate = ", ".join(f"{beat[k]:.4g} {unit}" for k, unit in (("samples_per_s", "samples/s"),
                                                                   ("tokens_per_s", "tokens/s")) if k in beat)
-        eta = f"; ETA {_age(summary['eta_s'])} at this rate" if "eta_s" in summary else ""
+        eta = f"; ETA {duration(summary['eta_s'])} at this rate" if "eta_s" in summary else ""
         lines.append(f"throughput  {rate + ', ' if rate else ''}{beat['step_time_s']:.3g} s/step{eta or no_eta}")
     elif "steps_per_s" in summary:
-        lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {_age(summary['throughput_window_s'])}"
+        lines.append(f"throughput  {summary['steps_per_s']:.3g} steps/s over {duration(summary['throughput_window_s'])}"
                      f"{no_eta}")
     if "last_eval" in summary:
         last, best = summary["last_eval"], summary.get("best_eval")
@@ -357,7 +348,7 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
         lines.append(f"evaluation  {text}")
     if "checkpoint" in summary:
         ckpt = summary["checkpoint"]
-        lines.append(f"checkpoint  step {ckpt['step']}, {_age(ckpt['age_s'])} ago ({ckpt['reason']})")
+        lines.append(f"checkpoint  step {ckpt['step']}, {duration(ckpt['age_s'])} ago ({ckpt['reason']})")
     else:
         lines.append("checkpoint  none yet")
     lines.append(f"requeues    {summary['restart']} restart(s), {summary['requeues']} requeue event(s)")
@@ -375,7 +366,7 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
     if "excluded" in summary:
         lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
     lines.extend(node_lines(events, now))
-    lines.append(f"last event  {summary['last_event']}, {_age(summary['last_event_age_s'])} ago")
+    lines.append(f"last event  {summary['last_event']}, {duration(summary['last_event_age_s'])} ago")
     runs, sacct_known = sacct_runs(events) if slurm else ([], False)
     # A running segment counts until now; without Slurm's word, only while the ledger is recent (a killed
     # local run also looks "running").

@@ -29,27 +29,27 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import logging
 import sys
 import time
 import weakref
 from collections.abc import MutableMapping
-from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
+from mgpu import session_state, session_wrap
 from mgpu.check_hooks import record_outside, record_step
 from mgpu.config import Config
-from mgpu.environment import ProcessEnv, detect_environment
+from mgpu.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
-from mgpu.outcome import JobStopped, Outcome, StopBudgets, decide_after_stop, exit_code, resume_command
+from mgpu.outcome import JobStopped, Outcome, StopBudgets, exit_code, resume_command
 from mgpu.preemption import install_stop_request, uninstall_stop_request
 from mgpu.recovery import Limits, rank_failed
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
-from mgpu.runner import discard, join_run, no_beat, prepare_run_dir, process_start, setup_logging, start_watchdog
-from mgpu.slurm_job import owns_slurm_job
+from mgpu.runner import no_beat, process_start
+from mgpu.session_end import conclude, discard_if_unused
+from mgpu.session_start import after_first_step, record_start, start
 from mgpu.uncaught import record_uncaught
 
 if TYPE_CHECKING:
@@ -68,8 +68,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Session"]
 
-log = logging.getLogger("mgpu.train")
-
 
 class Session:
     """This rank's run. Construct it first (it catches the stop signals from then on), use it as a
@@ -82,6 +80,25 @@ class Session:
     (`distributed`, `preemption`, `checkpoint`, `watchdog`, `train.seed`, `train.deterministic`, `run`).
     Testing: `MGPU_STOP_AT_STEP=K` in the environment stops after step K as if preempted (mgpu.stopping).
     """
+
+    # Set by mgpu.session_start.start, in this order.
+    limits: Limits
+    env: ProcessEnv
+    rank: int
+    world_size: int
+    local_rank: int
+    is_main: bool
+    run: RunDir
+    slurm_job: str | None
+    """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
+    budgets: StopBudgets
+    ledger: Ledger
+    started: float
+    resumption: Resumption
+    device: torch.device
+    backend: str
+    expected_save_s: float | None
+    save_allowance_s: float
 
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
                  env: ProcessEnv | None = None, recovery_by_batch_script: bool | None = None,
@@ -123,73 +140,12 @@ class Session:
         """The step this process started from (0 for a new run)."""
         self._by_batch = recovery_by_batch_script
         try:
-            self._start(env)
+            start(self, env)  # mgpu.session_start: who am I, the run, the group, the watchdog
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
-            self._discard_if_unused(error)
+            discard_if_unused(self, error)
             raise
-
-    def _start(self, env: ProcessEnv | None) -> None:
-        cfg = self.cfg
-        self.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
-        self.env = env or detect_environment()
-        self.rank, self.world_size, self.local_rank = self.env.rank, self.env.world_size, self.env.local_rank
-        self.is_main = self.rank == 0
-        self.run = RunDir.of(cfg.run)
-        self._created = prepare_run_dir(self.run)  # what this attempt creates, removed if it never trains
-        setup_logging(self.run, self.rank)
-        self.slurm_job = self.env.job_id if owns_slurm_job() else None
-        """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
-        self.budgets = StopBudgets.read(self.run, self.env, self.slurm_job, self.limits)
-        self.budgets.refuse_if_spent(self.run, self.env)
-        self.ledger = Ledger(self.run.ledger if self.is_main else None, self.env.job_id, self.env.restart_count)
-        self.started = time.time()
-        self.resumption = Resumption(self.run, self.rank, self.world_size, cfg.train.seed, self.ledger,
-                                     lambda: self.checkpointer)
-
-        from mgpu.ddp import SessionDDPs
-        from mgpu.distributed import process_group
-        from mgpu.rng import seed_rank
-        from mgpu.stopping import StopController
-
-        # The watchdog outlives the group's teardown, which it bounds (see _arm_teardown): stopped after it.
-        self._cleanup.callback(lambda: self.watchdog.stop() if self.watchdog is not None else None)
-        ctx = self._cleanup.enter_context(process_group(
-            self.env, timeout=timedelta(seconds=cfg.distributed.init_timeout_s),
-            backend=None if cfg.distributed.backend == "auto" else cfg.distributed.backend, trace_dir=self.run.logs))
-        self._ddps = SessionDDPs()
-        self._cleanup.callback(self._ddps.release)  # before the group's teardown (reverse order)
-        self.timings["group"] = time.time()
-        self.device: torch.device = ctx.device
-        self.backend = ctx.backend
-        join_run(self.run, self.env, str(self.device), self.backend)
-        # The saves and resumes so far, earlier runs' included (the side record: the same on every rank): how long
-        # the next save should take sizes the watchdog's allowance, the collective timeout and the deadline stop;
-        # the checkpoint's size and the read rate, the resume's allowance.
-        from mgpu.save_budget import allowances
-
-        budget = allowances(self.run.ledger, self.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s)
-        self.expected_save_s, self.save_allowance_s = budget.expected_save_s, budget.save_allowance_s
-        if self.is_main and self.save_allowance_s > cfg.watchdog.checkpoint_s:
-            log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
-                     "allows %.0f s for one, more than watchdog.checkpoint_s", self.expected_save_s or 0.0,
-                     self.save_allowance_s)
-        if cfg.watchdog.enabled:
-            self.watchdog = start_watchdog(cfg, self.env, self.run, self.backend, checkpoint_s=self.save_allowance_s,
-                                           resume_s=budget.resume_allowance_s)
-            self._cleanup.callback(self._arm_teardown)
-            self.beat = self.watchdog.beat
-        self.stopper = StopController.for_rank(
-            self.stop, cfg.preemption, self._cleanup, slurm_job=self.slurm_job if self.is_main else None,
-            longest_write_s=self._longest_write_s, nodes=self.env.nodes)
-        seed_rank(cfg.train.seed, self.rank, cfg.train.deterministic)
-
-    def _longest_write_s(self) -> float:
-        """What the deadline stop leaves for the save: this process's longest write, or the time the saves of
-        earlier runs say the next one takes, whichever is longer."""
-        own = self._checkpointer.longest_write_s if self._checkpointer is not None else 0.0
-        return max(own, self.expected_save_s or 0.0)
 
     # ------------------------------------------------------------------ the model and the data
     def wrap(self, model: nn.Module, *, find_unused_parameters: bool = False, static_graph: bool = False,
@@ -201,36 +157,7 @@ class Session:
 
         `parallel="fsdp"`: sharded with FSDP2 instead (mgpu.fsdp; `shard_hook(model, mesh)` shards it your
         way), and checkpoints become sharded; call it before building the optimizer and before `load()`."""
-        from mgpu.fsdp import refuse_to_wrap
-
-        refuse_to_wrap(model, parallel, model in self._wrapped, self.cfg.checkpoint.format)
-        if parallel == "fsdp":  # [fsdp hook] see mgpu.fsdp
-            from mgpu.fsdp import shard
-
-            if self._checkpointer is not None and not self.sharded:
-                raise MgpuError("Session.wrap(parallel='fsdp') after load() or save(): shard the model first (its "
-                                "checkpoints are sharded)")
-            self._fsdp = True
-            return self._watched(shard(model, self.device, shard_hook))
-        model = model.to(self.device)
-        if self.world_size == 1:
-            self._wrapped.add(model)
-            return model
-        assert self._ddps is not None
-        ddp = self._ddps.wrap(model, self.device, find_unused_parameters, static_graph)  # [mgpu.ddp bucket layout]
-        self._wrapped.add(ddp)
-        return self._watched(ddp)
-
-    def _watched(self, model: nn.Module) -> nn.Module:
-        """Entering the model's forward (of the next step), this rank waits for the others: a watchdog beat. A
-        loop that beats nothing else starts its step here; a step's first forward starts it, not each one."""
-        watchdog = self.watchdog
-        if watchdog is not None:
-            def beat(module: Any, args: Any) -> None:
-                following = self.step + 1
-                self.beat("model", following if watchdog.step != following else None)
-            model.register_forward_pre_hook(beat)
-        return model
+        return session_wrap.wrap(self, model, find_unused_parameters, static_graph, parallel, shard_hook)
 
     @property
     def sharded(self) -> bool:
@@ -299,7 +226,7 @@ class Session:
         stopper = self._live("should_stop()")
         self.step = self.step + 1 if step is None else step
         if self.step == self.resume_step + 1:
-            self._after_first_step()
+            after_first_step(self)
             record_outside(self.rank, self._state, sys._getframe(1))  # check_resume only: what `state` lacks
         record_step(self.rank, self.step)  # check_resume only
         reasons = stopper.at_step(self.step)
@@ -337,37 +264,12 @@ class Session:
             raise MgpuError(f"Session.{what} after finish(): the session has ended (its process group is gone)")
         return self.stopper
 
-    def _after_first_step(self) -> None:
-        """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
-        then fails a collective in minutes, not in distributed.init_timeout_s)."""
-        from mgpu.distributed import set_collective_timeout
-
-        seconds = None
-        if self.watchdog is not None and self.world_size > 1:
-            assert self.stopper is not None
-            seconds = round(self.watchdog.collective_timeout(self.cfg.watchdog.collective_timeout_s), 1)
-            set_collective_timeout(timedelta(seconds=seconds), self.stopper.agreement.group)  # type: ignore[attr-defined]  # the agreement the controller built for this rank
-        self.timings["first_step"] = time.time()
-        self.ledger.write("first_step", step=self.step, collective_timeout_s=seconds,
-                          checkpoint_allowance_s=round(self.save_allowance_s, 1),
-                          timings={k: round(v, 3) for k, v in self.timings.items()})
-
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpointer(self) -> Any:
         """The run's checkpoint coordination (mgpu.checkpointer; sharded: mgpu.sharded), made at first use."""
         if self._checkpointer is None:
-            from mgpu.checkpointer import open_checkpointer
-
-            from mgpu.save_budget import peer_wait_s
-            from mgpu.save_record import saving_beat
-
-            beat = saving_beat(self.beat, self.ledger.path, writers=self.world_size if self.sharded else 1,
-                               sharded=self.sharded, job=self.env.job_id, restart=self.env.restart_count)
-            self._checkpointer = open_checkpointer(self.run, self.rank, self.world_size, self.ledger,
-                                                   self.cfg.checkpoint, sharded=self.sharded, beat=beat,
-                                                   version=self.version, wait_s=peer_wait_s(self.save_allowance_s))
-            self._cleanup.callback(self._checkpointer.close)
+            self._checkpointer = session_state.open_checkpointer(self)
         return self._checkpointer
 
     def latest(self) -> LoadedCheckpoint | None:
@@ -375,26 +277,11 @@ class Session:
         on every rank; None for a new run. A look before `load()` (the trainer reads its progress to size
         its schedule): `load()` restores this one."""
         if not self.resumption.looked:
-            self._resume_begins()
+            session_state.resume_begins(self)
         self.timings.setdefault("find", time.time())
         found = self.resumption.latest()
         self.timings.setdefault("loaded", time.time())
         return found
-
-    def _resume_begins(self) -> None:
-        """The resume's own watchdog allowance until load() ends (mgpu.save_budget), its start recorded
-        (mgpu.save_record), and a group timeout that waits out rank 0's hash when that may be longer."""
-        from mgpu.save_record import open_attempt
-
-        open_attempt(self.ledger.path, "resume", writers=self.world_size, sharded=self.sharded,
-                     job=self.env.job_id, restart=self.env.restart_count)
-        self.beat("resume")
-        if self.watchdog is not None:
-            from mgpu.distributed import set_collective_timeout
-
-            wait = self.watchdog.collective_timeout(self.cfg.distributed.init_timeout_s, resuming=True)
-            if wait > self.cfg.distributed.init_timeout_s:
-                set_collective_timeout(timedelta(seconds=wait))
 
     def load(self, state: MutableMapping[str, Any], *, missing_ok: set[str] | frozenset[str] = frozenset(),
              override: Mapping[str, Any] | None = None, fresh: bool = False, batch_size: int | None = None,
@@ -412,34 +299,7 @@ class Session:
         per optimizer step, for the resume line (default: the state's `session.loader`'s); `global_batch`: the
         global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
         micro-step): the resume line says how the accumulation changed."""
-        from mgpu import hparams
-        from mgpu.fsdp import check_state
-        from mgpu.train_state import State
-
-        if not isinstance(state, MutableMapping):
-            raise MgpuError(f"Session.load() takes a dict of what to checkpoint (name -> model, optimizer, loader, "
-                            f"value), got a {type(state).__name__}")
-        check_state(state, self.sharded)
-        if fresh:
-            self.resumption.start_over()
-        self.latest()
-        before = hparams.constructed(state)
-        loaded = self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
-        if loaded is not None:
-            self.timings["restored"] = time.time()
-            self.step = self.resume_step = loaded.step
-            if self._ddps is not None:  # [mgpu.ddp bucket layout] the wrapped DDPs' saved buckets
-                self._ddps.resume(loaded.state.get("ddp"))
-            for line in hparams.overridden_by_checkpoint(before, state, override or {}) if self.is_main else ():
-                log.warning("%s (to change it on purpose: load(state, override={...}))", line)
-        changes = hparams.apply(state, override or {})
-        self.beat("start")  # resumed: the first step's allowance from here
-        self._state = state
-        self.begin()
-        if changes:
-            self.ledger.write("hyperparameters", step=self.step, changes=changes)
-            log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
-        return state if isinstance(state, State) else State(state)
+        return session_state.load(self, state, missing_ok, override, fresh, batch_size, global_batch)
 
     @property
     def resumed_from(self) -> Path | None:
@@ -454,31 +314,7 @@ class Session:
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
         again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
         run whose checkpoint this session did not `load()`."""
-        from mgpu.fsdp import check_state
-        from mgpu.train_state import gather_state
-
-        state = self._state if state is None else state
-        if state is None:
-            raise MgpuError("Session.save(): nothing to save: pass the state (or load() it first)")
-        if not (callable(state) or isinstance(state, Mapping)):
-            raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
-        if not self.resumption.looked:
-            self.resumption.refuse_unloaded()
-            check_state(state() if callable(state) else state, self.sharded)
-        self._state = state
-        self.begin()
-        objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
-        extra = self.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
-        if self.sharded:  # [fsdp hook] every rank contributes its shard
-            path = self.checkpointer.save_objects(objects, self.step, reason, is_best=best, wait=wait, extra=extra)
-        else:
-            ddps = self._ddps  # [mgpu.ddp bucket layout] the wrapped DDPs' buckets, saved beside the state
-            assert ddps is not None
-            path = self.checkpointer.save(lambda: ddps.gather(lambda: gather_state(objects, self.version)),
-                                          self.step, reason, is_best=best, wait=wait, extra=extra)
-        if wait:  # durable now: end() does not save this step again
-            self._durable = (self.step, path)
-        return path
+        return session_state.save(self, state, best, wait, reason, meta)
 
     @property
     def run_id(self) -> str:
@@ -518,12 +354,7 @@ class Session:
         if self._began:
             return
         self._began = True
-        self.ledger.write("started", world_size=self.world_size, nodes=list(self.env.nodes),
-                          launcher=self.env.launcher, device=str(self.device), backend=self.backend,
-                          run_dir=str(self.run.path), limits={"max_requeues": self.limits.max_requeues,
-                                                              "max_failures": self.limits.max_failures},
-                          **{"config_path": self.config_path, "git_sha": self.version, **fields})
-        self.resumption.record()
+        record_start(self, fields)
 
     def finish(self) -> None:
         """End this rank's run and act on it: after a stop, save the state (if not saved at this step already)
@@ -545,7 +376,7 @@ class Session:
         if self._finished:
             raise MgpuError("the session has ended already (finish() or end() was called)")
         try:
-            outcome = self._conclude(status, fields)
+            outcome = conclude(self, status, fields)  # mgpu.session_end
         except BaseException as error:  # the stop's save failed: recorded like any failure, then raised
             self.fail(error)
             raise
@@ -555,29 +386,6 @@ class Session:
         from mgpu.process_exit import skip_collection_at_exit
 
         skip_collection_at_exit()  # the run is over: the process's exit need not collect its heap (~1 s of CPU)
-        return outcome
-
-    def _conclude(self, status: str | None, fields: dict[str, Any]) -> Outcome:
-        reasons = self.reasons
-        stopped = bool(reasons) if status is None else status == "stopped"
-        saved_at, path = self._durable  # a stop's checkpoint has one owner: the loop, else here
-        if self._state is not None and saved_at != self.step:
-            path = self.save(reason="preemption" if stopped else "final", wait=True)
-        if not stopped:
-            self.ledger.write("finished", step=self.step, status=status or "finished",
-                              seconds=round(time.time() - self.started, 3), **fields)
-            if self.is_main:
-                self.run.release(self.env.job_id)
-            return Outcome("finished")
-        log.info("stopping at step %d (%s; signals on this rank: %s)", self.step, ", ".join(sorted(reasons)),
-                 [name for name, _ in self.stop.received])
-        self.ledger.write("preempted", step=self.step, reasons=sorted(reasons),
-                          signals=[name for name, _ in self.stop.received],
-                          signal_times=[round(t, 3) for _, t in self.stop.received])
-        outcome = decide_after_stop(reasons, self.step, self.resume_step, str(path) if path else None,
-                                    self.budgets, self.env, self.ledger, signals=list(self.stop.received))
-        if outcome.kind == "stays_down":
-            self.run.release(self.env.job_id)
         return outcome
 
     def fail(self, error: BaseException) -> None:
@@ -590,25 +398,7 @@ class Session:
         rank_failed(error, self.run, rank=self.rank, job_id=self.env.job_id, restart=self.env.restart_count,
                     slurm_job=self.slurm_job, limits=self.limits, by_batch=self._by_batch)
         self._cleanup.close()
-        self._discard_if_unused(error)
-
-    def _arm_teardown(self) -> None:
-        """From here the watchdog bounds the group's teardown (a dead peer can block it): past its allowance,
-        stacks to the log and an exit, 4 when the run did not end as it should; when it did (its outcome is
-        recorded: nothing is lost by cutting the teardown short), within ENDED_TEARDOWN_S and with the outcome's
-        exit code, so that the rank is gone before Slurm's KillWait runs out."""
-        assert self.watchdog is not None
-        from mgpu.watchdog import ENDED_TEARDOWN_S, HANG_EXIT_CODE, TEARDOWN_S
-
-        if self._ended:
-            self.watchdog.teardown(exit_code=self._ended_code, allowance_s=ENDED_TEARDOWN_S)
-        else:
-            self.watchdog.teardown(exit_code=HANG_EXIT_CODE, allowance_s=TEARDOWN_S)
-
-    def _discard_if_unused(self, error: BaseException) -> None:
-        """Bad input found before the run began leaves no trace of this attempt."""
-        if isinstance(error, MgpuError) and not self._began and self._created is not None:
-            discard(self.run, self.rank, self._created)
+        discard_if_unused(self, error)
 
     def __enter__(self) -> "Session":
         return self

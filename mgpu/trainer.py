@@ -313,54 +313,13 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
-        cfg, p, session = self.cfg, self.progress, self.session
-        if self.is_main:
-            self.reporter.hparams(flatten_config(self.config_dict), dump_config(cfg))
-            self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
-                               f"{self.device}, from step {p.step} (epoch {p.epoch}, " + (
-                                   f"sample {p.position}), {self.plan.global_batch * self.accum} samples a step "
-                                   f"({self.accum} micro-step(s))" if self.stream is None
-                                   else f"batch per rank {p.position}), {self.accum} micro-step(s) a step"))
-        log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
-        status: Literal["finished", "stopped", "early_stopped"] = "finished"
+        """Train from where the run stands to its end, a stop or early stopping; the run's last checkpoint."""
+        p = self.progress
+        self._announce()
         self.model.train()
         self.beat("data", p.step + 1)
         try:
-            if p.eval_pending:  # a stop interrupted this step's evaluation: it comes first
-                early, stopped = self._evaluate_or_stop()
-                status = "early_stopped" if early else "stopped" if stopped else status
-            for group in self._optimizer_steps() if status == "finished" else ():
-                if p.step >= self.total_steps:
-                    break
-                session.timings.setdefault("first_batch", time.time())
-                self._train_step(group)
-                self.step_ends.append(time.perf_counter())
-                p.step += 1
-                p.position = group[-1][0].end_position
-                p.samples_seen += sum(mb.global_count for mb, _ in group)
-                epoch_end = group[-1][0].ends_epoch
-                if epoch_end:
-                    p.epoch, p.position = p.epoch + 1, 0
-                last = p.step >= self.total_steps
-                # Every rank, every step: the same answer at the same step (this loop saves the stop itself).
-                stop = session.should_stop(p.step, save=False)
-                if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
-                    self._log_train()
-                if stop and not last:
-                    # The stop's checkpoint is this step's; an evaluation due now comes first after the resume.
-                    p.eval_pending = self._eval_due(epoch_end)
-                    status = "stopped"
-                    break
-                if self._eval_due(epoch_end):
-                    early, stopped = self._evaluate_or_stop()
-                    if early or stopped:
-                        status = "early_stopped" if early else "stopped"
-                        break
-                if self._checkpoint_due(epoch_end):
-                    self._save("epoch" if epoch_end else "periodic")
-                if last:
-                    break
-                self.beat("data", p.step + 1)  # the next step begins with fetching its batches
+            status = self._train()
             if status == "finished" and self.eval_set is not None and p.step != self._last_eval:
                 _, stopped = self._evaluate_or_stop()
                 status = "stopped" if stopped else status
@@ -369,12 +328,65 @@ class Trainer:
             path = self._save("preemption" if status == "stopped" else "final", wait=True)
         finally:
             self.reporter.close()
-        metrics = self._last_metrics
-        return FitResult(status, p.step, p.epoch, frozenset(session.reasons), path, metrics, self.resume_step,
-                         dict(p.best_metrics), p.best_step)
+        return FitResult(status, p.step, p.epoch, frozenset(self.session.reasons), path, self._last_metrics,
+                         self.resume_step, dict(p.best_metrics), p.best_step)
 
-    def _train_step(self, group: list[tuple[MicroBatch, Any]]) -> None:
-        """One optimizer step over `accum` micro-batches; the gradient all-reduce runs once, at the end."""
+    def _train(self) -> Literal["finished", "stopped", "early_stopped"]:
+        """The steps, each top to bottom: its batches, forward and backward over the accumulation, clipping, the
+        optimizer, the schedule, the stop agreement, the log, an evaluation, a checkpoint."""
+        cfg, p, session = self.cfg, self.progress, self.session
+        if p.eval_pending:  # a stop interrupted this step's evaluation: it comes first
+            early, stopped = self._evaluate_or_stop()
+            if early or stopped:
+                return "early_stopped" if early else "stopped"
+        for group in self._optimizer_steps():  # `accum` micro-batches (index plan, batch) per optimizer step
+            if p.step >= self.total_steps:
+                break
+            session.timings.setdefault("first_batch", time.time())
+            samples = self._forward_backward(group)  # DDP's gradient all-reduce runs once, in the last backward
+            self._clip_gradients()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
+            self._step_lr = self.optimizer.param_groups[0]["lr"]  # this step's; after scheduler.step() the next's
+            self.scheduler.step()
+            epoch_end = self._advance(group, samples)
+            last = p.step >= self.total_steps
+            # Every rank, every step: the same answer at the same step (this loop saves the stop itself).
+            stop = session.should_stop(p.step, save=False)
+            if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
+                self._log_train()
+            if stop and not last:
+                # The stop's checkpoint is this step's; an evaluation due now comes first after the resume.
+                p.eval_pending = self._eval_due(epoch_end)
+                return "stopped"
+            if self._eval_due(epoch_end):
+                early, stopped = self._evaluate_or_stop()
+                if early or stopped:
+                    return "early_stopped" if early else "stopped"
+            if self._checkpoint_due(epoch_end):
+                self._save("epoch" if epoch_end else "periodic")
+            if last:
+                break
+            self.beat("data", p.step + 1)  # the next step begins with fetching its batches
+        return "finished"
+
+    def _announce(self) -> None:
+        """The run's first lines: its hyperparameters to the loggers, where it starts, how big a step is."""
+        p = self.progress
+        if self.is_main:
+            self.reporter.hparams(flatten_config(self.config_dict), dump_config(self.cfg))
+            self.reporter.line(f"training {self.total_steps} steps on {self.world} rank(s), device "
+                               f"{self.device}, from step {p.step} (epoch {p.epoch}, " + (
+                                   f"sample {p.position}), {self.plan.global_batch * self.accum} samples a step "
+                                   f"({self.accum} micro-step(s))" if self.stream is None
+                                   else f"batch per rank {p.position}), {self.accum} micro-step(s) a step"))
+        log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
+
+    def _forward_backward(self, group: list[tuple[MicroBatch, Any]]) -> int:
+        """Forward, loss and backward over the step's micro-batches, the gradients accumulated locally until the
+        last (no_sync), then made the mean over every real sample (or, for a LossSum, every unit) of the step.
+        Returns the step's samples over all ranks."""
         total = sum(mb.global_count for mb, _ in group)
         weight: torch.Tensor | None = None  # a LossSum task's: this rank's units (tokens) in the step
         reduction = None
@@ -390,27 +402,9 @@ class Trainer:
                     out, Mapping) else (out, {})
                 self.beat("backward")
                 if isinstance(loss, LossSum):
-                    kept = 1.0 if mb.real else 0.0  # a rank left without samples trains on a padding one: weight 0
-                    summed = loss.total.float() * kept
-                    units = torch.as_tensor(loss.weight, dtype=torch.float64, device=self.device) * kept
-                    weight = units if weight is None else weight + units
-                    if last and self.world > 1:  # the step's units on all ranks, summed while backward runs
-                        weight = weight.clone()
-                        reduction = dist.all_reduce(weight, async_op=True)
-                    self.scaler.scale(summed).backward()
-                    self._loss_sum += summed.detach()
-                    self._loss_count += units
+                    weight, reduction = self._backward_summed(loss, mb, weight, last)
                 else:
-                    if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != len(mb.indices):
-                        shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                        raise MgpuError(f"{type(self.task).__name__}.loss must return one loss per sample (shape "
-                                        f"[{len(mb.indices)}]) or a mgpu.metrics.LossSum, got {shape}")
-                    real = loss[:mb.real].float()
-                    # DDP averages gradients over ranks: scaling by world/total makes that average the exact
-                    # mean over every real sample of the step, however unevenly the samples were split.
-                    self.scaler.scale(real.sum() * (self.world / total)).backward()
-                    self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
-                    self._loss_count += mb.real
+                    self._backward_per_sample(loss, mb, total)
             if extras:
                 self._add_train_metrics(extras, mb.real)
         if weight is not None:
@@ -421,6 +415,40 @@ class Trainer:
             grads = local_grads(self.model)  # a sharded gradient's local part: the factor is the same everywhere
             for dtype in {g.dtype for g in grads}:
                 torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
+        return total
+
+    def _backward_summed(self, loss: LossSum, mb: MicroBatch, weight: torch.Tensor | None,
+                         last: bool) -> tuple[torch.Tensor, Any]:
+        """Backward of a LossSum (a sum over units such as tokens, and their count). Returns the step's units on
+        this rank so far and, at the step's last micro-batch, their sum over the ranks in flight (None before)."""
+        kept = 1.0 if mb.real else 0.0  # a rank left without samples trains on a padding one: weight 0
+        summed = loss.total.float() * kept
+        units = torch.as_tensor(loss.weight, dtype=torch.float64, device=self.device) * kept
+        weight = units if weight is None else weight + units
+        reduction = None
+        if last and self.world > 1:  # the step's units on all ranks, summed while backward runs
+            weight = weight.clone()
+            reduction = dist.all_reduce(weight, async_op=True)
+        self.scaler.scale(summed).backward()
+        self._loss_sum += summed.detach()
+        self._loss_count += units
+        return weight, reduction
+
+    def _backward_per_sample(self, loss: Any, mb: MicroBatch, total: int) -> None:
+        """Backward of a per-sample loss, scaled so that DDP's average over ranks is the step's exact mean."""
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != len(mb.indices):
+            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise MgpuError(f"{type(self.task).__name__}.loss must return one loss per sample (shape "
+                            f"[{len(mb.indices)}]) or a mgpu.metrics.LossSum, got {shape}")
+        real = loss[:mb.real].float()
+        # DDP averages gradients over ranks: scaling by world/total makes that average the exact
+        # mean over every real sample of the step, however unevenly the samples were split.
+        self.scaler.scale(real.sum() * (self.world / total)).backward()
+        self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
+        self._loss_count += mb.real
+
+    def _clip_gradients(self) -> None:
+        """Unscaled gradients, clipped to train.clip_grad_norm; their norm kept for the log line."""
         self.beat("optimizer")
         self.scaler.unscale_(self.optimizer)
         max_norm = self.cfg.train.clip_grad_norm
@@ -428,13 +456,21 @@ class Trainer:
             # Without clipping the norm is only for the log line: not computed on other steps.
             self._grad_norm = plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                                    max_norm if max_norm is not None else math.inf))
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._step_lr = self.optimizer.param_groups[0]["lr"]  # this step's; after scheduler.step() it is the next's
-        self.scheduler.step()
+
+    def _advance(self, group: list[tuple[MicroBatch, Any]], samples: int) -> bool:
+        """The step done: its end time, the step, the position in the data, the log window. Whether it ended an
+        epoch."""
+        p = self.progress
+        self.step_ends.append(time.perf_counter())
         self._window_steps += 1
-        self._window_samples += total
+        self._window_samples += samples
+        p.step += 1
+        p.position = group[-1][0].end_position
+        p.samples_seen += sum(mb.global_count for mb, _ in group)
+        epoch_end = group[-1][0].ends_epoch
+        if epoch_end:
+            p.epoch, p.position = p.epoch + 1, 0
+        return epoch_end
 
     def _add_train_metrics(self, extras: Mapping[str, Any], real: int) -> None:
         try:

@@ -183,34 +183,68 @@ class StreamTask(BlobTask):
         return Stream()
 
 
-class StatefulBlobs(IterableDataset):
-    """Blobs as a user's Stateful stream (as a Hugging Face streaming dataset is): rank r's worker w of W reads
-    the contiguous blocks r * W + w, + R * W, ... of `block` items; its state is its (block, item) cursor."""
+class CursorStream(IterableDataset):
+    """A user's Stateful stream (as a Hugging Face streaming dataset is; no mgpu.stream order): rank r's worker w
+    of W reads the units (blocks, shards) r * W + w, + R * W, ... front to back; its state is its (unit, item)
+    cursor, the unit named by UNIT. A subclass says what its units are, how many items each has, and reads one."""
 
-    def __init__(self, blobs: Blobs, block: int = 7) -> None:
-        self.blobs, self.block = blobs, block
-        self.cursor = {"block": 0, "item": 0}
+    UNIT = "unit"
+    rank: int | None = None
+    world: int | None = None
+    """This rank's place (None: the process group's, when there is one)."""
+
+    def __init__(self) -> None:
+        self.cursor = {self.UNIT: 0, "item": 0}
+
+    def units(self) -> Any:
+        raise NotImplementedError
+
+    def count(self, unit: Any) -> int:
+        raise NotImplementedError
+
+    def read(self, unit: Any, item: int) -> Any:
+        raise NotImplementedError
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        blocks = range(0, len(self.blobs), self.block)
-        mine = blocks[rank * workers + worker::world * workers]
-        while self.cursor["block"] < len(mine):
-            start = mine[self.cursor["block"]]
-            while self.cursor["item"] < min(self.block, len(self.blobs) - start):
-                item = self.blobs[start + self.cursor["item"]]
+        rank, world = (rank if self.rank is None else self.rank), (world if self.world is None else self.world)
+        mine = self.units()[rank * workers + worker::world * workers]
+        key = self.UNIT
+        while self.cursor[key] < len(mine):
+            unit = mine[self.cursor[key]]
+            while self.cursor["item"] < self.count(unit):
+                value = self.read(unit, self.cursor["item"])
                 self.cursor["item"] += 1
-                yield item
-            self.cursor = {"block": self.cursor["block"] + 1, "item": 0}
-        self.cursor = {"block": 0, "item": 0}
+                yield value
+            self.cursor = {key: self.cursor[key] + 1, "item": 0}
+        self.cursor = {key: 0, "item": 0}
 
     def state_dict(self) -> dict:
         return dict(self.cursor)
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor = dict(state)
+
+
+class StatefulBlobs(CursorStream):
+    """Blobs as a Stateful stream: its units are the contiguous blocks of `block` items."""
+
+    UNIT = "block"
+
+    def __init__(self, blobs: Blobs, block: int = 7) -> None:
+        self.blobs, self.block = blobs, block
+        super().__init__()
+
+    def units(self) -> range:
+        return range(0, len(self.blobs), self.block)
+
+    def count(self, unit: int) -> int:
+        return min(self.block, len(self.blobs) - unit)
+
+    def read(self, unit: int, item: int) -> Any:
+        return self.blobs[unit + item]
 
 
 class StatefulBlobTask(BlobTask):
@@ -249,35 +283,24 @@ class TokenShardTask(Task):
         return F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none").mean(1)
 
 
-class StatefulTokenShards(IterableDataset):
-    """Token shards as a user's Stateful stream (no mgpu.stream order): rank r's worker w of W reads shards
-    r * W + w, + R * W, ... front to back; its state is its (shard, window) cursor."""
+class StatefulTokenShards(CursorStream):
+    """Token shards as a Stateful stream: its units are the shard files, its items their windows."""
+
+    UNIT = "shard"
 
     def __init__(self, files: list[str], reader: Any, rank: int | None = None, world: int | None = None) -> None:
         """`rank`, `world`: this rank's place (default: the process group's, when there is one)."""
         self.files, self.reader, self.rank, self.world = files, reader, rank, world
-        self.cursor = {"shard": 0, "item": 0}
+        super().__init__()
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        info = get_worker_info()
-        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-        rank, world = (rank if self.rank is None else self.rank), (world if self.world is None else self.world)
-        mine = self.files[rank * workers + worker::world * workers]
-        while self.cursor["shard"] < len(mine):
-            path = mine[self.cursor["shard"]]
-            while self.cursor["item"] < self.reader.count(path):
-                window = self.reader.read(path, self.cursor["item"])
-                self.cursor["item"] += 1
-                yield window
-            self.cursor = {"shard": self.cursor["shard"] + 1, "item": 0}
-        self.cursor = {"shard": 0, "item": 0}
+    def units(self) -> list[str]:
+        return self.files
 
-    def state_dict(self) -> dict:
-        return dict(self.cursor)
+    def count(self, unit: str) -> int:
+        return self.reader.count(unit)
 
-    def load_state_dict(self, state: dict) -> None:
-        self.cursor = dict(state)
+    def read(self, unit: str, item: int) -> Any:
+        return self.reader.read(unit, item)
 
 
 class StatefulGptTask(GptTask):

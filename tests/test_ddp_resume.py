@@ -104,3 +104,20 @@ def test_a_comm_hooks_state_is_gathered_to_the_writer_only(tmp_path: Path) -> No
     assert [rc for rc, _ in results] == [0, 0], results
     assert "hooks [0, 1]" in results[0][1], results[0][1]
     assert "hooks []" in results[1][1], results[1][1]
+
+
+def test_the_private_bucket_answer_fails_loudly_when_torch_moves_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mgpu.ddp gives a resumed reducer its buckets through one torch private (no public way exists): a torch
+    without it, or a DDP constructor that no longer asks it, is an error, never a resume in another order."""
+    import torch.distributed as dist
+
+    from mgpu.ddp import BUCKET_ASSIGNMENT, _initial_buckets
+
+    with pytest.raises(RuntimeError, match="did not ask torch.distributed._compute_bucket_assignment_by_size"):
+        with _initial_buckets([[0, 1]], [1024]):
+            pass  # a constructor that never asks
+    assert getattr(dist, BUCKET_ASSIGNMENT).__name__ == "_compute_bucket_assignment_by_size"  # put back
+    monkeypatch.delattr(dist, BUCKET_ASSIGNMENT)
+    with pytest.raises(RuntimeError, match="has no torch.distributed._compute_bucket_assignment_by_size"):
+        with _initial_buckets([[0, 1]], [1024]):
+            pass

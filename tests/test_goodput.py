@@ -251,6 +251,16 @@ def test_status_progress_line_is_current_and_changes_only_with_the_ledger() -> N
     assert line == "running, step 60/100, 64 samples/s, ETA 20s, checkpoint step 40, eval accuracy 0.4"
 
 
+def test_status_and_goodput_print_a_duration_alike_days_included() -> None:
+    """One formatter (mgpu.goodput.duration) for the status's ages and ETA and goodput's report."""
+    from jobs.status import progress_line
+    from mgpu.goodput import duration
+
+    assert [duration(s) for s in (59.4, 187, 5 * 3600 + 120, 2 * 86400 + 3 * 3600)] == ["59s", "3m07s", "5h02m",
+                                                                                     "2d03h"]
+    assert progress_line({"state": "running", "eta_s": 2 * 86400 + 3 * 3600}) == "running, ETA 2d03h"
+
+
 def test_wait_prints_a_line_only_when_the_ledger_changed() -> None:
     from jobs.status import progress_line, summarize
 
