@@ -1,0 +1,162 @@
+"""A session's snapshots in host memory (checkpoint.memory_every_steps): every k steps each rank writes what a
+checkpoint at that step would hold for it into node-local shared memory (mgpu.memory_snapshot); when the step
+is started again in the same allocation (a killed rank, a crash, a hang), the ranks agree on the newest step
+every one of them holds and restore it when it is newer than the durable checkpoint.
+
+Under DDP every rank keeps the whole replicated state (model, optimizer, ...) with its own RNG and loader
+position: each rank restores alone, with no peer, at the cost of one state per rank in the node's memory.
+Not (yet) for sharded checkpoints (FSDP2) or ZeroRedundancyOptimizer, whose state is split across ranks: a
+session with either takes no snapshots and says so once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, MutableMapping
+
+from mgpu.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id
+
+__all__ = ["MemorySnapshots", "agree_on_step", "config_digest", "rank_state"]
+
+log = logging.getLogger("mgpu.train")
+
+
+def config_digest(config: Any) -> str:
+    """A digest of the resolved config (a dataclass or a mapping): a snapshot taken under another is stale."""
+    plain = asdict(config) if is_dataclass(config) and not isinstance(config, type) else config
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def agree_on_step(own: list[int], reduce_min: Callable[[int], int]) -> int | None:
+    """*Collective* through `reduce_min` (an all-reduce MIN over the ranks): the newest step every rank holds
+    (`own`: this rank's valid snapshot steps), or None. Each round proposes every rank's newest step below the
+    last proposal and keeps the least; it is taken when every rank has it. At most SLOTS + 1 rounds, the same
+    number on every rank (every decision is on reduced values)."""
+    bound: int | None = None
+    for _ in range(SLOTS + 1):
+        proposal = reduce_min(max((s for s in own if bound is None or s < bound), default=-1))
+        if proposal < 0:
+            return None
+        if reduce_min(1 if proposal in own else 0) == 1:
+            return proposal
+        bound = proposal
+    return None
+
+
+def rank_state(objects: Mapping[str, Any], rank: int, world_size: int, version: str | None) -> dict[str, Any]:
+    """What a checkpoint holds, as this rank can give it with no collective: the objects' states (replicated
+    under DDP), and in the per-rank entries (RNG, a stateful stream's position) this rank's alone, at its place."""
+    from mgpu.rng import capture_rng_state
+    from mgpu.train_state import FORMAT, _unwrapped
+
+    def at_rank(value: Any) -> list[Any]:
+        entries: list[Any] = [None] * world_size
+        entries[rank] = value
+        return entries
+
+    state: dict[str, Any] = {"format": FORMAT, "rng": at_rank(capture_rng_state()), "world_size": world_size,
+                             "code_version": version}
+    for name, value in objects.items():
+        if callable(getattr(value, "rank_state_dict", None)):
+            state[name] = {"per_rank": at_rank(value.rank_state_dict())}
+            continue
+        value = _unwrapped(value)
+        if hasattr(value, "state_dict"):
+            state[name] = value.state_dict()
+        elif is_dataclass(value) and not isinstance(value, type):
+            state[name] = asdict(value)
+        else:
+            state[name] = value
+    return state
+
+
+def _unsupported(objects: Mapping[str, Any], sharded: bool) -> str | None:
+    from mgpu.train_state import _is_zero
+
+    if sharded:
+        return "its checkpoints are sharded (FSDP2): a rank's shard in memory is not implemented yet"
+    if any(_is_zero(value) for value in objects.values()):
+        return "a ZeroRedundancyOptimizer's state is split across the ranks"
+    return None
+
+
+class MemorySnapshots:
+    """One rank's snapshots for its session. `every`: steps between snapshots (0: off; restore still looks)."""
+
+    def __init__(self, store: SnapshotStore, every: int, version: str | None, sharded: Callable[[], bool]) -> None:
+        self.store, self.every, self.version, self._sharded = store, every, version, sharded
+        self.disabled: str | None = None
+        self.taken = 0
+        self.last_seconds = 0.0
+        self.last_bytes = 0
+
+    @classmethod
+    def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
+             version: str | None, sharded: Callable[[], bool], base: Path | None = None) -> "MemorySnapshots":
+        """Outside Slurm the job id is derived from the run (`local-<run id>`), so a local restart finds them."""
+        identity = Identity(slurm_job or local_job_id(run_id), run_id, config_digest(config), world_size, rank)
+        return cls(SnapshotStore.for_rank(identity, base), every, version, sharded)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0 and self.disabled is None
+
+    def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
+        """*Collective only where `layouts` is* (a DDP comm hook's state). This rank's state at `step`, written
+        now (the loop waits for this copy alone). Whether one was taken."""
+        if not self.due(step):
+            return False
+        if (why := _unsupported(objects, self._sharded())) is not None:
+            self.disabled = why
+            if self.store.identity.rank == 0:
+                log.warning("checkpoint.memory_every_steps: no snapshots in memory: %s", why)
+            return False
+        from mgpu.checkpoint import _torch_save
+
+        started = time.perf_counter()
+        state = rank_state(objects, self.store.identity.rank, self.store.identity.world_size, self.version)
+        state.update(layouts())
+        snapshot = self.store.write(step, lambda file: _torch_save(state, file))
+        self.last_seconds, self.last_bytes = time.perf_counter() - started, snapshot.path.stat().st_size
+        if self.taken == 0 and self.store.identity.rank == 0:
+            log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.every,
+                     self.last_bytes / 1e6, self.last_seconds, self.store.directory)
+        self.taken += 1
+        return True
+
+    def agreed_step(self, reduce_min: Callable[[int], int]) -> int | None:
+        """*Collective.* The newest step every rank can restore from memory (None: none)."""
+        return agree_on_step(self.store.valid_steps(), reduce_min)
+
+    def restore(self, step: int, objects: MutableMapping[str, Any], seed: int,
+                missing_ok: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
+        """Put this rank's snapshot of `step` into `objects` (mgpu.train_state.restore_state); its content."""
+        import torch
+
+        from mgpu.train_state import restore_state
+
+        def load(file: IO[bytes]) -> Any:
+            return torch.load(file, map_location="cpu", weights_only=True)
+
+        state = self.store.read(step, load)
+        restore_state(state, objects, self.store.identity.rank, seed, missing_ok)
+        return state
+
+    def remove(self) -> None:
+        """This rank's snapshots (the run ended: finished, stopped with its checkpoint, or stays down)."""
+        self.store.remove()
+
+    def remove_other_jobs(self) -> None:
+        """Snapshots of this run on this node from another job (never restorable here: another job id)."""
+        import shutil
+
+        from mgpu.memory_snapshot import _SAFE
+
+        mine = self.store.directory.parent
+        for path in mine.parent.glob(f"mgpu-*-{_SAFE.sub('_', self.store.identity.run)}"):
+            if path != mine:
+                shutil.rmtree(path, ignore_errors=True)
