@@ -15,15 +15,24 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import asdict, is_dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 from typing import IO, Any, Callable, Mapping, MutableMapping
 
 from mgpu.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id
 
-__all__ = ["MemorySnapshots", "agree_on_step", "config_digest", "rank_state"]
+__all__ = ["MemorySnapshots", "Restored", "agree_on_step", "config_digest", "rank_state"]
 
 log = logging.getLogger("mgpu.train")
+
+
+@dataclass(frozen=True)
+class Restored:
+    """A restore from memory: the step, the snapshot's content (its "ddp" layouts among it), where it was."""
+
+    step: int
+    state: dict[str, Any]
+    path: Path
 
 
 def config_digest(config: Any) -> str:
@@ -145,6 +154,19 @@ class MemorySnapshots:
         state = self.store.read(step, load)
         restore_state(state, objects, self.store.identity.rank, seed, missing_ok)
         return state
+
+    def restore_if_newer(self, durable_step: int, reduce_min: Callable[[int], int], objects: MutableMapping[str, Any],
+                         seed: int, missing_ok: frozenset[str] | set[str] = frozenset()) -> Restored | None:
+        """*Collective.* Restore the newest step every rank holds in memory when it is newer than the durable
+        checkpoint's (`durable_step`; -1: none), and say so on rank 0; None: the durable checkpoint, as before."""
+        step = self.agreed_step(reduce_min)
+        if step is None or step <= durable_step:
+            return None
+        state = self.restore(step, objects, seed, missing_ok)
+        if self.store.identity.rank == 0:
+            log.info("resumed at step %d from the snapshots in memory (%s), newer than the durable checkpoint%s",
+                     step, self.store.directory.parent, f" (step {durable_step})" if durable_step >= 0 else " (none)")
+        return Restored(step, state, self.store.directory.parent)
 
     def remove(self) -> None:
         """This rank's snapshots (the run ended: finished, stopped with its checkpoint, or stays down)."""

@@ -308,6 +308,8 @@ class Session:
             self.beat("agree", self.step if self.watchdog.step < self.step else None)
         if reasons and save and self._state is not None:
             self.save(reason="preemption", wait=True)
+        elif save and not reasons:
+            self.snapshot()  # [memory snapshots hook] checkpoint.memory_every_steps; a loop saving its stop calls it
         return bool(reasons)
 
     def poll_stop(self) -> bool:
@@ -403,7 +405,8 @@ class Session:
             self.resumption.start_over()
         self.latest()
         before = hparams.constructed(state)
-        loaded = self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
+        loaded = self._restore_from_memory(state, set(missing_ok))  # [memory snapshots hook]
+        loaded = loaded or self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
         if loaded is not None:
             self.timings["restored"] = time.time()
             self.step = self.resume_step = loaded.step
@@ -414,10 +417,53 @@ class Session:
         changes = hparams.apply(state, override or {})
         self._state = state
         self.begin()
+        if loaded is not None and self.resumption.path is None:  # [memory snapshots hook] restored from memory
+            self.ledger.write("resumed", step=self.step, memory=True, durable_step=self._durable_step,
+                              **{"from": f"memory:{loaded.path}"})
         if changes:
             self.ledger.write("hyperparameters", step=self.step, changes=changes)
             log.info("hyperparameters changed at step %d: %s", self.step, "; ".join(changes))
         return state if isinstance(state, State) else State(state)
+
+    # ------------------------------------------------------------------ [memory snapshots hook] mgpu.memory_state
+    @functools.cached_property
+    def _memory(self) -> Any:
+        """This rank's snapshots in the node's memory (checkpoint.memory_every_steps); another job's of this run
+        on this node removed."""
+        from mgpu.memory_state import MemorySnapshots
+
+        memory = MemorySnapshots.open(slurm_job=self.slurm_job, run_id=self.run_id, config=self.cfg,
+                                      world_size=self.world_size, rank=self.rank,
+                                      every=self.cfg.checkpoint.memory_every_steps, version=self.version,
+                                      sharded=lambda: self.sharded)
+        memory.remove_other_jobs()
+        return memory
+
+    def snapshot(self) -> bool:
+        """*Collective* (every rank at the same step, like `save`). When `checkpoint.memory_every_steps` says it
+        is due at this step: what a checkpoint now would hold for this rank, into the node's shared memory, from
+        which a step restarted in this allocation resumes (see mgpu.memory_state). `should_stop()` calls it;
+        a loop that saves its stop itself (`should_stop(save=False)`) calls it where it would save a stop.
+        Whether one was taken."""
+        if self._state is None or not self.cfg.checkpoint.memory_every_steps:
+            return False
+        ddps = self._ddps
+        assert ddps is not None
+        objects = self._state() if callable(self._state) else self._state
+        return bool(self._memory.take(self.step, objects, lambda: ddps.gather(dict) or {}))
+
+    def _restore_from_memory(self, state: MutableMapping[str, Any], missing_ok: set[str]) -> Any:
+        """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
+        durable checkpoint (mgpu.memory_state.Restored), else None."""
+        found = self.resumption.latest()
+        self._durable_step = found.step if found is not None else -1
+        if self.sharded:
+            return None
+
+        def reduce_min(value: int) -> int:
+            return int(self.all_reduce(value, "min").item()) if self.world_size > 1 else value
+
+        return self._memory.restore_if_newer(self._durable_step, reduce_min, state, self.cfg.train.seed, missing_ok)
 
     @property
     def resumed_from(self) -> Path | None:
@@ -527,6 +573,8 @@ class Session:
             raise
         self._finished = self._ended = True
         self._ended_code = exit_code(outcome)
+        if "_memory" in self.__dict__:  # [memory snapshots hook] the run ended with a durable checkpoint
+            self._memory.remove()
         self._cleanup.close()
         from mgpu.process_exit import skip_collection_at_exit
 

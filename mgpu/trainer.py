@@ -357,6 +357,7 @@ class Trainer:
                     self._save("epoch" if epoch_end else "periodic")
                 if last:
                     break
+                session.snapshot()  # [memory snapshots hook] this step's state, as a checkpoint now would hold it
                 self.beat("data", p.step + 1)  # the next step begins with fetching its batches
             if status == "finished" and self.eval_set is not None and p.step != self._last_eval:
                 _, stopped = self._evaluate_or_stop()
