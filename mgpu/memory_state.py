@@ -106,9 +106,12 @@ class MemorySnapshots:
 
     @classmethod
     def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
-             version: str | None, sharded: Callable[[], bool], base: Path | None = None) -> "MemorySnapshots":
-        """Outside Slurm the job id is derived from the run (`local-<run id>`), so a local restart finds them."""
-        identity = Identity(slurm_job or local_job_id(run_id), run_id, config_digest(config), world_size, rank)
+             version: str | None, sharded: Callable[[], bool], restart: int = 0,
+             base: Path | None = None) -> "MemorySnapshots":
+        """Outside Slurm the job id is derived from the run (`local-<run id>`), so a local restart finds them.
+        `restart`: the job's restart count (SLURM_RESTART_COUNT: the same for a step restarted in place)."""
+        identity = Identity(slurm_job or local_job_id(run_id), restart, run_id, config_digest(config), world_size,
+                            rank)
         return cls(SnapshotStore.for_rank(identity, base), every, version, sharded)
 
     def due(self, step: int) -> bool:

@@ -15,7 +15,7 @@ import pytest
 from mgpu.memory_snapshot import Identity, SnapshotStore, job_dir, local_job_id, remove_job
 from mgpu.memory_state import MemorySnapshots, agree_on_step
 
-ME = Identity(job="123", run="run-abc", config="cfg1", world_size=2, rank=1)
+ME = Identity(job="123", restart=0, run="run-abc", config="cfg1", world_size=2, rank=1)
 
 
 def dump(value: Any) -> Callable[[IO[bytes]], object]:
@@ -35,10 +35,11 @@ def test_a_snapshot_reads_back_and_lives_under_the_job_and_run(tmp_path: Path) -
     assert local_job_id("run-abc") == "local-run-abc"
 
 
-@pytest.mark.parametrize("field, other", [("job", "124"), ("run", "run-xyz"), ("config", "cfg2"),
+@pytest.mark.parametrize("field, other", [("job", "124"), ("restart", 1), ("run", "run-xyz"), ("config", "cfg2"),
                                           ("world_size", 4), ("rank", 0)])
 def test_a_stale_snapshot_is_refused(tmp_path: Path, field: str, other: Any) -> None:
-    """Another job, run, config or world size (or another rank's file) is never restored."""
+    """Another job (or the same before a requeue), run, config or world size (or another rank's file) is never
+    restored."""
     SnapshotStore(tmp_path / "r", dataclasses.replace(ME, **{field: other})).write(7, dump("theirs"))
     mine = SnapshotStore(tmp_path / "r", ME)
     [(snapshot, refusal)] = mine.committed()
@@ -59,7 +60,7 @@ def test_a_torn_snapshot_is_refused_and_the_other_slot_restores(tmp_path: Path) 
     content[-1] ^= 1
     newest.path.write_bytes(bytes(content))
     refusals = {snapshot.step: refusal for snapshot, refusal in store.committed()}
-    assert refusals == {2: "torn: its sha256 is not the commit record's", 1: None}
+    assert refusals == {2: "torn: its CRC-32 is not the commit record's", 1: None}
     assert store.valid_steps() == [1] and store.read(1, load) == "one"
 
 
@@ -98,6 +99,21 @@ def test_cleanup_removes_the_rank_then_the_job_and_only_that_job(tmp_path: Path)
     assert other.valid_steps() == [1]
     assert remove_job("999", base=tmp_path) == [job_dir("999", "run-abc", tmp_path)]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_batch_scripts_teardown_removes_this_nodes_snapshots_of_the_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from mgpu.memory_snapshot import BASE_ENV, main
+
+    monkeypatch.setenv(BASE_ENV, str(tmp_path))
+    for identity in (ME, dataclasses.replace(ME, run="run-2"), dataclasses.replace(ME, job="77")):
+        SnapshotStore.for_rank(identity).write(1, dump("x"))
+    monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    assert main(["--remove-this-job"]) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["mgpu-77-run-abc"]
+    assert capsys.readouterr().out.count("removed") == 2
+    assert main(["--remove-job", "77"]) == 0 and list(tmp_path.iterdir()) == []
 
 
 def test_a_new_job_removes_this_runs_snapshots_of_another_job(tmp_path: Path) -> None:
@@ -195,3 +211,29 @@ def test_no_snapshots_of_a_sharded_run_and_it_says_so(tmp_path: Path, caplog: py
     assert snapshots.disabled is not None and "FSDP2" in snapshots.disabled
     assert [r.message for r in caplog.records].count(
         f"checkpoint.memory_every_steps: no snapshots in memory: {snapshots.disabled}") == 1
+
+
+@pytest.mark.parametrize("failures_before, kept", [(0, True), (1, False)])  # restarted in place; the budget spent
+def test_recovery_keeps_the_snapshots_for_a_restart_in_place_and_removes_them_otherwise(
+        failures_before: int, kept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu import recovery
+    from mgpu.ledger import Ledger
+    from mgpu.memory_snapshot import BASE_ENV
+    from mgpu.requeue import JobView
+    from mgpu.rundir import RunDir
+
+    monkeypatch.setenv(BASE_ENV, str(tmp_path / "shm"))
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "MGPU_MAX_FAILURES": "1",
+                        "MGPU_RESUME_COMMAND": "sbatch again"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    monkeypatch.setattr(recovery, "owns_slurm_job", lambda: True)
+    monkeypatch.setattr(recovery, "query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2))
+    monkeypatch.setattr(recovery, "requeue", lambda job_id: pytest.fail(f"job {job_id} requeued"))
+    store = SnapshotStore.for_rank(dataclasses.replace(ME, job="7"))
+    store.write(3, dump("x"))
+    run = RunDir(tmp_path / "run")
+    for _ in range(failures_before):
+        Ledger(run.ledger, "7", 0).write("restarted", after="failure")
+    recovery.main(["--may-restart", "--exit-code", "1", "--run-dir", str(run.path)])
+    assert store.valid_steps() == ([3] if kept else [])
