@@ -195,6 +195,15 @@ class SnapshotStore:
                 return load(io.BytesIO(content))
         raise FileNotFoundError(f"{self.directory}: no valid snapshot of step {step}")
 
+    def discard_after(self, step: int) -> None:
+        """Uncommit the slots of steps after `step` (another attempt's, the run resumed before them): the next
+        writes then overwrite the older slot, as they should, and a restore never goes back to them."""
+        for slot in range(SLOTS):
+            record = self._record(slot)
+            if record is not None and isinstance(record.get("step"), int) and record["step"] > step:
+                with contextlib.suppress(FileNotFoundError):
+                    self._record_path(slot).unlink()
+
     def remove(self) -> None:
         """This rank's snapshots, and the job directory once no rank's is left."""
         shutil.rmtree(self.directory, ignore_errors=True)

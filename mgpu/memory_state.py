@@ -164,7 +164,9 @@ class MemorySnapshots:
         checkpoint's (`durable_step`; -1: none), and say so on rank 0; None: the durable checkpoint, as before."""
         step = self.agreed_step(reduce_min)
         if step is None or step <= durable_step:
+            self.store.discard_after(max(durable_step, 0))  # the run goes on from the durable checkpoint
             return None
+        self.store.discard_after(step)
         state = self.restore(step, objects, seed, missing_ok)
         if self.store.identity.rank == 0:
             log.info("resumed at step %d from the snapshots in memory (%s), newer than the durable checkpoint%s",

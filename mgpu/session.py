@@ -405,7 +405,7 @@ class Session:
             self.resumption.start_over()
         self.latest()
         before = hparams.constructed(state)
-        loaded = self._restore_from_memory(state, set(missing_ok))  # [memory snapshots hook]
+        loaded = self._restore_from_memory(state, set(missing_ok), fresh)  # [memory snapshots hook]
         loaded = loaded or self.resumption.restore(state, set(missing_ok), batch_size, global_batch)
         if loaded is not None:
             self.timings["restored"] = time.time()
@@ -452,12 +452,14 @@ class Session:
         objects = self._state() if callable(self._state) else self._state
         return bool(self._memory.take(self.step, objects, lambda: ddps.gather(dict) or {}))
 
-    def _restore_from_memory(self, state: MutableMapping[str, Any], missing_ok: set[str]) -> Any:
+    def _restore_from_memory(self, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
         """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
-        durable checkpoint (mgpu.memory_state.Restored), else None."""
+        durable checkpoint (mgpu.memory_state.Restored), else None. `fresh`: none restored, this rank's removed."""
         found = self.resumption.latest()
         self._durable_step = found.step if found is not None else -1
-        if self.sharded:
+        if fresh or self.sharded:
+            if fresh:
+                self._memory.remove()
             return None
 
         def reduce_min(value: int) -> int:

@@ -237,3 +237,18 @@ def test_recovery_keeps_the_snapshots_for_a_restart_in_place_and_removes_them_ot
         Ledger(run.ledger, "7", 0).write("restarted", after="failure")
     recovery.main(["--may-restart", "--exit-code", "1", "--run-dir", str(run.path)])
     assert store.valid_steps() == ([3] if kept else [])
+
+
+def test_a_resume_before_the_newest_snapshots_uncommits_them(tmp_path: Path) -> None:
+    """A restore that did not use them (a rank lacked its copy, or the durable checkpoint is newer): the steps
+    after the resume are another attempt's; dropped, so the next writes keep two slots of this one."""
+    store = SnapshotStore(tmp_path / "r", ME)
+    for step in (11, 12):
+        store.write(step, dump(step))
+    store.discard_after(10)
+    assert store.valid_steps() == []
+    store.write(11, dump("again"))
+    store.write(12, dump("again"))
+    assert store.valid_steps() == [12, 11]
+    store.discard_after(11)
+    assert store.valid_steps() == [11] and store.read(11, load) == "again"
