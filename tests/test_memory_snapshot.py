@@ -252,3 +252,18 @@ def test_a_resume_before_the_newest_snapshots_uncommits_them(tmp_path: Path) -> 
     assert store.valid_steps() == [12, 11]
     store.discard_after(11)
     assert store.valid_steps() == [11] and store.read(11, load) == "again"
+
+
+def test_goodput_counts_the_steps_restored_from_memory_apart_from_the_lost_ones() -> None:
+    """KILLED_RANK of test_goodput (killed at step 10, the disk at 8), resumed from memory at step 9 instead."""
+    from mgpu.goodput import goodput, goodput_lines
+    from tests.test_goodput import KILLED_RANK
+
+    from_disk = goodput(KILLED_RANK)
+    from_memory = [dict(e, memory=True, durable_step=8, step=9) if e["event"] == "resumed" else e for e in KILLED_RANK]
+    g = goodput(from_memory)
+    assert (from_disk.lost_steps, from_disk.memory_steps) == (2, 0)
+    assert (g.lost_steps, g.memory_steps) == (1, 1)
+    assert [line for line in goodput_lines(g, False) if "from memory" in line] == [
+        "  from memory          1         restored from memory after a failure, not trained again "
+        "(checkpoint.memory_every_steps)"]
