@@ -94,12 +94,54 @@ def _unsupported(objects: Mapping[str, Any], sharded: bool) -> str | None:
     return None
 
 
+def _tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in `value` (nested dicts, lists, tuples)."""
+    if hasattr(value, "untyped_storage") and hasattr(value, "element_size"):
+        return int(value.numel() * value.element_size())
+    if isinstance(value, dict):
+        return sum(_tensor_bytes(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_tensor_bytes(item) for item in value)
+    return 0
+
+
+def no_room(base: Path, size: int, cgroup: Path = Path("/sys/fs/cgroup")) -> str | None:
+    """Why this node cannot hold two more snapshots of `size` bytes (None: it can): the free space of the shared
+    memory filesystem at `base`, or the headroom of this process's memory cgroup (v2: memory.max less
+    memory.current; tmpfs pages are charged to it, so a full one would get the rank OOM-killed)."""
+    import os
+
+    need = 2 * size + size // 10
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        stats = os.statvfs(base)
+    except OSError as error:
+        return f"{base}: {error}"
+    if stats.f_bavail * stats.f_frsize < need:
+        return (f"{base} has {stats.f_bavail * stats.f_frsize / 1e9:.2f} GB free, two snapshots of this rank need "
+                f"{need / 1e9:.2f} GB")
+    try:
+        relative = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
+        limit = (cgroup / relative.lstrip("/") / "memory.max").read_text().strip()
+        used = int((cgroup / relative.lstrip("/") / "memory.current").read_text())
+    except (OSError, IndexError, ValueError):
+        return None  # no cgroup v2 memory limit to read: the filesystem's free space decides
+    if limit != "max" and int(limit) - used < need:
+        return (f"this job's memory limit leaves {(int(limit) - used) / 1e9:.2f} GB, two snapshots of this rank "
+                f"need {need / 1e9:.2f} GB")
+    return None
+
+
+_RANK_OWN = "on this rank: "
+
+
 class MemorySnapshots:
     """One rank's snapshots for its session. `every`: steps between snapshots (0: off; restore still looks)."""
 
     def __init__(self, store: SnapshotStore, every: int, version: str | None, sharded: Callable[[], bool]) -> None:
         self.store, self.every, self.version, self._sharded = store, every, version, sharded
         self.disabled: str | None = None
+        """Why this rank takes no snapshots (None: it takes them)."""
         self.taken = 0
         self.last_seconds = 0.0
         self.last_bytes = 0
@@ -118,27 +160,50 @@ class MemorySnapshots:
         return self.every > 0 and step > 0 and step % self.every == 0 and self.disabled is None
 
     def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
-        """*Collective only where `layouts` is* (a DDP comm hook's state). This rank's state at `step`, written
-        now (the loop waits for this copy alone). Whether one was taken."""
-        if not self.due(step):
+        """*Collective only where `layouts` is* (a DDP comm hook's state: called on every rank at every due step,
+        even where this rank takes no snapshot). This rank's state at `step`, written now (the loop waits for this
+        copy alone). Whether one was taken. A rank whose node has no room for two snapshots (the shared memory's
+        free space, the memory cgroup's headroom), or whose write fails, takes none from then on and says so."""
+        if not (self.every > 0 and step > 0 and step % self.every == 0):
             return False
-        if (why := _unsupported(objects, self._sharded())) is not None:
-            self.disabled = why
+        if self.disabled is None and (why := _unsupported(objects, self._sharded())) is not None:
+            self.disabled = why  # alike on every rank: no rank calls `layouts` from here on
             if self.store.identity.rank == 0:
                 log.warning("checkpoint.memory_every_steps: no snapshots in memory: %s", why)
+        if self.disabled is not None and self._unsupported_here:
+            return False
+        extra = layouts()
+        if self.disabled is not None:
             return False
         from mgpu.checkpoint import _torch_save
 
         started = time.perf_counter()
         state = rank_state(objects, self.store.identity.rank, self.store.identity.world_size, self.version)
-        state.update(layouts())
-        snapshot = self.store.write(step, lambda file: _torch_save(state, file))
+        state.update(extra)
+        if self.taken == 0 and (why := no_room(self.store.directory.parent.parent, _tensor_bytes(state))):
+            return self._disable(why)
+        try:
+            snapshot = self.store.write(step, lambda file: _torch_save(state, file))
+        except OSError as error:
+            return self._disable(f"writing one failed: {error}")
         self.last_seconds, self.last_bytes = time.perf_counter() - started, snapshot.path.stat().st_size
         if self.taken == 0 and self.store.identity.rank == 0:
             log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.every,
                      self.last_bytes / 1e6, self.last_seconds, self.store.directory)
         self.taken += 1
         return True
+
+    @property
+    def _unsupported_here(self) -> bool:
+        """Disabled alike on every rank (the state's kind), not by this rank's room or write."""
+        return self.disabled is not None and not self.disabled.startswith(_RANK_OWN)
+
+    def _disable(self, why: str) -> bool:
+        self.disabled = f"{_RANK_OWN}{why}"
+        self.store.remove()
+        log.warning("checkpoint.memory_every_steps: rank %d takes no more snapshots in memory: %s",
+                    self.store.identity.rank, why)
+        return False
 
     def agreed_step(self, reduce_min: Callable[[int], int]) -> int | None:
         """*Collective.* The newest step every rank can restore from memory (None: none)."""

@@ -267,3 +267,42 @@ def test_goodput_counts_the_steps_restored_from_memory_apart_from_the_lost_ones(
     assert [line for line in goodput_lines(g, False) if "from memory" in line] == [
         "  from memory          1         restored from memory after a failure, not trained again "
         "(checkpoint.memory_every_steps)"]
+
+
+def test_a_node_without_room_for_two_snapshots_takes_none_and_says_so(tmp_path: Path) -> None:
+    from mgpu.memory_state import no_room
+
+    assert no_room(tmp_path, 1000) is None
+    why = no_room(tmp_path, 1 << 60)
+    assert why is not None and why.startswith(f"{tmp_path} has ") and "GB free, two snapshots of this rank need" in why
+    cgroup = tmp_path / "cg"
+    relative = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1].lstrip("/")
+    (cgroup / relative).mkdir(parents=True)
+    (cgroup / relative / "memory.max").write_text("3000000000\n")
+    (cgroup / relative / "memory.current").write_text("2000000000\n")
+    assert no_room(tmp_path, 400_000_000, cgroup) is None  # 0.88 GB needed, 1 GB left
+    assert no_room(tmp_path, 500_000_000, cgroup) == ("this job's memory limit leaves 1.00 GB, two snapshots of "
+                                                      "this rank need 1.05 GB")
+    (cgroup / relative / "memory.max").write_text("max\n")
+    assert no_room(tmp_path, 500_000_000, cgroup) is None
+
+
+def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+
+    snapshots = MemorySnapshots.open(slurm_job="1", run_id="r", config={}, world_size=2, rank=1, every=1,
+                                     version=None, sharded=lambda: False, base=tmp_path)
+    assert snapshots.take(1, {"x": 1}, dict)
+
+    def full(*args: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("mgpu.checkpoint._torch_save", full)
+    calls: list[int] = []
+    assert not snapshots.take(2, {"x": 1}, lambda: calls.append(2) or {})
+    assert snapshots.disabled == "on this rank: writing one failed: [Errno 28] No space left on device"
+    assert not snapshots.store.directory.exists()
+    assert not snapshots.take(3, {"x": 1}, lambda: calls.append(3) or {})
+    assert calls == [2, 3]  # the DDP layouts (a collective with comm hooks) still on every due step
+    assert sum("takes no more snapshots" in r.message for r in caplog.records) == 1
