@@ -457,10 +457,10 @@ class Session:
         durable checkpoint (mgpu.memory_state.Restored), else None. `fresh`: none restored, this rank's removed."""
         found = self.resumption.latest()
         self._durable_step = found.step if found is not None else -1
-        if fresh or self.sharded:
-            if fresh:
-                self._memory.remove()
-            return None
+        if fresh:
+            self._memory.remove()
+        if fresh or self.sharded or not self.cfg.checkpoint.memory_every_steps:
+            return None  # (a snapshot taken under another memory_every_steps is another config's: never used)
 
         def reduce_min(value: int) -> int:
             return int(self.all_reduce(value, "min").item()) if self.world_size > 1 else value
