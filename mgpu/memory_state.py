@@ -5,8 +5,9 @@ every one of them holds and restore it when it is newer than the durable checkpo
 
 Under DDP every rank keeps the whole replicated state (model, optimizer, ...) with its own RNG and loader
 position: each rank restores alone, with no peer, at the cost of one state per rank in the node's memory.
-Not (yet) for sharded checkpoints (FSDP2) or ZeroRedundancyOptimizer, whose state is split across ranks: a
-session with either takes no snapshots and says so once.
+Under FSDP2 a rank keeps its shard: each DTensor as its local tensor, put back in place (a module's) or
+rebuilt as a DTensor like its parameter (an optimizer's). Not for ZeroRedundancyOptimizer (its state is
+consolidated on rank 0 only): a session with one takes no snapshots and says so once.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def rank_state(objects: Mapping[str, Any], rank: int, world_size: int, version: 
             continue
         value = _unwrapped(value)
         if hasattr(value, "state_dict"):
-            state[name] = value.state_dict()
+            state[name] = _local(value.state_dict())
         elif is_dataclass(value) and not isinstance(value, type):
             state[name] = asdict(value)
         else:
@@ -84,11 +85,79 @@ def rank_state(objects: Mapping[str, Any], rank: int, world_size: int, version: 
     return state
 
 
+LOCAL = "__mgpu_dtensor_local__"
+"""A DTensor in a snapshot: {LOCAL: its local tensor} (plain data: loads with weights_only)."""
+
+
+def _dtensor_class() -> Any:
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")  # imported where a DTensor exists (FSDP2 imported it)
+    return getattr(module, "DTensor", None)
+
+
+def _local(value: Any) -> Any:
+    """`value` with every DTensor replaced by {LOCAL: its local tensor}; `value` itself where it has none."""
+    dtensor = _dtensor_class()
+    if dtensor is None:
+        return value
+
+    def walk(item: Any) -> Any:
+        if isinstance(item, dtensor):
+            return {LOCAL: item.to_local()}
+        if isinstance(item, dict):
+            changed = {key: walk(part) for key, part in item.items()}
+            return changed if any(changed[key] is not part for key, part in item.items()) else item
+        if type(item) in (list, tuple):
+            parts = [walk(part) for part in item]
+            return type(item)(parts) if any(a is not b for a, b in zip(parts, item)) else item
+        return item
+
+    return walk(value)
+
+
+def _has_local(value: Any) -> bool:
+    if isinstance(value, dict):
+        return LOCAL in value or any(_has_local(item) for item in value.values())
+    if type(value) in (list, tuple):
+        return any(_has_local(item) for item in value)
+    return False
+
+
+def _restore_shards(saved: dict[str, Any], target: Any, name: str) -> None:
+    """A sharded object's snapshot put back: a module's tensors copied into its own (local shards in place), an
+    optimizer's state rebuilt as DTensors like the parameters they belong to, then loaded."""
+    from torch import nn
+
+    if isinstance(target, nn.Module):
+        live = target.state_dict()
+        missing = sorted(set(live) ^ set(saved))
+        if missing:
+            raise KeyError(f"state[{name!r}]: the snapshot's keys differ from the module's: {missing[:5]}")
+        dtensor = _dtensor_class()
+        for key, value in saved.items():
+            dest = live[key]
+            dest = dest.to_local() if dtensor is not None and isinstance(dest, dtensor) else dest
+            dest.copy_(value[LOCAL] if isinstance(value, dict) else value)
+        return
+    params = [p for group in getattr(target, "param_groups", []) for p in group["params"]]
+    if not params or not isinstance(saved.get("state"), dict):
+        raise TypeError(f"state[{name!r}]: a {type(target).__name__} with sharded tensors: only modules and "
+                        f"optimizers are put back from a snapshot in memory")
+    from torch.distributed.tensor import DTensor
+
+    for index, entries in saved["state"].items():
+        param = params[index]
+        for key, value in list(entries.items()):
+            if isinstance(value, dict) and LOCAL in value:
+                entries[key] = DTensor.from_local(value[LOCAL].clone(), param.device_mesh, param.placements,
+                                                  run_check=False, shape=param.shape, stride=param.stride())
+    target.load_state_dict(saved)
+
+
 def _unsupported(objects: Mapping[str, Any], sharded: bool) -> str | None:
     from mgpu.train_state import _is_zero
 
-    if sharded:
-        return "its checkpoints are sharded (FSDP2): a rank's shard in memory is not implemented yet"
     if any(_is_zero(value) for value in objects.values()):
         return "a ZeroRedundancyOptimizer's state is split across the ranks"
     return None
@@ -219,8 +288,15 @@ class MemorySnapshots:
         def load(file: IO[bytes]) -> Any:
             return torch.load(file, map_location="cpu", weights_only=True)
 
+        from mgpu.train_state import _unwrapped
+
         state = self.store.read(step, load)
-        restore_state(state, objects, self.store.identity.rank, seed, missing_ok)
+        sharded = [name for name in objects if name in state and _has_local(state[name])]
+        for name in sharded:
+            _restore_shards(state[name], _unwrapped(objects[name]), name)
+        rest = {name: value for name, value in objects.items() if name not in sharded}
+        restore_state(state, rest, self.store.identity.rank, seed, missing_ok)
+        objects.update(rest)  # the plain values restore_state replaced
         return state
 
     def restore_if_newer(self, durable_step: int, reduce_min: Callable[[int], int], objects: MutableMapping[str, Any],

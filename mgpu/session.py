@@ -459,7 +459,7 @@ class Session:
         self._durable_step = found.step if found is not None else -1
         if fresh:
             self._memory.remove()
-        if fresh or self.sharded or not self.cfg.checkpoint.memory_every_steps:
+        if fresh or not self.cfg.checkpoint.memory_every_steps:
             return None  # (a snapshot taken under another memory_every_steps is another config's: never used)
 
         def reduce_min(value: int) -> int:

@@ -204,11 +204,22 @@ def test_a_snapshot_puts_back_what_a_checkpoint_would_hold(tmp_path: Path, monke
     assert not snapshots.store.directory.parent.exists()
 
 
-def test_no_snapshots_of_a_sharded_run_and_it_says_so(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_no_snapshots_with_a_zero_optimizer_and_it_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           caplog: pytest.LogCaptureFixture) -> None:
+    """ZeroRedundancyOptimizer (a fake: the real one needs a process group) consolidates on rank 0 alone."""
+    import sys
+    import types
+
+    zero = type("ZeroRedundancyOptimizer", (), {})
+    module = types.ModuleType("torch.distributed.optim.zero_redundancy_optimizer")
+    module.ZeroRedundancyOptimizer = zero  # type: ignore[attr-defined]  # the attribute train_state looks for
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     snapshots = MemorySnapshots.open(slurm_job="1", run_id="r", config={}, world_size=1, rank=0, every=1,
-                                     version=None, sharded=lambda: True, base=tmp_path)
-    assert not snapshots.take(1, {"x": 1}, dict) and not snapshots.take(2, {"x": 1}, dict)
-    assert snapshots.disabled is not None and "FSDP2" in snapshots.disabled
+                                     version=None, sharded=lambda: False, base=tmp_path)
+    layouts: list[int] = []
+    assert not snapshots.take(1, {"optimizer": zero()}, lambda: layouts.append(1) or {})
+    assert not snapshots.take(2, {"optimizer": zero()}, lambda: layouts.append(2) or {})
+    assert snapshots.disabled == "a ZeroRedundancyOptimizer's state is split across the ranks" and layouts == []
     assert [r.message for r in caplog.records].count(
         f"checkpoint.memory_every_steps: no snapshots in memory: {snapshots.disabled}") == 1
 
