@@ -149,8 +149,8 @@ class CheckpointConfig:
     1, 10, 100 whose cost measured at most 1 % of a step, bench/memory_snapshot.py): a step that fails and is
     started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest step every
     rank holds there, when it is newer than the durable checkpoint. Costs one state per rank in host memory
-    (twice: two slots) and a host copy every k steps; removed when the run ends. Not under FSDP2 or optim.zero
-    (no snapshots, said once). See docs/memory-snapshots.md."""
+    (twice: two slots; under FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not
+    with optim.zero (no snapshots, said once). See docs/memory-snapshots.md."""
 
 
 @dataclass
