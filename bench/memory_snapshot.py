@@ -50,7 +50,7 @@ def run(variant: int, steps: int, batch: int, hidden: int, base: Path,
     progress = Progress()
     objects = {"model": model, "optimizer": optimizer, "progress": progress}
     memory = MemorySnapshots.open(slurm_job="bench", run_id=f"k{variant}", config={}, world_size=1, rank=0,
-                                  every=variant, version=None, sharded=lambda: False, base=base)
+                                  every=variant, version=None, base=base)
     x, y = torch.randn(batch, 256), torch.randint(0, 10, (batch,))
     ends, cpu = [], []
     for step in range(1, WARMUP + steps + 1):
@@ -98,7 +98,7 @@ def main() -> None:
         model(torch.randn(2, 256)).sum().backward()
         optimizer.step()
         probe = MemorySnapshots.open(slurm_job="bench", run_id="size", config={}, world_size=1, rank=0, every=1,
-                                     version=None, sharded=lambda: False, base=base)
+                                     version=None, base=base)
         probe.take(1, {"model": model, "optimizer": optimizer, "progress": Progress()}, dict)
         size = probe.last_bytes
         probe.remove()

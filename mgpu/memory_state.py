@@ -155,7 +155,7 @@ def _restore_shards(saved: dict[str, Any], target: Any, name: str) -> None:
     target.load_state_dict(saved)
 
 
-def _unsupported(objects: Mapping[str, Any], sharded: bool) -> str | None:
+def _unsupported(objects: Mapping[str, Any]) -> str | None:
     from mgpu.train_state import _is_zero
 
     if any(_is_zero(value) for value in objects.values()):
@@ -205,10 +205,10 @@ _RANK_OWN = "on this rank: "
 
 
 class MemorySnapshots:
-    """One rank's snapshots for its session. `every`: steps between snapshots (0: off; restore still looks)."""
+    """One rank's snapshots for its session. `every`: steps between snapshots (0: none)."""
 
-    def __init__(self, store: SnapshotStore, every: int, version: str | None, sharded: Callable[[], bool]) -> None:
-        self.store, self.every, self.version, self._sharded = store, every, version, sharded
+    def __init__(self, store: SnapshotStore, every: int, version: str | None) -> None:
+        self.store, self.every, self.version = store, every, version
         self.disabled: str | None = None
         """Why this rank takes no snapshots (None: it takes them)."""
         self.taken = 0
@@ -217,16 +217,12 @@ class MemorySnapshots:
 
     @classmethod
     def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
-             version: str | None, sharded: Callable[[], bool], restart: int = 0,
-             base: Path | None = None) -> "MemorySnapshots":
+             version: str | None, restart: int = 0, base: Path | None = None) -> "MemorySnapshots":
         """Outside Slurm the job id is derived from the run (`local-<run id>`), so a local restart finds them.
         `restart`: the job's restart count (SLURM_RESTART_COUNT: the same for a step restarted in place)."""
         identity = Identity(slurm_job or local_job_id(run_id), restart, run_id, config_digest(config), world_size,
                             rank)
-        return cls(SnapshotStore.for_rank(identity, base), every, version, sharded)
-
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step > 0 and step % self.every == 0 and self.disabled is None
+        return cls(SnapshotStore.for_rank(identity, base), every, version)
 
     def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
         """*Collective only where `layouts` is* (a DDP comm hook's state: called on every rank at every due step,
@@ -235,7 +231,7 @@ class MemorySnapshots:
         free space, the memory cgroup's headroom), or whose write fails, takes none from then on and says so."""
         if not (self.every > 0 and step > 0 and step % self.every == 0):
             return False
-        if self.disabled is None and (why := _unsupported(objects, self._sharded())) is not None:
+        if self.disabled is None and (why := _unsupported(objects)) is not None:
             self.disabled = why  # alike on every rank: no rank calls `layouts` from here on
             if self.store.identity.rank == 0:
                 log.warning("checkpoint.memory_every_steps: no snapshots in memory: %s", why)

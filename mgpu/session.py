@@ -435,7 +435,7 @@ class Session:
         memory = MemorySnapshots.open(slurm_job=self.slurm_job, run_id=self.run_id, config=self.cfg,
                                       world_size=self.world_size, rank=self.rank,
                                       every=self.cfg.checkpoint.memory_every_steps, version=self.version,
-                                      sharded=lambda: self.sharded, restart=self.env.restart_count)
+                                      restart=self.env.restart_count)
         memory.remove_other_jobs()
         return memory
 

@@ -122,7 +122,7 @@ def test_a_new_job_removes_this_runs_snapshots_of_another_job(tmp_path: Path) ->
     old.write(3, dump("x"))
     other_run.write(3, dump("x"))
     mine = MemorySnapshots.open(slurm_job="123", run_id="run-abc", config={}, world_size=2, rank=1, every=1,
-                                version=None, sharded=lambda: False, base=tmp_path)
+                                version=None, base=tmp_path)
     mine.store.write(1, dump("y"))
     mine.remove_other_jobs()
     assert not old.directory.exists() and other_run.valid_steps() == [3] and mine.store.valid_steps() == [1]
@@ -185,7 +185,7 @@ def test_a_snapshot_puts_back_what_a_checkpoint_would_hold(tmp_path: Path, monke
     progress = Progress(step=1, epoch=0, position=5)
     objects: dict[str, Any] = {"model": model, "optimizer": optimizer, "progress": progress, "best": 0.5}
     snapshots = MemorySnapshots.open(slurm_job=None, run_id="r-1", config={"a": 1}, world_size=1, rank=0,
-                                     every=2, version="v", sharded=lambda: False, base=tmp_path)
+                                     every=2, version="v", base=tmp_path)
     assert not snapshots.take(1, objects, dict)  # not due at step 1
     assert snapshots.take(2, objects, dict)
     expected = {k: v.clone() for k, v in model.state_dict().items()}
@@ -215,7 +215,7 @@ def test_no_snapshots_with_a_zero_optimizer_and_it_says_so(tmp_path: Path, monke
     module.ZeroRedundancyOptimizer = zero  # type: ignore[attr-defined]  # the attribute train_state looks for
     monkeypatch.setitem(sys.modules, module.__name__, module)
     snapshots = MemorySnapshots.open(slurm_job="1", run_id="r", config={}, world_size=1, rank=0, every=1,
-                                     version=None, sharded=lambda: False, base=tmp_path)
+                                     version=None, base=tmp_path)
     layouts: list[int] = []
     assert not snapshots.take(1, {"optimizer": zero()}, lambda: layouts.append(1) or {})
     assert not snapshots.take(2, {"optimizer": zero()}, lambda: layouts.append(2) or {})
@@ -303,7 +303,7 @@ def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, mo
     import errno
 
     snapshots = MemorySnapshots.open(slurm_job="1", run_id="r", config={}, world_size=2, rank=1, every=1,
-                                     version=None, sharded=lambda: False, base=tmp_path)
+                                     version=None, base=tmp_path)
     assert snapshots.take(1, {"x": 1}, dict)
 
     def full(*args: Any) -> None:
