@@ -141,7 +141,7 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "train.epochs": _ge(1), "train.max_steps": _ge(1), "train.grad_accum": _ge(1), "train.clip_grad_norm": _gt(0),
     "train.seed": _between(0, 2**32, False), "eval.every_steps": _ge(0), "eval.early_stopping_patience": _ge(1),
     "eval.min_delta": _ge(0), "eval.metric": lambda v: None if v else "must not be empty",
-    "checkpoint.every_steps": _ge(0), "checkpoint.keep_last": _ge(1), "log.every_steps": _ge(0),
+    "checkpoint.every_steps": _ge(0), "checkpoint.memory_every_steps": _ge(0), "checkpoint.keep_last": _ge(1), "log.every_steps": _ge(0),
     "run.name": lambda v: None if _RUN_NAME.fullmatch(v) else (
         "must be a directory name: 1-200 characters, no '/', '\\', whitespace or control characters, "
         "not starting with '.' or '-'"),

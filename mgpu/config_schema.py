@@ -145,6 +145,14 @@ class CheckpointConfig:
     """Keep the background save's host copy of the state between saves (one copy; pinned on GPUs) so the
     next snapshot skips allocating it; false frees it once each write ends, so host memory holds that copy
     only while a write is in flight. Freed at the end of training either way."""
+    memory_every_steps: int = 100
+    """Every this many optimizer steps, each rank also copies what a checkpoint would hold for it into the
+    node's shared memory (/dev/shm, two slots, outliving the process; 0: never; 100: the most frequent of
+    1, 10, 100 whose cost measured at most 1 % of a step, bench/memory_snapshot.py): a step that fails and is
+    started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest step every
+    rank holds there, when it is newer than the durable checkpoint. Costs one state per rank in host memory
+    (twice: two slots; under FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not
+    with optim.zero (no snapshots, said once). See docs/memory-snapshots.md."""
 
 
 @dataclass
@@ -265,6 +273,7 @@ class Config:
 SAFE_TO_CHANGE: frozenset[str] = frozenset({
     "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
     "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.keep_snapshot_buffers",
+    "checkpoint.memory_every_steps",
     "data.num_workers", "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
     "optim.lr", "optim.weight_decay",  # applied to every parameter group after the restore (mgpu.hparams)
 })

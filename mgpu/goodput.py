@@ -311,6 +311,9 @@ class Goodput:
     stops: list[StopCost]
     preemptions: int
     segments: int
+    memory_steps: int = 0
+    """Steps a failure would have lost that a restore from the snapshots in memory kept (each such resume's step
+    minus its durable checkpoint's: checkpoint.memory_every_steps), apart from the lost steps trained again."""
 
     @property
     def useful_s(self) -> float:
@@ -349,7 +352,13 @@ def goodput(events: Sequence[Event], runs: Sequence[SacctRun] = (), now: float |
     matched = any(_run_of(s, runs) for s in segs)
     allocated = sum(v for k, v in by_kind.items() if k != "queued") if matched else None
     return Goodput(last - first, by_kind, allocated, sum(lost), sorted(stops.values(), key=lambda c: c.kind),
-                   sum(1 for s in segs if s.kind in PREEMPTION_KINDS), len(segs))
+                   sum(1 for s in segs if s.kind in PREEMPTION_KINDS), len(segs), memory_steps=_memory_steps(events))
+
+
+def _memory_steps(events: Sequence[Event]) -> int:
+    """Steps kept by restores from memory: the `resumed` events marked `memory`, past their durable step."""
+    return sum(max(0, step - max(durable, 0)) for e in events if e.get("event") == "resumed" and e.get("memory")
+               if (step := _int(e.get("step"))) is not None and (durable := _int(e.get("durable_step"))) is not None)
 
 
 def duration(seconds: float) -> str:
@@ -392,6 +401,9 @@ def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
         what = what.format(queue="" if g.allocated_s else "; and the queue wait, without sacct")
         lines.append(f"  {key:<13}{duration(seconds or 0):>9} {share}  {what}")
     lines.append(f"  {'lost steps':<13}{g.lost_steps:>9}         trained again after a stop (normally 0)")
+    if g.memory_steps:
+        lines.append(f"  {'from memory':<13}{g.memory_steps:>9}         restored from memory after a failure, not trained "
+                     "again (checkpoint.memory_every_steps)")
     if g.stops:
         per_day = g.preemptions_per_day
         rate = f"{per_day:.3g}" if per_day is not None else "?"

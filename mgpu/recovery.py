@@ -352,6 +352,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if action == "restart":
         print("restart", flush=True)
         return 0
+    from mgpu.memory_snapshot import remove_job  # [memory snapshots hook] no restart in place: none is needed
+
+    remove_job(job_id)
     return args.exit_code
 
 

@@ -133,6 +133,8 @@ class Session:
         self._fsdp = False  # [fsdp hook] a model was sharded: the checkpoints are sharded (see `sharded`)
         self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
+        self._memory: Any = None  # this rank's snapshots in host memory, opened at first use (session_state.memory)
+        self._durable_step = -1  # the durable checkpoint's step when the state was loaded (-1: none)
         self._durable: tuple[int, Path | None] = (-1, None)  # the last save() with wait: its step, its path (rank 0)
         self.step = 0
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
@@ -235,6 +237,8 @@ class Session:
             self.beat("agree", self.step if self.watchdog.step < self.step else None)
         if reasons and save and self._state is not None:
             self.save(reason="preemption", wait=True)
+        elif save and not reasons:
+            self.snapshot()  # [memory snapshots hook] checkpoint.memory_every_steps; a loop saving its stop calls it
         return bool(reasons)
 
     def poll_stop(self) -> bool:
@@ -300,6 +304,14 @@ class Session:
         global batch the loop keeps on every world size (data.global_batch_size; then `batch_size` is per
         micro-step): the resume line says how the accumulation changed."""
         return session_state.load(self, state, missing_ok, override, fresh, batch_size, global_batch)
+
+    def snapshot(self) -> bool:
+        """*Collective* (every rank at the same step, like `save`). When `checkpoint.memory_every_steps` says it
+        is due at this step: what a checkpoint now would hold for this rank, into the node's shared memory, from
+        which a step restarted in this allocation resumes (see mgpu.memory_state). `should_stop()` calls it;
+        a loop that saves its stop itself (`should_stop(save=False)`) calls it where it would save a stop.
+        Whether one was taken."""
+        return session_state.snapshot(self)
 
     @property
     def resumed_from(self) -> Path | None:
@@ -382,6 +394,8 @@ class Session:
             raise
         self._finished = self._ended = True
         self._ended_code = exit_code(outcome)
+        if self._memory is not None:  # the run ended with a durable checkpoint: its snapshots go
+            self._memory.remove()
         self._cleanup.close()
         from mgpu.process_exit import skip_collection_at_exit
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the session whose state this saves and loads; no import at 
     from mgpu.session import Session
     from mgpu.train_state import State
 
-__all__ = ["load", "open_checkpointer", "resume_begins", "save"]
+__all__ = ["load", "memory", "open_checkpointer", "restore_from_memory", "resume_begins", "save", "snapshot"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -73,7 +73,8 @@ def load(session: Session, state: MutableMapping[str, Any], missing_ok: set[str]
         session.resumption.start_over()
     session.latest()
     before = hparams.constructed(state)
-    loaded = session.resumption.restore(state, set(missing_ok), batch_size, global_batch)
+    loaded = restore_from_memory(session, state, set(missing_ok), fresh)
+    loaded = loaded or session.resumption.restore(state, set(missing_ok), batch_size, global_batch)
     if loaded is not None:
         session.timings["restored"] = time.time()
         session.step = session.resume_step = loaded.step
@@ -85,6 +86,9 @@ def load(session: Session, state: MutableMapping[str, Any], missing_ok: set[str]
     session.beat("start")  # resumed: the first step's allowance from here
     session._state = state
     session.begin()
+    if loaded is not None and session.resumption.path is None:  # restored from the snapshots in memory
+        session.ledger.write("resumed", step=session.step, memory=True, durable_step=session._durable_step,
+                             **{"from": f"memory:{loaded.path}"})
     if changes:
         session.ledger.write("hyperparameters", step=session.step, changes=changes)
         log.info("hyperparameters changed at step %d: %s", session.step, "; ".join(changes))
@@ -120,3 +124,44 @@ def save(session: Session, state: Mapping[str, Any] | Callable[[], Mapping[str, 
     if wait:  # durable now: end() does not save this step again
         session._durable = (step, path)
     return path
+
+
+def memory(session: Session) -> Any:
+    """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.memory_state), opened at
+    first use; another job's of this run on this node removed."""
+    if session._memory is None:
+        from mgpu.memory_state import MemorySnapshots
+
+        session._memory = MemorySnapshots.open(
+            slurm_job=session.slurm_job, run_id=session.run_id, config=session.cfg, world_size=session.world_size,
+            rank=session.rank, every=session.cfg.checkpoint.memory_every_steps, version=session.version,
+            restart=session.env.restart_count)
+        session._memory.remove_other_jobs()
+    return session._memory
+
+
+def snapshot(session: Session) -> bool:
+    """`Session.snapshot`: this step's state into the node's memory when `checkpoint.memory_every_steps` says so."""
+    if session._state is None or not session.cfg.checkpoint.memory_every_steps:
+        return False
+    ddps = session._ddps
+    assert ddps is not None
+    objects = session._state() if callable(session._state) else session._state
+    return bool(memory(session).take(session.step, objects, lambda: ddps.gather(dict) or {}))
+
+
+def restore_from_memory(session: Session, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
+    """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
+    durable checkpoint (mgpu.memory_state.Restored), else None. `fresh`: none restored, this rank's removed."""
+    found = session.resumption.latest()
+    session._durable_step = found.step if found is not None else -1
+    if fresh:
+        memory(session).remove()
+    if fresh or not session.cfg.checkpoint.memory_every_steps:
+        return None  # (a snapshot taken under another memory_every_steps is another config's: never used)
+
+    def reduce_min(value: int) -> int:
+        return int(session.all_reduce(value, "min").item()) if session.world_size > 1 else value
+
+    return memory(session).restore_if_newer(session._durable_step, reduce_min, state, session.cfg.train.seed,
+                                            missing_ok)

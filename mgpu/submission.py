@@ -243,12 +243,16 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
 
 def teardown_lines() -> list[str]:
     """After srun (mgpu.recovery): start the step again in this allocation while recovery says `restart`
-    (with the arguments the script's srun ran with, see `setup_lines`), else end with srun's exit code."""
-    recovery = f'{shlex.quote(sys.executable)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR"'
+    (with the arguments the script's srun ran with, see `setup_lines`), else end with srun's exit code. A step
+    that failed for good leaves snapshots in memory on every node: removed, one task per node (mgpu.memory_snapshot)."""
+    python = shlex.quote(sys.executable)
+    recovery = f'{python} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR"'
     return ["rc=$?",
             f'while [ "$({recovery})" = restart ]; do',
             '  rc=0; srun "${MGPU_SRUN_ARGS[@]}" || rc=$?',
             "done",
+            f'[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {python} -m mgpu.memory_snapshot '
+            '--remove-this-job >/dev/null 2>&1 || true',
             'exit "$rc"']
 
 

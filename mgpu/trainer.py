@@ -368,6 +368,7 @@ class Trainer:
                 self._save("epoch" if epoch_end else "periodic")
             if last:
                 break
+            self.session.snapshot()  # this step's state into host memory when due (checkpoint.memory_every_steps)
             self.beat("data", p.step + 1)  # the next step begins with fetching its batches
         return "finished"
 

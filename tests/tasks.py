@@ -463,3 +463,23 @@ class SlowHashBlobTask(BlobTask):
                 return digest.hexdigest()
 
             mgpu.checkpoint._sha256 = slow_sha256  # type: ignore[attr-defined]  # the hash every resume runs
+
+
+class KilledBlobTask(BlobTask):
+    """BlobTask whose rank `rank` SIGKILLs itself at its `at`-th loss call (an OOM kill, a segfault), once: marked by
+    `once_file` (0: never)."""
+
+    def __init__(self, at: int = 0, rank: int = 1, once_file: str = "", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.at, self.rank, self.once_file, self.calls = at, rank, once_file, 0
+
+    def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
+        import os
+        import signal
+
+        self.calls += 1
+        me = dist.get_rank() if dist.is_initialized() else 0
+        if self.calls == self.at and me == self.rank and not os.path.exists(self.once_file):
+            open(self.once_file, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().loss(model, batch)

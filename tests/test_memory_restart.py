@@ -1,0 +1,64 @@
+"""A rank SIGKILLed mid-run, the step started again in place (the same command, as mgpu.recovery's `restart`
+does under Slurm): with checkpoint.memory_every_steps=1 it resumes from the snapshots in memory, one step
+back, not from the durable checkpoint, and ends bit-identical to an unbroken run; the snapshots are gone once
+the run finishes. Real processes: 2 gloo ranks of jobs/train.py, under DDP and FSDP2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mgpu.checkpoint import CheckpointStore
+from mgpu.ledger import read_ledger
+from mgpu.memory_snapshot import BASE_ENV
+
+# 40 samples, 4 per rank on 2 ranks: 5 steps an epoch, 20 in all; the epoch-end checkpoint of step 10 (or 5) is
+# the durable one when rank 1 dies inside step 12.
+ARGS = ["task.target=tests.tasks:KilledBlobTask", "train.epochs=4", "data.batch_size=4", "log.tensorboard=false",
+        "checkpoint.memory_every_steps=1", "checkpoint.keep_last=10", "log.every_steps=1"]
+
+
+def final_state(run: Path, parallel: str) -> dict[str, Any]:
+    """The run's last checkpoint, whole (a sharded one consolidated), with the optimizer under "optimizer"."""
+    if parallel == "fsdp":
+        from tests.test_fsdp import final
+
+        state = final(run)
+        return {**state, "optimizer": state["optim"]}
+    return CheckpointStore(run / "checkpoints").latest().state
+
+
+# DDP: every rank keeps the whole replicated state; FSDP2: each rank its shard (sharded checkpoints on disk).
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_killed_rank_restarted_in_place_resumes_from_memory_bit_identically(
+        parallel: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.test_faults import finish_step, start_step
+    from tests.test_trainer import assert_identical
+
+    shm = tmp_path / "shm"
+    monkeypatch.setenv(BASE_ENV, str(shm))  # the ranks' /dev/shm (base_env passes it on)
+    args = [*ARGS, f"train.parallel={parallel}"]
+    reference = tmp_path / "reference"
+    done = finish_step(start_step(reference, 2, *args), timeout=150)
+    assert [rc for rc, _ in done] == [0, 0], done[0][1][-3000:]
+
+    run = tmp_path / "run"
+    killing = [*args, "task.args.at=12", f"task.args.once_file={tmp_path / 'killed'}"]
+    crashed = finish_step(start_step(run, 2, *killing), timeout=150)
+    assert crashed[1][0] == -9 and crashed[0][0] != 0, crashed[0][1][-3000:]
+    durable = CheckpointStore(run / "checkpoints").list_steps()[-1]
+    assert durable in (5, 10)  # step 10's epoch-end save, unless a background sharded one was still in flight
+    assert list(shm.iterdir()), "no snapshot survived the killed step"
+
+    again = finish_step(start_step(run, 2, *killing), timeout=150)  # the step started again in place
+    assert [rc for rc, _ in again] == [0, 0], again[0][1][-3000:]
+    resumed = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "resumed"]
+    assert [(e["step"], e.get("memory"), e.get("durable_step")) for e in resumed] == [(11, True, durable)], resumed
+    final, expected = (final_state(d, parallel) for d in (run, reference))
+    assert final["progress"]["step"] == expected["progress"]["step"] == 20
+    assert_identical(final["model"], expected["model"], "model")
+    assert_identical(final["optimizer"], expected["optimizer"], "optimizer")
+    assert list(shm.iterdir()) == [], "snapshots left after the run finished"
