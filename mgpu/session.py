@@ -21,7 +21,7 @@ checkpoints, and coming back. mgpu's trainer is built on it; a loop of your own 
     # with the command that resumes); an exception: the failure is recorded, within the budget requeued,
     # and raised.
 
-What a Session guarantees, and what it does not, is in README ("Your own loop").
+What a Session guarantees, and what it does not, is in docs/own-loop.md.
 """
 
 from __future__ import annotations

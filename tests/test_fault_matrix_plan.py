@@ -82,13 +82,13 @@ def test_publish_replaces_only_the_marked_block() -> None:
     assert once.startswith("# x\n\nbefore\n\n" + BEGIN + "\nThe whole matrix, `python tests/e2e/fault_matrix.py` "
                            "(2026-11-25): 4 scenarios, 3 passed, 4 minutes.")
     assert once.endswith(f"| kill-rank | 1 | COMPLETED: 1 | 1 of 1 | 30 |\n{END}\n\nafter\n")
-    assert "Not run yet" not in once and "[docs/fault-matrix.md](docs/fault-matrix.md)" in once
+    assert "Not run yet" not in once and "[fault-matrix.md](fault-matrix.md)" in once
     assert publish(once, ROWS, "python tests/e2e/fault_matrix.py", "2026-11-25") == once  # idempotent
     with pytest.raises(ValueError, match="no <!-- fault-matrix --> ... <!-- /fault-matrix --> block"):
         publish("# x\nFAULT_MATRIX_SUMMARY\n", ROWS, "c", "d")
 
 
-def test_the_readme_has_the_block() -> None:
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+def test_the_preemption_page_has_the_block() -> None:
+    readme = (Path(__file__).resolve().parent.parent / "docs" / "preemption.md").read_text()
     assert readme.count(BEGIN) == readme.count(END) == 1 and readme.index(BEGIN) < readme.index(END)
     assert "FAULT_MATRIX_SUMMARY" not in readme

@@ -158,7 +158,7 @@ def changed_lines(before: Path, after: Path) -> tuple[int, int]:
 def test_converting_a_ddp_loop_changes_at_most_15_lines() -> None:
     added, removed = changed_lines(ORIGINAL, EXAMPLE)
     assert added <= 15, (added, removed)
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "own-loop.md").read_text()
     assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", readme), (added, removed)
 
 
@@ -224,4 +224,4 @@ def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, translate_
 def test_converting_the_spawn_loop_changes_a_few_lines() -> None:
     added, removed = changed_lines(ROOT / "jobs" / "loops" / "translate_spawn.py", TRANSLATE)
     assert added <= 17, (added, removed)  # early stopping saves its state with the model: 3 lines of it
-    assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", (ROOT / "README.md").read_text())
+    assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", (ROOT / "docs" / "own-loop.md").read_text())

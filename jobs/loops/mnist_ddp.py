@@ -1,6 +1,6 @@
 """A typical hand-written DDP loop with its own checkpoint-and-resume, as the seeds' multi-node walkthrough
 (torch.distributed.launch / torchrun, one process per GPU) writes it. This is the "before" of
-jobs/loops/mnist_loop.py, kept to show what changes (README: "Your own loop"); it runs as it is:
+jobs/loops/mnist_loop.py, kept to show what changes (docs/own-loop.md); it runs as it is:
 
     torchrun --nproc-per-node 2 jobs/loops/mnist_ddp.py --epochs 2          # add --resume to continue
 

@@ -1,5 +1,5 @@
 """jobs/loops/mnist_ddp.py, a hand-written DDP loop with its own checkpointing, on mgpu.Session: the
-same loop, with every guarantee of mgpu's trainer (README: "Your own loop" shows the lines that changed).
+same loop, with every guarantee of mgpu's trainer (docs/own-loop.md shows the lines that changed).
 
     python jobs/loops/mnist_loop.py                                    # one process, no Slurm
     torchrun --nproc-per-node 2 jobs/loops/mnist_loop.py               # 2 ranks; Ctrl-C stops and saves

@@ -1,6 +1,6 @@
 """jobs/loops/translate_spawn.py, the seeds' mp.spawn transformer loop (Noam warmup, label smoothing,
 accumulation, clipping, BLEU, early stopping, TensorBoard), on mgpu.Session: the same loop, preempted,
-requeued and resumed bit-identically, under any launcher (README: "Your own loop").
+requeued and resumed bit-identically, under any launcher (docs/own-loop.md).
 
     python jobs/loops/translate_loop.py --nprocs 2                   # 2 local ranks; Ctrl-C stops and saves
     torchrun --nproc-per-node 2 jobs/loops/translate_loop.py

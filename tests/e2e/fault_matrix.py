@@ -4,7 +4,7 @@ DataLoader workers, on the real test cluster; for the stops the issue of FSDP2 n
 scenarios are generated here (pure, seeded); they run in tests/e2e/test_fault_matrix.py.
 
     python tests/e2e/fault_matrix.py                 # the whole matrix; writes docs/fault-matrix.md and
-                                                     # the README's summary (between its fault-matrix markers)
+                                                     # the summary in docs/preemption.md (between its markers)
     python tests/e2e/fault_matrix.py --ci            # the seeded subset CI runs (one per stop kind)
     python tests/e2e/fault_matrix.py --fsdp          # the FSDP2 rows alone
     python tests/e2e/fault_matrix.py --list          # the scenarios, without running them
@@ -54,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REPORT_ENV = "MGPU_FAULT_REPORT"
 SELECT_ENV = "MGPU_FAULT_MATRIX"
 BEGIN, END = "<!-- fault-matrix -->", "<!-- /fault-matrix -->"
-"""The README's block that `publish` replaces with the whole matrix's summary."""
+"""docs/preemption.md's block that `publish` replaces with the whole matrix's summary."""
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def render(rows: list[dict]) -> str:
 
 
 def summarize(rows: list[dict]) -> str:
-    """The README's compact table: per stop kind, its scenarios, their outcomes, passes, median seconds."""
+    """The summary's compact table: per stop kind, its scenarios, their outcomes, passes, median seconds."""
     lines = ["| stop kind | scenarios | outcomes (Slurm's runs: count) | passed | median seconds |",
              "|---|---|---|---|---|"]
     for kind in [*KINDS, *(f"{k} (FSDP2)" for k in (*FSDP_KINDS, LATE_RANK))]:
@@ -139,17 +139,17 @@ def summarize(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def publish(readme: str, rows: list[dict], command: str, when: str) -> str:
-    """`readme` with the text between BEGIN and END replaced by the summary of `rows`; ValueError without
+def publish(page: str, rows: list[dict], command: str, when: str) -> str:
+    """`page` with the text between BEGIN and END replaced by the summary of `rows`; ValueError without
     the markers (nothing else is touched)."""
-    start, end = readme.find(BEGIN), readme.find(END)
+    start, end = page.find(BEGIN), page.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {BEGIN} ... {END} block to fill")
+        raise ValueError(f"the page has no {BEGIN} ... {END} block to fill")
     passed = sum(r["passed"] for r in rows)
     block = (f"{BEGIN}\nThe whole matrix, `{command}` ({when}): {len(rows)} scenarios, {passed} passed, "
              f"{sum(r['seconds'] for r in rows) / 60:.0f} minutes. Every scenario's row, and why any failed: "
-             f"[docs/fault-matrix.md](docs/fault-matrix.md).\n\n{summarize(rows)}")
-    return readme[:start] + block + readme[end:]
+             f"[fault-matrix.md](fault-matrix.md).\n\n{summarize(rows)}")
+    return page[:start] + block + page[end:]
 
 
 def main() -> int:
@@ -159,8 +159,8 @@ def main() -> int:
     parser.add_argument("--fsdp", action="store_true", help="only the FSDP2 rows")
     parser.add_argument("--list", action="store_true", help="print the scenarios and exit")
     parser.add_argument("--out", default=str(ROOT / "docs" / "fault-matrix.md"), help="the table (markdown)")
-    parser.add_argument("--readme", default=str(ROOT / "README.md"),
-                        help="whose fault-matrix block gets the summary (the whole matrix only; '' for none)")
+    parser.add_argument("--summary", default=str(ROOT / "docs" / "preemption.md"),
+                        help="the page whose fault-matrix block gets the summary (the whole matrix only; '' for none)")
     args = parser.parse_args()
     selection = ("ci" if args.ci else "fsdp" if args.fsdp else f"seed:{args.seed}" if args.seed is not None
                  else "all")
@@ -182,10 +182,10 @@ def main() -> int:
               f"tests/e2e/test_fault_matrix.py.\n\n")
     Path(args.out).write_text(header + render(rows))
     print(f"{len(rows)} scenarios; table in {args.out}")
-    if selection == "all" and args.readme and rows:
-        readme = Path(args.readme)
-        readme.write_text(publish(readme.read_text(), rows, command, when))
-        print(f"summary in {readme}")
+    if selection == "all" and args.summary and rows:
+        page = Path(args.summary)
+        page.write_text(publish(page.read_text(), rows, command, when))
+        print(f"summary in {page}")
     return rc
 
 
