@@ -71,4 +71,7 @@ def merge(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[d
     as it is (its writers' clocks may differ a little)."""
     if not records:
         return events
-    return list(heapq.merge(events, sorted(records, key=lambda e: e["time"]), key=lambda e: e["time"]))
+    # Records of the same millisecond in rank order (the files are listed newest first, which is no order), and
+    # before a ledger event of that millisecond: a rank's own error comes before what rank 0 saw of it.
+    ordered = sorted(records, key=lambda e: (e["time"], e.get("rank") if isinstance(e.get("rank"), int) else -1))
+    return list(heapq.merge(ordered, events, key=lambda e: e["time"]))

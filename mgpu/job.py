@@ -7,7 +7,7 @@
 2. the trainer's ranks agree at a step boundary, stop together and write one durable checkpoint;
 3. rank 0, and only rank 0, asks Slurm what happened (`mgpu.requeue.decide`) and requeues the job
    itself when Slurm will not (time limit; preemption with GraceTime > 0), never after a `scancel`,
-   and not beyond `MGPU_MAX_REQUEUES` stop requeues (default: no limit; see `mgpu.recovery.Limits`).
+   and not beyond `MGPU_MAX_REQUEUES` stop requeues (default: no limit; see `mgpu.budgets.Limits`).
    A run that made no progress at all is counted against the failure budget instead, so a job whose
    time limit leaves no time to train does not requeue forever;
 4. every rank exits: code 0 when requeued or finished; under submitit a requeued job writes no
@@ -60,7 +60,7 @@ def _task_frame(error: BaseException, target: str) -> str | None:
 def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = None) -> str:
     """The one line under a failure's traceback: where it came from, and what happens to the job now."""
     from mgpu.ledger import read_ledger
-    from mgpu.recovery import Limits, failure_requeues
+    from mgpu.budgets import Limits, failure_requeues
     from mgpu.rundir import RunDir
     from mgpu.slurm_job import owns_slurm_job
 
@@ -146,7 +146,7 @@ def run_training(cfg: Config, config_path: str | None = None, env: ProcessEnv | 
     (installed by it for the call, unless the process installed them first: mgpu.preemption).
     `on_failure(error)` runs when training raises, while the process group still exists, before the
     session's own failure handling."""
-    from mgpu.recovery import Limits
+    from mgpu.budgets import Limits
 
     Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
     env = env or detect_environment()

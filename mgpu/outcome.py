@@ -3,7 +3,7 @@
 After the ranks stopped together and wrote their checkpoint, rank 0, and only rank 0, asks Slurm what
 happened (`mgpu.requeue.decide`) and requeues the job itself when Slurm will not (time limit; preemption
 with GraceTime > 0), never after a `scancel`, and not beyond `MGPU_MAX_REQUEUES` stop requeues (default:
-no limit; see `mgpu.recovery.Limits`). A run that made no progress at all counts against the failure
+no limit; see `mgpu.budgets.Limits`). A run that made no progress at all counts against the failure
 budget instead, so a job whose time limit leaves no time to train does not requeue forever. Slurm is
 asked about a job only when it is this process's own (`mgpu.slurm_job.owns_slurm_job`).
 
@@ -26,7 +26,7 @@ from typing import Literal, Mapping, Sequence
 
 from mgpu.environment import ProcessEnv
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.recovery import Limits, failure_requeues, stop_requeues
+from mgpu.budgets import Limits, failure_requeues, stop_requeues
 from mgpu.requeue import Budget, Decision, decide, decide_unanswered, query_job, requeue
 from mgpu.rundir import RunDir
 from mgpu.slurm import SlurmError, SlurmUnanswered, client, stop_window_s

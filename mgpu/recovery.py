@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, Mapping, Sequence
 
+from mgpu.budgets import FAILURE_KINDS, Limits, failure_requeues, stop_requeues
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.failures import record_failure
 from mgpu.ledger import Ledger, read_ledger
@@ -48,14 +49,9 @@ from mgpu.rundir import RunDir
 from mgpu.slurm import SlurmError, SlurmUnanswered, client, stop_window_s
 from mgpu.slurm_job import owns_slurm_job
 
-__all__ = ["DEFAULT_MAX_FAILURES", "Limits", "failure_requeues", "finish_stop", "handle_failure", "main",
-           "peer_consequence", "rank_failed",
-           "stop_requeues"]
+__all__ = ["finish_stop", "handle_failure", "main", "peer_consequence", "rank_failed"]
 
 log = logging.getLogger("mgpu.job")
-DEFAULT_MAX_FAILURES = 3
-FAILURE_KINDS = ("failure", "no_progress", "hang")
-"""What a comeback after counts against MGPU_MAX_FAILURES (a preemption or time limit does not)."""
 
 
 _CONSEQUENCE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|"
@@ -69,51 +65,6 @@ def peer_consequence(error: BaseException) -> bool:
     timeout): the consequence of a failure, not its cause. The ledger records the cause from the rank that had
     it; this one is kept, marked, for when no rank could say more."""
     return type(error).__name__ in _CONSEQUENCE_TYPES or _CONSEQUENCE.search(str(error)) is not None
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The job's requeue limits, from the variables jobs/submit.py and the templates export.
-
-    `max_requeues` bounds requeues after a stop (preemption, time limit, the user signal, an outside
-    requeue): None (the default) is no limit, since a long run lives by them. `max_failures` bounds
-    requeues after a failure or a run that made no progress, per job: a crash loop ends there.
-    """
-
-    max_requeues: int | None = None
-    max_failures: int = DEFAULT_MAX_FAILURES
-
-    @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "Limits":
-        environ = os.environ if environ is None else environ
-
-        def read(name: str, default: int | None) -> int | None:
-            text = environ.get(name, "").strip()
-            if text in ("", "none", "unlimited"):
-                return default
-            if not text.isdigit():
-                raise MgpuError(f"{name}={text!r} is not a count: set it to an integer >= 0 (or unset it)")
-            return int(text)
-
-        failures = read("MGPU_MAX_FAILURES", DEFAULT_MAX_FAILURES)
-        return cls(read("MGPU_MAX_REQUEUES", None), DEFAULT_MAX_FAILURES if failures is None else failures)
-
-
-def failure_requeues(events: Sequence[Mapping[str, Any]], job_id: str) -> int:
-    """Comebacks of `job_id` after a failure or a run without progress (requeued, or restarted in the same
-    allocation), as the ledger recorded them."""
-    return sum(1 for e in events if e.get("event") in ("requeued", "restarted") and e.get("job_id") == job_id
-               and e.get("after") in FAILURE_KINDS)
-
-
-def stop_requeues(events: Sequence[Mapping[str, Any]], job_id: str | None, restart_count: int) -> int:
-    """Requeues of `job_id` after a stop (preemption, time limit, the user signal, an outside requeue).
-
-    Slurm's restart count counts every requeue; of the failures, only those that requeued the job
-    raised it: a step restarted in the same allocation (`restarted`) did not, so it is not subtracted."""
-    failed = sum(1 for e in events if e.get("event") == "requeued" and e.get("job_id") == job_id
-                 and e.get("after") in FAILURE_KINDS)
-    return max(0, restart_count - failed)
 
 
 def _this_attempt(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> list[Mapping[str, Any]]:

@@ -33,7 +33,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from mgpu.slurm import JobView, RequeueOutcome, SlurmClient, SlurmError, client, parse_job_view
+from mgpu.slurm import JobView, RequeueOutcome, SlurmClient, SlurmError, client, parse_job_view, recorded_resume_command
 from mgpu.slurm_job import owns_slurm_job
 
 __all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide",
@@ -90,8 +90,7 @@ def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, s
     environ = os.environ if environ is None else environ
     recorded = environ.get("MGPU_RESUME_COMMAND", "")
     if not recorded:
-        job = environ.get("SLURM_JOB_ID")
-        return f"the command that submitted {'job ' + job if job else 'this run'} (MGPU_RESUME_COMMAND is not set)"
+        return recorded_resume_command(environ)
     found = _OPEN_OPTIONS.fullmatch(recorded)
     # Accounting is asked only about this process's own job (mgpu.slurm_job), never a leftover's.
     if not (ask and found and found["job"] == environ.get("SLURM_JOB_ID") and owns_slurm_job(environ)):

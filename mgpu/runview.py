@@ -19,7 +19,7 @@ from mgpu.errors import MgpuError
 from mgpu.failures import merge, read_failures
 from mgpu.goodput import SACCT_FIELDS, SacctRun, duration, goodput, goodput_lines, parse_sacct
 from mgpu.ledger import read_ledger
-from mgpu.recovery import Limits, failure_requeues
+from mgpu.budgets import Limits, failure_requeues
 from mgpu.rundir import RunDir
 from mgpu.slurm import client, is_alive
 

@@ -44,7 +44,8 @@ from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger
 from mgpu.outcome import JobStopped, Outcome, StopBudgets, exit_code, resume_command
 from mgpu.preemption import install_stop_request, uninstall_stop_request
-from mgpu.recovery import Limits, rank_failed
+from mgpu.budgets import Limits
+from mgpu.recovery import rank_failed
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
 from mgpu.runner import no_beat, process_start

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from mgpu.environment import ProcessEnv, detect_environment
 from mgpu.ledger import Ledger
 from mgpu.outcome import StopBudgets
-from mgpu.recovery import Limits
+from mgpu.budgets import Limits
 from mgpu.resumption import Resumption
 from mgpu.rundir import RunDir
 from mgpu.runner import join_run, prepare_run_dir, setup_logging, start_watchdog

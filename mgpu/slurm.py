@@ -146,11 +146,20 @@ def _subprocess_run(argv: list[str], timeout: float) -> "subprocess.CompletedPro
                                        err.decode("utf-8", "replace"))
 
 
-def _missing(tool: str) -> str:
-    from mgpu.requeue import resume_command  # the resume command's reader asks accounting through this client
+def recorded_resume_command(environ: Mapping[str, str] | None = None) -> str:
+    """The command that continues the run as its submitter recorded it (MGPU_RESUME_COMMAND), or a placeholder
+    naming the job; mgpu.requeue.resume_command completes a template's from accounting."""
+    environ = os.environ if environ is None else environ
+    recorded = environ.get("MGPU_RESUME_COMMAND", "")
+    if recorded:
+        return recorded
+    job = environ.get("SLURM_JOB_ID")
+    return f"the command that submitted {'job ' + job if job else 'this run'} (MGPU_RESUME_COMMAND is not set)"
 
+
+def _missing(tool: str) -> str:
     return (f"{tool} not found on PATH (inside a container? bind-mount Slurm's client commands): cannot ask Slurm "
-            f"about the job or requeue it; the checkpoint is kept; to resume: {resume_command(ask=False)}")
+            f"about the job or requeue it; the checkpoint is kept; to resume: {recorded_resume_command()}")
 
 
 @dataclass

@@ -118,7 +118,7 @@ class Resources:
     job_name: str = "mgpu"
     signal_lead_s: int = 120
     max_requeues: int | None = None
-    """Requeues after a preemption or time limit (None: no limit; see mgpu.recovery.Limits)."""
+    """Requeues after a preemption or time limit (None: no limit; see mgpu.budgets.Limits)."""
     max_failures: int = 3
     """Requeues after a failure, per job."""
     requeue_signal: str = "USR2"

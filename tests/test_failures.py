@@ -13,7 +13,8 @@ import pytest
 
 from mgpu.failures import failure_file, merge, read_failures, record_failure
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.recovery import Limits, rank_failed
+from mgpu.budgets import Limits
+from mgpu.recovery import rank_failed
 from mgpu.rundir import RunDir
 from mgpu.runview import RunView, summarize
 from mgpu.watchdog import WRITE_EVERY_S, Watchdog

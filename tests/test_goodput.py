@@ -18,7 +18,7 @@ import pytest
 
 from mgpu.goodput import (Interval, SacctRun, compare_fingerprints, fingerprints, goodput, goodput_lines,
                           parse_sacct, parse_slurm_time, segments, timeline)
-from mgpu.recovery import Limits
+from mgpu.budgets import Limits
 from tests.conftest import PYTHON, ROOT, base_env
 
 STATUS = str(ROOT / "jobs" / "status.py")

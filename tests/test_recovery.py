@@ -12,7 +12,8 @@ import pytest
 
 from mgpu.errors import MgpuError
 from mgpu.ledger import Ledger, read_ledger
-from mgpu.recovery import DEFAULT_MAX_FAILURES, Limits, failure_requeues, handle_failure, stop_requeues
+from mgpu.budgets import DEFAULT_MAX_FAILURES, Limits, failure_requeues, stop_requeues
+from mgpu.recovery import handle_failure
 from mgpu.rundir import RunDir
 from mgpu.slurm_job import ancestors, owns_slurm_job
 

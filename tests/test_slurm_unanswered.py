@@ -23,7 +23,7 @@ from mgpu.checkpoint import CheckpointStore
 from mgpu.environment import ProcessEnv
 from mgpu.ledger import Ledger, read_ledger
 from mgpu.outcome import UNANSWERED_EXIT_CODE, StopBudgets, decide_after_stop, exit_code
-from mgpu.recovery import Limits
+from mgpu.budgets import Limits
 from mgpu.recovery import main as recovery_main
 from mgpu.requeue import Budget
 from mgpu.rundir import RunDir
