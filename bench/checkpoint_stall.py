@@ -29,7 +29,7 @@ def build_state(layers: int, width: int) -> tuple[dict, int]:
     import torch
     from torch import nn
 
-    from mgpu.train_state import Progress, gather_state
+    from mgpu.state.train_state import Progress, gather_state
 
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
 
-    from mgpu.checkpoint import CheckpointStore
+    from mgpu.state.checkpoint import CheckpointStore
 
     state, params = build_state(args.layers, args.width)
     root = Path(tempfile.mkdtemp(prefix="mgpu-bench-", dir=args.dir))

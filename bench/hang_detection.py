@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
-from mgpu.ledger import read_ledger  # noqa: E402
+from mgpu.record.ledger import read_ledger  # noqa: E402
 
 SLOW = ["task.target=tests.tasks:HangingBlobTask", "task.args.step_s=0.2", "task.args.mode=sleep", "task.args.at=6",
         "train.epochs=3", "data.batch_size=2", "log.every_steps=1", "checkpoint.every_steps=2"]

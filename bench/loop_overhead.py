@@ -71,13 +71,13 @@ def hand_written(steps: int, batch: int, world: int, rank: int, hidden: int) -> 
 
 
 def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[str]) -> list[float]:
-    from mgpu.config import load_config
-    from mgpu.ledger import Ledger
-    from mgpu.preemption import StopRequest
-    from mgpu.rundir import RunDir
-    from mgpu.task import build_task
-    from mgpu.trainer import Trainer
-    from mgpu.watchdog import Watchdog
+    from mgpu.config.loading import load_config
+    from mgpu.record.ledger import Ledger
+    from mgpu.stop.preemption import StopRequest
+    from mgpu.record.rundir import RunDir
+    from mgpu.train.task import build_task
+    from mgpu.train.trainer import Trainer
+    from mgpu.stop.watchdog import Watchdog
 
     cfg = load_config(None, ["task.target=bench.tasks:BenchTask", f"task.args.size={steps * batch * world}",
                              f"task.args.hidden={hidden}", f"data.batch_size={batch}", "train.epochs=1",
@@ -99,7 +99,7 @@ def ours(steps: int, batch: int, world: int, ctx, hidden: int, overrides: list[s
 def beat_cost_ns(calls: int = 200_000) -> float:
     """Nanoseconds one Watchdog.beat() takes on the training thread (the watchdog's whole per-phase cost
     there): a direct bound on its share of a step, which the paired ratio cannot resolve on a noisy machine."""
-    from mgpu.watchdog import Watchdog
+    from mgpu.stop.watchdog import Watchdog
 
     dog = Watchdog(0, 1, Path(tempfile.gettempdir()), step_multiple=10, floor_s=60, first_step_s=600,
                    checkpoint_s=600, on_hang=lambda *args: None)
@@ -156,8 +156,8 @@ def profile_table(steps: int, raw: pstats.Stats, mine: pstats.Stats, top: int = 
 
 
 def worker(args: argparse.Namespace) -> None:
-    from mgpu.distributed import process_group
-    from mgpu.environment import detect_environment
+    from mgpu.parallel.distributed import process_group
+    from mgpu.cluster.environment import detect_environment
 
     env = detect_environment()
     if args.pin and hasattr(os, "sched_setaffinity"):

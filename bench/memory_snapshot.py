@@ -41,8 +41,8 @@ def run(variant: int, steps: int, batch: int, hidden: int, base: Path,
     import torch.nn.functional as F
 
     from bench.tasks import mlp
-    from mgpu.memory_state import MemorySnapshots
-    from mgpu.train_state import Progress
+    from mgpu.state.memory_state import MemorySnapshots
+    from mgpu.state.train_state import Progress
 
     torch.manual_seed(0)
     model = mlp(hidden=hidden)
@@ -90,8 +90,8 @@ def main() -> None:
             for variant in order:
                 times[variant].append(run(variant, args.steps, args.batch, args.hidden, base, takes))
         from bench.tasks import mlp
-        from mgpu.memory_state import MemorySnapshots
-        from mgpu.train_state import Progress
+        from mgpu.state.memory_state import MemorySnapshots
+        from mgpu.state.train_state import Progress
 
         model = mlp(hidden=args.hidden)
         optimizer = torch.optim.AdamW(model.parameters())

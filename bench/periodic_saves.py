@@ -46,10 +46,10 @@ def step(model: Any, optimizer: Any, batch: Any) -> None:
 
 
 def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: Path) -> dict[str, Any]:
-    from mgpu.checkpointer import Checkpointer
-    from mgpu.ledger import Ledger, read_ledger
-    from mgpu.rundir import RunDir
-    from mgpu.train_state import gather_state
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.record.ledger import Ledger, read_ledger
+    from mgpu.record.rundir import RunDir
+    from mgpu.state.train_state import gather_state
 
     model, optimizer, batch = objects["model"], objects["optimizer"], objects["batch"]
     root = directory / form
@@ -88,8 +88,8 @@ def main() -> None:
 
     import torch
 
-    from mgpu.checkpoint import CheckpointStore
-    from mgpu.train_state import gather_state
+    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.train_state import gather_state
 
     torch.set_num_threads(1)  # the step on one core, the writer on the other (a GPU node's spare cores)
     base = args.dir or Path.cwd()

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, median, report  # noqa: E402
-from mgpu.ledger import read_ledger  # noqa: E402
+from mgpu.record.ledger import read_ledger  # noqa: E402
 
 CLUSTER = ROOT / "slurm" / "cluster"
 

@@ -6,7 +6,7 @@ example jobs (2 ranks under torchrun on this machine), from real checkpoints of 
 
 Per example: one run stopped with `jobs/train.py --stop-at-step 3` (its checkpoint: the stop's), then
 `--resumes` runs, each resuming from the previous one's stop and stopping after one step. Each resume's
-times come from the ledger's `first_step` event (rank 0's Unix times, mgpu.session): the phases are
+times come from the ledger's `first_step` event (rank 0's Unix times, mgpu.run.session): the phases are
 median seconds over the resumes. `--baseline REF` also runs the same resumes on a git worktree of REF, one
 after the other with ours (alternating which goes first), to show before/after in one run.
 
@@ -81,7 +81,7 @@ import time
 start = time.perf_counter()
 import torch
 torch_done = time.perf_counter()
-import mgpu.job, mgpu.session, mgpu.trainer, mgpu.checkpointer, jobs.tasks.{example}
+import mgpu.train.job, mgpu.run.session, mgpu.train.trainer, mgpu.state.checkpointer, jobs.tasks.{example}
 mgpu_done = time.perf_counter()
 torch.optim.AdamW(torch.nn.Linear(2, 2).parameters())  # torch imports torch._dynamo at the first optimizer
 print(torch_done - start, mgpu_done - torch_done, time.perf_counter() - mgpu_done)

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.common import report  # noqa: E402
-from mgpu.ledger import read_ledger  # noqa: E402
-from mgpu.watchdog import WRITE_EVERY_S  # noqa: E402
+from mgpu.record.ledger import read_ledger  # noqa: E402
+from mgpu.stop.watchdog import WRITE_EVERY_S  # noqa: E402
 from tests.conftest import PYTHON, base_env  # noqa: E402
 
 TRAIN = str(ROOT / "jobs" / "train.py")

@@ -84,12 +84,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from mgpu.checkpointer import Checkpointer
-    from mgpu.fsdp import shard
-    from mgpu.ledger import Ledger
-    from mgpu.rundir import RunDir
-    from mgpu.sharded import ShardedCheckpointer
-    from mgpu.train_state import gather_state
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.parallel.fsdp import shard
+    from mgpu.record.ledger import Ledger
+    from mgpu.record.rundir import RunDir
+    from mgpu.state.sharded import ShardedCheckpointer
+    from mgpu.state.train_state import gather_state
 
     rows = []
     for form in ("ddp-single", "ddp-sharded", "fsdp-sharded"):
@@ -156,12 +156,12 @@ def _resume_s(form: str, root: Path, rank: int, world: int, mb: int) -> float:
     import torch
     import torch.distributed as dist
 
-    from mgpu.checkpointer import Checkpointer
-    from mgpu.fsdp import shard
-    from mgpu.ledger import Ledger
-    from mgpu.rundir import RunDir
-    from mgpu.sharded import ShardedCheckpointer, restore_sharded
-    from mgpu.train_state import restore_state
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.parallel.fsdp import shard
+    from mgpu.record.ledger import Ledger
+    from mgpu.record.rundir import RunDir
+    from mgpu.state.sharded import ShardedCheckpointer, restore_sharded
+    from mgpu.state.train_state import restore_state
 
     model = _model(mb)
     if form == "fsdp-sharded":

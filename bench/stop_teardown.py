@@ -9,7 +9,7 @@ workers per rank), stopped the same way. From rank 0's ledger: `checkpoint_saved
 `preempted` (the trainer's loggers are closed by then: TensorBoard, wandb's finish); the parent notes each
 rank's exit as it happens. Phases: durable -> loggers closed, loggers closed -> last exit (the session's end:
 the decision, DDP's release, the process group's teardown, the watchdog; then the process's exit: atexit
-hooks such as wandb's service teardown, the interpreter's finalization unless skipped, mgpu/process_exit.py).
+hooks such as wandb's service teardown, the interpreter's finalization unless skipped, mgpu/stop/process_exit.py).
 The floor no library removes, measured in the same run: a bare `import torch, torch.distributed` from its last
 line to its exit; `over_floor_s` is durable -> last exit minus that floor. `--trees A B`: the same runs on each
 source tree (e.g. a checkout of the code before a change, and this one), interleaved, so that all see the
@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, median, report  # noqa: E402
-from mgpu.ledger import read_ledger  # noqa: E402
+from mgpu.record.ledger import read_ledger  # noqa: E402
 
 OWN_LOOP = "own loop (tests/own_loop.py)"
 

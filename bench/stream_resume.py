@@ -1,4 +1,4 @@
-"""The stream's resume and step costs, side by side in one process (mgpu.stream.ShardedStream vs map-style).
+"""The stream's resume and step costs, side by side in one process (mgpu.data.stream.ShardedStream vs map-style).
 
     python bench/stream_resume.py                         # 16 token shards, 3.2M windows, 2 ranks' share
     python bench/stream_resume.py --shards 16 --windows 200000 --repeats 5 --workers 0
@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median, report  # noqa: E402
-from mgpu.loader import ResumableLoader  # noqa: E402
-from mgpu.stream import ShardedStream, TokenWindows  # noqa: E402
+from mgpu.data.loader import ResumableLoader  # noqa: E402
+from mgpu.data.stream import ShardedStream, TokenWindows  # noqa: E402
 
 BLOCK = 16
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-from mgpu.task import Task
+from mgpu.train.task import Task
 
 
 def random_dataset(size: int, features: int = 256, classes: int = 10) -> TensorDataset:

@@ -84,7 +84,7 @@ def profile(directory: Path, state: dict[str, Any], data: memoryview) -> None:
 
     import torch
 
-    from mgpu.checkpoint import CheckpointStore
+    from mgpu.state.checkpoint import CheckpointStore
 
     class Null(io.RawIOBase):
         def writable(self) -> bool:
@@ -123,9 +123,9 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    from mgpu.checkpoint import CheckpointStore
-    from mgpu.ledger import Ledger
-    from mgpu.sharded import ShardedCheckpointer
+    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.record.ledger import Ledger
+    from mgpu.state.sharded import ShardedCheckpointer
 
     base = args.dir or Path.cwd()
     base.mkdir(parents=True, exist_ok=True)

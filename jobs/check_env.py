@@ -17,9 +17,9 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from mgpu.environment import detect_environment  # noqa: E402
+from mgpu.cluster.environment import detect_environment  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from mgpu.distributed import all_reduce, process_group  # torch only after validation
+    from mgpu.parallel.distributed import all_reduce, process_group  # torch only after validation
 
     with process_group(env, timeout=timedelta(seconds=args.timeout_s)) as ctx:
         total = int(all_reduce(float(env.rank + 1)).item())

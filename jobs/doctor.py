@@ -28,8 +28,8 @@ from typing import Any, NoReturn
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu.config import control_problem  # noqa: E402
-from mgpu.doctor_run import Doctor, Interrupted, Options  # noqa: E402
+from mgpu.config.loading import control_problem  # noqa: E402
+from mgpu.submit.doctor_run import Doctor, Interrupted, Options  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 
 PROG = "doctor"

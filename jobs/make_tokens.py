@@ -101,7 +101,7 @@ def read_meta(path: str | Path) -> dict:
 def write_shards(path: str | Path, out_dir: str | Path, shards: int, block_size: int, windows: int) -> list[Path]:
     """Cut the first `windows` windows of `block_size + 1` tokens of token file `path` into `shards` token files
     (OUT_DIR/shard-000.bin, ... with sidecars), each a whole number of windows: read as windows of the same
-    size (mgpu.stream.TokenWindows), the shards hold exactly the windows the map-style dataset indexes.
+    size (mgpu.data.stream.TokenWindows), the shards hold exactly the windows the map-style dataset indexes.
     Files already there with the same source and range are kept (ranks that do it at once are safe)."""
     meta = read_meta(path)
     if not 1 <= shards <= windows:

@@ -6,9 +6,9 @@
     python jobs/status.py runs/mnist --plot timeline.png    # and a picture of the run (needs matplotlib)
     python jobs/status.py --verify runs/a runs/b            # same weights at every step both logged?
 
-Reads `<run dir>/events.jsonl` (see mgpu/ledger.py): the newest step, its epoch and logged metrics (the
+Reads `<run dir>/events.jsonl` (see mgpu/record/ledger.py): the newest step, its epoch and logged metrics (the
 trainer's, or a loop's own `session.log`), throughput and ETA (none for a loop that logs no total), evaluations,
-requeues and the budgets left, and where the time went (mgpu/goodput.py); asks squeue/sacct/scontrol
+requeues and the budgets left, and where the time went (mgpu/record/goodput.py); asks squeue/sacct/scontrol
 where they exist, each try within SLURM_TRY_S and all of them within SLURM_TOTAL_S (what gave no answer is
 left out, with a note on stderr); ledger lines that are not well-formed events are skipped with a note on stderr.
 Exit codes: 0 shown (--verify: the runs agree), 1 (--verify) they differ, 2 no such run (or bad
@@ -26,16 +26,16 @@ from typing import NoReturn
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu.config import control_problem  # noqa: E402
+from mgpu.config.loading import control_problem  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
-from mgpu.ledger import read_ledger  # noqa: E402
-from mgpu.rundir import RunDir  # noqa: E402
-from mgpu.slurm import SlurmClient, set_client  # noqa: E402
-from mgpu.runview import (SLURM_ID, RunView, budgets, describe, is_run_dir, job_limits, progress_line,  # noqa: E402
+from mgpu.record.ledger import read_ledger  # noqa: E402
+from mgpu.record.rundir import RunDir  # noqa: E402
+from mgpu.cluster.slurm import SlurmClient, set_client  # noqa: E402
+from mgpu.record.runview import (SLURM_ID, RunView, budgets, describe, is_run_dir, job_limits, progress_line,  # noqa: E402
                           sacct_runs, scheduler_state, summarize, verify)
 
 __all__ = ["budgets", "describe", "find_run_dirs", "job_limits", "progress_line", "scheduler_state", "summarize",
-           "verify"]  # the read model's names stay importable from here (mgpu.runview holds them)
+           "verify"]  # the read model's names stay importable from here (mgpu.record.runview holds them)
 
 PROG = "status"
 _SLURM_ID = SLURM_ID
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: note: {view.run.ledger}: skipped {len(view.skipped)} malformed line(s) "
                   f"(line {listed})", file=sys.stderr)
     if plot is not None:
-        from mgpu.timeline import plot_timeline
+        from mgpu.record.timeline import plot_timeline
 
         view = shown[0][0]
         try:

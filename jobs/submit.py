@@ -32,9 +32,9 @@ if __name__ == "__main__":  # find task modules as the job will, from the workin
     sys.path[0:1] = [os.getcwd()] + ([str(ROOT)] if str(ROOT) != os.getcwd() else [])
 
 from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
-from mgpu.config import Config  # noqa: E402
-from mgpu.exclusion import NodeMemory  # noqa: E402
-from mgpu.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
+from mgpu.config.loading import Config  # noqa: E402
+from mgpu.record.exclusion import NodeMemory  # noqa: E402
+from mgpu.submit.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
                              run_dir_for, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
 
 PROG = "submit"
@@ -173,7 +173,7 @@ def dry_run(cluster: str, sub: Submission, res: Resources, max_parallel: int, re
         print(f"# {cluster}: 1 node, {res.ntasks_per_node if cluster == 'local' else 1} process(es), "
               f"time limit {res.time} ({res.time_s} s), signal {res.requeue_signal} {res.signal_lead_s} s before; "
               f"logs in {folder}")
-    from mgpu.config import dump_config
+    from mgpu.config.loading import dump_config
 
     # The resolved config goes with the notes to stderr: stdout stays a script that `> job.sh` can keep.
     resolved = [f"# resolved config{' of task 0' if len(sub.configs) > 1 else ''}:",
@@ -205,7 +205,7 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, res
     """Create the executor and submit one job per config (an array on Slurm); returns submitit jobs."""
     import submitit
 
-    from mgpu.job import TrainJob  # only now: the job's callable (no torch at import either)
+    from mgpu.train.job import TrainJob  # only now: the job's callable (no torch at import either)
 
     folder = submitit_folder(sub.configs[0].run.root)
     fns = [TrainJob(config, sub.config_path) for config in sub.dicts]
@@ -234,8 +234,8 @@ def run_local(sub: Submission, res: Resources, resume: str) -> int:
     """--cluster local: each config's ranks as processes here (mgpu.spawn), one run after another. Ctrl-C
     (or SIGTERM to this process) stops them at the same step; they save, and this exits 3 with the
     command that resumes; --time is kept with its signal lead, as Slurm would; no rank outlives it."""
-    from mgpu.job import local_rank
-    from mgpu.spawn import spawn
+    from mgpu.train.job import local_rank
+    from mgpu.run.spawn import spawn
 
     for i, cfg in enumerate(sub.configs):
         run_dir = run_dir_for(cfg)
@@ -266,7 +266,7 @@ def _print_job(job: Any, cfg: Any, cluster: str) -> Path:
 
 def follow(jobs: list[Any], run_dirs: list[Path], cluster: str, poll_s: float) -> bool:
     """Print state changes and progress until every job ends; True if all completed."""
-    from mgpu.runview import RunView, progress_line, scheduler_state, summarize
+    from mgpu.record.runview import RunView, progress_line, scheduler_state, summarize
 
     shown: dict[int, tuple[str, str]] = {}
     final: dict[int, bool] = {}

@@ -8,12 +8,12 @@ Running the same command again resumes the run from its newest valid checkpoint.
 Exit codes: 0 finished (or stopped and requeued under Slurm), 1 a failure (its traceback, then one line
 saying what happens next), 2 bad input or a full disk, 3 stopped by a signal and not requeued (the
 checkpoint is written: run the same command to resume), 4 hung (the watchdog ended it; see
-mgpu/watchdog.py). See mgpu/job.py. The process ends with os._exit once its outcome is recorded, after
-the atexit handlers (bounded; mgpu/process_exit.py).
+mgpu/stop/watchdog.py). See mgpu/train/job.py. The process ends with os._exit once its outcome is recorded, after
+the atexit handlers (bounded; mgpu/stop/process_exit.py).
 
 Testing: `--stop-at-step K` stops after optimizer step K exactly as a preemption does (every rank at that
 step, the stop's checkpoint, exit 3 outside Slurm), without a signal: run the same command without it to
-resume (mgpu.stopping's test stop; the flag sets MGPU_STOP_AT_STEP=K for this process, which the stop
+resume (mgpu.stop.stopping's test stop; the flag sets MGPU_STOP_AT_STEP=K for this process, which the stop
 controller reads).
 """
 
@@ -27,7 +27,7 @@ from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mgpu.config import load_config  # noqa: E402  (no torch: validation is fast)
+from mgpu.config.loading import load_config  # noqa: E402  (no torch: validation is fast)
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 
 PROG = "train"
@@ -54,8 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from mgpu.job import cli_exit_code  # no torch at import: a bad config still fails in milliseconds
-    from mgpu.stopping import STOP_AT_STEP
+    from mgpu.train.job import cli_exit_code  # no torch at import: a bad config still fails in milliseconds
+    from mgpu.stop.stopping import STOP_AT_STEP
 
     if args.stop_at_step is not None:  # the test stop's one path: the environment the stop controller reads
         os.environ[STOP_AT_STEP] = str(args.stop_at_step)
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from mgpu.process_exit import run_and_exit
+    from mgpu.stop.process_exit import run_and_exit
 
     # This command owns its process: once the outcome is recorded, it ends without the interpreter's
-    # finalization (about 1 s of CPU with torch loaded; see mgpu/process_exit.py).
+    # finalization (about 1 s of CPU with torch loaded; see mgpu/stop/process_exit.py).
     run_and_exit(main)

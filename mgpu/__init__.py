@@ -1,8 +1,8 @@
 """mgpu: PyTorch DistributedDataParallel training as Slurm batch jobs that survive preemption.
 
     import mgpu
-    with mgpu.Session("runs/my-run") as session: ...      # a training loop of your own (mgpu.session)
-    python jobs/submit.py --config X.yaml                 # or mgpu's trainer, from a Task (mgpu.task)
+    with mgpu.Session("runs/my-run") as session: ...      # a training loop of your own (mgpu.run.session)
+    python jobs/submit.py --config X.yaml                 # or mgpu's trainer, from a Task (mgpu.train.task)
 
 This package's top level imports nothing heavy: the submission path must not import torch, and
 `Session` is imported on first use.
@@ -10,19 +10,24 @@ This package's top level imports nothing heavy: the submission path must not imp
 
 from typing import TYPE_CHECKING, Any
 
+from mgpu import moved
+
+moved.install()  # the module names from before the subpackages still import (mgpu/moved.py)
+
 if TYPE_CHECKING:  # what the lazy names below are, for a type checker
-    from mgpu.config import Config
-    from mgpu.inference import load_model
-    from mgpu.session import Session
-    from mgpu.spawn import spawn
-    from mgpu.train_state import State
+    from mgpu.config.loading import Config
+    from mgpu.state.inference import load_model
+    from mgpu.run.session import Session
+    from mgpu.run.spawn import spawn
+    from mgpu.state.train_state import State
+    from mgpu.train.task import Task
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Session", "State", "load_model", "spawn"]
+__all__ = ["Config", "Session", "State", "Task", "load_model", "spawn"]
 
 
-_LAZY = {"spawn": "mgpu.spawn", "load_model": "mgpu.inference", "Session": "mgpu.session", "Config": "mgpu.config",
-         "State": "mgpu.train_state"}
+_LAZY = {"spawn": "mgpu.run.spawn", "load_model": "mgpu.state.inference", "Session": "mgpu.run.session",
+         "Config": "mgpu.config.loading", "State": "mgpu.state.train_state", "Task": "mgpu.train.task"}
 
 
 def __getattr__(name: str) -> Any:
@@ -31,7 +36,7 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     value = getattr(importlib.import_module(_LAZY[name]), name)
-    # Importing mgpu.spawn binds the *module* to mgpu.spawn: bind the function over it, or the next
-    # `mgpu.spawn(...)` would call a module.
+    # `import mgpu.spawn` (the old module name, mgpu/moved.py) binds the *module* to mgpu.spawn: bind the
+    # function over it, or the next `mgpu.spawn(...)` would call a module.
     globals()[name] = value
     return value

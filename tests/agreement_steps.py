@@ -15,9 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mgpu.distributed import process_group
-from mgpu.environment import detect_environment
-from mgpu.preemption import StopAgreement, StopRequest
+from mgpu.parallel.distributed import process_group
+from mgpu.cluster.environment import detect_environment
+from mgpu.stop.preemption import StopAgreement, StopRequest
 
 
 def stop_step(rank: int, every: int, flag_at: int, later: int, change_at: int) -> dict[str, Any] | None:

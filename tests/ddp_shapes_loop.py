@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mgpu  # noqa: E402
-from mgpu.stopping import STOP_AT_STEP  # noqa: E402
+from mgpu.stop.stopping import STOP_AT_STEP  # noqa: E402
 
 
 class Router(nn.Module):
@@ -88,7 +88,7 @@ def main() -> None:
     labels = torch.randint(0, 2, (128,), generator=generator)
     data = TensorDataset(torch.randn(128, 8, generator=generator) + labels[:, None] * 1.5, labels)
 
-    if args.stop_at_step is not None:  # the test stop (mgpu.stopping reads it)
+    if args.stop_at_step is not None:  # the test stop (mgpu.stop.stopping reads it)
         os.environ[STOP_AT_STEP] = str(args.stop_at_step)
     with mgpu.Session(args.run_dir, seed=3) as session:
         torch.manual_seed(0)  # the same initial weights on every rank

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import mgpu
-from mgpu.fsdp import plain
+from mgpu.parallel.fsdp import plain
 
 SEED = 5
 

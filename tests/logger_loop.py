@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mgpu  # noqa: E402
-from mgpu.stopping import STOP_AT_STEP  # noqa: E402
+from mgpu.stop.stopping import STOP_AT_STEP  # noqa: E402
 
 
 def main() -> None:
@@ -32,7 +32,7 @@ def main() -> None:
     data = TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,)))
     import wandb
 
-    if args.stop_at_step is not None:  # the test stop (mgpu.stopping reads it)
+    if args.stop_at_step is not None:  # the test stop (mgpu.stop.stopping reads it)
         os.environ[STOP_AT_STEP] = str(args.stop_at_step)
     with mgpu.Session(args.run_dir, seed=0) as session, \
             wandb.init(id=session.run_id, resume="allow", project="mgpu-test", dir=str(session.run.path)) as run:

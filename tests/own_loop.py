@@ -28,7 +28,7 @@ from torch.utils.data import Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mgpu  # noqa: E402
-from mgpu.stopping import STOP_AT_STEP  # noqa: E402
+from mgpu.stop.stopping import STOP_AT_STEP  # noqa: E402
 
 
 class Noisy(Dataset):
@@ -65,7 +65,7 @@ def main() -> None:
     config.preemption.deadline_margin_s = args.deadline_margin
     config.log.every_steps = 2  # session.log's progress events: status --verify compares runs at each of them
 
-    if args.stop_at_step is not None:  # the test stop (mgpu.stopping reads it)
+    if args.stop_at_step is not None:  # the test stop (mgpu.stop.stopping reads it)
         os.environ[STOP_AT_STEP] = str(args.stop_at_step)
     with mgpu.Session(args.run_dir, seed=3, config=config) as session:
         model = session.wrap(nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2)),

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 3 tests/resume_probe.py RUN_DIR OUT_DIR
 
 Every rank forms a gloo group and calls `Checkpointer.find_latest()` as the trainer does, counting the bytes
-it feeds to a checksum (mgpu.digest's, or an older checkpoint's sha256) and how it calls `torch.load` and `CheckpointStore.load_dir`; it writes them to
+it feeds to a checksum (mgpu.state.digest's, or an older checkpoint's sha256) and how it calls `torch.load` and `CheckpointStore.load_dir`; it writes them to
 `OUT_DIR/rank<N>.json`.
 """
 
@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from mgpu import checkpoint, digest
-from mgpu.checkpoint import CheckpointStore
-from mgpu.checkpointer import Checkpointer
-from mgpu.distributed import process_group
-from mgpu.ledger import Ledger
-from mgpu.rundir import RunDir
+from mgpu.state import checkpoint, digest
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.checkpointer import Checkpointer
+from mgpu.parallel.distributed import process_group
+from mgpu.record.ledger import Ledger
+from mgpu.record.rundir import RunDir
 
 hashed: list[int] = []  # bytes per sha256 or ChunkDigest object this process created
 loads: list[dict[str, Any]] = []

@@ -25,9 +25,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-from mgpu.fsdp import shard
-from mgpu.ledger import Ledger
-from mgpu.sharded import ShardedCheckpointer, restore_sharded
+from mgpu.parallel.fsdp import shard
+from mgpu.record.ledger import Ledger
+from mgpu.state.sharded import ShardedCheckpointer, restore_sharded
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -108,7 +108,7 @@ def main() -> None:
             original_manifest = ShardedCheckpointer._write_manifest
             ShardedCheckpointer._write_manifest = lambda self, job: (kill(), original_manifest(self, job))[1]  # type: ignore[method-assign]
         elif point == "install":  # rank 0 wrote meta.json, the directory is not renamed into place
-            import mgpu.sharded as sharded
+            import mgpu.state.sharded as sharded
 
             original_install = sharded.CheckpointStore._install
             sharded.CheckpointStore._install = lambda self, tmp, final: (kill(), original_install(self, tmp, final))[1]  # type: ignore[method-assign]
@@ -117,7 +117,7 @@ def main() -> None:
     elif mode == "late":
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from mgpu.checkpoint import CheckpointError
+        from mgpu.state.checkpoint import CheckpointError
 
         victim = int(sys.argv[3])
         train_step(model, optimizer, 1)

@@ -1,4 +1,4 @@
-"""A loop of a user's own over an mgpu.stream.ShardedStream of token shards, for tests/test_stream_resume.py:
+"""A loop of a user's own over an mgpu.data.stream.ShardedStream of token shards, for tests/test_stream_resume.py:
 a tiny next-token model with dropout, AdamW, a save every few steps, and a per-sample log: every rank appends
 `step epoch id` for each real sample it trained on to RUN_DIR/ids/rank-R.txt. One process per rank:
 
@@ -7,7 +7,7 @@ a tiny next-token model with dropout, AdamW, a save every few steps, and a per-s
 
 --signal-at K: right after optimizer step K the last rank sends SIGTERM to its whole process group (every
 rank and DataLoader worker the test started), as slurmstepd does. --stateful: the shards through a Stateful
-IterableDataset of the loop's own (mgpu.stream_loader.StatefulStreamLoader) instead of mgpu.stream.
+IterableDataset of the loop's own (mgpu.data.stream_loader.StatefulStreamLoader) instead of mgpu.data.stream.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch.utils.data import IterableDataset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import mgpu  # noqa: E402
-from mgpu.stream import ShardedStream, TokenWindows  # noqa: E402
+from mgpu.data.stream import ShardedStream, TokenWindows  # noqa: E402
 from tests.tasks import StatefulTokenShards  # noqa: E402  (the Stateful stream the trainer's tests use too)
 
 BLOCK = 8

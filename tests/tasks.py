@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
 from jobs.tasks.gpt import GptTask
-from mgpu.task import Task
+from mgpu.train.task import Task
 
 
 class Blobs(Dataset):
@@ -184,7 +184,7 @@ class StreamTask(BlobTask):
 
 
 class CursorStream(IterableDataset):
-    """A user's Stateful stream (as a Hugging Face streaming dataset is; no mgpu.stream order): rank r's worker w
+    """A user's Stateful stream (as a Hugging Face streaming dataset is; no mgpu.data.stream order): rank r's worker w
     of W reads the units (blocks, shards) r * W + w, + R * W, ... front to back; its state is its (unit, item)
     cursor, the unit named by UNIT. A subclass says what its units are, how many items each has, and reads one."""
 
@@ -255,7 +255,7 @@ class StatefulBlobTask(BlobTask):
 
 
 class TokenShardTask(Task):
-    """A tiny next-token model (dropout in it) over token shards read through mgpu.stream.ShardedStream:
+    """A tiny next-token model (dropout in it) over token shards read through mgpu.data.stream.ShardedStream:
     `files`, a glob of uint16 .bin shards; `ids_dir`: append each trained window's first token to ids-rank<R>.txt."""
 
     def __init__(self, files: str = "", block: int = 8, shuffle_buffer: int = 16, ids_dir: str | None = None,
@@ -267,7 +267,7 @@ class TokenShardTask(Task):
         return nn.Sequential(nn.Embedding(64, 16), nn.Dropout(0.2), nn.Linear(16, 64))
 
     def train_dataset(self) -> Dataset:
-        from mgpu.stream import ShardedStream, TokenWindows
+        from mgpu.data.stream import ShardedStream, TokenWindows
 
         return ShardedStream(self.files, TokenWindows(self.block, "uint16"), shuffle_buffer=self.shuffle_buffer)
 
@@ -399,9 +399,9 @@ class HangingBlobTask(SlowBlobTask):
             elif self.mode == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                import mgpu.digest
+                import mgpu.state.digest
 
-                mgpu.digest.DigestingFile.write = lambda *args: time.sleep(3600)
+                mgpu.state.digest.DigestingFile.write = lambda *args: time.sleep(3600)
         return super().loss(model, batch)
 
 
@@ -452,7 +452,7 @@ class SlowHashBlobTask(BlobTask):
         if pause_s > 0:
             import hashlib
 
-            import mgpu.checkpoint
+            import mgpu.state.checkpoint
 
             def slow_sha256(path: Path) -> str:
                 digest = hashlib.sha256()
@@ -462,7 +462,7 @@ class SlowHashBlobTask(BlobTask):
                         time.sleep(pause_s)
                 return digest.hexdigest()
 
-            mgpu.checkpoint._sha256 = slow_sha256  # type: ignore[attr-defined]  # the hash every resume runs
+            mgpu.state.checkpoint._sha256 = slow_sha256  # type: ignore[attr-defined]  # the hash every resume runs
 
 
 class KilledBlobTask(BlobTask):

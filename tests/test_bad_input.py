@@ -40,7 +40,7 @@ from tests.conftest import PYTHON, ROOT, base_env
 TIMEOUT_S = 60
 MEMORY_LIMIT = 3 << 30
 PROGS = {"submit": "jobs/submit.py", "status": "jobs/status.py", "train": "jobs/train.py",
-         "check_resume": "mgpu/check_resume.py"}
+         "check_resume": "mgpu/check/resume.py"}
 BLOB_YAML = """\
 task: {target: 'tests.tasks:BlobTask', args: {size: 32, eval_size: 8}}
 data: {batch_size: 4}
@@ -404,7 +404,7 @@ CASES: list[Case] = [
     _train("train billion laughs", "--config", "{tmp}/l.yaml",
            expect="more than 100000 values", files={"l.yaml": LAUGHS}),
     # ------------------------------------------------------------------ train: garbage in the launcher's variables
-    # (mgpu/environment.py and mgpu/job.py decide these; each imports torch first, hence few.)
+    # (mgpu/cluster/environment.py and mgpu/train/job.py decide these; each imports torch first, hence few.)
     _env("env MGPU_MAX_REQUEUES text", {"MGPU_MAX_REQUEUES": "ten"}, "MGPU_MAX_REQUEUES='ten' is not a count"),
     _env("env MGPU_MAX_FAILURES negative", {"MGPU_MAX_FAILURES": "-1"}, "MGPU_MAX_FAILURES='-1' is not a count"),
     _env("env SLURM_PROCID text", {**SLURM_TASK, "SLURM_PROCID": "abc"}, "SLURM_PROCID='abc' is not an integer"),
@@ -432,7 +432,7 @@ CASES: list[Case] = [
          "SUBMITIT_LOCAL_GLOBALID=3 outside SUBMITIT_LOCAL_NTASKS=2"),
     _env("env SLURM_NODEID beyond", {**SLURM_TASK, "SLURM_NODEID": "3"}, "SLURM_NODEID=3 but the step has 1 nodes"),
     _env("env node count contradicts", {**SLURM_TASK, "SLURM_JOB_NUM_NODES": "4"}, "names 1 nodes but"),
-    # ------------------------------------------------------------------ check_resume (mgpu/check_resume.py)
+    # ------------------------------------------------------------------ check_resume (mgpu/check/resume.py)
     Case("check nothing", ["check_resume"], expect="nothing to check"),
     Case("check no script", ["check_resume", "--", "nosuch.py", "{run}"], expect="nosuch.py: no such script"),
     Case("check no {run}", ["check_resume", "--", "loop.py"], files={"loop.py": "x"}, expect="put {run} in its"),

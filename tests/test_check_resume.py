@@ -1,4 +1,4 @@
-"""`python -m mgpu.check_resume` as a user runs it, real ranks: it passes on a shipped loop of one's own (with
+"""`python -m mgpu.check.resume` as a user runs it, real ranks: it passes on a shipped loop of one's own (with
 its DataLoader workers) and on a trainer config across a world-size change, leaving nothing behind; and it
 names the planted fault of each loop in tests/broken_loops/faulty_loop.py's table, and the samples a Hugging
 Face-style stream with a shuffle buffer loses across a stop.
@@ -38,7 +38,7 @@ IN_CI = random.Random(CI_SEED).sample(sorted(TABLE), 1)
 def check(*args: str, tmp: Path, timeout: float = 400) -> subprocess.CompletedProcess[str]:
     """The checker from the repository root (a relative script path), its scratch under `tmp`."""
     (tmp / "scratch").mkdir(exist_ok=True)
-    return subprocess.run([PYTHON, "-m", "mgpu.check_resume", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([PYTHON, "-m", "mgpu.check.resume", *args], cwd=ROOT, capture_output=True, text=True,
                           env=base_env(TMPDIR=str(tmp / "scratch")), timeout=timeout)
 
 

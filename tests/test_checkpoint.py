@@ -27,10 +27,10 @@ import numpy as np
 import pytest
 import torch
 
-import mgpu.checkpoint
-from mgpu.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
+import mgpu.state.checkpoint
+from mgpu.state.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
                              snapshot_to_cpu)
-from mgpu.digest import digest_file
+from mgpu.state.digest import digest_file
 from tests.conftest import PYTHON, ROOT, base_env, fill
 
 WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
@@ -129,7 +129,7 @@ def test_latest_is_never_pruned(tmp_path: Path) -> None:
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_saving_a_step_again_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
     if not exchange:  # as on a platform or filesystem without renameat2
-        monkeypatch.setattr("mgpu.checkpoint._exchange", lambda a, b: False)
+        monkeypatch.setattr("mgpu.state.checkpoint._exchange", lambda a, b: False)
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 3)
     store.save(_state(2.0), 3, is_best=True)
@@ -156,13 +156,13 @@ def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pyt
     store.save(_state(1.0), 1)
     bad = store.save(_state(2.0), 2).path
     damage(bad / "state.pt")
-    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.checkpoint"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
     _assert_same(loaded.state, _state(1.0))
     [(path, why)] = loaded.skipped
     assert path == bad and str(bad / "state.pt") in why and reason in why
-    [record] = [r for r in caplog.records if r.name == "mgpu.checkpoint"]
+    [record] = [r for r in caplog.records if r.name == "mgpu.state.checkpoint"]
     assert record.levelno == logging.WARNING and str(bad / "state.pt") in record.getMessage()
     assert "\n" not in record.getMessage()
 
@@ -171,7 +171,7 @@ def test_a_checkpoint_that_would_run_code_is_rejected(tmp_path: Path, caplog: py
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 1)
     store.save({"obj": NotAllowed()}, 2)  # checksum and size match: only the weights_only load refuses it
-    with caplog.at_level(logging.WARNING, logger="mgpu.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.checkpoint"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
     assert "weights_only" in loaded.skipped[0][1] and "state.pt" in caplog.text
@@ -266,7 +266,7 @@ def test_the_zero_optimizers_consolidated_state_is_not_kept_after_a_save() -> No
     import torch.distributed as dist
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from mgpu.train_state import gather_state
+    from mgpu.state.train_state import gather_state
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
@@ -358,7 +358,7 @@ def test_without_cuda_nothing_is_released(tmp_path: Path, monkeypatch: pytest.Mo
 def test_save_async_never_waits_for_the_writer_and_a_newer_save_supersedes_a_queued_one(tmp_path: Path) -> None:
     """Issue 31: a periodic save that comes while the last is being written does not hold the loop: it waits for
     the writer in a queue of one, and a newer one takes its place there (the one being written is finished)."""
-    from mgpu.checkpoint import CheckpointSuperseded
+    from mgpu.state.checkpoint import CheckpointSuperseded
 
     writer = PausedWriter()
     results: list[Any] = []
@@ -387,7 +387,7 @@ def test_save_async_never_waits_for_the_writer_and_a_newer_save_supersedes_a_que
 
 
 def test_the_stops_save_supersedes_a_queued_save_and_waits_for_the_one_being_written(tmp_path: Path) -> None:
-    from mgpu.checkpoint import CheckpointSuperseded
+    from mgpu.state.checkpoint import CheckpointSuperseded
 
     writer = PausedWriter()
     results: list[Any] = []
@@ -410,9 +410,9 @@ def test_a_periodic_save_due_while_the_writer_is_busy_is_deferred_and_the_stops_
         tmp_path: Path) -> None:
     """Issue 31: the checkpointer takes no host copy for a periodic save the writer could not start: it is deferred
     to the first due save after the writer is free, which says how many were (`deferred`); a stop's save waits."""
-    from mgpu.checkpointer import Checkpointer
-    from mgpu.ledger import Ledger, read_ledger
-    from mgpu.rundir import RunDir
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.record.ledger import Ledger, read_ledger
+    from mgpu.record.rundir import RunDir
 
     run = RunDir(tmp_path)
     checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0), keep_last=5)
@@ -611,7 +611,7 @@ class _RefusingFile(io.RawIOBase):
 
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     """Every state.pt written from now on meets `code` (below torch.save, which would hide it)."""
-    from mgpu.digest import DigestingFile
+    from mgpu.state.digest import DigestingFile
 
     wrap = DigestingFile.__init__
     monkeypatch.setattr(DigestingFile, "__init__", lambda self, file, *args: wrap(self, _RefusingFile(code), *args))
@@ -627,7 +627,7 @@ def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
 ])
 def test_a_refused_write_names_the_errno_and_the_path(code: int, words: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgpu.checkpoint import _describe_os_error
+    from mgpu.state.checkpoint import _describe_os_error
 
     assert _describe_os_error(OSError(code, os.strerror(code), "/d/state.pt"), Path("/x")) == f"{words} at /d/state.pt"
     assert _describe_os_error(OSError(code, os.strerror(code)), Path("/x")) == f"{words} at /x"  # no file named
@@ -642,16 +642,16 @@ def test_a_refused_write_names_the_errno_and_the_path(code: int, words: str, tmp
 
 
 def test_no_errno_is_said_so() -> None:
-    from mgpu.checkpoint import _describe_os_error
+    from mgpu.state.checkpoint import _describe_os_error
 
     assert _describe_os_error(OSError("torn"), Path("/x")) == "torn (no errno) at /x"
 
 
 def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgpu.checkpointer import Checkpointer
-    from mgpu.ledger import Ledger, read_ledger
-    from mgpu.rundir import RunDir
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.record.ledger import Ledger, read_ledger
+    from mgpu.record.rundir import RunDir
 
     run = RunDir(tmp_path)
     checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0))
@@ -671,8 +671,8 @@ def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp
 
 def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Re-reading a large state.pt for its hash would happen inside the stop's time window.
-    monkeypatch.setattr("mgpu.checkpoint._sha256", lambda path: pytest.fail("state.pt read back to hash it"))
-    monkeypatch.setattr("mgpu.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.state.checkpoint._sha256", lambda path: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.state.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())
     assert meta["checksum"] == digest_file(saved.path / "state.pt")
@@ -681,12 +681,12 @@ def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pyt
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
 def test_a_checkpoint_of_either_checksum_or_an_older_sha256_verifies_and_damage_is_found(
         algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mgpu.checkpoint, "DIGEST", algorithm)
+    monkeypatch.setattr(mgpu.state.checkpoint, "DIGEST", algorithm)
     store = CheckpointStore(tmp_path, keep_last=3)
     older = store.save(_big_state(1.0), 1).path
     meta = json.loads((older / "meta.json").read_text())
     assert meta["checksum"]["algorithm"] == algorithm
-    # As saved before mgpu.digest: the sha256 of the whole file.
+    # As saved before mgpu.state.digest: the sha256 of the whole file.
     del meta["checksum"]
     meta["sha256"] = hashlib.sha256((older / "state.pt").read_bytes()).hexdigest()
     (older / "meta.json").write_text(json.dumps(meta))
@@ -723,7 +723,7 @@ def test_the_background_writer_thread_runs_nicer_than_training(tmp_path: Path) -
     store.save_async(_state(), 1,
                      on_done=lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
     store.close()
-    assert seen == [min(19, main + mgpu.checkpoint.WRITER_NICE)] and mgpu.checkpoint.WRITER_NICE > 0
+    assert seen == [min(19, main + mgpu.state.checkpoint.WRITER_NICE)] and mgpu.state.checkpoint.WRITER_NICE > 0
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
     assert store.save(_state(2.0), 2).step == 2  # a save in the caller's thread leaves it as it is
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
@@ -749,14 +749,14 @@ def test_state_pt_is_written_without_torchs_crc32_and_still_verifies(tmp_path: P
 @pytest.mark.parametrize("how", ["asked", "no private writer", "another signature"])
 def test_otherwise_it_is_torch_save_with_its_crc32(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "asked":
-        monkeypatch.setattr(mgpu.checkpoint, "ZIP_CRC32", True)
+        monkeypatch.setattr(mgpu.state.checkpoint, "ZIP_CRC32", True)
     elif how == "no private writer":  # a torch without the parts
-        monkeypatch.setattr(mgpu.checkpoint, "_PRIVATE_WRITER", None)
+        monkeypatch.setattr(mgpu.state.checkpoint, "_PRIVATE_WRITER", None)
     else:
         def old_writer(file: Any) -> None:
             raise TypeError("PyTorchFileWriter(): incompatible constructor arguments")
 
-        monkeypatch.setattr(mgpu.checkpoint, "_PRIVATE_WRITER", (old_writer, *mgpu.checkpoint._PRIVATE_WRITER[1:]))
+        monkeypatch.setattr(mgpu.state.checkpoint, "_PRIVATE_WRITER", (old_writer, *mgpu.state.checkpoint._PRIVATE_WRITER[1:]))
     saved = CheckpointStore(tmp_path).save(_big_state(4.0), 4)
     assert 0 not in _zip_crcs(saved.path / "state.pt")
     loaded = CheckpointStore(tmp_path).latest()
@@ -831,7 +831,7 @@ def test_a_resumed_optimizer_keeps_no_checkpoint_file_mapped(monkeypatch: pytest
     import torch
     from torch import nn
 
-    from mgpu.train_state import Progress, restore_state
+    from mgpu.state.train_state import Progress, restore_state
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     model = nn.Linear(64, 64)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from mgpu.config import (
+from mgpu.config.loading import (
     MISSING,
     Config,
     ConfigError,
@@ -398,7 +398,7 @@ def test_resume_with_unsafe_changes_fails_in_one_line(overrides: list[str], list
 
 
 def test_importing_config_does_not_import_torch() -> None:
-    code = "import mgpu.config, sys; assert 'torch' not in sys.modules, 'torch was imported'"
+    code = "import mgpu.config.loading, sys; assert 'torch' not in sys.modules, 'torch was imported'"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
                             timeout=60)

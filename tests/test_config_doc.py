@@ -1,19 +1,19 @@
-"""docs/config.md is the reference generated from mgpu/config_schema.py: it fails here when it is stale, and
+"""docs/config.md is the reference generated from mgpu/config/schema.py: it fails here when it is stale, and
 every key in it has its type, default, meaning and resume rule."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from mgpu import config_schema
-from mgpu.config_doc import field_docs, render
+from mgpu.config import schema as config_schema
+from mgpu.config.reference import field_docs, render
 from tests.conftest import ROOT
 
 DOC = ROOT / "docs" / "config.md"
 
 
 def test_docs_config_md_is_what_the_schema_generates() -> None:
-    assert DOC.read_text() == render(), "docs/config.md is stale: python -m mgpu.config_doc > docs/config.md"
+    assert DOC.read_text() == render(), "docs/config.md is stale: python -m mgpu.config.reference > docs/config.md"
 
 
 def test_every_key_is_in_the_reference_with_its_meaning() -> None:

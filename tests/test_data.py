@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.data import ShardPlan, epoch_permutation, eval_shard
+from mgpu.data.sampling import ShardPlan, epoch_permutation, eval_shard
 
 
 def epoch_samples(num: int, batch: int, world: int, start: int = 0, epoch: int = 0) -> list[list[int]]:
@@ -80,7 +80,7 @@ def test_smallest_micro_batch(num: int, batch: int, world: int, smallest: int) -
 def test_cuda_rng_state_is_this_devices_whatever_the_format() -> None:
     # No GPU here: the pure part. A checkpoint of the older format holds one state per visible device
     # (4 on the saving node); a resume that sees one device (--gpus-per-task=1) takes its own, index 0.
-    from mgpu.rng import _this_device_state
+    from mgpu.state.rng import _this_device_state
 
     per_device = ["s0", "s1", "s2", "s3"]
     assert _this_device_state(per_device, 2) == "s2"
@@ -139,7 +139,7 @@ class FakeCuda:
 def test_only_this_ranks_cuda_generator_is_saved_and_restored(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from mgpu.rng import capture_rng_state, restore_rng_state
+    from mgpu.state.rng import capture_rng_state, restore_rng_state
 
     saving = FakeCuda(current=2, visible=4)  # --gpus-per-node=4: every GPU visible, local rank 2 owns cuda:2
     saving.install(monkeypatch)
@@ -160,7 +160,7 @@ def test_only_this_ranks_cuda_generator_is_saved_and_restored(monkeypatch: pytes
 def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
     import torch
 
-    from mgpu.trainer import to_device
+    from mgpu.train.trainer import to_device
     from tests.tasks import Inputs, Pair
 
     meta = torch.device("meta")  # a device other than the CPU that needs no GPU
@@ -181,7 +181,7 @@ def test_to_device_moves_mappings_of_every_kind_and_every_dataclass_field() -> N
 
     import torch
 
-    from mgpu.trainer import to_device
+    from mgpu.train.trainer import to_device
 
     @dataclasses.dataclass(frozen=True)
     class Derived:
@@ -208,7 +208,7 @@ def test_deterministic_kernels_switch() -> None:
     import subprocess
     import sys
 
-    code = ("import os, torch; from mgpu.rng import use_deterministic_kernels as d; d(False); "
+    code = ("import os, torch; from mgpu.state.rng import use_deterministic_kernels as d; d(False); "
             "print(torch.are_deterministic_algorithms_enabled()); d(True); "
             "print(torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic, "
             "torch.backends.cudnn.benchmark, os.environ['CUBLAS_WORKSPACE_CONFIG'])")
@@ -230,7 +230,7 @@ class RandomCrop:
 
 
 def _draws(seed: int, batches: list[list[int]], workers: int) -> dict[int, float]:
-    from mgpu.loader import make_loader
+    from mgpu.data.loader import make_loader
 
     loader = make_loader(RandomCrop(), batches, num_workers=workers, seed=seed,  # type: ignore[arg-type]
                          epoch=3, rank=0, requeue_signal="USR2", collate_fn=lambda items: items, pin_memory=False)
@@ -250,8 +250,8 @@ def test_workers_draw_per_sample_at_the_largest_seed() -> None:
 def test_seeds_fit_torch_stay_distinct_and_keep_the_streams_that_worked() -> None:
     import torch
 
-    from mgpu.loader import loader_seed, sample_seed
-    from mgpu.rng import derived_seed, stream_seed
+    from mgpu.data.loader import loader_seed, sample_seed
+    from mgpu.state.rng import derived_seed, stream_seed
 
     # Every seed torch accepts, at any config seed, epoch, sample index or rank.
     for seed in (0, 18446, 18447, 2**32 - 1):
@@ -277,7 +277,7 @@ def test_a_rank_the_saved_run_did_not_have_gets_a_seed_at_any_config_seed(monkey
     import torch
     from torch import nn
 
-    from mgpu.train_state import Progress, restore_state
+    from mgpu.state.train_state import Progress, restore_state
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # set by torch's first optimizer otherwise
     model = nn.Linear(2, 1)

@@ -1,6 +1,6 @@
 """Bit-identical resumes on 4 gloo ranks with DDP's defaults, for model shapes a resume can trip on (a forward
 that appends an auxiliary loss, a forward counter in get_extra_state, PowerSGD's comm hook with its error
-feedback, BatchNorm + dropout): the resumed DDP gets the saved run's gradient buckets (mgpu.ddp), and the
+feedback, BatchNorm + dropout): the resumed DDP gets the saved run's gradient buckets (mgpu.parallel.ddp), and the
 model's forward never runs an extra time. One unbroken reference per shape, shared by its stops."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu.checkpoint import CheckpointStore
+from mgpu.state.checkpoint import CheckpointStore
 from tests.conftest import ROOT, start_ranks, wait_ranks
 from tests.test_trainer import assert_identical
 
@@ -72,7 +72,7 @@ def test_a_resume_on_4_ranks_is_bit_identical(reference: tuple[str, dict, str], 
 
 HOOK_SCRIPT = r"""
 import torch, torch.distributed as dist
-from mgpu.ddp import ResumableDDP, bucket_layout
+from mgpu.parallel.ddp import ResumableDDP, bucket_layout
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -107,11 +107,11 @@ def test_a_comm_hooks_state_is_gathered_to_the_writer_only(tmp_path: Path) -> No
 
 
 def test_the_private_bucket_answer_fails_loudly_when_torch_moves_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """mgpu.ddp gives a resumed reducer its buckets through one torch private (no public way exists): a torch
+    """mgpu.parallel.ddp gives a resumed reducer its buckets through one torch private (no public way exists): a torch
     without it, or a DDP constructor that no longer asks it, is an error, never a resume in another order."""
     import torch.distributed as dist
 
-    from mgpu.ddp import BUCKET_ASSIGNMENT, _initial_buckets
+    from mgpu.parallel.ddp import BUCKET_ASSIGNMENT, _initial_buckets
 
     with pytest.raises(RuntimeError, match="did not ask torch.distributed._compute_bucket_assignment_by_size"):
         with _initial_buckets([[0, 1]], [1024]):

@@ -1,4 +1,4 @@
-"""mgpu.deadline: the job's end time as squeue gives it, and when a stop must start (tables; no Slurm)."""
+"""mgpu.cluster.deadline: the job's end time as squeue gives it, and when a stop must start (tables; no Slurm)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import datetime as dt
 
 import pytest
 
-from mgpu.deadline import JobClock, parse_times, time_needed
+from mgpu.cluster.deadline import JobClock, parse_times, time_needed
 
 LOCAL = dt.datetime(2026, 11, 25, 10, 32, 9).timestamp()
 
@@ -69,7 +69,7 @@ NODE = "NodeName={name} Arch=x86_64 CoresPerSocket=1 State={state} Partitions=ma
     ([("n1", "ALLOCATED*", "(null)")], {}),                                    # not responding: not a drain
 ])
 def test_draining_nodes(states: list[tuple[str, str, str]], expected: dict[str, str]) -> None:
-    from mgpu.deadline import draining_nodes
+    from mgpu.cluster.deadline import draining_nodes
 
     text = "\n".join(NODE.format(name=n, state=s, reason=r) for n, s, r in states) + "\n"
     assert draining_nodes(text) == expected

@@ -1,4 +1,4 @@
-"""mgpu.digest: per-chunk checksums computed while writing equal those of the file read back, whatever the
+"""mgpu.state.digest: per-chunk checksums computed while writing equal those of the file read back, whatever the
 write sizes; damage is found and located."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from mgpu.digest import ChunkDigest, DigestingFile, digest_bytes, digest_file, mismatch
+from mgpu.state.digest import ChunkDigest, DigestingFile, digest_bytes, digest_file, mismatch
 
 
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu.distributed import all_reduce, broadcast_object, cpu_threads_per_rank, process_group, select_device
-from mgpu.environment import detect_environment
+from mgpu.parallel.distributed import all_reduce, broadcast_object, cpu_threads_per_rank, process_group, select_device
+from mgpu.cluster.environment import detect_environment
 from mgpu.errors import MgpuError
 from tests.conftest import PYTHON, ROOT, base_env, ensure_resolvable, run_processes
 from tests.test_environment import srun_task

@@ -1,4 +1,4 @@
-"""The doctor's logic by tables (mgpu/doctor.py), its probe as a real process (mgpu/doctor_probe.py, signals
+"""The doctor's logic by tables (mgpu/submit/doctor.py), its probe as a real process (mgpu/submit/doctor_probe.py, signals
 sent by hand), and jobs/doctor.py's bad input: one line, exit 2, nothing submitted or created. The runs on
 the real test cluster, under every preemption policy, are tests/e2e/test_doctor.py.
 
@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
-from mgpu.doctor import (ClusterConfig, EnvFacts, PreemptionFacts, analyze_env, analyze_preemption, batch_script,
+from mgpu.submit.doctor import (ClusterConfig, EnvFacts, PreemptionFacts, analyze_env, analyze_preemption, batch_script,
                          check_name, parse_config, parse_kv, read_probe_log, report, settings_and_risks)
 from mgpu.errors import MgpuError
 from tests.conftest import PYTHON, ROOT, base_env
 
 DOCTOR = str(ROOT / "jobs" / "doctor.py")
-PROBE = ROOT / "mgpu" / "doctor_probe.py"
+PROBE = ROOT / "mgpu" / "submit" / "doctor_probe.py"
 T0 = 1000.0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mgpu.environment import (
+from mgpu.cluster.environment import (
     MASTER_PORT_BASE,
     MASTER_PORT_SPAN,
     ProcessEnv,

@@ -1,5 +1,5 @@
 """Deliver 5 of issue 32: heartbeats at the documented interval, and each rank's failure in a file of its own
-(mgpu.failures) instead of many nodes' concurrent appends to the ledger, which NFS does not make atomic. In
+(mgpu.record.failures) instead of many nodes' concurrent appends to the ledger, which NFS does not make atomic. In
 process, against a fake event (no timing) and real files."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.failures import failure_file, merge, read_failures, record_failure
-from mgpu.ledger import Ledger, read_ledger
-from mgpu.budgets import Limits
-from mgpu.recovery import rank_failed
-from mgpu.rundir import RunDir
-from mgpu.runview import RunView, summarize
-from mgpu.watchdog import WRITE_EVERY_S, Watchdog
+from mgpu.record.failures import failure_file, merge, read_failures, record_failure
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.record.budgets import Limits
+from mgpu.run.recovery import rank_failed
+from mgpu.record.rundir import RunDir
+from mgpu.record.runview import RunView, summarize
+from mgpu.stop.watchdog import WRITE_EVERY_S, Watchdog
 
 
 class CountingEvent:

@@ -13,8 +13,8 @@ from typing import Callable
 
 import pytest
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.ledger import read_ledger
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env, run_processes, start_ranks, wait_ranks
 
 TRAIN = str(ROOT / "jobs" / "train.py")
@@ -66,7 +66,7 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     assert named, errors[0]
     # No traceback of ours (torchrun prints its own ChildFailedError report for any non-zero worker).
     assert f'File "{ROOT}/mgpu' not in result.stdout and f'File "{ROOT}/jobs' not in result.stdout, result.stdout
-    # Exit 2, as for bad input: the batch script does not requeue it into the same wall (mgpu.recovery);
+    # Exit 2, as for bad input: the batch script does not requeue it into the same wall (mgpu.run.recovery);
     # the ledger, on the same full disk, may not have been able to say so.
     assert "exitcode  : 2" in result.stdout and "exitcode  : 1" not in result.stdout
     failed = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "failed"]
@@ -83,10 +83,10 @@ def test_tensorboard_on_a_full_disk_loses_points_not_the_run(small_fs: Callable[
     # raised it in rank 0's training loop, and the run crashed instead of going on as the README says.
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from mgpu.reporting import Reporter
+    from mgpu.record.reporting import Reporter
     from tests.conftest import fill
 
-    monkeypatch.setattr("mgpu.reporting.REOPEN_AFTER_S", 0.0)  # reopen at the next log interval
+    monkeypatch.setattr("mgpu.record.reporting.REOPEN_AFTER_S", 0.0)  # reopen at the next log interval
     fs = small_fs(512)
     reporter = Reporter(True, fs / "tb", total_steps=400, resume_step=0, progress_bar="off")
     metrics = {f"metric_{i}": float(i) for i in range(8)}

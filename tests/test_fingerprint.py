@@ -1,4 +1,4 @@
-"""The weights' fingerprint (mgpu.fsdp.weights_fingerprint): the same for the same weights whether they are whole
+"""The weights' fingerprint (mgpu.parallel.fsdp.weights_fingerprint): the same for the same weights whether they are whole
 or sharded by FSDP2 over 2 real gloo ranks (uneven shards included), computed without an all-gather, and it
 changes with any bit of any weight."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu.fsdp import FINGERPRINT_PREFIX, weights_fingerprint
+from mgpu.parallel.fsdp import FINGERPRINT_PREFIX, weights_fingerprint
 
 
 def _model() -> nn.Module:
@@ -24,7 +24,7 @@ def _rank(out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
-    from mgpu.fsdp import shard
+    from mgpu.parallel.fsdp import shard
 
     dist.init_process_group("gloo")
     try:

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from mgpu.data import epoch_permutation
-from mgpu.ledger import Ledger, read_ledger
-from mgpu.runview import verify
-from mgpu.sharded import ShardedCheckpointer
-from mgpu.sharded_export import consolidate
+from mgpu.data.sampling import epoch_permutation
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.record.runview import verify
+from mgpu.state.sharded import ShardedCheckpointer
+from mgpu.state.sharded_export import consolidate
 from tests.conftest import start_ranks, wait_ranks
 from tests.test_trainer import BLOBS, assert_identical, train
 
@@ -217,9 +217,9 @@ def test_the_default_layout_shards_a_module_lists_blocks_and_leaves_tied_weights
     """The GPT example's model (its blocks in a ModuleList, its embedding tied to its output layer): fully_shard
     refuses a ModuleList (no forward); one unit per block, the tied pair with the root; the sharded model runs."""
     from jobs.tasks.gpt import GPT
-    from mgpu.distributed import process_group
-    from mgpu.environment import detect_environment
-    from mgpu.fsdp import default_units, is_sharded, shard
+    from mgpu.parallel.distributed import process_group
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.parallel.fsdp import default_units, is_sharded, shard
 
     model = GPT(64, 16, 3, 2, 32, 0.0)
     units = default_units(model)

@@ -1,4 +1,4 @@
-"""Where a run's time went (mgpu/goodput.py), what status shows (jobs/status.py), --verify and the timeline PNG.
+"""Where a run's time went (mgpu/record/goodput.py), what status shows (jobs/status.py), --verify and the timeline PNG.
 
 Tables over hand-written ledgers pin every rule; real runs of jobs/train.py (one stopped and resumed, one
 not, one with another seed) check --verify and the picture end to end.
@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from mgpu.goodput import (Interval, SacctRun, compare_fingerprints, fingerprints, goodput, goodput_lines,
+from mgpu.record.goodput import (Interval, SacctRun, compare_fingerprints, fingerprints, goodput, goodput_lines,
                           parse_sacct, parse_slurm_time, segments, timeline)
-from mgpu.budgets import Limits
+from mgpu.record.budgets import Limits
 from tests.conftest import PYTHON, ROOT, base_env
 
 STATUS = str(ROOT / "jobs" / "status.py")
@@ -252,9 +252,9 @@ def test_status_progress_line_is_current_and_changes_only_with_the_ledger() -> N
 
 
 def test_status_and_goodput_print_a_duration_alike_days_included() -> None:
-    """One formatter (mgpu.goodput.duration) for the status's ages and ETA and goodput's report."""
+    """One formatter (mgpu.record.goodput.duration) for the status's ages and ETA and goodput's report."""
     from jobs.status import progress_line
-    from mgpu.goodput import duration
+    from mgpu.record.goodput import duration
 
     assert [duration(s) for s in (59.4, 187, 5 * 3600 + 120, 2 * 86400 + 3 * 3600)] == ["59s", "3m07s", "5h02m",
                                                                                      "2d03h"]
@@ -311,7 +311,7 @@ def test_a_dead_running_looking_run_does_not_accrue_time(tmp_path: Path) -> None
 
 def test_budgets_as_the_job_counts_them() -> None:
     from jobs.status import budgets, job_limits
-    from mgpu.submission import Resources, setup_lines
+    from mgpu.submit.submission import Resources, setup_lines
 
     script = "\n".join(["#!/bin/bash", *setup_lines(Resources(max_requeues=5, max_failures=2)), "srun x"])
     assert job_limits(script) == Limits(max_requeues=5, max_failures=2)
@@ -420,16 +420,16 @@ def test_status_budgets_come_from_the_limits_the_job_recorded(tmp_path: Path) ->
     assert f"budgets     {budgets(events, '991234', 0, Limits(5, 2))}" in lines, lines
 
 
-# ------------------------------------------------------------------------- the read model (mgpu.runview)
+# ------------------------------------------------------------------------- the read model (mgpu.record.runview)
 def test_the_event_vocabulary_is_what_the_code_writes() -> None:
-    # Every `<ledger>.write("<event>"` in the package is in mgpu.ledger.EVENTS and documented in its docstring,
+    # Every `<ledger>.write("<event>"` in the package is in mgpu.record.ledger.EVENTS and documented in its docstring,
     # and every event listed there is written somewhere (hang, restarted, node_excluded were missing before).
     import re
 
-    import mgpu.ledger as ledger
+    import mgpu.record.ledger as ledger
 
     written = set()
-    for path in (ROOT / "mgpu").glob("*.py"):
+    for path in (ROOT / "mgpu").rglob("*.py"):
         written |= set(re.findall(r"(?:ledger|Ledger\([^()]*\))\.write\(\s*\"([a-z_]+)\"", path.read_text()))
     assert written == set(ledger.EVENTS)
     documented = set(re.findall(r"^    ([a-z_]+) ", ledger.__doc__ or "", re.M))
@@ -474,20 +474,20 @@ def test_a_ledger_time_no_clock_can_show_is_one_line(tmp_path: Path, plot: bool)
 def test_status_reads_each_ledger_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     import jobs.status
-    import mgpu.runview
+    import mgpu.record.runview
 
     (tmp_path / "events.jsonl").write_text(json.dumps({"time": 1, "event": "started", "job_id": "local",
                                                        "restart": 0}) + "\n")
     reads: list[Path] = []
-    real = mgpu.runview.read_ledger
-    monkeypatch.setattr(mgpu.runview, "read_ledger", lambda path, *a: reads.append(path) or real(path, *a))
+    real = mgpu.record.runview.read_ledger
+    monkeypatch.setattr(mgpu.record.runview, "read_ledger", lambda path, *a: reads.append(path) or real(path, *a))
     monkeypatch.setattr(jobs.status, "read_ledger", lambda path, *a: reads.append(path) or real(path, *a))
     assert jobs.status.main([str(tmp_path)]) == 0
     assert reads == [tmp_path / "events.jsonl"]  # three reads before
 
 
 def test_the_failing_ranks_own_error_is_the_state_shown() -> None:
-    from mgpu.runview import summarize
+    from mgpu.record.runview import summarize
 
     events = [{"time": 1, "event": "started", "job_id": "local", "restart": 0},
               {"time": 5, "event": "failed", "job_id": "local", "restart": 0, "rank": 1, "retry": True,

@@ -13,7 +13,7 @@ import torch
 
 from jobs import make_tokens
 from jobs.tasks.gpt import GPT, GptTask
-from mgpu.task import TaskError
+from mgpu.train.task import TaskError
 from tests.conftest import PYTHON, ROOT, base_env
 
 TEXT = "def f(x):\n    return x * 2  # café ☕\n" * 40

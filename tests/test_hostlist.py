@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.hostlist import MAX_HOSTS, MAX_RANGE, HostlistError, expand_hostlist, expand_tasks_per_node
+from mgpu.cluster.hostlist import MAX_HOSTS, MAX_RANGE, HostlistError, expand_hostlist, expand_tasks_per_node
 
 HOSTLISTS: list[tuple[str, list[str]]] = [
     ("n1", ["n1"]),
@@ -101,7 +101,7 @@ TOO_MANY_TASKS = ["1(x99999999999)", "2(x60000),2(x60000)", "9" * 5000, "1(x" + 
 LIMITED = """\
 import resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-from mgpu.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
+from mgpu.cluster.hostlist import HostlistError, expand_hostlist, expand_tasks_per_node
 try:
     (expand_tasks_per_node if sys.argv[1] == "tasks" else expand_hostlist)(sys.argv[2])
 except HostlistError as error:

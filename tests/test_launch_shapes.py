@@ -18,7 +18,7 @@ from typing import Callable
 
 import pytest
 
-from mgpu.environment import ProcessEnv, derive_master_port, detect_environment
+from mgpu.cluster.environment import ProcessEnv, derive_master_port, detect_environment
 from mgpu.errors import MgpuError
 
 FIXTURES = Path(__file__).parent / "fixtures" / "launch_envs"

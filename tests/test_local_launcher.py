@@ -1,4 +1,4 @@
-"""The local launcher: `jobs/submit.py --cluster local` and `python -m mgpu.spawn` as a user drives them from a
+"""The local launcher: `jobs/submit.py --cluster local` and `python -m mgpu.run.spawn` as a user drives them from a
 terminal: Ctrl-C (SIGINT to the whole foreground process group) or a SIGTERM to the launcher alone stops every
 rank at the same step; they save; the launcher exits 3 with the command that resumes, leaving no process
 behind; the same command resumes; a second launch on a run in use is refused in one line."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.ledger import read_ledger
+from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env, live_children
 
 pytestmark = pytest.mark.multiprocess
@@ -101,7 +101,7 @@ def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:
 
 def test_mgpu_spawn_runs_a_script_on_local_ranks_and_a_stop_exits_3(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = launch(["-m", "mgpu.spawn", "-n", "2", str(ROOT / "jobs" / "train.py"), f"run.dir={run_dir}", *SLOW])
+    proc = launch(["-m", "mgpu.run.spawn", "-n", "2", str(ROOT / "jobs" / "train.py"), f"run.dir={run_dir}", *SLOW])
     wait_for_steps(run_dir, proc)
     out = stop(proc, "ctrl-c")
     assert proc.returncode == 3 and "Traceback" not in out, out[-3000:]

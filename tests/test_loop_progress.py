@@ -15,15 +15,15 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from mgpu.config import Config
-from mgpu.environment import detect_environment
+from mgpu.config.loading import Config
+from mgpu.cluster.environment import detect_environment
 from mgpu.errors import MgpuError
-from mgpu.fsdp import weights_fingerprint
-from mgpu.goodput import segments
-from mgpu.ledger import read_ledger
-from mgpu.runview import describe, progress_line, summarize, verify
-from mgpu.session import Session
-from mgpu.timeline import loss_curves
+from mgpu.parallel.fsdp import weights_fingerprint
+from mgpu.record.goodput import segments
+from mgpu.record.ledger import read_ledger
+from mgpu.record.runview import describe, progress_line, summarize, verify
+from mgpu.run.session import Session
+from mgpu.record.timeline import loss_curves
 from tests.test_goodput import ev
 
 

@@ -1,4 +1,4 @@
-"""A rank SIGKILLed mid-run, the step started again in place (the same command, as mgpu.recovery's `restart`
+"""A rank SIGKILLed mid-run, the step started again in place (the same command, as mgpu.run.recovery's `restart`
 does under Slurm): with checkpoint.memory_every_steps=1 it resumes from the snapshots in memory, one step
 back, not from the durable checkpoint, and ends bit-identical to an unbroken run; the snapshots are gone once
 the run finishes. Real processes: 2 gloo ranks of jobs/train.py, under DDP and FSDP2."""
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.ledger import read_ledger
-from mgpu.memory_snapshot import BASE_ENV
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.record.ledger import read_ledger
+from mgpu.state.memory_snapshot import BASE_ENV
 
 # 40 samples, 4 per rank on 2 ranks: 5 steps an epoch, 20 in all; the epoch-end checkpoint of step 10 (or 5) is
 # the durable one when rank 1 dies inside step 12.

@@ -1,4 +1,4 @@
-"""Snapshots in host memory (mgpu.memory_snapshot, mgpu.memory_state), in one process: what a restore refuses
+"""Snapshots in host memory (mgpu.state.memory_snapshot, mgpu.state.memory_state), in one process: what a restore refuses
 (stale, torn), the double buffer after a copy that failed half way, cleanup, the ranks' agreement on a step,
 and a state taken and put back bit for bit. The real-process restart in place: test_memory_restart.py."""
 
@@ -12,8 +12,8 @@ from typing import IO, Any, Callable
 
 import pytest
 
-from mgpu.memory_snapshot import Identity, SnapshotStore, job_dir, local_job_id, remove_job
-from mgpu.memory_state import MemorySnapshots, agree_on_step
+from mgpu.state.memory_snapshot import Identity, SnapshotStore, job_dir, local_job_id, remove_job
+from mgpu.state.memory_state import MemorySnapshots, agree_on_step
 
 ME = Identity(job="123", restart=0, run="run-abc", config="cfg1", world_size=2, rank=1)
 
@@ -103,7 +103,7 @@ def test_cleanup_removes_the_rank_then_the_job_and_only_that_job(tmp_path: Path)
 
 def test_the_batch_scripts_teardown_removes_this_nodes_snapshots_of_the_job(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from mgpu.memory_snapshot import BASE_ENV, main
+    from mgpu.state.memory_snapshot import BASE_ENV, main
 
     monkeypatch.setenv(BASE_ENV, str(tmp_path))
     for identity in (ME, dataclasses.replace(ME, run="run-2"), dataclasses.replace(ME, job="77")):
@@ -169,7 +169,7 @@ def test_a_snapshot_puts_back_what_a_checkpoint_would_hold(tmp_path: Path, monke
     more training changed them all: bit-identical, and the same draw of the RNG after it."""
     import torch
 
-    from mgpu.train_state import Progress
+    from mgpu.state.train_state import Progress
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the optimizer's first step sets it
     torch.manual_seed(0)
@@ -227,11 +227,11 @@ def test_no_snapshots_with_a_zero_optimizer_and_it_says_so(tmp_path: Path, monke
 @pytest.mark.parametrize("failures_before, kept", [(0, True), (1, False)])  # restarted in place; the budget spent
 def test_recovery_keeps_the_snapshots_for_a_restart_in_place_and_removes_them_otherwise(
         failures_before: int, kept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgpu import recovery
-    from mgpu.ledger import Ledger
-    from mgpu.memory_snapshot import BASE_ENV
-    from mgpu.requeue import JobView
-    from mgpu.rundir import RunDir
+    from mgpu.run import recovery
+    from mgpu.record.ledger import Ledger
+    from mgpu.state.memory_snapshot import BASE_ENV
+    from mgpu.cluster.requeue import JobView
+    from mgpu.record.rundir import RunDir
 
     monkeypatch.setenv(BASE_ENV, str(tmp_path / "shm"))
     for name, value in {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "MGPU_MAX_FAILURES": "1",
@@ -267,7 +267,7 @@ def test_a_resume_before_the_newest_snapshots_uncommits_them(tmp_path: Path) -> 
 
 def test_goodput_counts_the_steps_restored_from_memory_apart_from_the_lost_ones() -> None:
     """KILLED_RANK of test_goodput (killed at step 10, the disk at 8), resumed from memory at step 9 instead."""
-    from mgpu.goodput import goodput, goodput_lines
+    from mgpu.record.goodput import goodput, goodput_lines
     from tests.test_goodput import KILLED_RANK
 
     from_disk = goodput(KILLED_RANK)
@@ -281,7 +281,7 @@ def test_goodput_counts_the_steps_restored_from_memory_apart_from_the_lost_ones(
 
 
 def test_a_node_without_room_for_two_snapshots_takes_none_and_says_so(tmp_path: Path) -> None:
-    from mgpu.memory_state import no_room
+    from mgpu.state.memory_state import no_room
 
     assert no_room(tmp_path, 1000) is None
     why = no_room(tmp_path, 1 << 60)
@@ -309,7 +309,7 @@ def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, mo
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("mgpu.checkpoint._torch_save", full)
+    monkeypatch.setattr("mgpu.state.checkpoint._torch_save", full)
     calls: list[int] = []
     assert not snapshots.take(2, {"x": 1}, lambda: calls.append(2) or {})
     assert snapshots.disabled == "on this rank: writing one failed: [Errno 28] No space left on device"

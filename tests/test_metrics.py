@@ -1,4 +1,4 @@
-"""mgpu.metrics: values reduced over a whole set. Corpus BLEU from summed statistics against torchmetrics'
+"""mgpu.train.metrics: values reduced over a whole set. Corpus BLEU from summed statistics against torchmetrics'
 own BLEU on the whole corpus at once; any split into batches (and ranks) sums to the same; Sums' layout,
 kinds and refusals."""
 
@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 
-from mgpu.metrics import LossSum, Ratio, Statistics, Sums, bleu_statistics, corpus_bleu, f1_score, torchmetric
+from mgpu.train.metrics import LossSum, Ratio, Statistics, Sums, bleu_statistics, corpus_bleu, f1_score, torchmetric
 
 
 def corpus(seed: int, size: int = 40) -> tuple[list[list[str]], list[list[str]]]:

@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from mgpu.exclusion import NodeMemory, blamed_nodes, remembered_nodes
-from mgpu.ledger import Ledger, read_ledger
-from mgpu.runview import describe
+from mgpu.record.exclusion import NodeMemory, blamed_nodes, remembered_nodes
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.record.runview import describe
 from tests.conftest import PYTHON, ROOT, base_env
 
 

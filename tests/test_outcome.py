@@ -1,11 +1,11 @@
-"""mgpu.outcome: the resume command a stopped run prints, runnable as printed, and the one map from outcome to
+"""mgpu.run.outcome: the resume command a stopped run prints, runnable as printed, and the one map from outcome to
 exit code. Pure functions, tables."""
 
 from __future__ import annotations
 
 import pytest
 
-from mgpu.outcome import SPAWN_ARGV, STOPPED_EXIT_CODE, Outcome, _command_line, _own_command, exit_code
+from mgpu.run.outcome import SPAWN_ARGV, STOPPED_EXIT_CODE, Outcome, _command_line, _own_command, exit_code
 
 VENV = "/home/u/proj/.venv/bin/python3"
 
@@ -50,9 +50,9 @@ def test_one_map_from_outcome_to_exit_code(kind: str, code: int) -> None:
 @pytest.mark.parametrize("launcher, environ, spawned, orig, expected", [
     # plain python, srun's task, submitit: the interpreter's own command line
     ("single", {}, False, [VENV, "-u", "loop.py", "--x"], [VENV, "-u", "loop.py", "--x"]),
-    # a rank of `python -m mgpu.spawn -n 2 loop.py`: the spawning command, so pasting it starts 2 ranks again
-    ("env", {SPAWN_ARGV: f'["{VENV}", "-m", "mgpu.spawn", "-n", "2", "loop.py", "--x"]'}, True, [VENV, "-c", "mp"],
-     [VENV, "-m", "mgpu.spawn", "-n", "2", "loop.py", "--x"]),
+    # a rank of `python -m mgpu.run.spawn -n 2 loop.py`: the spawning command, so pasting it starts 2 ranks again
+    ("env", {SPAWN_ARGV: f'["{VENV}", "-m", "mgpu.run.spawn", "-n", "2", "loop.py", "--x"]'}, True, [VENV, "-c", "mp"],
+     [VENV, "-m", "mgpu.run.spawn", "-n", "2", "loop.py", "--x"]),
     # another spawned process (not mgpu.spawn's), or a damaged variable: sys.argv (its parent's)
     ("env", {}, True, [VENV, "-c", "from multiprocessing.spawn import spawn_main"], None),
     ("env", {SPAWN_ARGV: "{not json"}, True, [VENV, "-c", "mp"], None),

@@ -16,10 +16,10 @@ from typing import Callable
 
 import pytest
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.goodput import segments
-from mgpu.ledger import read_ledger
-from mgpu.timeline import loss_curves
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.record.goodput import segments
+from mgpu.record.ledger import read_ledger
+from mgpu.record.timeline import loss_curves
 from tests.conftest import PYTHON, ROOT, base_env, live_children, start_ranks, wait_ranks
 from tests.test_trainer import assert_identical as same
 

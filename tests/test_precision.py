@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from mgpu.precision import resolve_precision
+from mgpu.parallel.precision import resolve_precision
 
 GPU = torch.device("cuda", 0)  # a device object only: nothing runs on it
 CPU = torch.device("cpu")

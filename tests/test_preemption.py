@@ -1,4 +1,4 @@
-"""mgpu.preemption: flags from signals, and the ranks' agreement on a real 2-rank gloo group."""
+"""mgpu.stop.preemption: flags from signals, and the ranks' agreement on a real 2-rank gloo group."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.preemption import StopRequest
+from mgpu.stop.preemption import StopRequest
 from tests.conftest import PYTHON, ROOT, base_env
 
 TORCHRUN = str(Path(PYTHON).parent / "torchrun")

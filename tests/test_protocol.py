@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.ledger import read_ledger
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env
 from tests.test_environment import srun_task
 
@@ -124,7 +124,7 @@ def slurm_env(tmp_path: Path, **extra: str) -> dict[str, str]:
                                SLURM_TASKS_PER_NODE="1", SLURM_STEP_TASKS_PER_NODE="1", SLURM_NTASKS_PER_NODE="1",
                                SLURM_JOB_ID=str(random.randint(10**6, 10**7))))
     # As slurmstepd would set it: the task's pid. This test process is the task's parent here, which
-    # makes the variables this job's own for mgpu.slurm_job (a foreign SLURM_JOB_ID is never acted on).
+    # makes the variables this job's own for mgpu.cluster.slurm_job (a foreign SLURM_JOB_ID is never acted on).
     env["SLURM_TASK_PID"] = str(os.getpid())
     env.update(extra)
     return env
@@ -144,7 +144,7 @@ def test_requeue_budget_is_honoured(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_missing_scontrol_after_a_stop_is_a_clear_line_and_not_bad_input(tmp_path: Path) -> None:
     # A container without Slurm's client commands: only the venv's programs on PATH. Not exit 2 (bad input, which
-    # mgpu.recovery never requeues): UNANSWERED_EXIT_CODE, and the batch script outside the container asks again.
+    # mgpu.run.recovery never requeues): UNANSWERED_EXIT_CODE, and the batch script outside the container asks again.
     env = slurm_env(tmp_path, PATH=str(Path(PYTHON).parent))
     result = subprocess.run([PYTHON, TRAIN, f"run.dir={tmp_path}", "task.target=tests.tasks:BlobTask",
                              "data.batch_size=8", "--stop-at-step=2"], env=env, cwd=ROOT, capture_output=True,

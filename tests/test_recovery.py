@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.ledger import Ledger, read_ledger
-from mgpu.budgets import DEFAULT_MAX_FAILURES, Limits, failure_requeues, stop_requeues
-from mgpu.recovery import handle_failure
-from mgpu.rundir import RunDir
-from mgpu.slurm_job import ancestors, owns_slurm_job
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.record.budgets import DEFAULT_MAX_FAILURES, Limits, failure_requeues, stop_requeues
+from mgpu.run.recovery import handle_failure
+from mgpu.record.rundir import RunDir
+from mgpu.cluster.slurm_job import ancestors, owns_slurm_job
 
 # pid -> (parent, command): slurmstepd 100 started task 200 (python), whose child 300 is a torchrun worker;
 # a login shell 10 started 20 (python), and a container whose slurmstepd is invisible: 7 -> 8.
@@ -163,13 +163,13 @@ RESUME = "cd /r && python jobs/submit.py --nodes 2 --config c.yaml"
 def running_job(monkeypatch: pytest.MonkeyPatch) -> None:
     """Slurm's view of job 7: running, no restart (what `scontrol show job` would say); the resume command;
     no requeue."""
-    from mgpu.requeue import JobView
+    from mgpu.cluster.requeue import JobView
 
-    monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2,
+    monkeypatch.setattr("mgpu.run.recovery.query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2,
                                                                           partition="main"))
     monkeypatch.setenv("MGPU_RESUME_COMMAND", RESUME)
     # Never the real cluster's job 7: a requeue here is a test failure (pytest's Failed is no Exception).
-    monkeypatch.setattr("mgpu.recovery.requeue", lambda job_id: pytest.fail(f"job {job_id} requeued"))
+    monkeypatch.setattr("mgpu.run.recovery.requeue", lambda job_id: pytest.fail(f"job {job_id} requeued"))
 
 
 def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, running_job: None) -> None:
@@ -186,8 +186,8 @@ def test_a_spent_failure_budget_prints_the_command_that_resumes(tmp_path: Path, 
 def test_a_node_that_cannot_be_excluded_prints_the_command_that_resumes(tmp_path: Path, running_job: None,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     # A batch script that cannot start the step again (no --may-restart): the job stays down, saying why.
-    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
-    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
+    monkeypatch.setattr("mgpu.run.recovery.partition_nodes", lambda partition: ["n1", "n2"])
+    monkeypatch.setattr("mgpu.run.recovery.unavailable_nodes", lambda nodes: set())
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
     action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=False)
@@ -200,8 +200,8 @@ def test_a_hang_on_a_node_that_cannot_be_excluded_restarts_in_place_until_the_bu
     # Seen on the test cluster: a SIGSTOPped rank blamed on its node, correctly; excluding the node would leave
     # the 2-node job one node, so the job stayed down although the allocation was intact. Now: restarts in place,
     # each counted against --max-failures (2 here), then it stays down naming the node.
-    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2"])
-    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: set())
+    monkeypatch.setattr("mgpu.run.recovery.partition_nodes", lambda partition: ["n1", "n2"])
+    monkeypatch.setattr("mgpu.run.recovery.unavailable_nodes", lambda nodes: set())
     run = RunDir(tmp_path)
     actions = []
     for attempt in range(3):
@@ -227,11 +227,11 @@ def test_a_step_that_fails_while_the_allocation_ends_is_requeued_not_restarted(
         view: tuple, action: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Seen in the fault matrix: the preemption's USR2 reached a rank before its handler (exit 140); the step
     # was started again in the allocation being preempted, and Slurm requeued the job at the grace's end.
-    from mgpu.requeue import JobView, RequeueOutcome
+    from mgpu.cluster.requeue import JobView, RequeueOutcome
 
     requeued: list[str] = []
-    monkeypatch.setattr("mgpu.recovery.query_job", lambda job_id: JobView(*view))
-    monkeypatch.setattr("mgpu.recovery.requeue", lambda job_id: requeued.append(job_id) or RequeueOutcome("self", "ok"))
+    monkeypatch.setattr("mgpu.run.recovery.query_job", lambda job_id: JobView(*view))
+    monkeypatch.setattr("mgpu.run.recovery.requeue", lambda job_id: requeued.append(job_id) or RequeueOutcome("self", "ok"))
     run = RunDir(tmp_path)
     got, outcome = handle_failure(run, "7", 0, Limits(), "the training step exited with code 140", may_restart=True)
     assert got == action, outcome
@@ -246,10 +246,10 @@ def test_recovery_after_bad_input_prints_the_command_that_resumes(tmp_path: Path
     from tests.conftest import PYTHON, ROOT, base_env
 
     env = base_env(SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()), MGPU_RESUME_COMMAND=RESUME)
-    result = subprocess.run([PYTHON, "-m", "mgpu.recovery", "--exit-code", "2", "--run-dir", str(tmp_path)], env=env,
+    result = subprocess.run([PYTHON, "-m", "mgpu.run.recovery", "--exit-code", "2", "--run-dir", str(tmp_path)], env=env,
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr == ("mgpu.recovery: the step exited 2 (bad input or a full disk, see its one-line error): not "
+    assert result.stderr == ("mgpu.run.recovery: the step exited 2 (bad input or a full disk, see its one-line error): not "
                              f"requeued; fix it, then resume with: {RESUME}\n")
 
 
@@ -263,7 +263,7 @@ def test_recovery_after_bad_input_prints_the_command_that_resumes(tmp_path: Path
 ])
 def test_plan_exclusion(bad: str, already: list[str], partition: list[str], needed: int,
                         nodes: tuple[str, ...] | None, words: str) -> None:
-    from mgpu.exclusion import plan_exclusion
+    from mgpu.record.exclusion import plan_exclusion
 
     plan = plan_exclusion(bad, already, partition, needed)
     assert plan.nodes == nodes and words in plan.why
@@ -271,7 +271,7 @@ def test_plan_exclusion(bad: str, already: list[str], partition: list[str], need
 
 def test_nodes_down_or_drained_are_not_usable() -> None:
     # n1, n2, n3 in the partition, n3 drained: excluding n2 leaves one node for a 2-node job (it was counted as 2).
-    from mgpu.exclusion import plan_exclusion
+    from mgpu.record.exclusion import plan_exclusion
 
     plan = plan_exclusion("n2", [], ["n1", "n2", "n3"], 2, {"n3"})
     assert plan.nodes is None
@@ -283,8 +283,8 @@ def test_nodes_down_or_drained_are_not_usable() -> None:
 def test_unavailable_nodes_from_their_state(monkeypatch: pytest.MonkeyPatch) -> None:
     import subprocess
 
-    from mgpu.exclusion import unavailable_nodes
-    from mgpu.slurm import SlurmClient
+    from mgpu.record.exclusion import unavailable_nodes
+    from mgpu.cluster.slurm import SlurmClient
 
     states = {"n1": "IDLE", "n2": "ALLOCATED", "n3": "DOWN*", "n4": "IDLE+DRAIN", "n5": "MIXED+DRAIN", "n6": "FUTURE",
               "n7": "IDLE+POWERED_DOWN", "n8": "IDLE*", "n9": "DOWN+NOT_RESPONDING", "n10": "MIXED+COMPLETING"}
@@ -305,8 +305,8 @@ def test_unavailable_nodes_from_their_state(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_a_hang_on_a_node_whose_partition_is_half_drained_keeps_the_job_down(
         tmp_path: Path, running_job: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mgpu.recovery.partition_nodes", lambda partition: ["n1", "n2", "n3"])
-    monkeypatch.setattr("mgpu.recovery.unavailable_nodes", lambda nodes: {"n3"})
+    monkeypatch.setattr("mgpu.run.recovery.partition_nodes", lambda partition: ["n1", "n2", "n3"])
+    monkeypatch.setattr("mgpu.run.recovery.unavailable_nodes", lambda nodes: {"n3"})
     run = RunDir(tmp_path)
     Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=["n2"])
     action, outcome = handle_failure(run, "7", 0, Limits(), "exit 4", may_restart=False)
@@ -318,7 +318,7 @@ def test_the_run_directory_a_session_announced(tmp_path: Path, monkeypatch: pyte
     # slurm/loop.sbatch: a loop of one's own names its run directory itself; its session writes it to a file.
     import argparse
 
-    from mgpu.recovery import _run_dir
+    from mgpu.run.recovery import _run_dir
 
     announced = tmp_path / "run-dir-7"
     args = argparse.Namespace(run_dir=None, run_dir_file=str(announced), config=None, overrides=[])
@@ -331,15 +331,15 @@ def test_the_run_directory_a_session_announced(tmp_path: Path, monkeypatch: pyte
 def test_the_ledger_records_the_failing_ranks_own_error(tmp_path: Path) -> None:
     # Rank 1's loss raises its own error; rank 0 only sees gloo's `Connection closed by peer`. Before, the ledger
     # had rank 0's consequence alone; now rank 1's cause, and rank 0's error marked as a consequence.
-    from mgpu.recovery import peer_consequence
+    from mgpu.run.recovery import peer_consequence
     from tests.test_faults import finish_step, start_step
 
     results = finish_step(start_step(tmp_path, 2, "task.target=tests.tasks:CrashingBlobTask", "train.epochs=2",
                                      "data.batch_size=4", "log.tensorboard=false"), timeout=150)
     assert [rc for rc, _ in results] == [1, 1]
-    from mgpu.runview import RunView
+    from mgpu.record.runview import RunView
 
-    # Rank 1's record is a file of its own (mgpu.failures); the ledger has rank 0's; status reads both.
+    # Rank 1's record is a file of its own (mgpu.record.failures); the ledger has rank 0's; status reads both.
     failed = [e for e in RunView.load(tmp_path).events if e["event"] == "failed"]
     own = [e for e in failed if not e.get("consequence")]
     assert [(e["rank"], e["error"]) for e in own] == [(1, "ValueError: rank 1's own bug at loss call 3")], failed

@@ -1,4 +1,4 @@
-"""The requeue decision, table-driven from what Slurm 22.05 showed inside a job (see mgpu/requeue.py),
+"""The requeue decision, table-driven from what Slurm 22.05 showed inside a job (see mgpu/cluster/requeue.py),
 and the requeue command itself against a fake scontrol only where the real one cannot be used."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from mgpu.requeue import (Budget, JobView, RequeueError, classify, decide, parse_job_view, query_job, requeue,
+from mgpu.cluster.requeue import (Budget, JobView, RequeueError, classify, decide, parse_job_view, query_job, requeue,
                           resume_command, sbatch_options)
-from mgpu.slurm import SlurmClient
+from mgpu.cluster.slurm import SlurmClient
 
 RUNNING = JobView("RUNNING", "None", 0, None)
 CASES = [
@@ -27,7 +27,7 @@ CASES = [
     ({"test"}, RUNNING, 0, "terminated"),
     ({"interrupt"}, RUNNING, 0, "interrupted"),  # Ctrl-C on an interactive srun
     ({"interrupt", "requeue_signal"}, RUNNING, 0, "user_signal"),
-    ({"drain"}, RUNNING, 0, "node_drain"),  # stopped ahead of a node's drain (mgpu.deadline): requeued
+    ({"drain"}, RUNNING, 0, "node_drain"),  # stopped ahead of a node's drain (mgpu.cluster.deadline): requeued
     ({"drain", "sigterm"}, JobView("COMPLETING", "None", 0, None), 0, "cancelled"),  # scancel meanwhile
 ]
 
@@ -85,7 +85,7 @@ def test_requeue_already_pending_is_harmless() -> None:
 def test_missing_scontrol_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("shutil.which", lambda name: None)
     monkeypatch.setenv("MGPU_RESUME_COMMAND", "cd /r && python jobs/submit.py --nodes 2")
-    monkeypatch.setattr("mgpu.slurm._client", SlurmClient(which=lambda name: None))
+    monkeypatch.setattr("mgpu.cluster.slurm._client", SlurmClient(which=lambda name: None))
     with pytest.raises(RequeueError, match="scontrol not found on PATH.*; to resume: cd /r && python jobs/submit.py "
                                            "--nodes 2$"):
         requeue("7")
@@ -179,7 +179,7 @@ def test_resume_command_survives_a_failing_sacct() -> None:
     ({"sigterm"}, "unknown", False), ({"test"}, "unknown", False), ({"interrupt"}, "interrupted", False),
 ])
 def test_decide_unanswered_on_the_stops_evidence(reasons: set[str], event: str, requeue_wanted: bool) -> None:
-    from mgpu.requeue import decide_unanswered
+    from mgpu.cluster.requeue import decide_unanswered
 
     decision = decide_unanswered(reasons, Budget(0, None), "scontrol show job -o 7: no answer")
     assert (decision.event, decision.requeue) == (event, requeue_wanted)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.reporting import wandb_run_id
+from mgpu.record.reporting import wandb_run_id
 from tests.conftest import PYTHON, ROOT, base_env
 from tests.wandb_log import wandb_history
 

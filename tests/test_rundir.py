@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.config import load_config
-from mgpu.rundir import Owner, RunDir, RunInUse, owner_alive
+from mgpu.config.loading import load_config
+from mgpu.record.rundir import Owner, RunDir, RunInUse, owner_alive
 
 
 def test_paths_follow_the_run_name(tmp_path: Path) -> None:
@@ -25,7 +25,7 @@ def test_paths_follow_the_run_name(tmp_path: Path) -> None:
         tmp_path / "exp" / "checkpoints", tmp_path / "exp" / "events.jsonl", tmp_path / "exp" / "logs" / "rank3.log")
     cfg = load_config(None, [f"run.dir={tmp_path / 'elsewhere'}"])
     assert RunDir.of(cfg.run).path == tmp_path / "elsewhere"
-    assert RunDir(str(tmp_path)).ledger == tmp_path / "events.jsonl"  # as `python -m mgpu.recovery --run-dir` gives it
+    assert RunDir(str(tmp_path)).ledger == tmp_path / "events.jsonl"  # as `python -m mgpu.run.recovery --run-dir` gives it
 
 
 def queue(*live: str):

@@ -1,4 +1,4 @@
-"""mgpu.job.run_training in-process, world of one: what happens around a failure while the group still exists."""
+"""mgpu.train.job.run_training in-process, world of one: what happens around a failure while the group still exists."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from mgpu.config import load_config
-from mgpu.environment import detect_environment
-from mgpu.job import run_training
+from mgpu.config.loading import load_config
+from mgpu.cluster.environment import detect_environment
+from mgpu.train.job import run_training
 
 
 def test_on_failure_runs_before_the_process_group_is_torn_down(tmp_path: Path,

@@ -1,4 +1,4 @@
-"""The save's allowance from the saves measured so far (mgpu.save_budget): tables, the ledger's tail read
+"""The save's allowance from the saves measured so far (mgpu.state.save_budget): tables, the ledger's tail read
 back, and a Session that sizes its watchdog and its deadline stop from an earlier run's saves."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from mgpu.config import Config, load_config
-from mgpu.ledger import Ledger, read_ledger
-from mgpu.save_budget import RECENT, SAFETY, TAIL_BYTES, Save, expected_save_s, parse_saves, save_allowance_s, saves_in_ledger
+from mgpu.config.loading import Config, load_config
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.state.save_budget import RECENT, SAFETY, TAIL_BYTES, Save, expected_save_s, parse_saves, save_allowance_s, saves_in_ledger
 
 GB, MB = 10**9, 10**6
 
@@ -84,8 +84,8 @@ def test_a_session_sizes_its_save_allowance_from_earlier_runs(tmp_path: Path) ->
     """A requeued run whose earlier run saved 50 GB in 588 s: its watchdog allows 3 x 588 s for a save (not the
     configured 600 s), its collective timeout outlasts that, and the deadline stop counts 588 s for the save
     before this process has saved anything."""
-    from mgpu.environment import detect_environment
-    from mgpu.session import Session
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.run.session import Session
 
     run = tmp_path / "run"
     run.mkdir()
@@ -113,9 +113,9 @@ def test_a_session_sizes_its_save_allowance_from_earlier_runs(tmp_path: Path) ->
 
 
 # ------------------------------------------------------------------ issue 30: allowances from everything known
-from mgpu.save_budget import (MAX_ALLOWANCE_S, OUTLIER, READ_PASSES, expected_resume_s,  # noqa: E402
+from mgpu.state.save_budget import (MAX_ALLOWANCE_S, OUTLIER, READ_PASSES, expected_resume_s,  # noqa: E402
                               lower_bounds)
-from mgpu.save_record import Attempt, read_attempts, record_path  # noqa: E402
+from mgpu.record.save_record import Attempt, read_attempts, record_path  # noqa: E402
 
 
 @pytest.mark.parametrize("saves, world, at_least, expected", [
@@ -176,7 +176,7 @@ def test_save_allowance_is_capped(expected_s: float, configured_s: float, allowa
 def test_the_ledger_keeps_each_attempt_in_the_side_record(tmp_path: Path) -> None:
     """A save opened at its first beat and closed by its ledger event; a failed and a killed one keep how long
     they ran; a resume is closed by the run's `started`; another process's event closes nothing of this one."""
-    from mgpu.save_record import open_attempt, saving_beat
+    from mgpu.record.save_record import open_attempt, saving_beat
 
     path = tmp_path / "events.jsonl"
     ledger = Ledger(path, "7", 0)
@@ -212,8 +212,8 @@ def test_the_ledger_keeps_each_attempt_in_the_side_record(tmp_path: Path) -> Non
 
 
 def _session(run: Path, config: Config | None = None) -> Any:
-    from mgpu.environment import detect_environment
-    from mgpu.session import Session
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.run.session import Session
 
     return Session(run, seed=0, config=config or Config(), env=detect_environment({}))
 
@@ -273,7 +273,7 @@ def test_a_first_save_that_does_not_fit_raises_the_next_runs_allowance(tmp_path:
     """Issue 30: a run's first save outlasts watchdog.checkpoint_s (2 s) and is ended as a hang (exit 4): the
     next run of that directory allows SAFETY x at least as long as it ran, not the same 2 s again (at every
     requeue)."""
-    from mgpu.watchdog import HANG_EXIT_CODE
+    from mgpu.stop.watchdog import HANG_EXIT_CODE
     from tests.test_faults import finish_step, start_step
 
     ((code, output),) = finish_step(start_step(
@@ -297,8 +297,8 @@ def test_allowances_from_the_record_or_the_ledger(tmp_path: Path) -> None:
     """`allowances` reads the side record: a save left open by a process killed without a word (SIGKILL in the
     middle of it) counts until that process's last ledger event; a resume killed as a hang counts for the next
     resume. A run from before the record: the saves in the ledger's tail, as before."""
-    from mgpu.save_budget import Allowances, allowances
-    from mgpu.save_record import open_attempt
+    from mgpu.state.save_budget import Allowances, allowances
+    from mgpu.record.save_record import open_attempt
 
     path = tmp_path / "events.jsonl"
     ledger = Ledger(path, "9", 0)

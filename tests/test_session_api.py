@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu.config import Config
+from mgpu.config.loading import Config
 from mgpu.errors import MgpuError
-from mgpu.ledger import read_ledger
-from mgpu.resumption import resume_line
-from mgpu.session import Session
+from mgpu.record.ledger import read_ledger
+from mgpu.state.resumption import resume_line
+from mgpu.run.session import Session
 
 
 @pytest.fixture(autouse=True)
@@ -31,7 +31,7 @@ def world_of_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[No
 def session(run: Path, **options: Any) -> Session:
     config = Config()
     config.watchdog.enabled = False
-    from mgpu.environment import detect_environment
+    from mgpu.cluster.environment import detect_environment
 
     return Session(run, seed=0, config=config, env=detect_environment({}), **options)
 
@@ -231,7 +231,7 @@ def test_the_test_stop_comes_from_the_environment(tmp_path: Path, monkeypatch: p
 
 
 def test_misuse_is_one_clear_line(tmp_path: Path) -> None:
-    from mgpu.environment import detect_environment
+    from mgpu.cluster.environment import detect_environment
 
     with pytest.raises(MgpuError, match="Session.config=.... takes a mgpu.Config, got a dict"):
         Session(tmp_path / "x", config={"train": {"seed": 1}}, env=detect_environment({}))  # type: ignore[arg-type]
@@ -289,7 +289,7 @@ def test_the_resume_line(world: int | tuple[int, int], saved: int, batch: int | 
 def test_a_changed_global_batch_warns_with_the_steps_per_epoch_and_how_to_keep_them() -> None:
     """Steps per epoch change with the global batch: a schedule sized from len(loader) would jump mid-run. The
     warning names data.global_batch_size (trainer) and how a loop of one's own keeps its schedule."""
-    from mgpu.resumption import schedule_warning
+    from mgpu.state.resumption import schedule_warning
 
     assert schedule_warning(16, 16, 1000) is None and schedule_warning(16, None, 1000) is None
     line = schedule_warning(8, 16, 1000)
@@ -304,7 +304,7 @@ def test_a_changed_global_batch_warns_with_the_steps_per_epoch_and_how_to_keep_t
 def test_steps_per_epoch_at_a_global_batch_are_the_same_on_any_world_size(drop_last: bool) -> None:
     """What a loop that keeps its global batch sizes its schedule from: len(loader) changes with the world size,
     loader.steps_per_epoch(global_batch) does not, and bounds the steps the loop makes (exact without drop_last)."""
-    from mgpu.loader import ResumableLoader
+    from mgpu.data.loader import ResumableLoader
 
     loaders = [ResumableLoader(list(range(100)), 4, rank=0, world_size=world, drop_last=drop_last)
                for world in (1, 2, 4)]
@@ -386,7 +386,7 @@ def test_wraps_that_cannot_work_are_one_line_at_the_call(tmp_path: Path) -> None
     config = Config()
     config.watchdog.enabled = False
     config.checkpoint.format = "single"
-    from mgpu.environment import detect_environment
+    from mgpu.cluster.environment import detect_environment
 
     single = Session(tmp_path / "single", seed=0, config=config, env=detect_environment({}))
     with pytest.raises(MgpuError, match=r"^Session.wrap\(parallel='fsdp'\) with checkpoint.format=single: a "
@@ -401,12 +401,12 @@ def test_an_uncaught_exception_in_a_loop_without_with_is_recorded(tmp_path: Path
     Once the session ended, the hook is gone."""
     import sys
 
-    from mgpu.runview import summarize
+    from mgpu.record.runview import summarize
 
     s = session(tmp_path / "run")
     s.load(parts())
     installed = sys.excepthook
-    assert getattr(installed, "__module__", None) == "mgpu.uncaught"
+    assert getattr(installed, "__module__", None) == "mgpu.run.uncaught"
     try:
         raise ValueError("the loop's bug")
     except ValueError as error:

@@ -18,12 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgpu.checkpoint import CheckpointError
-from mgpu.digest import digest_file
-from mgpu.ledger import Ledger
-from mgpu.sharded import SafeReader, ShardedCheckpointer, restore_sharded
-from mgpu.shard_arrivals import Arrivals, late_line
-from mgpu.sharded_export import consolidate
+from mgpu.state.checkpoint import CheckpointError
+from mgpu.state.digest import digest_file
+from mgpu.record.ledger import Ledger
+from mgpu.state.sharded import SafeReader, ShardedCheckpointer, restore_sharded
+from mgpu.state.shard_arrivals import Arrivals, late_line
+from mgpu.state.sharded_export import consolidate
 
 
 @pytest.fixture
@@ -86,12 +86,12 @@ def test_a_save_is_one_verified_step_directory_that_loads_back(group: None, tmp_
 
 def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import mgpu.sharded
+    import mgpu.state.sharded
 
     read_back: list[str] = []
-    real_sha, real_digest = mgpu.sharded._sha256, mgpu.sharded.digest_file
-    monkeypatch.setattr(mgpu.sharded, "_sha256", lambda path: read_back.append(path.name) or real_sha(path))
-    monkeypatch.setattr(mgpu.sharded, "digest_file", lambda path, *a: read_back.append(path.name) or real_digest(path, *a))
+    real_sha, real_digest = mgpu.state.sharded._sha256, mgpu.state.sharded.digest_file
+    monkeypatch.setattr(mgpu.state.sharded, "_sha256", lambda path: read_back.append(path.name) or real_sha(path))
+    monkeypatch.setattr(mgpu.state.sharded, "digest_file", lambda path, *a: read_back.append(path.name) or real_digest(path, *a))
     save_steps(tmp_path, [1])[0].close()
     assert not [name for name in read_back if name.endswith(".distcp")], read_back  # only small files: .metadata, manifests
     path = tmp_path / "checkpoints" / "step_00000001"
@@ -100,7 +100,7 @@ def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_
 
 
 def test_a_checkpoint_whose_manifest_records_sha256s_still_verifies(group: None, tmp_path: Path) -> None:
-    """As saved before mgpu.digest: a whole-file sha256 per file."""
+    """As saved before mgpu.state.digest: a whole-file sha256 per file."""
     save_steps(tmp_path, [1])[0].close()
     path = tmp_path / "checkpoints" / "step_00000001"
     manifest = json.loads((path / "manifest_0.json").read_text())
@@ -203,7 +203,7 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on(group: None,
 
 def test_a_sharded_run_exports_and_loads_for_inference(group: None, tmp_path: Path) -> None:
     import mgpu
-    from mgpu.sharded_export import main
+    from mgpu.state.sharded_export import main
 
     store, state = save_steps(tmp_path, [1, 2])
     store.close()
@@ -314,9 +314,9 @@ def test_nothing_the_loop_does_after_save_returns_changes_what_is_written(form: 
         store.close()
         saved = consolidate(tmp_path / "checkpoints" / "step_00000001")["ema"]
     else:
-        from mgpu.checkpointer import Checkpointer
-        from mgpu.rundir import RunDir
-        from mgpu.train_state import gather_state
+        from mgpu.state.checkpointer import Checkpointer
+        from mgpu.record.rundir import RunDir
+        from mgpu.state.train_state import gather_state
 
         single = Checkpointer(RunDir(tmp_path), 0, 1, Ledger(None, None, 0), async_save=True)
         single.save(lambda: gather_state(state, None), 1, "periodic")
@@ -334,9 +334,9 @@ def test_nothing_the_loop_does_after_save_returns_changes_what_is_written(form: 
 @pytest.fixture(scope="module")
 def exported_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run directory with two sharded checkpoints (steps 1, 2) and a single-file run beside it."""
-    from mgpu.checkpointer import Checkpointer
-    from mgpu.rundir import RunDir
-    from mgpu.train_state import gather_state
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.record.rundir import RunDir
+    from mgpu.state.train_state import gather_state
 
     root = tmp_path_factory.mktemp("exported")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -402,7 +402,7 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     import shutil as copying
 
-    from mgpu.sharded_export import main
+    from mgpu.state.sharded_export import main
     from tests.test_bad_input import MountUnavailable, _mount
 
     copying.copytree(exported_run, tmp_path, dirs_exist_ok=True)
@@ -421,7 +421,7 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
         code = main([arg.format(t=tmp_path) for arg in argv])
         out, err = capsys.readouterr()
         assert code == 2, (out, err)
-        assert out == "" and len(err.splitlines()) == 1 and err.startswith("mgpu.sharded_export: error: "), err
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("mgpu.state.sharded_export: error: "), err
         assert expect in err, err
         assert snapshot(tmp_path) == before
     finally:
@@ -431,16 +431,16 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
 
 @pytest.mark.multiprocess
 def test_the_export_command_is_one_line_as_a_process(exported_run: Path) -> None:
-    """`python -m mgpu.sharded_export` itself: a refusal on stderr in one line, no traceback, exit 2 (an export
+    """`python -m mgpu.state.sharded_export` itself: a refusal on stderr in one line, no traceback, exit 2 (an export
     that works: test_a_sharded_run_exports_and_loads_for_inference)."""
     from tests.conftest import PYTHON, ROOT, base_env
 
     common = exported_run / STEP2 / "common.pt"
     before = common.read_bytes()
-    refused = subprocess.run([PYTHON, "-m", "mgpu.sharded_export", str(exported_run / "run"), str(common)], cwd=ROOT,
+    refused = subprocess.run([PYTHON, "-m", "mgpu.state.sharded_export", str(exported_run / "run"), str(common)], cwd=ROOT,
                              env=base_env(), capture_output=True, text=True, timeout=120)
     assert (refused.returncode, refused.stdout) == (2, ""), refused
-    assert refused.stderr.startswith("mgpu.sharded_export: error: ") and len(refused.stderr.splitlines()) == 1
+    assert refused.stderr.startswith("mgpu.state.sharded_export: error: ") and len(refused.stderr.splitlines()) == 1
     assert "exists: an export never overwrites" in refused.stderr and common.read_bytes() == before
 
 
@@ -466,7 +466,7 @@ def test_load_model_reads_the_models_tensors_alone(group: None, tmp_path: Path, 
         assert torch.equal(weights[key], value), key
     assert read and all(fqn.startswith("model.model.") for fqn in read), read
     with pytest.raises(CheckpointError, match=r"holds no module named 'teacher' \(it has \['model'\]\)"):
-        from mgpu.sharded_export import consolidated_model
+        from mgpu.state.sharded_export import consolidated_model
 
         consolidated_model(tmp_path / "checkpoints", "latest", name="teacher")
 

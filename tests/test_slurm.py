@@ -1,4 +1,4 @@
-"""The one Slurm client (mgpu.slurm): its retry policy, its timeout, one meaning of "alive", and the modules
+"""The one Slurm client (mgpu.cluster.slurm): its retry policy, its timeout, one meaning of "alive", and the modules
 that used to run their own commands asking through it. The commands are fakes: the real scontrol would act on
 the shared cluster's jobs (tests/e2e runs them for real)."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.slurm import SlurmClient, SlurmError, is_alive, set_client
+from mgpu.cluster.slurm import SlurmClient, SlurmError, is_alive, set_client
 
 
 class FakeSlurm:
@@ -91,9 +91,9 @@ def test_a_real_command_past_the_timeout_is_cut(tmp_path: Path) -> None:
 def test_every_module_asks_through_the_one_client(tmp_path: Path) -> None:
     # rundir's claim, the deadline's clock, the status script and the recovery's node checks: one client, so one
     # timeout and retry policy, and one count of what was asked.
-    from mgpu.deadline import JobClock
-    from mgpu.exclusion import partition_nodes
-    from mgpu.rundir import Owner, owner_alive
+    from mgpu.cluster.deadline import JobClock
+    from mgpu.record.exclusion import partition_nodes
+    from mgpu.record.rundir import Owner, owner_alive
 
     fake = FakeSlurm(squeue=[(0, "COMPLETED\n", ""), (0, "2026-11-25T10:31:09 2026-11-25T11:31:09\n", ""),
                              (0, "RUNNING\n", "")],

@@ -5,7 +5,7 @@ script's recovery, status): real stub executables on PATH (a hanging, a failing 
 What must hold: every call at a stop ends within the time left before the kill (MGPU_KILL_WAIT_S here, a few
 seconds), bytes that are not UTF-8 are read, and "no answer" is never bad input (exit 2, not requeued): the
 stop requeues on its evidence where it can, else exits UNANSWERED_EXIT_CODE with the ledger saying what was
-unknown, and mgpu.recovery asks again."""
+unknown, and mgpu.run.recovery asks again."""
 
 from __future__ import annotations
 
@@ -19,15 +19,15 @@ from typing import Iterator
 
 import pytest
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.environment import ProcessEnv
-from mgpu.ledger import Ledger, read_ledger
-from mgpu.outcome import UNANSWERED_EXIT_CODE, StopBudgets, decide_after_stop, exit_code
-from mgpu.budgets import Limits
-from mgpu.recovery import main as recovery_main
-from mgpu.requeue import Budget
-from mgpu.rundir import RunDir
-from mgpu.slurm import SlurmClient, set_client, stop_window_s
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.cluster.environment import ProcessEnv
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.run.outcome import UNANSWERED_EXIT_CODE, StopBudgets, decide_after_stop, exit_code
+from mgpu.record.budgets import Limits
+from mgpu.run.recovery import main as recovery_main
+from mgpu.cluster.requeue import Budget
+from mgpu.record.rundir import RunDir
+from mgpu.cluster.slurm import SlurmClient, set_client, stop_window_s
 from tests.conftest import PYTHON, ROOT
 
 LATIN1_SHOW = (b"JobId=7 JobName=caf\xe9 UserId=ren\xe9(1000) JobState=RUNNING Reason=None Restarts=0 "
@@ -228,7 +228,7 @@ def test_a_job_whose_slurm_hangs_or_prints_latin1_still_ends_as_it_should(tmp_pa
         assert decision["what"] == "unknown" and "no answer from Slurm within" in decision["unknown"]
         lines = result.stderr.strip().splitlines()
         assert lines[-1].startswith("train: stopped at step 2: Slurm gave no answer") and \
-            lines[-1].endswith("the batch script's mgpu.recovery asks Slurm again after srun"), where
+            lines[-1].endswith("the batch script's mgpu.run.recovery asks Slurm again after srun"), where
     else:
         assert result.returncode == 0, where
         assert (decision["what"], decision["requeue"]) == ("preempted", True)
@@ -272,7 +272,7 @@ def test_status_bounds_its_waits_and_says_what_it_could_not_ask(tmp_path: Path, 
       ("stop_decision", {"requeue": True, "by": "recovery"}), ("requeued", {})], "stopped by a signal (requeue pending)"),
 ])
 def test_status_says_what_slurm_left_open(after: list[tuple[str, dict]], state: str) -> None:
-    from mgpu.runview import summarize
+    from mgpu.record.runview import summarize
 
     events = [{"time": 1.0, "event": "started", "job_id": "7", "restart": 0},
               {"time": 2.0, "event": "preempted", "job_id": "7", "restart": 0, "step": 5}]

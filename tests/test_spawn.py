@@ -1,4 +1,4 @@
-"""mgpu.spawn's local ranks: the rendezvous store hosted by the spawning process (no port race), and a failed
+"""mgpu.run.spawn's local ranks: the rendezvous store hosted by the spawning process (no port race), and a failed
 rank stopping the others. Real processes (torch's spawn context)."""
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ def test_a_failed_rank_stops_the_others_and_the_store_is_hosted_by_spawn(tmp_pat
         result = subprocess.run([sys.executable, str(script)], env=base_env(), cwd=ROOT, capture_output=True,
                                 text=True, timeout=90)
     except subprocess.TimeoutExpired:
-        pytest.fail("mgpu.spawn waited for a rank that would wait for the failed one (600 s)")
+        pytest.fail("mgpu.run.spawn waited for a rank that would wait for the failed one (600 s)")
     elapsed = time.monotonic() - started
     assert result.returncode == 1, result.stderr[-2000:]
-    assert "mgpu.spawn: rank1 failed: stopping the other ranks" in result.stderr, result.stderr[-2000:]
+    assert "mgpu.run.spawn: rank1 failed: stopping the other ranks" in result.stderr, result.stderr[-2000:]
     assert elapsed < 60, elapsed  # rank 0 slept 600 s: it was stopped, not waited for
     assert result.stdout.count("reached the store; agent store True") == 2, result.stdout + result.stderr
 
@@ -74,24 +74,24 @@ session.finish()  # not `with`: as the shipped jobs/loops examples end
 @pytest.mark.multiprocess
 def test_under_spawn_the_resume_command_restarts_the_same_world_and_a_crash_without_with_is_recorded(
         tmp_path) -> None:
-    """`python -m mgpu.spawn -n 2 loop.py`: a stop's resume command is that command (pasted, 2 ranks again, not 1);
+    """`python -m mgpu.run.spawn -n 2 loop.py`: a stop's resume command is that command (pasted, 2 ranks again, not 1);
     a loop that ends with finish() and raises is recorded as failed, with its error, on each rank."""
-    from mgpu.failures import merge, read_failures
-    from mgpu.ledger import read_ledger
-    from mgpu.runview import summarize
+    from mgpu.record.failures import merge, read_failures
+    from mgpu.record.ledger import read_ledger
+    from mgpu.record.runview import summarize
 
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     run = tmp_path / "run"
 
     def spawned(mode: str, **env: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "mgpu.spawn", "-n", "2", str(script), str(run), mode],
+        return subprocess.run([sys.executable, "-m", "mgpu.run.spawn", "-n", "2", str(script), str(run), mode],
                               env=base_env(**env), cwd=ROOT, capture_output=True, text=True, timeout=180)
 
     stopped = spawned("stop", MGPU_STOP_AT_STEP="1")
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     line = next(line for line in stopped.stderr.splitlines() if line.startswith("mgpu: stopped at step 1"))
-    assert line.endswith(f"to resume: cd {ROOT} && {sys.executable} -m mgpu.spawn -n 2 {script} {run} stop"), line
+    assert line.endswith(f"to resume: cd {ROOT} && {sys.executable} -m mgpu.run.spawn -n 2 {script} {run} stop"), line
     crashed = spawned("raise")
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     events = merge(read_ledger(run / "events.jsonl"), read_failures(run))  # rank 1's in a file of its own

@@ -13,10 +13,10 @@ from tests.conftest import ROOT, base_env
 START_PATH = """
 import sys
 import torch
-from mgpu.config import OptimConfig
-from mgpu.optim import build_optimizer
-from mgpu.train_state import Progress, gather_state
-import mgpu.trainer, mgpu.session, mgpu.checkpointer
+from mgpu.config.loading import OptimConfig
+from mgpu.train.optim import build_optimizer
+from mgpu.state.train_state import Progress, gather_state
+import mgpu.train.trainer, mgpu.run.session, mgpu.state.checkpointer
 model = torch.nn.Linear(3, 2)
 optimizer = build_optimizer(model, OptimConfig(name="adamw", zero=True), distributed=False)
 state = gather_state({"model": model, "optimizer": optimizer, "progress": Progress(step=1)}, None)

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu import check_hooks
-from mgpu.batch_diff import Batch, compare_batches, compare_samples, pieced, read_batches
-from mgpu.check_plan import choose_stop
-from mgpu.state_diff import differences, flatten, hint, named, parameter_names
+from mgpu.record import check_hooks
+from mgpu.check.batch_diff import Batch, compare_batches, compare_samples, pieced, read_batches
+from mgpu.check.plan import choose_stop
+from mgpu.check.state_diff import differences, flatten, hint, named, parameter_names
 from tests.conftest import ROOT
 
 
@@ -195,7 +195,7 @@ def test_the_hooks_do_nothing_without_the_checker(tmp_path: Path, monkeypatch: p
 
 
 def parsed(*argv: str) -> Any:
-    from mgpu.check_resume import parse_args, target_from
+    from mgpu.check.resume import parse_args, target_from
 
     return target_from(parse_args(list(argv)), ROOT)
 

@@ -1,7 +1,7 @@
 """A stop ends fast, and every step of its teardown is bounded: the loggers' (TensorBoard's close, wandb's finish;
-mgpu.reporting), with the real wandb (offline, read back with its own schema) still finishing its run; the
+mgpu.record.reporting), with the real wandb (offline, read back with its own schema) still finishing its run; the
 process group's, once the outcome is recorded (the watchdog, within ENDED_TEARDOWN_S, with the outcome's exit
-code); DDP's release without a full garbage collection; the command's own exit (mgpu.process_exit: a stuck
+code); DDP's release without a full garbage collection; the command's own exit (mgpu.stop.process_exit: a stuck
 thread or atexit handler cannot hold it, what does finish is kept). The figure, durable checkpoint to process
 exit, is bench/stop_teardown.py's; tests/test_trainer.py's stop test reads back what a real stopped
 `jobs/train.py` left after its fast exit."""
@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from mgpu.reporting import Reporter, wandb_run_id
+from mgpu.record.reporting import Reporter, wandb_run_id
 from tests.conftest import ROOT, base_env
 from tests.wandb_log import wandb_history
 
@@ -89,7 +89,7 @@ def test_a_commands_exit_waits_for_what_finishes_and_not_for_what_is_stuck(tmp_p
     done = tmp_path / "done"
     result = _python(f"""
         import atexit, threading, time
-        from mgpu.process_exit import exit_process
+        from mgpu.stop.process_exit import exit_process
 
         atexit.register(lambda: open({str(done)!r}, "a").write("atexit\\n"))  # runs last (LIFO)
         atexit.register(lambda: time.sleep(3600))  # a handler that never ends
@@ -111,7 +111,7 @@ def test_a_commands_exit_runs_the_atexit_handlers_and_keeps_a_system_exits_code(
     done = tmp_path / "done"
     result = _python(f"""
         import atexit, logging, sys
-        from mgpu.process_exit import run_and_exit
+        from mgpu.stop.process_exit import run_and_exit
 
         logging.basicConfig(filename={str(tmp_path / "log")!r}, level=logging.INFO)
         atexit.register(lambda: open({str(done)!r}, "w").write("ran"))
@@ -128,7 +128,7 @@ def test_a_commands_exit_runs_the_atexit_handlers_and_keeps_a_system_exits_code(
 def test_an_own_loops_exit_leaves_its_heap_to_the_system_only_when_the_interpreter_exits() -> None:
     result = _python("""
         import atexit, gc
-        from mgpu.process_exit import skip_collection_at_exit
+        from mgpu.stop.process_exit import skip_collection_at_exit
 
         atexit.register(lambda: print("frozen at exit:", gc.get_freeze_count() > 0))  # runs after mgpu's
         skip_collection_at_exit()
@@ -152,10 +152,10 @@ def test_ddps_reducer_goes_before_the_group_without_a_full_collection(world_of_o
     import torch
     from torch import nn
 
-    from mgpu.ddp import ResumableDDP
-    from mgpu.distributed import process_group
-    from mgpu.environment import detect_environment
-    from mgpu.ddp import release_ddps
+    from mgpu.parallel.ddp import ResumableDDP
+    from mgpu.parallel.distributed import process_group
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.parallel.ddp import release_ddps
 
     collections: list[Any] = []
     real_collect = gc.collect
@@ -188,10 +188,10 @@ def test_a_stuck_group_teardown_after_a_stop_ends_within_the_bound_with_the_outc
     import torch.distributed as dist
     from torch import nn
 
-    from mgpu.config import Config
-    from mgpu.environment import detect_environment
-    from mgpu.session import Session
-    from mgpu.watchdog import ENDED_TEARDOWN_S
+    from mgpu.config.loading import Config
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.run.session import Session
+    from mgpu.stop.watchdog import ENDED_TEARDOWN_S
 
     exits: list[int] = []
     release = threading.Event()

@@ -1,13 +1,13 @@
-"""mgpu.stopping.StopController in one process, against fakes of its parts (no process group, no Slurm): the
+"""mgpu.stop.stopping.StopController in one process, against fakes of its parts (no process group, no Slurm): the
 agreement's answer, the test stop, the deadline stop and its once-said refusal, and what it reports."""
 
 from __future__ import annotations
 
 import pytest
 
-from mgpu.deadline import time_needed
+from mgpu.cluster.deadline import time_needed
 from mgpu.errors import MgpuError
-from mgpu.stopping import STOP_AT_STEP, StopController, stop_at_step_from
+from mgpu.stop.stopping import STOP_AT_STEP, StopController, stop_at_step_from
 
 
 class Flags:

@@ -1,4 +1,4 @@
-"""mgpu.stream's pure logic by tables (order, buffer, cursors, readers) and the ResumableLoader over a stream
+"""mgpu.data.stream's pure logic by tables (order, buffer, cursors, readers) and the ResumableLoader over a stream
 in-process: ranks are loaders with explicit rank/world_size, workers are real DataLoader workers."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from mgpu.data import ShardPlan
-from mgpu.loader import ResumableLoader
-from mgpu.stream import EpochOrder, JsonLines, ShardedStream, StreamError, TokenWindows
+from mgpu.data.sampling import ShardPlan
+from mgpu.data.loader import ResumableLoader
+from mgpu.data.stream import EpochOrder, JsonLines, ShardedStream, StreamError, TokenWindows
 
 
 def token_shards(tmp_path: Path, sizes: list[int], dtype: str = "uint16") -> list[str]:
@@ -275,7 +275,7 @@ def test_a_changed_shard_file_is_refused_on_resume_naming_it(tmp_path: Path) -> 
     samples or another order at the saved position. A new mtime alone (a copy) is said, and accepted."""
     import os
 
-    from mgpu.stream import StreamFiles
+    from mgpu.data.stream import StreamFiles
 
     stream = mixed_stream(tmp_path)
     saved = StreamFiles(stream).state_dict()
@@ -314,9 +314,9 @@ def test_a_changed_shard_file_is_refused_on_resume_naming_it(tmp_path: Path) -> 
 def test_the_trainer_refuses_a_resume_on_changed_shard_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A task's ShardedStream: its files' manifest is in the trainer's checkpoint, checked on resume (in process,
     a world of one; tests.tasks.TokenShardTask)."""
-    from mgpu.config import load_config
-    from mgpu.environment import detect_environment
-    from mgpu.job import run_training
+    from mgpu.config.loading import load_config
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.train.job import run_training
 
     for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

@@ -12,8 +12,8 @@ import torch
 
 from jobs import make_tokens
 from jobs.tasks.gpt import GptTask
-from mgpu.stream import ShardedStream
-from mgpu.task import TaskError
+from mgpu.data.stream import ShardedStream
+from mgpu.train.task import TaskError
 from tests.test_gpt_example import run, tiny_tokens
 
 
@@ -44,7 +44,7 @@ TINY = ["task.args.block_size=16", "task.args.n_layer=1", "task.args.n_embd=32",
     ([], 1, "sample 12"),
     # The same shards through a Stateful IterableDataset of the task's own, on 2 ranks with 2 DataLoader workers
     # each (a shard per reader): every rank's per-worker states are gathered into the stop's checkpoint and
-    # restored (mgpu.stream_loader.StatefulStreamLoader). In the sharded store (FSDP2's; here under DDP), which
+    # restored (mgpu.data.stream_loader.StatefulStreamLoader). In the sharded store (FSDP2's; here under DDP), which
     # kept rank 0's alone before; the single-file store's gather: test_stream_resume's own loop on 2 ranks.
     (["task.target=tests.tasks:StatefulGptTask", "task.args.shards=4", "data.num_workers=2",
       "checkpoint.format=sharded"], 2, "batch per rank 3")])

@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import pytest
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mgpu.stream import StreamError
-from mgpu.stream_loader import StatefulStreamLoader, open_loader, shuffle_buffer
+from mgpu.data.stream import StreamError
+from mgpu.data.stream_loader import StatefulStreamLoader, open_loader, shuffle_buffer
 from tests.hf_like import IterableDataset as HFLikeStream
 
 
@@ -53,7 +53,7 @@ def test_the_loader_names_a_shuffle_buffer_at_start_with_the_fix(caplog: pytest.
     (record,) = caplog.records
     said = record.getMessage()
     assert "IterableDataset shuffles through a buffer of 8 samples (BufferShuffledExamplesIterable)" in said
-    assert "shuffle without a buffer" in said and "mgpu.stream.ShardedStream" in said
+    assert "shuffle without a buffer" in said and "mgpu.data.stream.ShardedStream" in said
 
 
 @pytest.mark.parametrize("shuffled, lost", [(False, 0), (True, 8)])
@@ -106,7 +106,7 @@ def test_a_state_that_does_not_fit_its_worker_fails_in_one_line_with_the_fix() -
             list(resumed)
     finally:
         for worker in multiprocessing.active_children():  # workers that raised stay up until the process exits
-            worker.kill()  # (mgpu.loader's atexit reaps them), as before this change
+            worker.kill()  # (mgpu.data.loader's atexit reaps them), as before this change
             worker.join()
     said = str(raised.value)
     assert "\n" not in said

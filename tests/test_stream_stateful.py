@@ -1,7 +1,7 @@
 """A user's IterableDataset with the Stateful protocol (state_dict/load_state_dict) through the loop's loader:
 per-worker states taken at the batch the loop trains on, a resume that continues the unbroken run's batches
 (the next worker first), and one-line refusals where the state cannot carry over. In-process: real
-DataLoader workers, a world of one (gloo not needed); the per-rank gather through mgpu.train_state."""
+DataLoader workers, a world of one (gloo not needed); the per-rank gather through mgpu.state.train_state."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Iterator
 import pytest
 from torch.utils.data import IterableDataset, get_worker_info
 
-from mgpu.loader import ResumableLoader
-from mgpu.stream_loader import StatefulStreamLoader, open_loader
-from mgpu.stream import StreamError
-from mgpu.train_state import gather_state, restore_state
+from mgpu.data.loader import ResumableLoader
+from mgpu.data.stream_loader import StatefulStreamLoader, open_loader
+from mgpu.data.stream import StreamError
+from mgpu.state.train_state import gather_state, restore_state
 
 
 class Shards(IterableDataset):
@@ -141,9 +141,9 @@ STATEFUL = ["task.target=tests.tasks:StatefulBlobTask", "task.args.batch_norm=fa
 
 def fit(run_dir: Path, workers: int, monkeypatch: pytest.MonkeyPatch, stop_at: int | None = None,
         *extra: str) -> Any:
-    from mgpu.config import load_config
-    from mgpu.environment import detect_environment
-    from mgpu.job import run_training
+    from mgpu.config.loading import load_config
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.train.job import run_training
 
     for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)
@@ -166,7 +166,7 @@ def trained(run_dir: Path) -> list[int]:
 
 
 def model_state(run_dir: Path) -> dict[str, Any]:
-    from mgpu.checkpoint import CheckpointStore
+    from mgpu.state.checkpoint import CheckpointStore
 
     latest = CheckpointStore(run_dir / "checkpoints").latest()
     assert latest is not None
@@ -178,7 +178,7 @@ def test_a_task_with_a_stateful_stream_resumes_as_the_unbroken_run(workers: int,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from mgpu.ledger import read_ledger
+    from mgpu.record.ledger import read_ledger
 
     unbroken = fit(tmp_path / "unbroken", workers, monkeypatch)
     assert unbroken.status == "finished" and unbroken.step == 17 and unbroken.epoch == 2
@@ -199,7 +199,7 @@ def test_a_task_with_a_stateful_stream_resumes_as_the_unbroken_run(workers: int,
 def test_a_task_stream_refuses_in_one_line_what_it_cannot_guarantee(tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from mgpu.errors import MgpuError
-    from mgpu.task import TaskError, sized_dataset
+    from mgpu.train.task import TaskError, sized_dataset
     from tests.tasks import StatefulBlobs, Blobs
 
     with pytest.raises(MgpuError, match=r"stream without a length \(StatefulBlobs\): set train.max_steps"):

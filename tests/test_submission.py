@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
+from mgpu.submit.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
                              parse_slurm_time, parse_sweep, sbatch_script, setup_lines, slurm_parameters,
                              submitit_command, submitit_folder)
 from tests.conftest import PYTHON, ROOT, base_env
@@ -117,10 +117,10 @@ srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.
 
 # teardown
 rc=$?
-while [ "$({q(PYTHON)} -m mgpu.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
+while [ "$({q(PYTHON)} -m mgpu.run.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
   rc=0; srun "${{MGPU_SRUN_ARGS[@]}}" || rc=$?
 done
-[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.memory_snapshot \
+[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory_snapshot \
 --remove-this-job >/dev/null 2>&1 || true
 exit "$rc\""""
 
@@ -434,7 +434,7 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The template records the command with a placeholder for sbatch's options (which it cannot see);
     mgpu fills them in from accounting's SubmitLine, and running that command submits the same job."""
-    from mgpu.requeue import resume_command
+    from mgpu.cluster.requeue import resume_command
 
     seen = tmp_path / "resume"
     args = [str(config), "train.epochs=2", "run.name=it's", "task.args.note=a b"]
@@ -448,7 +448,7 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
                        f"<the sbatch options of job 7> slurm/{name} {config} train.epochs=2 run.name=it\\'s "
                        "task.args.note=a\\ b")
     submit_line = f"sbatch --nodes=2 -p main --time=1:00:00 slurm/{name} {' '.join(args)}"
-    from mgpu.slurm import SlurmClient
+    from mgpu.cluster.slurm import SlurmClient
 
     accounting = SlurmClient(run=lambda argv, timeout: subprocess.CompletedProcess(argv, 0, submit_line + "\n", ""),
                              which=lambda tool: f"/usr/bin/{tool}")
@@ -466,8 +466,8 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
 
 @pytest.mark.multiprocess
 def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
-    if importlib.util.find_spec("mgpu.job") is None or importlib.util.find_spec("mgpu.requeue") is None:
-        pytest.skip("mgpu.job (TrainJob) or mgpu.requeue, which it runs, does not exist yet")
+    if importlib.util.find_spec("mgpu.train.job") is None or importlib.util.find_spec("mgpu.cluster.requeue") is None:
+        pytest.skip("mgpu.train.job (TrainJob) or mgpu.cluster.requeue, which it runs, does not exist yet")
     runs = tmp_path / "runs"
     result = run_script([SUBMIT, "--cluster", "local", "--gpus-per-node", "2", "--config", str(config),
                          "--folder", str(runs), "--time", "10"], timeout=600)
@@ -725,7 +725,7 @@ ODD_EVENTS = [
 
 
 def test_read_ledger_keeps_only_well_formed_events(tmp_path: Path) -> None:
-    from mgpu.ledger import read_ledger
+    from mgpu.record.ledger import read_ledger
 
     good = [{"time": 1.5, "event": "started", "job_id": "1", "restart": 0}, {"time": 2, "event": "finished"}]
     path = tmp_path / "events.jsonl"

@@ -15,8 +15,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.ledger import read_ledger
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env, run_processes
 
 TRAIN = str(ROOT / "jobs" / "train.py")
@@ -76,7 +76,7 @@ def test_resume_is_bit_identical(stop_at: int, uninterrupted: dict[str, Any], tm
     assert first.returncode != 0  # torchrun reports the workers' exit code 3 ("stopped") as a failure
     assert "exitcode  : 3" in first.stdout, first.stdout
     assert final_state(tmp_path)["progress"]["step"] == stop_at
-    # The ranks ended with os._exit (mgpu.process_exit): what they wrote last is all there, read back.
+    # The ranks ended with os._exit (mgpu.stop.process_exit): what they wrote last is all there, read back.
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [event.step for event in events.Scalars("train/loss")] == list(range(1, stop_at + 1))
@@ -96,7 +96,7 @@ def test_resume_is_bit_identical(stop_at: int, uninterrupted: dict[str, Any], tm
 
 def read_ids(directory: Path, world: int, remainder: int) -> list[int]:
     """Every trained sample id. When the epoch's last global batch has fewer samples than ranks
-    (`remainder` < world), ranks >= remainder train on one zero-weight padding sample (mgpu.data):
+    (`remainder` < world), ranks >= remainder train on one zero-weight padding sample (mgpu.data.sampling):
     their last line is not a sample seen."""
     ids = []
     for rank in range(world):

@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mgpu.config import load_config
-from mgpu.config_schema import WatchdogConfig
-from mgpu.ledger import read_ledger
-from mgpu.watchdog import EVIDENCE_S, HANG_EXIT_CODE, STALE_AFTER_S, Heartbeat, Watchdog, blame
+from mgpu.config.loading import load_config
+from mgpu.config.schema import WatchdogConfig
+from mgpu.record.ledger import read_ledger
+from mgpu.stop.watchdog import EVIDENCE_S, HANG_EXIT_CODE, STALE_AFTER_S, Heartbeat, Watchdog, blame
 from tests.tasks import BlobTask
 from tests.test_faults import finish_step, start_step
 
@@ -154,7 +154,7 @@ def test_evaluation_has_its_own_allowance(agree_every: int) -> None:
 
 
 def test_evaluation_allowance_falls_back_on_the_first_steps() -> None:
-    # A caller that does not pass eval_s (mgpu.runner before it used Watchdog.from_config) keeps the
+    # A caller that does not pass eval_s (mgpu.run.runner before it used Watchdog.from_config) keeps the
     # allowance evaluation had before it got its own: first_step_s for the first batch.
     dog = Watchdog(0, 1, Path("."), step_multiple=10, floor_s=1, first_step_s=300, checkpoint_s=50,
                    on_hang=lambda *args: None)
@@ -232,7 +232,7 @@ def test_a_teardown_that_ends_in_time_is_left_alone(tmp_path: Path) -> None:
 STALLED = r"""
 import os, sys, time, logging
 from pathlib import Path
-from mgpu.watchdog import Watchdog
+from mgpu.stop.watchdog import Watchdog
 logs = Path(sys.argv[1])
 # A log whose writes block: a FIFO nobody reads, its pipe buffer filled (a stalled NFS write blocks the same).
 fd = os.open(logs / "rank0.log", os.O_RDWR | os.O_NONBLOCK)
@@ -319,12 +319,12 @@ class SlowEvalBlobTask(BlobTask):
 
 def test_a_slow_evaluation_batch_is_judged_by_the_evaluation_allowance(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # In process, a world of one: the real Trainer beats a real watchdog made from the config (as mgpu.session
+    # In process, a world of one: the real Trainer beats a real watchdog made from the config (as mgpu.run.session
     # makes it), whose exit is replaced by a record of it. Steps take milliseconds (allowance: the 2 s floor);
     # one evaluation batch takes 6 s, within the evaluation allowance (watchdog.eval_s, 20 s): not a hang.
-    from mgpu.environment import detect_environment
-    from mgpu.session import Session
-    from mgpu.trainer import Trainer
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.run.session import Session
+    from mgpu.train.trainer import Trainer
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's own side effect
     cfg = load_config(None, [f"task.target={__name__}:SlowEvalBlobTask", "task.args.eval_size=30",
@@ -369,16 +369,16 @@ FR_VARIABLES = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_DUMP_ON_TIMEOUT",
      {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_FR_DUMP_TEMP_FILE": "/run/logs/nccl-timeout-trace-rank"}),
 ])
 def test_the_flight_recorder_settings(version: str, user: dict[str, str], expected: dict[str, str]) -> None:
-    from mgpu.distributed import nccl_environment
+    from mgpu.parallel.distributed import nccl_environment
 
     assert nccl_environment(user, version, Path("/run/logs")) == expected
 
 
 def test_an_nccl_group_is_formed_with_the_flight_recorder_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # No GPU and no NCCL here: torch's init_process_group is replaced by a record of what it was called with
-    # and of the environment it would read. Everything before it in mgpu.distributed.process_group is real.
-    from mgpu import distributed
-    from mgpu.environment import detect_environment
+    # and of the environment it would read. Everything before it in mgpu.parallel.distributed.process_group is real.
+    from mgpu.parallel import distributed
+    from mgpu.cluster.environment import detect_environment
 
     for name in FR_VARIABLES:  # absent now, and restored to absent afterwards
         monkeypatch.setenv(name, "")
@@ -395,8 +395,8 @@ def test_an_nccl_group_is_formed_with_the_flight_recorder_on(tmp_path: Path, mon
 
 
 def test_a_gloo_group_leaves_the_nccl_settings_alone(monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgpu.distributed import process_group
-    from mgpu.environment import detect_environment
+    from mgpu.parallel.distributed import process_group
+    from mgpu.cluster.environment import detect_environment
 
     for name in FR_VARIABLES:
         monkeypatch.setenv(name, "")
@@ -519,7 +519,7 @@ def test_a_resume_has_its_own_allowance_and_reading_is_progress() -> None:
     """Finding, hashing and loading a checkpoint: the resume's allowance (not the first step's), and while the
     training thread's bytes read grow it is not hung, however long (up to a day); once they stop, the
     allowance counts from the last read."""
-    from mgpu.watchdog import MAX_ALLOWANCE_S
+    from mgpu.stop.watchdog import MAX_ALLOWANCE_S
 
     clock, read = Clock(), {"bytes": 0}
     watchdog = Watchdog(0, 1, None, step_multiple=3, floor_s=10, first_step_s=600, checkpoint_s=60,  # type: ignore[arg-type]
@@ -558,11 +558,11 @@ def test_a_resume_has_its_own_allowance_and_reading_is_progress() -> None:
 def test_a_sessions_resume_is_allowed_as_long_as_its_checkpoint_takes_to_read(tmp_path: Path) -> None:
     """Issue 30: a run whose saves took 588 s for 50 GB resumes under 2 x 3 x 588 s (the checkpoint read twice at
     that rate, with the save's margin), not the first step's fixed 600 s, until load() has restored it."""
-    from mgpu.config import Config
-    from mgpu.environment import detect_environment
-    from mgpu.ledger import Ledger
-    from mgpu.save_budget import SAFETY
-    from mgpu.session import Session
+    from mgpu.config.loading import Config
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.record.ledger import Ledger
+    from mgpu.state.save_budget import SAFETY
+    from mgpu.run.session import Session
 
     Ledger(tmp_path / "events.jsonl", "1", 0).write("checkpoint_saved", step=3, seconds=588.0, bytes=50 * 10**9,
                                                     path="p", reason="periodic")

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-import mgpu.watchdog as watchdog
-from mgpu.runview import hang_line
-from mgpu.watchdog import LOOK_SLACK_S, SECOND_LOOK_MAX_S, STALE_AFTER_S, Heartbeat, Watchdog, second_look_s, still_silent
+import mgpu.stop.watchdog as watchdog
+from mgpu.record.runview import hang_line
+from mgpu.stop.watchdog import LOOK_SLACK_S, SECOND_LOOK_MAX_S, STALE_AFTER_S, Heartbeat, Watchdog, second_look_s, still_silent
 
 
 def hb(rank: int, written: float, step: int = 5, phase: str = "backward", stacks: bool = False,

@@ -44,7 +44,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mgpu.task import Task  # noqa: E402
+from mgpu.train.task import Task  # noqa: E402
 
 FORMS = ("hand_ddp", "lightning", "trainer", "own", "hand_fsdp", "trainer_fsdp", "own_fsdp", "trainer_sharded")
 SIZES = {"tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32, "vocab": 256, "batch": 4},
@@ -164,8 +164,8 @@ def own(args: Any, size: dict[str, int], device: Any, rank: int, world: int, out
     import torch
 
     import mgpu
-    from mgpu.config import load_config
-    from mgpu.ledger import read_ledger
+    from mgpu.config.loading import load_config
+    from mgpu.record.ledger import read_ledger
 
     session = mgpu.Session(out / "own", seed=0, config=load_config(None, ["log.every_steps=10"]))
     model = session.wrap(gpt(size), parallel=parallel)
@@ -194,11 +194,11 @@ def own(args: Any, size: dict[str, int], device: Any, rank: int, world: int, out
 
 def trainer(args: Any, size: dict[str, int], device: Any, rank: int, world: int, out: Path,
             overrides: tuple[str, ...] = ()) -> dict[str, Any]:
-    from mgpu.config import load_config
-    from mgpu.ledger import read_ledger
-    from mgpu.session import Session
-    from mgpu.task import build_task
-    from mgpu.trainer import Trainer
+    from mgpu.config.loading import load_config
+    from mgpu.record.ledger import read_ledger
+    from mgpu.run.session import Session
+    from mgpu.train.task import build_task
+    from mgpu.train.trainer import Trainer
 
     cfg = load_config(None, ["task.target=bench.gpu.side_by_side:GptBenchTask",
                              f"task.args.size={args.size}", f"task.args.samples={args.steps * size['batch'] * world}",

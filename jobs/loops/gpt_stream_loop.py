@@ -1,4 +1,4 @@
-"""A loop of your own over a stream of token shards (mgpu.stream.ShardedStream) on mgpu.Session: the GPT
+"""A loop of your own over a stream of token shards (mgpu.data.stream.ShardedStream) on mgpu.Session: the GPT
 example's model and corpus (jobs/tasks/gpt.py), read as 8 token files with no __len__ in sight.
 
     python jobs/loops/gpt_stream_loop.py                               # one process, no Slurm

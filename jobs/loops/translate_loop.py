@@ -20,7 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from jobs.tasks.translation import EOS, PAD, Seq2Seq, SyntheticPairs, collate, noam  # noqa: E402
-from mgpu.metrics import bleu_statistics, corpus_bleu  # noqa: E402
+from mgpu.train.metrics import bleu_statistics, corpus_bleu  # noqa: E402
 import mgpu  # noqa: E402
 
 

@@ -18,9 +18,9 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from jobs.make_tokens import TokenError, make_stdlib_tokens, read_meta, write_shards
-from mgpu.stream import ShardedStream, StreamError
-from mgpu.stream import TokenWindows as StreamWindows
-from mgpu.task import Task, TaskError
+from mgpu.data.stream import ShardedStream, StreamError
+from mgpu.data.stream import TokenWindows as StreamWindows
+from mgpu.train.task import Task, TaskError
 
 EVAL_FRACTION = 0.1
 
@@ -117,7 +117,7 @@ class GptTask(Task):
                  n_layer: int = 4, n_head: int = 4, n_embd: int = 128, dropout: float = 0.1, stream: bool = False,
                  shards: int = 8, shuffle_buffer: int = 256, interleave: int = 8) -> None:
         """`tokens`: a file from jobs/make_tokens.py; None: the stdlib corpus, made at `stdlib_tokens` if missing.
-        `stream`: train on the same windows read as `shards` token files through mgpu.stream.ShardedStream
+        `stream`: train on the same windows read as `shards` token files through mgpu.data.stream.ShardedStream
         (shard order per epoch, `interleave` shards read at once, a shuffle buffer of `shuffle_buffer` windows;
         no __len__) instead of a
         map-style dataset with a global permutation per epoch."""

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from jobs.tasks.digits import SyntheticDigits
-from mgpu.task import Task
+from mgpu.train.task import Task
 
 
 class SmallCNN(nn.Module):

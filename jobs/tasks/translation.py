@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from mgpu.metrics import LossSum, Ratio, Statistics, bleu_statistics, corpus_bleu
-from mgpu.task import Task
+from mgpu.train.metrics import LossSum, Ratio, Statistics, bleu_statistics, corpus_bleu
+from mgpu.train.task import Task
 
 PAD, BOS, EOS = 0, 1, 2
 FIRST_WORD = 3

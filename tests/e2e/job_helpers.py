@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from slurm_helpers import hostnames, sacct, sbatch, wait_until
 
-from mgpu.checkpoint import CheckpointStore
-from mgpu.environment import derive_master_port
-from mgpu.ledger import read_ledger
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.cluster.environment import derive_master_port
+from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env
 from tests.test_trainer import assert_identical
 
@@ -43,7 +43,7 @@ def slow_stream(data_dir: Path) -> list[str]:
 SLOW_STEPS = 30
 STEPS_PER_EPOCH = 10
 # World size 4 (2 nodes x 2 ranks): 40 samples, 1 per rank -> 10 steps per epoch as well. No batch norm
-# (one sample per rank per step). DDP's defaults: a resumed run gets the saved gradient buckets (mgpu.ddp), so
+# (one sample per rank per step). DDP's defaults: a resumed run gets the saved gradient buckets (mgpu.parallel.ddp), so
 # with 3+ ranks too it reduces in the same order as the uninterrupted one.
 SLOW4 = [*SLOW, "data.batch_size=1", "task.args.batch_norm=false"]
 TWO_RANKS = ["--nodes", "2", "--gpus-per-node", "1"]
@@ -90,7 +90,7 @@ def job_output(folder: Path, jobid: str) -> str:
 
 
 def events(run_dir: Path, name: str | None = None) -> list[dict[str, Any]]:
-    from mgpu.failures import merge, read_failures  # the ranks' own failures are files of their own
+    from mgpu.record.failures import merge, read_failures  # the ranks' own failures are files of their own
 
     found = merge(read_ledger(run_dir / "events.jsonl"), read_failures(run_dir))
     return [e for e in found if name is None or e["event"] == name]
@@ -124,15 +124,15 @@ def mid_epoch(step: int) -> bool:
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any]:
     """The latest valid checkpoint's state: a single file's, or a sharded one's consolidated (model, `optim`
-    keyed by parameter name, scheduler, progress, rng: mgpu.sharded_export)."""
+    keyed by parameter name, scheduler, progress, rng: mgpu.state.sharded_export)."""
     return latest_checkpoint(run_dir)[0]
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """(state, the newer checkpoints skipped as broken) of the latest valid checkpoint, single-file or sharded."""
-    from mgpu.ledger import Ledger
-    from mgpu.sharded import ShardedCheckpointer
-    from mgpu.sharded_export import consolidate, is_sharded_checkpoint
+    from mgpu.record.ledger import Ledger
+    from mgpu.state.sharded import ShardedCheckpointer
+    from mgpu.state.sharded_export import consolidate, is_sharded_checkpoint
 
     store = CheckpointStore(run_dir / "checkpoints")
     newest = store.latest_path()

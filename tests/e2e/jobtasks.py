@@ -132,7 +132,7 @@ STREAM_WINDOWS = [13, 5, 12, 10]  # 40 windows of 8 tokens, in shards of uneven 
 
 
 class SlowStreamTask(TokenShardTask):
-    """A token-shard stream (mgpu.stream.ShardedStream) for a preempted streaming job: the shards are written
+    """A token-shard stream (mgpu.data.stream.ShardedStream) for a preempted streaming job: the shards are written
     into `data_dir` on first use (token t of shard k is k * 1000 + t; each file once, atomically, whichever rank
     gets there first), 40 windows: with 2 ranks and data.batch_size=2, 10 steps an epoch, as SlowBlobTask's
     job. `step_s` per loss call paces it so that a preemption lands mid-epoch."""

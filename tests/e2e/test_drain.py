@@ -1,5 +1,5 @@
 """A drain seen before the signal (issue 32, deliver 2), on the real local cluster: `scontrol update
-nodename=n2 state=drain` while a 2-node job trains; rank 0's minute poll (mgpu.deadline) sees it, the ranks
+nodename=n2 state=drain` while a 2-node job trains; rank 0's minute poll (mgpu.cluster.deadline) sees it, the ranks
 stop at a step boundary, save and requeue the job before Slurm sends any signal; the node is resumed in
 `finally` whatever happens, and the job comes back once it is."""
 
@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from job_helpers import SLOW, TWO_RANKS, cancel, events, job_output, submit_one, wait_steps
 from slurm_helpers import wait_until
 
-from mgpu.checkpoint import CheckpointStore
+from mgpu.state.checkpoint import CheckpointStore
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster

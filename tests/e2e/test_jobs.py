@@ -106,7 +106,7 @@ def test_a_cancelled_template_job_prints_the_command_that_continues_it(slurm_clu
 # With the user signal (send_user_signal), both grace times are the fault matrix's preempt-grace0 and
 # preempt-grace10 rows (tests/e2e/test_fault_matrix.py: the signal, the decision, bit-identical); here the
 # policies without it, where SIGTERM alone starts the stop. One policy's job reads a token-shard stream
-# (mgpu.stream.ShardedStream) instead of the map-style blobs: a preempted streaming job resumes at the exact
+# (mgpu.data.stream.ShardedStream) instead of the map-style blobs: a preempted streaming job resumes at the exact
 # sample, bit-identical to an unbroken stream run.
 POLICIES = [pytest.param(0, False, False, id="grace0-nosignal"),
             pytest.param(10, False, True, id="grace10-nosignal-stream")]

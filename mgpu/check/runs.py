@@ -1,0 +1,129 @@
+"""The ranks of one check run (`python -m mgpu.check.resume`): the checked command for a run directory, local
+ranks started in one process group with the checker's environment (no launcher variables, the test stop,
+MGPU_CHECK_RESUME_DIR), every wait within the check's deadline, no process left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mgpu.errors import MgpuError
+
+__all__ = ["OutOfTime", "Run", "Runner", "Target", "failed", "last_lines"]
+
+ROOT = Path(__file__).resolve().parent.parent
+_LAUNCHER = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
+_RANK_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
+
+
+class OutOfTime(MgpuError):
+    """--timeout ran out."""
+
+
+@dataclass
+class Target:
+    """What is checked: the command of one rank for a run directory, and how a world-size change keeps the batch."""
+    script: Path | None
+    args: list[str]
+    config: str | None
+    overrides: list[str]
+    halved_args: list[str] | None  # extra arguments for N/2 ranks; None: no world-size change
+    label: str
+
+    def command(self, run_dir: Path, halved: bool = False) -> list[str]:
+        if self.script is not None:
+            args = [a.replace("{run}", str(run_dir)) for a in self.args]
+            return [sys.executable, str(self.script), *args, *(self.halved_args or [] if halved else [])]
+        return [sys.executable, str(ROOT / "jobs" / "train.py"), "--config", str(self.config), *self.overrides,
+                f"run.dir={run_dir}", "checkpoint.keep_last=1000"]
+
+
+@dataclass
+class Run:
+    """One run (its segments share `run_dir`): what each segment's ranks exited with and wrote."""
+    name: str
+    run_dir: Path
+    segments: list[Path] = field(default_factory=list)  # each segment's check directory (batch records)
+    codes: list[list[int]] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Runner:
+    """Starts ranks of the target, one segment at a time, within the check's deadline."""
+
+    def __init__(self, target: Target, scratch: Path, cwd: Path, deadline: float) -> None:
+        self.target, self.scratch, self.cwd, self.deadline = target, scratch, cwd, deadline
+
+    def segment(self, run: Run, world: int, stop_at: int | None, halved: bool = False) -> list[int]:
+        """One start of `run` on `world` ranks, stopped after `stop_at` (None: to its end); the ranks' exit codes."""
+        check_dir = self.scratch / f"{run.name}.segment{len(run.segments)}"
+        check_dir.mkdir(parents=True)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER) and k not in _RANK_VARS}
+        env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
+                   PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(self.cwd), env.get("PYTHONPATH")) if p),
+                   MGPU_CHECK_RESUME_DIR=str(check_dir), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+        env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.scratch / "torchinductor"))  # torch's, in the scratch
+        env.pop("MGPU_STOP_AT_STEP", None)
+        if stop_at is not None:
+            env["MGPU_STOP_AT_STEP"] = str(stop_at)
+        command = self.target.command(run.run_dir, halved)
+        procs: list[subprocess.Popen[bytes]] = []
+        logs = [open(check_dir / f"rank{r}.out", "wb") for r in range(world)]
+        try:
+            for rank in range(world):
+                group: dict[str, Any] = {"process_group": procs[0].pid if procs else 0}  # one group: killed together
+                procs.append(subprocess.Popen(command, cwd=self.cwd, env={**env, "RANK": str(rank),
+                                                                          "LOCAL_RANK": str(rank)},
+                                              stdout=logs[rank], stderr=subprocess.STDOUT, **group))
+            for proc in procs:
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    raise subprocess.TimeoutExpired(command, 0)
+                proc.wait(timeout=left)
+        except subprocess.TimeoutExpired:
+            raise OutOfTime(f"out of time (--timeout) in the {run.name} run: give it more time, or fewer --steps") from None
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    _kill_group(procs[0].pid)
+                    proc.wait()
+            for log in logs:
+                log.close()
+        codes = [p.returncode for p in procs]
+        run.segments.append(check_dir)
+        run.codes.append(codes)
+        run.outputs.append((check_dir / "rank0.out").read_text(errors="replace"))
+        return codes
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def failed(codes: list[int]) -> bool:
+    """Whether a segment failed: 0 finished (or requeued), 3 stopped outside Slurm (rank 0)."""
+    return any(c not in (0, 3) for c in codes)
+
+
+def last_lines(check_dir: Path, codes: list[int], count: int = 6) -> str:
+    """The end of the output of the first rank that failed (else rank 0)."""
+    rank = next((r for r, c in enumerate(codes) if c not in (0, 3)), 0)
+    text = (check_dir / f"rank{rank}.out").read_text(errors="replace").strip().splitlines()
+    return "\n".join(f"      rank {rank}| {line}" for line in text[-count:])

@@ -1,0 +1,313 @@
+"""After a failed training step: requeue the job within its failure budget. No torch.
+
+When a rank dies (OOM, SIGKILL, a crash, a hung NCCL call), `srun --kill-on-bad-exit` ends the step
+and the batch script goes on. Slurm never requeues a FAILED job by itself, so something must ask for
+it, and it cannot be a training rank: with NCCL the survivors sit in CUDA waits where no Python runs
+until srun's KILL. The batch script can: after srun returns it runs
+
+    python -m mgpu.run.recovery --may-restart --exit-code $? --run-dir DIR            (jobs/submit.py's teardown)
+    python -m mgpu.run.recovery --may-restart --exit-code $? --config CFG [k=v ...]   (slurm/train*.sbatch)
+    python -m mgpu.run.recovery --may-restart --exit-code $? --run-dir-file FILE      (slurm/loop.sbatch)
+
+and this module decides. A run that stopped cleanly has already decided (its `stop_decision` is in
+the ledger) and is left alone; a deterministic failure (bad input, a full disk: `failed` with
+`retry: false`, or exit code 2) is not requeued into the same wall. Otherwise, while the job is
+still RUNNING and the failure budget (`MGPU_MAX_FAILURES` per job, default 3) allows: after a hang the
+watchdog pinned on one node, that node is excluded and the job requeued; else the script starts the
+step again in the same allocation (it prints `restart`: no requeue hold), or, without
+`--may-restart`, the job is requeued. Scripts without this line fall back on the first surviving
+rank requeueing (`mgpu.train.job`), deduplicated by the `.failure-<job>-<restart>` claim either way.
+
+A stop Slurm did not answer (rank 0's `stop_decision` carries `unknown`, or its requeue got no answer:
+`requeue_unknown`; the step's exit code is then mgpu.run.outcome.UNANSWERED_EXIT_CODE) is not a failure: this
+module asks Slurm again, within KillWait, and decides it as rank 0 would have (within the stop budget),
+on the stop's evidence when Slurm still does not answer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, Mapping, Sequence
+
+from mgpu.record.budgets import FAILURE_KINDS, Limits, failure_requeues, stop_requeues
+from mgpu.errors import USAGE_EXIT_CODE, MgpuError
+from mgpu.record.failures import record_failure
+from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.record.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
+from mgpu.cluster.hostlist import expand_hostlist
+from mgpu.cluster.requeue import Budget, JobView, decide, decide_unanswered, query_job, requeue, resume_command
+from mgpu.record.rundir import RunDir
+from mgpu.cluster.slurm import SlurmError, SlurmUnanswered, client, stop_window_s
+from mgpu.cluster.slurm_job import owns_slurm_job
+
+__all__ = ["finish_stop", "handle_failure", "main", "peer_consequence", "rank_failed"]
+
+log = logging.getLogger("mgpu.train.job")
+
+
+_CONSEQUENCE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|remote worker crash|"
+                          r"NCCL communicator was aborted|Socket Timeout|timed out in call to|"
+                          r"failed to recv, got 0 bytes|Watchdog caught collective operation timeout", re.I)
+_CONSEQUENCE_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+
+
+def peer_consequence(error: BaseException) -> bool:
+    """A rank's error that only says another rank went away (gloo's `Connection closed by peer`, a collective
+    timeout): the consequence of a failure, not its cause. The ledger records the cause from the rank that had
+    it; this one is kept, marked, for when no rank could say more."""
+    return type(error).__name__ in _CONSEQUENCE_TYPES or _CONSEQUENCE.search(str(error)) is not None
+
+
+def _this_attempt(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> list[Mapping[str, Any]]:
+    """The events of the latest attempt of run `restart`: after its last in-allocation restart."""
+    mine = [e for e in events if e.get("job_id") == job_id and e.get("restart") == restart]
+    starts = [i for i, e in enumerate(mine) if e.get("event") == "restarted"]
+    return mine[starts[-1] + 1:] if starts else mine
+
+
+def _handled(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """This attempt's own stop decision, or its non-retryable failure, if it recorded one."""
+    for event in reversed(attempt):
+        if event.get("event") == "stop_decision" or (event.get("event") == "failed" and event.get("retry") is False):
+            return event
+    return None
+
+
+def _open_stop(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """This attempt's stop decision that Slurm left open (no answer to the question or to the requeue)."""
+    for event in reversed(attempt):
+        if event.get("event") == "requeue_unknown":
+            return next((e for e in reversed(attempt) if e.get("event") == "stop_decision"), event)
+        if event.get("event") in ("requeued", "requeue_refused"):
+            return None
+        if event.get("event") == "stop_decision":
+            return event if event.get("unknown") else None
+    return None
+
+
+def finish_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: Sequence[Mapping[str, Any]],
+                attempt: Sequence[Mapping[str, Any]], decided: Mapping[str, Any]) -> tuple[Action, str]:
+    """Decide a stop rank 0 could not (Slurm did not answer it): as rank 0 would have, asking Slurm again
+    within KillWait, on the stop's evidence if it still does not answer. Raises nothing it can catch."""
+    ledger = Ledger(run.ledger, job_id, restart)
+    stop: Mapping[str, Any] = next((e for e in reversed(attempt) if e.get("event") == "preempted"), {})
+    reasons = {str(r) for r in stop.get("reasons") or []}
+    step = decided.get("step")
+    progressed = decided.get("progressed") is not False
+    budget = (Budget(stop_requeues(events, job_id, restart), limits.max_requeues) if progressed
+              else Budget(failure_requeues(events, job_id), limits.max_failures, "failure"))
+    with client().within(stop_window_s([])):  # a SIGTERM may come now: KillWait from here at least
+        unknown = None
+        try:
+            decision = decide(reasons, query_job(job_id), restart, budget)
+        except SlurmError as error:
+            unknown = error.note if isinstance(error, SlurmUnanswered) else str(error)
+            decision = decide_unanswered(reasons, budget, unknown)
+        why = f"asked again after the step: {decision.why}" + ("" if progressed else " (this run made no progress)")
+        ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why,
+                     progressed=progressed, by="recovery", **({"unknown": unknown} if unknown else {}))
+        if decision.requeue:
+            try:
+                outcome = requeue(job_id)
+            except SlurmUnanswered as error:
+                ledger.write("requeue_unknown", step=step, error=error.note, by="recovery")
+                return "none", (f"{why}; but the requeue got no answer ({error.note}); if the job does not come back, "
+                                f"resume with: {resume_command()}")
+            except SlurmError as error:
+                ledger.write("requeue_refused", step=step, error=str(error), by="recovery")
+                return "none", f"{why}; but Slurm refused the requeue ({error}); to resume: {resume_command()}"
+            ledger.write("requeued", step=step, how=outcome.how, message=outcome.message, by="recovery",
+                         **({} if progressed else {"after": "no_progress"}))
+            return "requeued", f"{why}: {outcome.message}"
+        if decision.event == "requeued_by_slurm":
+            return "none", why
+        return "none", f"{why}; the job stays down; to resume: {resume_command()}"
+
+
+Action = Literal["restart", "requeued", "none"]
+
+
+def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, message: str,
+                   rank: int | None = None, may_restart: bool = False) -> tuple[Action, str]:
+    """After run `restart` of job `job_id` failed with `message`: what to do, done. Never raises.
+
+    A hang the watchdog pinned on one node: exclude that node and requeue (a new allocation without it).
+    Otherwise, with `may_restart` (the batch script can start srun again), restart in this allocation:
+    no requeue hold, which is minutes on production clusters. Else requeue. All within the failure budget;
+    exactly one caller acts (the first to create the attempt's failure claim)."""
+    try:
+        run.path.mkdir(parents=True, exist_ok=True)
+        events = read_ledger(run.ledger)
+        attempt = _this_attempt(events, job_id, restart)
+        restarts_here = sum(1 for e in events if e.get("event") == "restarted" and e.get("job_id") == job_id
+                            and e.get("restart") == restart)
+        claim = run.failure_claim(job_id, restart).with_name(
+            run.failure_claim(job_id, restart).name + (f"-{restarts_here}" if restarts_here else ""))
+        try:
+            fd = os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return "none", "another process handles this failure"
+        with os.fdopen(fd, "w") as file:
+            file.write(f"{message}\n")
+        undecided = _open_stop(attempt)
+        if undecided is not None:
+            return finish_stop(run, job_id, restart, limits, events, attempt, undecided)
+        handled = _handled(attempt)
+        if handled is not None:
+            return "none", (f"nothing to do: the run recorded {handled['event']} "
+                            f"({handled.get('reason') or handled.get('error')})")
+        ledger = Ledger(run.ledger, job_id, restart)
+        who = {} if rank is None else {"rank": rank}  # the failing rank wrote its own `failed` (Session.fail)
+        hang = next((e for e in reversed(attempt) if e.get("event") == "hang"), None)
+        kind = "hang" if hang else "failure"
+        budget = Budget(failure_requeues(events, job_id), limits.max_failures, "failure")
+        view = query_job(job_id)
+        decision = decide(set(), view, restart, budget)
+        bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
+        plan = None
+        if bad and decision.requeue:
+            nodes = partition_nodes(view.partition)
+            plan = plan_exclusion(bad, expand_hostlist(view.excluded) if view.excluded else [], nodes, view.num_nodes,
+                                  unavailable_nodes(nodes))
+        if plan is not None and plan.nodes is None and "would leave" in plan.why:
+            if not (may_restart and decision.event not in ("preempted", "time_limit")):
+                why = (f"after a hang: {plan.why}; the job stays down: check {bad} (scontrol show node {bad}), then "
+                       f"resume with: {resume_command()}")
+                ledger.write("stop_decision", what="node_excluded", requeue=False, reason=why, error=message)
+                return "none", why
+            # The allocation is intact and a hang is often transient (a stalled filesystem, a slow peer): a
+            # restart in place, counted against the failure budget (decide() said it is not spent), is worth
+            # more than a job that stays down. A node that hangs every time spends the budget, then stays down.
+            plan = replace(plan, why=f"{plan.why}: restarting in place instead ({budget.describe()}); if it hangs "
+                                     f"again, check {bad} (scontrol show node {bad})")
+        # A step that failed while the job is being preempted or reaching its time limit (e.g. a rank killed by
+        # the user signal before it could install a handler) must not start again here: the allocation is ending.
+        in_place = may_restart and not (plan and plan.nodes) and decision.event not in ("preempted", "time_limit")
+        action: Action = ("restart" if in_place else "requeued") if decision.requeue else "none"
+        if action == "none" and bad and plan is None and budget.spent:
+            decision = replace(decision, why=f"{decision.why}; the hangs were pinned on {bad}: check it (scontrol "
+                                             f"show node {bad})")
+        if action == "none" and decision.event != "requeued_by_slurm":  # the job stays down: say how it continues
+            cancelled = decision.event in ("cancelled", "interrupted")
+            decision = replace(decision, why=f"{decision.why}; " + ("to resume: " if cancelled else
+                               "the job stays down; fix what failed, then resume with: ") + resume_command())
+        why = f"after a {kind}: {decision.why}" + (f"; {plan.why}" if plan else "")
+        ledger.write("stop_decision", what=decision.event, requeue=decision.requeue, action=action, reason=why,
+                     error=message, **who)
+        if action == "restart":
+            ledger.write("restarted", after=kind, message="the step starts again in this allocation")
+            return action, "restarting the step in this allocation (no requeue hold)"
+        if action == "none":
+            return action, decision.why
+        outcome = requeue(job_id)
+        ledger.write("requeued", how=outcome.how, message=outcome.message, after=kind)
+        if plan is not None and plan.nodes:
+            apply_exclusion(job_id, plan.nodes)  # pending now: Slurm takes it (not while running)
+            ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")  # type: ignore[index]  # a plan comes from a hang
+        return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "")
+    except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
+        return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
+                        f"{resume_command(ask=False)}")
+
+
+def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, restart: int, slurm_job: str | None,
+                limits: Limits, by_batch: bool | None = None) -> None:
+    """A session's rank failed: record it and, within the failure budget, requeue the job while the group still
+    exists (tearing it down can block on a dead peer until srun's KILL). Where the batch script decides after
+    srun returns (`by_batch`, default MGPU_RECOVERY=batch), it alone does. Bad input is never requeued."""
+    consequence = peer_consequence(error)
+    if rank == 0 or not (consequence or isinstance(error, MgpuError)):
+        # Every rank with an error of its own records it (rank 0's is often only the consequence: `Connection
+        # closed by peer`); retry: whether a requeue can help; bad input or a full disk fails the same way again.
+        # Rank 0 in the ledger; the others each in a file of their own (mgpu.record.failures: many nodes' concurrent
+        # appends to one file are not atomic on NFS).
+        fields = {"error": f"{type(error).__name__}: {error}", "retry": not isinstance(error, MgpuError),
+                  "host": socket.gethostname(), **({"consequence": True} if consequence else {})}
+        if rank == 0:
+            Ledger(run.ledger, job_id, restart).write("failed", rank=rank, **fields)
+        else:
+            try:
+                record_failure(run.path, job_id, restart, rank, fields, time.time())
+            except OSError as unwritten:
+                logging.getLogger("mgpu.train").error("rank %d: cannot record its failure in %s: %s", rank,
+                                                      run.path, unwritten.strerror or unwritten)
+    by_batch = by_batch if by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
+    if slurm_job and isinstance(error, Exception) and not isinstance(error, MgpuError) and not by_batch:
+        _, what = handle_failure(run, slurm_job, restart, limits,
+                                 f"rank {rank} failed: {type(error).__name__}: {error}", rank=rank)
+        logging.getLogger("mgpu.train").error("rank %d failed: %s: %s; %s", rank, type(error).__name__, error, what)
+
+
+def _run_dir(args: argparse.Namespace) -> RunDir | None:
+    if args.run_dir:
+        return RunDir(args.run_dir)
+    if args.run_dir_file:  # slurm/loop.sbatch: the session of a loop of one's own wrote where its run is
+        try:
+            return RunDir(Path(Path(args.run_dir_file).read_text().strip()))
+        except OSError:
+            return None  # the session never started: there is no run to requeue
+    from mgpu.config.loading import load_config
+
+    return RunDir.of(load_config(args.config, args.overrides).run)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The batch script's line after srun. Exits with the step's own code, so the job's state stays true."""
+    parser = argparse.ArgumentParser(prog="python -m mgpu.run.recovery", description=__doc__.splitlines()[0])
+    parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
+    parser.add_argument("--run-dir", help="the run directory")
+    parser.add_argument("--config", help="or: the job's config and overrides, to find the run directory")
+    parser.add_argument("--run-dir-file", help="or: a file holding the run directory (what a session announced)")
+    parser.add_argument("--may-restart", action="store_true",
+                        help="the script runs srun again when this prints 'restart' (and exits 0)")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_intermixed_args(argv)
+    if args.exit_code == 0 or not owns_slurm_job():
+        return args.exit_code
+    # `scontrol requeue` signals every process of the job, this one included; it must still set the
+    # exclusion (only possible once the job is pending) and write the ledger.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if args.exit_code == USAGE_EXIT_CODE:
+        # jobs/train.py's exit for bad input or a full disk (mgpu.errors): the same again on a requeue. The
+        # ledger says so too, when it could be written; a full disk may have stopped that.
+        print(f"mgpu.run.recovery: the step exited {USAGE_EXIT_CODE} (bad input or a full disk, see its one-line "
+              f"error): not requeued; fix it, then resume with: {resume_command()}", file=sys.stderr, flush=True)
+        return args.exit_code
+    try:
+        run = _run_dir(args)
+        limits = Limits.from_environ()
+    except MgpuError as error:
+        print(f"mgpu.run.recovery: error: {error}", file=sys.stderr, flush=True)
+        return args.exit_code
+    if run is None:
+        print(f"mgpu.run.recovery: the step exited {args.exit_code} before its session announced a run directory "
+              f"({args.run_dir_file}): not requeued; fix it, then resume with: {resume_command()}",
+              file=sys.stderr, flush=True)
+        return args.exit_code
+    from mgpu.cluster.environment import SlurmEnvironment
+
+    job_id = SlurmEnvironment.job_id(os.environ)
+    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
+    action, outcome = handle_failure(run, job_id, restart, limits,
+                                     f"the training step exited with code {args.exit_code}", may_restart=args.may_restart)
+    print(f"mgpu.run.recovery: job {job_id} run {restart}: {outcome}", file=sys.stderr, flush=True)
+    if action == "restart":
+        print("restart", flush=True)
+        return 0
+    from mgpu.state.memory_snapshot import remove_job  # [memory snapshots hook] no restart in place: none is needed
+
+    remove_job(job_id)
+    return args.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""A Session's end: the stop's last save (unless the loop made it durably at this step), the ledger's
+`finished` or `preempted` event, the requeue decision (mgpu.run.outcome.decide_after_stop) and the run directory's
+release; the watchdog's bound on the process group's teardown; and removing what an attempt that failed on bad
+input before it began created. `mgpu.run.session.Session` calls these; nothing else should. No torch at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from mgpu.errors import MgpuError
+from mgpu.run.outcome import Outcome, decide_after_stop
+from mgpu.run.runner import discard
+
+if TYPE_CHECKING:  # the session these functions end; no import at run time (session imports this module)
+    from mgpu.run.session import Session
+
+__all__ = ["arm_teardown", "conclude", "discard_if_unused"]
+
+log = logging.getLogger("mgpu.train")
+
+
+def conclude(session: Session, status: str | None, fields: dict[str, Any]) -> Outcome:
+    """What `Session.end` decides: after a stop, the state saved (if not at this step already) and whether the
+    job comes back; otherwise the run finished. `status`, `fields`: as `Session.end`'s."""
+    reasons = session.reasons
+    stopped = bool(reasons) if status is None else status == "stopped"
+    saved_at, path = session._durable  # a stop's checkpoint has one owner: the loop, else here
+    if session._state is not None and saved_at != session.step:
+        path = session.save(reason="preemption" if stopped else "final", wait=True)
+    if not stopped:
+        session.ledger.write("finished", step=session.step, status=status or "finished",
+                             seconds=round(time.time() - session.started, 3), **fields)
+        if session.is_main:
+            session.run.release(session.env.job_id)
+        return Outcome("finished")
+    received = session.stop.received
+    log.info("stopping at step %d (%s; signals on this rank: %s)", session.step, ", ".join(sorted(reasons)),
+             [name for name, _ in received])
+    session.ledger.write("preempted", step=session.step, reasons=sorted(reasons),
+                         signals=[name for name, _ in received], signal_times=[round(t, 3) for _, t in received])
+    outcome = decide_after_stop(reasons, session.step, session.resume_step, str(path) if path else None,
+                                session.budgets, session.env, session.ledger, signals=list(received))
+    if outcome.kind == "stays_down":
+        session.run.release(session.env.job_id)
+    return outcome
+
+
+def arm_teardown(session: Session) -> None:
+    """From here the watchdog bounds the group's teardown (a dead peer can block it): past its allowance,
+    stacks to the log and an exit, 4 when the run did not end as it should; when it did (its outcome is
+    recorded: nothing is lost by cutting the teardown short), within ENDED_TEARDOWN_S and with the outcome's
+    exit code, so that the rank is gone before Slurm's KillWait runs out."""
+    assert session.watchdog is not None
+    from mgpu.stop.watchdog import ENDED_TEARDOWN_S, HANG_EXIT_CODE, TEARDOWN_S
+
+    if session._ended:
+        session.watchdog.teardown(exit_code=session._ended_code, allowance_s=ENDED_TEARDOWN_S)
+    else:
+        session.watchdog.teardown(exit_code=HANG_EXIT_CODE, allowance_s=TEARDOWN_S)
+
+
+def discard_if_unused(session: Session, error: BaseException) -> None:
+    """Bad input found before the run began leaves no trace of this attempt."""
+    if isinstance(error, MgpuError) and not session._began and session._created is not None:
+        discard(session.run, session.rank, session._created)

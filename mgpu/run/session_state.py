@@ -1,0 +1,176 @@
+"""A Session's checkpoint path: the run's checkpointer (made at first use), `load` (the refusals of a state a
+checkpoint cannot hold, `fresh`'s setting aside, the restore through mgpu.state.resumption, the wrapped DDPs' saved
+buckets, optimizer hyperparameters a checkpoint overrode or `override` sets) and `save` (the refusal to save over
+checkpoints not loaded; sharded, every rank its shard; otherwise the gathered state with the DDPs' buckets beside
+it; a durable save remembered so that the end does not save that step again). `mgpu.run.session.Session` calls
+these; nothing else should. No torch at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from mgpu.errors import MgpuError
+
+if TYPE_CHECKING:  # the session whose state this saves and loads; no import at run time (session imports this)
+    from mgpu.run.session import Session
+    from mgpu.state.train_state import State
+
+__all__ = ["load", "memory", "open_checkpointer", "restore_from_memory", "resume_begins", "save", "snapshot"]
+
+log = logging.getLogger("mgpu.train")
+
+
+def open_checkpointer(session: Session) -> Any:
+    """The run's checkpoint coordination (mgpu.state.checkpointer; sharded: mgpu.state.sharded), closed with the session."""
+    from mgpu.state.checkpointer import open_checkpointer as open_for_run
+    from mgpu.state.save_budget import peer_wait_s
+    from mgpu.record.save_record import saving_beat
+
+    beat = saving_beat(session.beat, session.ledger.path, writers=session.world_size if session.sharded else 1,
+                       sharded=session.sharded, job=session.env.job_id, restart=session.env.restart_count)
+    checkpointer = open_for_run(session.run, session.rank, session.world_size, session.ledger,
+                                session.cfg.checkpoint, sharded=session.sharded, beat=beat,
+                                version=session.version, wait_s=peer_wait_s(session.save_allowance_s))
+    session._cleanup.callback(checkpointer.close)
+    return checkpointer
+
+
+def check_state(objects: Mapping[str, Any], sharded: bool) -> None:
+    """Refuse, before any training, a state a checkpoint cannot save (mgpu.state.train_state.check_checkpointable)
+    and, when the checkpoints are `sharded`, an optimizer over parameters that are not its models'."""
+    from mgpu.parallel.fsdp import refuse_stale_optimizers
+    from mgpu.state.train_state import check_checkpointable
+
+    check_checkpointable(objects)
+    if sharded:
+        refuse_stale_optimizers(objects)
+
+
+def resume_begins(session: Session) -> None:
+    """The resume's own watchdog allowance until load() ends (mgpu.state.save_budget), its start recorded
+    (mgpu.record.save_record), and a group timeout that waits out rank 0's hash when that may be longer."""
+    from mgpu.record.save_record import open_attempt
+
+    open_attempt(session.ledger.path, "resume", writers=session.world_size, sharded=session.sharded,
+                 job=session.env.job_id, restart=session.env.restart_count)
+    session.beat("resume")
+    if session.watchdog is not None:
+        from mgpu.parallel.distributed import set_collective_timeout
+
+        wait = session.watchdog.collective_timeout(session.cfg.distributed.init_timeout_s, resuming=True)
+        if wait > session.cfg.distributed.init_timeout_s:
+            set_collective_timeout(timedelta(seconds=wait))
+
+
+def load(session: Session, state: MutableMapping[str, Any], missing_ok: set[str] | frozenset[str],
+         override: Mapping[str, Any] | None, fresh: bool, batch_size: int | None,
+         global_batch: int | None) -> State:
+    """`Session.load`: `state` resumed from the run's newest checkpoint, if it has one; the run begun."""
+    from mgpu.state import hparams
+    from mgpu.state.train_state import State
+
+    if not isinstance(state, MutableMapping):
+        raise MgpuError(f"Session.load() takes a dict of what to checkpoint (name -> model, optimizer, loader, "
+                        f"value), got a {type(state).__name__}")
+    check_state(state, session.sharded)
+    if fresh:
+        session.resumption.start_over()
+    session.latest()
+    before = hparams.constructed(state)
+    loaded = restore_from_memory(session, state, set(missing_ok), fresh)
+    loaded = loaded or session.resumption.restore(state, set(missing_ok), batch_size, global_batch)
+    if loaded is not None:
+        session.timings["restored"] = time.time()
+        session.step = session.resume_step = loaded.step
+        if session._ddps is not None:  # [mgpu.parallel.ddp bucket layout] the wrapped DDPs' saved buckets
+            session._ddps.resume(loaded.state.get("ddp"))
+        for line in hparams.overridden_by_checkpoint(before, state, override or {}) if session.is_main else ():
+            log.warning("%s (to change it on purpose: load(state, override={...}))", line)
+    changes = hparams.apply(state, override or {})
+    session.beat("start")  # resumed: the first step's allowance from here
+    session._state = state
+    session.begin()
+    if loaded is not None and session.resumption.path is None:  # restored from the snapshots in memory
+        session.ledger.write("resumed", step=session.step, memory=True, durable_step=session._durable_step,
+                             **{"from": f"memory:{loaded.path}"})
+    if changes:
+        session.ledger.write("hyperparameters", step=session.step, changes=changes)
+        log.info("hyperparameters changed at step %d: %s", session.step, "; ".join(changes))
+    return state if isinstance(state, State) else State(state)
+
+
+def save(session: Session, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None, best: bool,
+         wait: bool, reason: str | None, meta: dict[str, Any] | None) -> Path | None:
+    """`Session.save`: `state` (default: the one given to `load()`) checkpointed at the session's step."""
+    from mgpu.state.train_state import gather_state
+
+    state = session._state if state is None else state
+    if state is None:
+        raise MgpuError("Session.save(): nothing to save: pass the state (or load() it first)")
+    if not (callable(state) or isinstance(state, Mapping)):
+        raise MgpuError(f"Session.save() takes the state mapping (name -> object), got a {type(state).__name__}")
+    if not session.resumption.looked:
+        session.resumption.refuse_unloaded()
+        check_state(state() if callable(state) else state, session.sharded)
+    session._state = state
+    session.begin()
+    objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
+    extra = session.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
+    checkpointer, step = session.checkpointer, session.step
+    if session.sharded:  # [fsdp hook] every rank contributes its shard
+        path = checkpointer.save_objects(objects, step, reason, is_best=best, wait=wait, extra=extra)
+    else:
+        ddps = session._ddps  # [mgpu.parallel.ddp bucket layout] the wrapped DDPs' buckets, saved beside the state
+        assert ddps is not None
+        path = checkpointer.save(lambda: ddps.gather(lambda: gather_state(objects, session.version)),
+                                 step, reason, is_best=best, wait=wait, extra=extra)
+    if wait:  # durable now: end() does not save this step again
+        session._durable = (step, path)
+    return path
+
+
+def memory(session: Session) -> Any:
+    """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.state.memory_state), opened at
+    first use; another job's of this run on this node removed."""
+    if session._memory is None:
+        from mgpu.state.memory_state import MemorySnapshots
+
+        session._memory = MemorySnapshots.open(
+            slurm_job=session.slurm_job, run_id=session.run_id, config=session.cfg, world_size=session.world_size,
+            rank=session.rank, every=session.cfg.checkpoint.memory_every_steps, version=session.version,
+            restart=session.env.restart_count)
+        session._memory.remove_other_jobs()
+    return session._memory
+
+
+def snapshot(session: Session) -> bool:
+    """`Session.snapshot`: this step's state into the node's memory when `checkpoint.memory_every_steps` says so."""
+    if session._state is None or not session.cfg.checkpoint.memory_every_steps:
+        return False
+    ddps = session._ddps
+    assert ddps is not None
+    objects = session._state() if callable(session._state) else session._state
+    return bool(memory(session).take(session.step, objects, lambda: ddps.gather(dict) or {}))
+
+
+def restore_from_memory(session: Session, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
+    """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
+    durable checkpoint (mgpu.state.memory_state.Restored), else None. `fresh`: none restored, this rank's removed."""
+    found = session.resumption.latest()
+    session._durable_step = found.step if found is not None else -1
+    if fresh:
+        memory(session).remove()
+    if fresh or not session.cfg.checkpoint.memory_every_steps:
+        return None  # (a snapshot taken under another memory_every_steps is another config's: never used)
+
+    def reduce_min(value: int) -> int:
+        return int(session.all_reduce(value, "min").item()) if session.world_size > 1 else value
+
+    return memory(session).restore_if_newer(session._durable_step, reduce_min, state, session.cfg.train.seed,
+                                            missing_ok)

@@ -1,0 +1,745 @@
+"""The on-disk checkpoint store: atomic saves, verified loads, pruning, and an optional background writer.
+
+`directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and checksum:
+mgpu.state.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
+and `latest` / `best`, one-line files naming a step directory. A save is built under a `.tmp-*` name and
+renamed into place, so a killed writer leaves the old checkpoint or the new one, never a torn one.
+Rank 0 only; call a store from one thread (its own background writer aside).
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import dataclasses
+import errno
+import hashlib
+import io
+import json
+import logging
+import os
+import pickle
+import re
+import secrets
+import shutil
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Iterator, TypeVar
+
+import torch
+
+from mgpu.state.digest import DigestingFile, digest_file, mismatch
+from mgpu.fsutil import fsync_path, write_durably
+from mgpu.errors import MgpuError
+
+__all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
+           "check_loadable", "release_pinned_cache", "snapshot_to_cpu"]
+
+FORMAT = 1
+STATE_FILE = "state.pt"
+META_FILE = "meta.json"
+LATEST = "latest"
+BEST = "best"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+_TMP_PREFIX = ".tmp-"
+_CHUNK = 1 << 20
+
+WRITER_NICE = 10
+"""How much nicer than training the background writer thread runs (Linux, where niceness is per thread). Its
+work is hashing and copying into the page cache, on a CPU, not the GIL (bench/save_in_flight.py): where the
+cores are all busy (a rank per core, DataLoader workers), it then takes what training leaves, about a tenth
+of a core under full contention, instead of slowing the step by its share of a core."""
+DIGEST = "crc32"
+"""The checksum of new saves (mgpu.state.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
+A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
+ZIP_CRC32 = False
+"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json covers every
+byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t` reports it): a quarter
+of the writer's CPU saved. True, or a torch without the writer this needs: torch.save as it is."""
+
+log = logging.getLogger("mgpu.state.checkpoint")
+
+# Temporary paths of this process's saves in flight: stale-file cleanup must leave them alone.
+_ACTIVE: set[Path] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+T = TypeVar("T")
+Writer = Callable[[dict[str, Any], Path], None]
+OnDone = Callable[["SavedCheckpoint | BaseException"], None]
+
+
+def release_pinned_cache() -> None:
+    """Give freed pinned (page-locked) host memory back to the system. Freeing the staging buffers only returns
+    their blocks to torch's host caching allocator, which keeps them for reuse: the process would hold a full
+    copy of the state anyway. Only once CUDA is initialised (nothing was pinned before); a torch without
+    the call keeps its cache. Costs a cudaFreeHost per block (it synchronises the device), once per free."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is None:
+        return
+    try:
+        release()
+    except RuntimeError as error:  # the memory stays cached; nothing else depends on it
+        log.warning("could not release the checkpoint's pinned host memory: %s", error)
+
+
+def _drop_locals(error: BaseException) -> None:
+    """Clear the local variables of every frame in `error`'s tracebacks (its causes' too); lines stay printable."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]  # type: ignore[list-item]  # None is skipped when popped
+
+
+class CheckpointError(MgpuError):
+    """No usable checkpoint, or a save that cannot be made."""
+
+
+class CheckpointSuperseded(CheckpointError):
+    """A background save dropped before its write began: a newer save came while it waited for the writer."""
+
+    def __init__(self, step: int, by: int) -> None:
+        super().__init__(f"checkpoint step {step} superseded by step {by} before its write began")
+        self.step, self.by = step, by
+
+
+class CheckpointWriteError(CheckpointError):
+    """The filesystem refused a save (disk full, quota, I/O error): the message names the errno and the path."""
+
+    def __init__(self, message: str, errno_code: int | None = None) -> None:
+        super().__init__(message)
+        self.errno = errno_code
+
+
+def _describe_os_error(error: OSError, fallback: Path) -> str:
+    name = errno.errorcode.get(error.errno or 0, "")
+    what = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error",
+            errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}.get(error.errno or 0,
+                                                                                        error.strerror or str(error))
+    return f"{what} ({name or 'no errno'}) at {error.filename or fallback}"
+
+
+def _lower_writer_priority() -> None:
+    """Make the calling thread WRITER_NICE nicer. Linux only: elsewhere setpriority would renice the whole
+    process, training included. A refusal leaves the priority as it is."""
+    if WRITER_NICE <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + WRITER_NICE))
+    except OSError as error:
+        log.debug("checkpoint writer keeps its priority: %s", error)
+
+
+def _private_writer() -> tuple[Any, Any, Any] | None:
+    """torch's own parts of torch.save (private: None where this torch lacks them)."""
+    parts = (getattr(torch._C, "PyTorchFileWriter", None), getattr(torch.serialization, "_save", None),
+             getattr(torch.serialization, "_get_storage_alignment", None))
+    return parts if all(part is not None for part in parts) else None
+
+
+_PRIVATE_WRITER = _private_writer()
+
+
+def _torch_save(state: dict[str, Any], file: BinaryIO) -> None:
+    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there)."""
+    if ZIP_CRC32 or _PRIVATE_WRITER is None:
+        torch.save(state, file)
+        return
+    writer_class, save, alignment = _PRIVATE_WRITER
+    try:
+        writer = writer_class(file, False, alignment())  # (buffer, compute_crc32, storage_alignment)
+    except TypeError:  # another torch's signature: its own torch.save
+        torch.save(state, file)
+        return
+    try:
+        save(state, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
+    finally:
+        writer.write_end_of_file()  # the zip's central directory, as torch.save's writer context does on exit
+    file.flush()
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    path: Path
+    step: int
+    bytes: int
+    seconds: float  # wall time of the whole write: snapshot, blocking and background parts (not the queue's wait)
+    queued_s: float = 0.0  # how long its snapshot waited for the writer (a save queued behind another)
+
+
+@dataclass
+class _Queued:
+    """A background save: its snapshot (in a box the writer empties) and particulars."""
+    box: list[dict[str, Any]]
+    step: int
+    is_best: bool
+    extra: dict[str, Any]
+    started: float
+    on_done: OnDone | None
+    staging: dict[tuple[Any, ...], torch.Tensor]
+    queued_at: float = 0.0  # when the snapshot was complete
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    path: Path
+    step: int
+    state: dict[str, Any]
+    meta: dict[str, Any]
+    skipped: tuple[tuple[Path, str], ...]  # checkpoints tried first and rejected: (path, reason)
+
+
+class _Invalid(Exception):
+    """A checkpoint directory that fails verification; the message names the bad file."""
+
+
+def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> T:
+    """A copy of nested dicts, lists and tuples in which every tensor is a CPU copy.
+
+    Training may go on changing the live tensors while a background thread writes the copy. A tensor
+    reached twice (tied weights) is copied once; a dict keeps its type and attributes (a state_dict's
+    `_metadata`). `staging`: buffers kept from the previous snapshot, keyed by position, reused when
+    shape and dtype match: copying into memory that is already mapped avoids a page fault per 4 KiB,
+    which costs more than the copy itself for a large state. The caller must not reuse `staging`
+    while an earlier snapshot taken with it is still being written.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+
+    def copy_tensor(tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        tensor = tensor.detach()
+        kept = staging.get(path) if staging is not None else None
+        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or tensor.layout != torch.strided:
+            if tensor.layout != torch.strided:
+                return tensor.to("cpu", copy=True)
+            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below.
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            if staging is not None:
+                staging[path] = kept
+        if tensor.is_cuda:
+            devices.add(tensor.device)
+        return kept.copy_(tensor, non_blocking=tensor.is_cuda)
+
+    def walk(value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = copy_tensor(value, path)
+            return memo[id(value)]
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            for key, item in value.items():
+                out[key] = walk(item, (*path, key))
+            return out
+        if isinstance(value, list):
+            return [walk(item, (*path, i)) for i, item in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [walk(item, (*path, i)) for i, item in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return copy.deepcopy(value)
+
+    result = walk(obj, ())
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return result
+
+
+def _skeleton(value: Any) -> Any:
+    """`value` with every tensor replaced by an empty one of its dtype: the pickled structure, no data."""
+    if isinstance(value, torch.Tensor):
+        return torch.empty(0, dtype=value.dtype)
+    if isinstance(value, dict):
+        out = copy.copy(value)
+        for key, item in value.items():
+            out[key] = _skeleton(item)
+        return out
+    if isinstance(value, list):
+        return [_skeleton(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_skeleton(item) for item in value)
+    return value
+
+
+def _load_problem(value: Any) -> str | None:
+    """Why `torch.load(weights_only=True)` would not read `value` back (None: it would)."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+    except Exception as error:  # noqa: BLE001  (any refusal is the answer)
+        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines() if line.strip()]
+        telling = [line for line in lines if "Unsupported" in line or "GLOBAL" in line]
+        return _one_line((telling or lines or [type(error).__name__])[0], 200)
+    return None
+
+
+def _offender(value: Any, path: str) -> tuple[str, Any]:
+    """The innermost key of `value` (a skeleton) whose content alone cannot be loaded back."""
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
+        and not hasattr(value, "_fields") else ()
+    for key, item in items:
+        if _load_problem({"x": item}) is not None:
+            return _offender(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]")
+    return path, value
+
+
+def check_loadable(state: dict[str, Any]) -> None:
+    """CheckpointError naming the key whose value a resume could not load (torch.load(weights_only=True)).
+
+    A custom object in a state_dict saves fine and fails only at the first resume, days later; this
+    finds it at the first save. Tensors are replaced by empty ones, so it costs no copy of the data."""
+    skeleton = _skeleton(state)
+    problem = _load_problem(skeleton)
+    if problem is None:
+        return
+    path, value = _offender(skeleton, "state")
+    raise CheckpointError(f"checkpoint {path} holds a {type(value).__name__}, which a resume cannot load with "
+                          f"torch.load(weights_only=True) ({problem}): keep state_dict() values to tensors, "
+                          f"numbers, strings, lists, tuples and dicts")
+
+
+def _one_line(text: object, limit: int = 500) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit] + "..."
+
+
+def _tmp_name(label: str) -> str:
+    return f"{_TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _mismatch(path: Path, meta: dict[str, Any]) -> str | None:
+    """Why `path` does not match the checksum `meta` records (None: it does): a checkpoint saved before
+    mgpu.state.digest records the sha256 of the whole file."""
+    if "checksum" in meta:
+        return mismatch(path, meta["checksum"])
+    sha = _sha256(path)
+    if sha != meta["sha256"]:
+        return f"{path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... (corrupted)"
+    return None
+
+
+def _remove(path: Path) -> None:
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+@contextmanager
+def _claimed(path: Path) -> Iterator[Path]:
+    """Mark a temporary path as this process's while the block runs, and remove whatever is left at it."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(path)
+    try:
+        yield path
+    finally:
+        try:
+            _remove(path)
+        finally:
+            with _ACTIVE_LOCK:
+                _ACTIVE.discard(path)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError, TypeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), verify: bool = True) -> LoadedCheckpoint:
+    """Check size and checksum (`verify`), then load memory-mapped: ranks on one node then share the page
+    cache's one copy of the file instead of each reading its own."""
+    match = _STEP_DIR.fullmatch(path.name)
+    if match is None:
+        raise _Invalid(f"{path} is not a step_XXXXXXXX checkpoint directory")
+    step, meta_path, state_path = int(match[1]), path / META_FILE, path / STATE_FILE
+    try:
+        meta = json.loads(meta_path.read_text())
+    except FileNotFoundError:
+        raise _Invalid(f"{meta_path} is missing (incomplete save)") from None
+    except (OSError, ValueError) as e:
+        raise _Invalid(f"{meta_path} is unreadable: {e}") from None
+    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("step") == step
+            and (isinstance(meta.get("sha256"), str) or isinstance(meta.get("checksum"), dict))
+            and isinstance(meta.get("bytes"), int)):
+        raise _Invalid(f"{meta_path} is not format-{FORMAT} metadata for step {step}")
+    try:
+        size = state_path.stat().st_size
+        if size != meta["bytes"]:
+            raise _Invalid(f"{state_path} is {size} bytes, {META_FILE} says {meta['bytes']} (truncated?)")
+        problem = _mismatch(state_path, meta) if verify else None
+    except OSError as e:
+        raise _Invalid(f"{state_path} is unreadable: {e.strerror}") from None
+    if problem is not None:
+        raise _Invalid(problem)
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:
+        raise _Invalid(f"{state_path} does not load with weights_only=True: {e}") from None
+    if not isinstance(state, dict):
+        raise _Invalid(f"{state_path} holds a {type(state).__name__}, not a dict")
+    return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
+
+
+def _checked_extra(state: object, step: object, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """Reject bad arguments before any work; returns a private copy of `extra`."""
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
+    try:
+        return json.loads(json.dumps(extra or {}))
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint extra metadata must be JSON-serialisable: {e}") from None
+
+
+class CheckpointStore:
+    """The checkpoints of one run in `directory`: the newest `keep_last`, plus the best and the latest."""
+
+    def __init__(self, directory: Path, keep_last: int = 2, *, writer: Writer | None = None,
+                 keep_snapshot_buffers: bool = True) -> None:
+        if keep_last < 1:
+            raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self._writer = writer  # None: torch.save through a digesting file (no second read for the checksum)
+        self._lock = threading.Lock()  # the queue below, between the caller's thread and the writer's
+        self._thread: threading.Thread | None = None  # the writer: runs while saves are queued
+        self._running = False
+        self._queued: _Queued | None = None  # a snapshot waiting for the writer (at most one)
+        self._outcome: SavedCheckpoint | BaseException | None = None
+        self._spare: dict[tuple[Any, ...], torch.Tensor] = {}  # snapshot buffers kept for the next save
+        self._keep_staging = keep_snapshot_buffers
+
+    # ------------------------------------------------------------------ saving
+    def save(self, state: dict[str, Any], step: int, *, is_best: bool = False,
+             extra: dict[str, Any] | None = None) -> SavedCheckpoint:
+        """Write a checkpoint and return once it is durable, after the background save being written (a queued
+        one, older than this state, is superseded: never written).
+
+        Always a fresh attempt: a background save that failed before was reported through its
+        `on_done` and does not stop this one (the stop path must try, whatever happened earlier).
+        A refusal of the filesystem raises CheckpointWriteError naming the errno and the path."""
+        extra = _checked_extra(state, step, extra)
+        self._supersede(step)
+        self.settle()
+        return self._write(state, step, is_best, extra, time.monotonic())
+
+    def save_async(self, state: dict[str, Any], step: int, *, is_best: bool = False,
+                   extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
+        """Snapshot `state` to CPU memory now and write it in a background thread.
+
+        Blocks only for the snapshot, never for the writer: while an earlier save is being written, this one
+        waits in a queue of one and is written next; a snapshot still queued when the next save comes is
+        superseded by it (its `on_done` gets a CheckpointSuperseded; it never reached the disk). Snapshot
+        buffers: one set is kept for the next save (a copy of the state in host memory until `close()`), a
+        second only while a save is queued behind one being written; with `keep_snapshot_buffers=False` each
+        is freed once its write ends. `on_done` is called from the writer thread with the result or the
+        exception; a failed save is not raised again later.
+        """
+        extra = _checked_extra(state, step, extra)
+        started = time.monotonic()
+        staging = self._supersede(step)
+        if staging is None:
+            with self._lock:
+                staging, self._spare = self._spare, {}
+        # In a box the writer empties: the job's own reference to the snapshot lasts no longer than the write.
+        job = _Queued([snapshot_to_cpu(state, staging)], step, is_best, extra, started, on_done, staging)
+        job.queued_at = time.monotonic()
+        with self._lock:
+            self._queued = job
+            if not self._running:
+                self._running = True
+                self._thread = threading.Thread(target=self._background, name=f"mgpu-checkpoint-{step}",
+                                                daemon=False)
+                self._thread.start()
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a background save is still being written or waits for the writer."""
+        with self._lock:
+            return self._running
+
+    @property
+    def queued_step(self) -> int | None:
+        """The step of the snapshot waiting for the writer (None: none waits)."""
+        with self._lock:
+            return self._queued.step if self._queued is not None else None
+
+    def settle(self) -> SavedCheckpoint | BaseException | None:
+        """Block until the background saves (the one being written, any queued) end; the last one's result or
+        its exception."""
+        thread = self._thread
+        if thread is None:
+            return None
+        thread.join()  # it ends once nothing is queued (the caller's thread is the only one that queues)
+        outcome, self._thread, self._outcome = self._outcome, None, None
+        return outcome
+
+    def wait(self) -> SavedCheckpoint | None:
+        """Block until the background saves are durable; re-raise the last one's exception."""
+        outcome = self.settle()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
+
+    def close(self) -> None:
+        """Wait for the background saves and free the snapshot buffers (a full copy of the state)."""
+        self.settle()  # idempotent: a second call finds nothing in flight; a failure was reported by on_done
+        if self._spare:
+            self._spare.clear()
+            release_pinned_cache()
+
+    def _supersede(self, by: int) -> dict[tuple[Any, ...], torch.Tensor] | None:
+        """Drop the queued snapshot (a newer state is being saved); its buffers, for reuse."""
+        with self._lock:
+            job, self._queued = self._queued, None
+        if job is None:
+            return None
+        job.box.clear()
+        log.info("checkpoint step %d superseded by step %d before its write began", job.step, by)
+        if job.on_done is not None:
+            try:
+                job.on_done(CheckpointSuperseded(job.step, by))
+            except Exception:
+                log.exception("checkpoint on_done callback failed")
+        return job.staging
+
+    def _background(self) -> None:
+        _lower_writer_priority()  # this thread only: it ends when nothing is queued
+        while True:
+            with self._lock:
+                job, self._queued = self._queued, None
+                if job is None:
+                    self._running = False
+                    return
+            self._run(job)
+
+    def _run(self, job: "_Queued") -> None:
+        state = job.box.pop()
+        waited = time.monotonic() - job.queued_at
+        try:
+            saved = self._write(state, job.step, job.is_best, job.extra, job.started + waited)
+            outcome: SavedCheckpoint | BaseException = dataclasses.replace(saved, queued_s=waited) \
+                if waited > 0.01 else saved
+        except BaseException as e:
+            _drop_locals(e)  # the frames of its traceback hold the snapshot, which must not outlive the write
+            outcome = e
+        del state
+        with self._lock:
+            keep = self._keep_staging and not self._spare  # one set kept between saves, not two
+            if keep:
+                self._spare = job.staging
+        if not keep:
+            job.staging.clear()
+            release_pinned_cache()
+        self._outcome = outcome
+        if job.on_done is not None:
+            try:
+                job.on_done(outcome)
+            except Exception:
+                log.exception("checkpoint on_done callback failed")
+
+    def _write(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
+               started: float) -> SavedCheckpoint:
+        where = self.directory / f"step_{step:08d}"
+        try:
+            return self._write_unchecked(state, step, is_best, extra, started)
+        except OSError as error:
+            raise CheckpointWriteError(f"checkpoint step {step} not written: {_describe_os_error(error, where)}",
+                                       error.errno) from error
+
+    def _write_state(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
+        """state.pt, fsynced; returns its checksum (computed while writing with the default writer)."""
+        if self._writer is not None:
+            self._writer(state, path)
+            fsync_path(path)
+            return digest_file(path, DIGEST)
+        with open(path, "wb") as file:
+            digesting = DigestingFile(file, DIGEST)
+            try:
+                _torch_save(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
+            except RuntimeError as error:
+                if digesting.error is not None:
+                    raise digesting.error from error
+                raise
+            finally:
+                digesting.close()  # its digest thread; `file` stays open
+            file.flush()
+            os.fsync(file.fileno())
+        return digesting.digest.entry()
+
+    def _write_unchecked(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
+                         started: float) -> SavedCheckpoint:
+        if not self.directory.is_dir():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fsync_path(self.directory.parent, directory=True)
+        self._remove_stale_tmp()  # frees the space a killed writer held before this one needs it
+        name = f"step_{step:08d}"
+        final = self.directory / name
+        with _claimed(self.directory / _tmp_name(name)) as tmp:
+            tmp.mkdir()
+            checksum = self._write_state(state, tmp / STATE_FILE)
+            size = (tmp / STATE_FILE).stat().st_size
+            meta = {"step": step, "checksum": checksum, "bytes": size, "created": time.time(), "format": FORMAT,
+                    "extra": extra}
+            write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+            fsync_path(tmp, directory=True)
+            self._install(tmp, final)
+        self._point(LATEST, name)
+        if is_best:
+            self._point(BEST, name)
+        self._prune()
+        saved = SavedCheckpoint(path=final, step=step, bytes=size, seconds=time.monotonic() - started)
+        log.info("saved checkpoint %s (%d bytes, %.2fs)", final, size, saved.seconds)
+        return saved
+
+    def _install(self, tmp: Path, final: Path) -> None:
+        """Rename the complete `tmp` to `final`; a step saved again replaces its old directory."""
+        try:
+            os.rename(tmp, final)
+        except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                raise
+            # Swapped, so that some complete copy of the step sits at `final` at every moment; the old
+            # one ends up at `tmp`, removed with it.
+            if not _exchange(tmp, final):
+                # A crash between these renames leaves the step at neither name: a resume then falls
+                # back to an older checkpoint (lost progress, never a torn state).
+                with _claimed(tmp.with_name(tmp.name + "-old")) as aside:
+                    os.rename(final, aside)
+                    try:
+                        os.rename(tmp, final)
+                    except OSError:
+                        os.rename(aside, final)
+                        raise
+        fsync_path(self.directory, directory=True)
+
+    def _point(self, pointer: str, name: str) -> None:
+        with _claimed(self.directory / _tmp_name(pointer)) as tmp:
+            write_durably(tmp, f"{name}\n".encode())
+            os.replace(tmp, self.directory / pointer)
+        fsync_path(self.directory, directory=True)
+
+    def _prune(self) -> None:
+        complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]
+        keep = {path.name for path in complete[:self.keep_last]}
+        keep |= {name for name in (self._pointer(LATEST), self._pointer(BEST)) if name}
+        for path in complete:
+            if path.name not in keep:
+                # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir.
+                with _claimed(self.directory / _tmp_name(path.name)) as trash:
+                    os.rename(path, trash)
+        self._remove_stale_tmp()
+
+    def _remove_stale_tmp(self) -> None:
+        # List first, then read the claims: a live temporary path is claimed before it is created.
+        entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(_TMP_PREFIX)]
+        with _ACTIVE_LOCK:
+            active = set(_ACTIVE)
+        for entry in entries:
+            if entry not in active:
+                _remove(entry)
+
+    # ------------------------------------------------------------------ loading
+    def latest(self) -> LoadedCheckpoint | None:
+        """The newest checkpoint that verifies: the one `latest` names, then the others newest first.
+
+        None if there is none at all; CheckpointError if there are some but none is valid.
+        """
+        paths = [path for _, path in self._step_dirs()]
+        if not paths:
+            return None
+        pointed = self._pointer(LATEST)
+        return self._first_valid(sorted(paths, key=lambda path: path.name != pointed))
+
+    def best(self) -> LoadedCheckpoint | None:
+        """The checkpoint `best` names (None if no save was marked best); CheckpointError if it is invalid."""
+        name = self._pointer(BEST)
+        return None if name is None else self._first_valid([self.directory / name])
+
+    def latest_path(self) -> Path | None:
+        """The directory the `latest` file names, unverified."""
+        name = self._pointer(LATEST)
+        return None if name is None else self.directory / name
+
+    def list_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        return sorted(step for step, path in self._step_dirs() if (path / META_FILE).is_file())
+
+    @staticmethod
+    def load_dir(path: Path, verify: bool = True) -> LoadedCheckpoint:
+        """Load one checkpoint directory. `verify=False`: skip the checksum, for the ranks that load what rank 0
+        has just verified (one verification per job, not one per rank)."""
+        try:
+            return _verify_and_load(Path(path), verify=verify)
+        except _Invalid as e:
+            raise CheckpointError(f"checkpoint {path} is invalid: {_one_line(e)}") from None
+
+    def _first_valid(self, paths: list[Path]) -> LoadedCheckpoint:
+        skipped: list[tuple[Path, str]] = []
+        for path in paths:
+            try:
+                return _verify_and_load(path, tuple(skipped))
+            except _Invalid as e:
+                reason = _one_line(e)
+                log.warning("skipping checkpoint %s: %s", path, reason)
+                skipped.append((path, reason))
+        raise CheckpointError(f"no valid checkpoint in {self.directory}: {len(skipped)} rejected, "
+                              f"the first because {skipped[0][1]}")
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        """Every step_* directory, newest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for entry in self.directory.iterdir():
+            match = _STEP_DIR.fullmatch(entry.name)
+            if match and entry.is_dir():
+                found.append((int(match[1]), entry))
+        return sorted(found, reverse=True)
+
+    def _pointer(self, pointer: str) -> str | None:
+        try:
+            name = (self.directory / pointer).read_text().strip()
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as e:
+            name = _one_line(e)
+        if _STEP_DIR.fullmatch(name):
+            return name
+        log.warning("ignoring %s: not a step_XXXXXXXX name (%s)", self.directory / pointer, name)
+        return None

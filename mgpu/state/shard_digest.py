@@ -1,0 +1,37 @@
+"""The checksums of a sharded save's files, computed while DCP writes them (mgpu.state.digest): a rank's manifest
+then needs no second read of its shard. Which stream wrote which file is recorded by name."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from mgpu.state.digest import DigestingFile
+
+__all__ = ["DigestingFileSystem"]
+
+
+class DigestingFileSystem(FileSystem):
+    """DCP's local filesystem, whose written streams are digested on the way: `digests[file name]` is each
+    file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.digest's)."""
+
+    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32") -> None:
+        super().__init__()
+        self.digests, self.algorithm = digests, algorithm
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            digesting = DigestingFile(raw, self.algorithm)
+            try:
+                yield digesting
+            finally:
+                digesting.close()  # its digest thread; DCP may have closed it already
+            self.digests[Path(path).name] = digesting.digest.entry()

@@ -1,0 +1,690 @@
+"""Sharded checkpoints inside mgpu's store: every rank writes its own shard through torch.distributed.checkpoint.
+
+A sharded save is one `step_XXXXXXXX/` directory of the same store (mgpu.state.checkpoint: `latest`/`best`, keep-K,
+stale `.tmp-*` removal), built under a temporary name every rank writes into:
+
+    .metadata, __R_0.distcp   DCP's metadata (rank 0) and rank R's shard of the models and optimizers
+    common.pt                 rank 0: everything else (progress, scheduler, scaler, loader, plain values)
+    rank_R.pt                 rank R's own pieces: its RNG state
+    manifest_R.json           rank R's files with their size and checksum (mgpu.state.digest), computed while written
+    meta.json                 rank 0, last: the step, the world size, every manifest's sha256
+
+Rank 0 renames the directory into place only after every rank reported its manifest durable, so a killed
+save leaves a `.tmp-*` (removed later) and the `latest` of before. A load verifies in parallel (saved rank r's
+files by current rank r % W), falls back to the previous checkpoint when any file is damaged, and never
+unpickles anything but tensors, numbers, strings and DCP's own metadata classes (one process reads a whole
+sharded checkpoint with mgpu.state.sharded_export). DCP reshards the models and
+optimizers onto any world size; a rank the saved run did not have gets a fresh, derived RNG stream.
+
+`async_save`: dcp.async_save copies the state to host memory before `save_objects` returns (a save is a
+snapshot of its step: nothing the loop does afterwards, an EMA's in-place update included, changes what is
+written) and writes that copy in a thread; at most one save is in flight.
+
+Every save's collectives wait `wait_s` at most (the save's group's timeout), and a save that failed on any rank
+never leaves its group to the next: the ranks agree at the start of each save (one gather on the training
+thread's group, which every save makes anyway) and make a fresh group when any of them saw the last one fail.
+A gloo group whose collective timed out is broken for good (its connections closed: every later collective on
+it fails at once, "Application timeout caused pair closure", and the late rank's name was lost with it); a fresh
+one per failure costs nothing while saves succeed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import pickle
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from datetime import timedelta
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, MutableMapping
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from mgpu.errors import MgpuError
+from mgpu.state.checkpoint import (META_FILE, CheckpointError, CheckpointStore, LoadedCheckpoint,
+                             _claimed, _describe_os_error, _one_line, _sha256, _TMP_PREFIX, check_loadable)
+from mgpu.state import checkpoint as _checkpoint
+from mgpu.state.digest import digest_bytes, digest_file, mismatch
+from mgpu.state.shard_digest import DigestingFileSystem
+from mgpu.fsutil import fsync_path, write_durably
+from mgpu.record.ledger import Ledger
+from mgpu.state.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
+from mgpu.state.shard_arrivals import Arrivals, MarkingWriter, late_line
+from mgpu.state.train_state import gather_rank_states
+
+__all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "restore_sharded", "split_objects"]
+
+KIND = "sharded"
+FORMAT = 1
+COMMON = "common.pt"
+log = logging.getLogger("mgpu.train")
+
+
+def _rank_file(rank: int) -> str:
+    return f"rank_{rank}.pt"
+
+
+def _manifest(rank: int) -> str:
+    return f"manifest_{rank}.json"
+
+
+# ---------------------------------------------------------------------------------------------- safe loading
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+     ("torch.distributed.checkpoint.filesystem", "_StoragePrefix"), ("torch.serialization", "_get_layout"),
+     ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}  # a layout by name; StorageMeta's checkpoint_id
+_DTYPES = {str(getattr(torch, name)).split(".")[-1] for name in dir(torch) if isinstance(getattr(torch, name), torch.dtype)}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's `.metadata` is a pickle: only its own record classes, torch.Size and dtypes/layouts are let in."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_GLOBALS or (module == "torch" and (
+                name in _DTYPES or name in ("strided", "sparse_coo", "contiguous_format", "channels_last",
+                                            "preserve_format", "channels_last_3d"))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint's .metadata")
+
+
+class SafeReader(FileSystemReader):
+    """A FileSystemReader whose `.metadata` is read by an allow-list unpickler, not pickle.load."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        with open(Path(self.path) / ".metadata", "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load_bytes_safely(planner: Any, read_item: Any, value: io.BytesIO) -> None:
+    from torch.distributed.checkpoint._traverse import set_element
+
+    loaded = torch.load(value, weights_only=True)
+    if planner.flatten_state_dict:
+        set_element(planner.original_state_dict, planner.mappings[read_item.dest_index.fqn], loaded)
+    else:
+        planner.state_dict[read_item.dest_index.fqn] = loaded
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, except that non-tensor values load with torch.load(weights_only=True)."""
+
+    load_bytes = _load_bytes_safely
+
+
+class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+    """The planner that rebuilds a state from the metadata (one process), loading values safely: the whole
+    state, or (`module`) one saved module's entries alone, no optimizer tensor read."""
+
+    load_bytes = _load_bytes_safely
+
+    def __init__(self, module: str | None = None) -> None:
+        super().__init__()
+        self.module = module
+
+    def _should_include_key(self, key: str, metadata: Any) -> bool:
+        if self.module is None:
+            return True
+        return module_of(key, metadata) == self.module
+
+
+def module_of(key: str, metadata: Any) -> str | None:
+    """The saved module a DCP key of `metadata` belongs to (None: an optimizer's entry)."""
+    path: tuple[Any, ...] = tuple((metadata.planner_data or {}).get(key) or (key,))
+    return str(path[1]).partition(".")[0] if len(path) > 1 and path[0] == "model" else None
+
+
+# ---------------------------------------------------------------------------------------------- state layout
+def _unwrapped(value: Any) -> Any:
+    return value.module if isinstance(value, DistributedDataParallel) else value
+
+
+def split_objects(objects: Mapping[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer],
+                                                        dict[str, Any]]:
+    """(modules, optimizers, the rest): the first two go through DCP (sharded), the rest into common.pt."""
+    modules, optimizers, rest = {}, {}, {}
+    for name, value in objects.items():
+        value = _unwrapped(value)
+        if isinstance(value, nn.Module):
+            modules[name] = value
+        elif isinstance(value, torch.optim.Optimizer):
+            optimizers[name] = value
+        else:
+            rest[name] = value
+    return modules, optimizers, rest
+
+
+def _container(modules: dict[str, nn.Module]) -> nn.ModuleDict:
+    # A view of the modules under their state names (no copy): DCP's keys are then "<name>.<parameter>".
+    return nn.ModuleDict(modules)
+
+
+def _dcp_state(modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(_container(modules), list(optimizers.values()))
+    return {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
+
+
+def _common_state(rest: Mapping[str, Any], world: int, version: str | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"format": FORMAT, "world_size": world, "code_version": version}
+    for name, value in rest.items():
+        if hasattr(value, "state_dict"):
+            state[name] = value.state_dict()
+        elif is_dataclass(value) and not isinstance(value, type):
+            state[name] = asdict(value)
+        else:
+            state[name] = value
+    return state
+
+
+def _to_bytes(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _sync_buffers(modules: Mapping[str, nn.Module]) -> None:
+    """Rank 0's buffers everywhere (BatchNorm statistics): DCP keeps one copy of a replicated tensor, from any
+    rank; the next forward (DDP's, or mgpu.parallel.fsdp's pre-hook) makes them rank 0's anyway."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for module in modules.values():
+            for buffer in module.buffers():
+                dist.broadcast(buffer, src=0)
+
+
+# ---------------------------------------------------------------------------------------------- verification
+def _file_entry(path: Path, recorded: Mapping[str, dict[str, Any]], data: bytes | None = None) -> dict[str, Any]:
+    """A manifest's line for `path`: its size and checksum, as computed while writing (`recorded` by name, or
+    from its bytes `data`); read back only for a file neither covers (DCP's small `.metadata`)."""
+    if data is not None:
+        checksum = digest_bytes(data, _checkpoint.DIGEST)
+    else:
+        checksum = recorded.get(path.name) or digest_file(path, _checkpoint.DIGEST)
+    return {"bytes": path.stat().st_size, "checksum": checksum}
+
+
+def _entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
+    """Why `file` does not match its manifest line (a checksum, or the sha256 of a checkpoint saved before)."""
+    if "checksum" in entry:
+        return mismatch(file, entry["checksum"])
+    if _sha256(file) != entry["sha256"]:
+        return f"{file} does not match the sha256 in its manifest (corrupted)"
+    return None
+
+
+def _verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | None:
+    """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact)."""
+    manifest_path = path / _manifest(saved_rank)
+    try:
+        sha = _sha256(manifest_path)
+        if sha != meta["manifests"][str(saved_rank)]:
+            return f"{manifest_path} has sha256 {sha[:16]}..., {META_FILE} says another (corrupted)"
+        manifest = json.loads(manifest_path.read_text())
+        for name, entry in manifest["files"].items():
+            file = path / name
+            size = file.stat().st_size
+            if size != entry["bytes"]:
+                return f"{file} is {size} bytes, {manifest_path.name} says {entry['bytes']} (truncated?)"
+            problem = _entry_problem(file, entry)
+            if problem is not None:
+                return f"{problem} ({manifest_path.name})"
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{path}: rank {saved_rank}'s files unreadable: {_one_line(error, 200)}"
+    return None
+
+
+def _read_meta(path: Path, step: int) -> dict[str, Any]:
+    meta = json.loads((path / META_FILE).read_text())
+    if not (isinstance(meta, dict) and meta.get("kind") == KIND and meta.get("step") == step
+            and isinstance(meta.get("world_size"), int) and isinstance(meta.get("manifests"), dict)
+            and len(meta["manifests"]) == meta["world_size"]):
+        raise ValueError(f"{path / META_FILE} is not the metadata of a sharded checkpoint of step {step}")
+    return meta
+
+
+# ---------------------------------------------------------------------------------------------- the checkpointer
+class ShardedCheckpointer:
+    """The run's sharded checkpoints, seen from one rank: every rank writes, rank 0 installs.
+
+    The same interface as mgpu.state.checkpointer.Checkpointer, except that a save takes the objects themselves
+    (`save_objects`): each rank contributes its shard."""
+
+    def __init__(self, directory: Path, rank: int, world: int, ledger: Ledger, *, keep_last: int = 2,
+                 async_save: bool = True, beat: Callable[..., None] | None = None,
+                 version: str | None = None, wait_s: float | None = None) -> None:
+        self.directory, self.rank, self.world, self.ledger = Path(directory), rank, world, ledger
+        self.async_save, self.beat, self.version = async_save, beat or (lambda *a, **k: None), version
+        # The store's pointers, pruning and stale-file removal; its single-file writer is not used.
+        self.store = CheckpointStore(self.directory, keep_last=keep_last)
+        # Collectives of a save in flight run on their own group: the training thread's never wait behind them.
+        # A gloo one on a world of one too: dcp.async_save refuses a group without a CPU backend (NCCL alone, as
+        # one GPU rank's default group is; seen on an H100).
+        # `wait_s`: how long its ranks wait for each other (DCP's gathers, the outcome's), so that a late rank ends
+        # the save in that bound, named (mgpu.state.shard_arrivals), not in torch's default 30 minutes (None: that).
+        self.wait_s = wait_s
+        self.group = self._new_group() if dist.is_initialized() else None
+        self._group_failed = False  # a save failed on this rank since the group was made: replaced at the next
+        self._store = dist.distributed_c10d._get_default_store() if dist.is_initialized() and world > 1 else None
+        self.last_saved_step = -1
+        self.longest_write_s = 0.0
+        self._failed_step = -1
+        self._thread: threading.Thread | None = None
+        self._outcome: str | None = None  # the last background save's error (None: it succeeded)
+        self._checked_loadable = False
+        self._stager: Any = None
+
+    # ------------------------------------------------------------------ saving
+    def save_objects(self, objects: Mapping[str, Any], step: int, reason: str, *, is_best: bool = False,
+                     wait: bool = False, extra: dict[str, Any] | None = None) -> Path | None:
+        """*Collective.* Checkpoint `objects` at `step`: the models and optimizers sharded, the rest on rank 0.
+        `wait`: durable on return (raises the same CheckpointError on every rank if it failed)."""
+        if step == self.last_saved_step and not is_best:
+            self.settle()
+            if not wait or not self._agree(self._failed_step == step):
+                return self.store.latest_path() if wait and self.rank == 0 else None
+        self.settle()
+        self.beat("checkpoint")
+        modules, optimizers, rest = split_objects(objects)
+        per_rank = gather_rank_states(rest)  # a stateful stream's loader: every rank's state, not rank 0's alone
+        common = _common_state(rest, self.world, self.version) if self.rank == 0 else None
+        if common is not None:
+            common.update({name: {"per_rank": states} for name, states in per_rank.items()})
+        if not self._checked_loadable:
+            # A state a resume could not read fails at the first save, not at the resume: on every rank.
+            problem = None
+            if common is not None:
+                try:
+                    check_loadable(common)
+                except CheckpointError as error:
+                    problem = str(error)
+            problem = self._broadcast(problem)
+            if problem is not None:
+                raise CheckpointError(problem)
+        _sync_buffers(modules)
+        state = _dcp_state(modules, optimizers)
+        pieces = {"rng": capture_rng_state()}
+        tmp = self._make_tmp(step)
+        started = time.monotonic()
+        job = _Job(step, reason, is_best, {**(extra or {}), "reason": reason}, tmp, started,
+                   _to_bytes(common) if common is not None else None, _to_bytes(pieces))
+        self.beat("write")
+        if wait or not self.async_save:
+            failure = self._write_now(state, job)
+            self.beat("checkpoint-wait")
+            if failure is not None:
+                self._failed_step = step
+                raise CheckpointError(failure)
+            self.last_saved_step = step
+            self._checked_loadable = True
+            return self.directory / f"step_{step:08d}" if self.rank == 0 else None
+        self._write_async(state, job)
+        self.last_saved_step = step
+        self._checked_loadable = True
+        return None
+
+    def _agree(self, flag: bool) -> bool:
+        return bool(self._broadcast(flag))
+
+    def _broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` on every rank (the training thread's group)."""
+        if self.world == 1:
+            return value
+        holder = [value]
+        dist.broadcast_object_list(holder, src=0)
+        return holder[0]
+
+    def _make_tmp(self, step: int) -> Path:
+        """Rank 0 creates the save's temporary directory; every rank learns its name, and the save runs on a
+        fresh group when the last one failed on any rank (a collective of every rank on the training thread's
+        group: the previous save has settled everywhere, so the new group's connections do not wait on one)."""
+        name = None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.store._remove_stale_tmp()  # a killed save's space back before this one needs it
+            name = f"{_TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
+            (self.directory / name).mkdir()
+        views: list[Any] = [(name, self._group_failed)]
+        if self.world > 1:
+            views = [None] * self.world
+            dist.all_gather_object(views, (name, self._group_failed))
+        if any(failed for _, failed in views):
+            try:
+                self._replace_group()
+            except RuntimeError as error:  # a rank gone as well: this save fails; the next one tries again
+                raise CheckpointError(f"sharded checkpoint step {step} not written: its ranks could not form the "
+                                      f"save's group: {_one_line(error, 200)}") from None
+        return self.directory / str(views[0][0])
+
+    def _new_group(self) -> Any:
+        """A gloo group for one save's collectives (DCP's and the outcome's), each waiting `wait_s` at most."""
+        return dist.new_group(backend="gloo", timeout=None if self.wait_s is None else timedelta(seconds=self.wait_s))
+
+    def _replace_group(self) -> None:
+        """*Collective.* The failed save's group given up (never waited on again), a fresh one in its place."""
+        old, self.group = self.group, None
+        if old is not None:
+            try:
+                dist.destroy_process_group(old)
+            except Exception as error:  # noqa: BLE001  (a broken group that cannot even close: dropped anyway)
+                log.debug("closing a failed save's group: %s", error)
+        self.group = self._new_group()  # (until it exists, _group_failed stays set: the next save tries again)
+        self._group_failed = False
+
+    def _arrivals(self, job: "_Job") -> Arrivals | None:
+        return Arrivals(self._store, job.tmp.name, self.rank, self.world) if self._store is not None else None
+
+    def _writer(self, job: "_Job") -> FileSystemWriter:
+        """DCP's writer into the save's directory; it marks this rank's shard written (a late rank is named)."""
+        arrivals = self._arrivals(job)
+        writer = (FileSystemWriter(job.tmp, sync_files=True) if arrivals is None
+                  else MarkingWriter(job.tmp, sync_files=True, on_written=arrivals.mark))
+        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST)  # the manifest's checksums, no re-read
+        return writer
+
+    def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
+        error = None
+        try:
+            dcp.save(state, storage_writer=self._writer(job), process_group=self.group)
+        except BaseException as failure:  # noqa: BLE001  (every rank still takes part in the outcome's gather)
+            error = self._naming_late(job, failure)
+        return self._finish(job, error)
+
+    def _write_async(self, state: dict[str, Any], job: "_Job") -> None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        # A stager for every save: reused, torch's DefaultStager fails each save after its first on CUDA tensors
+        # (KeyError: <class 'type'> in its deepcopy dispatch; torch 2.11 on an H100, pinned or not).
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        cuda = torch.cuda.is_available()
+        # Staged before dcp.async_save returns (not in a thread that only the next forward or optimizer step
+        # waited for): a module changed without its own forward (an EMA, a momentum teacher, p.data.clamp_())
+        # was written half old, half new. A non-blocking device copy is synchronized before the return too.
+        self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=cuda))
+        response = dcp.async_save(state, storage_writer=self._writer(job),
+                                  process_group=self.group, async_stager=self._stager)
+        staging = getattr(response, "staging_completion", None)
+        if staging is not None:  # (not with synchronous staging; kept so that no torch version tears a save)
+            staging.result()
+        upload = getattr(response, "upload_completion", response)
+        self._thread = threading.Thread(target=self._background, args=(upload, job), daemon=False,
+                                        name=f"mgpu-sharded-checkpoint-{job.step}")
+        self._thread.start()
+
+    def _background(self, upload: Future[Any], job: "_Job") -> None:
+        error = None
+        try:
+            upload.result()
+        except BaseException as failure:  # noqa: BLE001
+            error = self._naming_late(job, failure)
+        try:
+            self._outcome = self._finish(job, error)
+        except BaseException as failure:  # noqa: BLE001  (a peer gone mid-save: reported, never a silent success)
+            self._failed_step = job.step
+            self._group_failed = True
+            self._outcome = f"sharded checkpoint step {job.step} not written: {_describe(failure, job.tmp)}"
+            log.error("%s", self._outcome)
+
+    def _finish(self, job: "_Job", error: str | None) -> str | None:
+        """Every rank: its own files fsync'd and hashed into its manifest; rank 0 installs once all are. The
+        outcome (an error line, or None) is the same on every rank."""
+        if error is None:
+            try:
+                self._write_manifest(job)
+            except OSError as failure:
+                error = _describe(failure, job.tmp)
+        errors: list[Any] = [error]
+        if self.world > 1:
+            gathered: list[Any] = [None] * self.world
+            try:
+                dist.all_gather_object(gathered, error, group=self.group)
+            except RuntimeError as failure:  # a rank still writing, or gone: the group's timeout (wait_s)
+                return self._failed(job, error or self._naming_late(job, failure))
+            errors = gathered
+        first = next(((r, e) for r, e in enumerate(errors) if e is not None), None)
+        if first is not None:
+            error = f"sharded checkpoint step {job.step} not written (rank {first[0]}: {first[1]})"
+        elif self.rank == 0:
+            try:
+                size = self._install(job)
+                seconds = time.monotonic() - job.started
+                self.longest_write_s = max(self.longest_write_s, seconds)
+                self.ledger.write("checkpoint_saved", step=job.step, seconds=round(seconds, 4), bytes=size,
+                                  path=str(self.directory / f"step_{job.step:08d}"), reason=job.reason,
+                                  sharded=True, world_size=self.world)
+            except OSError as failure:
+                error = f"sharded checkpoint step {job.step} not installed: {_describe(failure, job.tmp)}"
+        if self.world > 1:
+            holder = [error]
+            try:
+                dist.broadcast_object_list(holder, src=0, group=self.group)
+            except RuntimeError as failure:
+                return self._failed(job, error or self._naming_late(job, failure))
+            error = holder[0]
+        if error is not None:
+            return self._failed(job, error)
+        arrivals = self._arrivals(job)
+        if arrivals is not None:
+            arrivals.clear()
+        return None
+
+    def _naming_late(self, job: "_Job", failure: BaseException) -> str:
+        """`failure` in one line; when it is a collective's (a wait that ended, not this rank's own write), with
+        the ranks whose shard was not written when this rank stopped waiting (mgpu.state.shard_arrivals)."""
+        error = _describe(failure, job.tmp)
+        arrivals = self._arrivals(job)
+        if arrivals is None or _os_cause(failure) is not None:
+            return error
+        late = late_line(arrivals.late(), self.rank, self.wait_s)
+        return f"{error}; {late}" if late else error
+
+    def _failed(self, job: "_Job", error: str) -> str:
+        """A failed save: the same line on every rank when the outcome could be gathered, else this rank's."""
+        if not error.startswith("sharded checkpoint"):
+            error = f"sharded checkpoint step {job.step} not written: {error}"
+        self._failed_step = job.step
+        self._group_failed = True
+        if self.rank == 0:
+            with _claimed(job.tmp):
+                pass  # removes what the failed save left
+            self.ledger.write("checkpoint_failed", step=job.step, reason=job.reason, error=error)
+            log.error("%s", error)
+        return error
+
+    def _write_manifest(self, job: "_Job") -> None:
+        tmp = job.tmp
+        write_durably(tmp / _rank_file(self.rank), job.pieces)
+        names = [_rank_file(self.rank)]
+        from_bytes = {_rank_file(self.rank): job.pieces}
+        if job.common is not None:
+            write_durably(tmp / COMMON, job.common)
+            names += [COMMON, ".metadata"]
+            from_bytes[COMMON] = job.common
+        names += sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{self.rank}_")
+                        and p.name.endswith(".distcp"))
+        for name in names:
+            fsync_path(tmp / name)  # FileSystemWriter fsyncs its own; .metadata and ours are made sure of here
+        files = {name: _file_entry(tmp / name, job.digests, from_bytes.get(name)) for name in names}
+        write_durably(tmp / _manifest(self.rank), (json.dumps({"rank": self.rank, "files": files}, indent=1)
+                                                   + "\n").encode())
+
+    def _install(self, job: "_Job") -> int:
+        """Rank 0: meta.json (binding every manifest), the atomic rename, `latest`, `best`, keep-K."""
+        tmp = job.tmp
+        manifests = {str(r): _sha256(tmp / _manifest(r)) for r in range(self.world)}
+        size = sum(p.stat().st_size for p in tmp.iterdir())
+        meta = {"step": job.step, "kind": KIND, "format": FORMAT, "world_size": self.world, "bytes": size,
+                "manifests": manifests, "created": time.time(), "extra": job.extra}
+        write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
+        fsync_path(tmp, directory=True)
+        name = f"step_{job.step:08d}"
+        with _claimed(tmp):
+            self.store._install(tmp, self.directory / name)
+        self.store._point("latest", name)
+        if job.is_best:
+            self.store._point("best", name)
+        self.store._prune()
+        return size
+
+    def settle(self) -> str | None:
+        """Wait for the save in flight (if any); its error line, or None."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return None
+        thread.join()
+        outcome, self._outcome = self._outcome, None
+        return outcome
+
+    def close(self) -> None:
+        self.settle()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    # ------------------------------------------------------------------ resume
+    def find_latest(self) -> LoadedCheckpoint | None:
+        """*Collective.* The newest sharded checkpoint whose every file verifies (each rank hashes a share),
+        its common state and this rank's own pieces loaded; None for a new run."""
+        candidates = None
+        if self.rank == 0:
+            pointed = self.store._pointer("latest")
+            steps = [(step, path) for step, path in self.store._step_dirs() if (path / META_FILE).is_file()]
+            candidates = [(step, str(path)) for step, path in sorted(steps, key=lambda s: s[1].name != pointed)]
+        if self.world > 1:
+            holder = [candidates]
+            dist.broadcast_object_list(holder, src=0)
+            candidates = holder[0]
+        skipped: list[tuple[Path, str]] = []
+        for step, where in candidates or []:
+            path = Path(where)
+            reason, meta = self._verify(path, step)
+            if reason is None:
+                try:
+                    return self._load(path, step, meta, tuple(skipped))
+                except Exception as error:  # noqa: BLE001  (alike on every rank: the files verified)
+                    reason = f"does not load safely: {_one_line(error, 200)}"
+            if self.rank == 0:
+                log.warning("skipping checkpoint %s: %s", path, reason)
+            skipped.append((path, reason))
+        if skipped:
+            raise CheckpointError(f"no valid checkpoint in {self.directory}: {len(skipped)} rejected, the first "
+                                  f"because {skipped[0][1]}")
+        return None
+
+    def _verify(self, path: Path, step: int) -> tuple[str | None, dict[str, Any]]:
+        """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W."""
+        try:
+            meta: dict[str, Any] | None = _read_meta(path, step)
+            problem = None
+        except (OSError, ValueError) as error:
+            meta, problem = None, _one_line(error, 300)
+        if problem is None and meta is not None:
+            for saved in range(self.rank, meta["world_size"], self.world):
+                problem = _verify_rank(path, saved, meta)
+                if problem is not None:
+                    break
+        problems: list[Any] = [problem]
+        if self.world > 1:
+            problems = [None] * self.world
+            dist.all_gather_object(problems, problem)
+        first = next((p for p in problems if p is not None), None)
+        return first, meta or {}
+
+    def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...]
+              ) -> LoadedCheckpoint:
+        SafeReader(path).read_metadata()  # DCP's pickle read through the allow-list now: a refusal falls back
+        state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
+        own = path / _rank_file(self.rank)
+        state["rank_pieces"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
+        self.last_saved_step = step
+        return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
+
+
+class _Job:
+    """One save's particulars, handed from the training thread to the thread that finishes it."""
+
+    def __init__(self, step: int, reason: str, is_best: bool, extra: dict[str, Any], tmp: Path, started: float,
+                 common: bytes | None, pieces: bytes) -> None:
+        self.step, self.reason, self.is_best, self.extra, self.tmp = step, reason, is_best, extra, tmp
+        self.started, self.common, self.pieces = started, common, pieces
+        self.digests: dict[str, dict[str, Any]] = {}  # file name -> checksum, recorded while DCP wrote it
+
+
+def _os_cause(error: BaseException) -> OSError | None:
+    """The OSError of a failed write, also inside DCP's CheckpointException (every rank's failure)."""
+    if isinstance(error, OSError):
+        return error
+    for failure in getattr(error, "failures", {}).values():
+        cause = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(cause, OSError):
+            return cause
+    return None
+
+
+def _describe(error: BaseException, where: Path) -> str:
+    cause: BaseException | None = _os_cause(error)
+    if isinstance(cause, OSError):
+        return _describe_os_error(cause, where)
+    cause = error
+    for failure in getattr(error, "failures", {}).values():  # DCP's: the last rank's failure inside
+        cause = failure[0] if isinstance(failure, tuple) else failure
+    return _one_line(f"{type(cause).__name__}: {cause}", 300)
+
+
+# ---------------------------------------------------------------------------------------------- restore
+def restore_sharded(loaded: LoadedCheckpoint, objects: MutableMapping[str, Any], rank: int, seed: int,
+                    missing_ok: frozenset[str] | set[str] = frozenset()) -> None:
+    """*Collective.* Put a sharded checkpoint back: models and optimizers through DCP (resharded onto this world
+    size), the rest from its common state, this rank's RNG from its own file; a rank the saved run did not
+    have gets a derived stream no other rank or run uses. A name the checkpoint does not hold is an MgpuError
+    naming it, unless it is in `missing_ok` (as mgpu.state.train_state.restore_state)."""
+    modules, optimizers, rest = split_objects(objects)
+    missing = [name for name in rest if name not in loaded.state and name not in missing_ok]
+    if missing:
+        raise MgpuError(f"the checkpoint holds no {', '.join(map(repr, missing))}: a state key added since it was "
+                        f"saved starts fresh only when you say so: load(state, missing_ok={set(missing)!r})")
+    if modules:
+        state = _dcp_state(modules, optimizers)
+        dcp.load(state, storage_reader=SafeReader(loaded.path), planner=SafeLoadPlanner())
+        set_state_dict(_container(modules), list(optimizers.values()), model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+    common = loaded.state
+    for name, value in rest.items():
+        if name not in common:
+            continue
+        if hasattr(value, "load_state_dict"):
+            value.load_state_dict(common[name])
+        elif is_dataclass(value) and not isinstance(value, type):
+            for key, item in common[name].items():
+                setattr(value, key, item)
+        else:
+            objects[name] = common[name]
+    pieces = common.get("rank_pieces")
+    if pieces is not None:
+        restore_rng_state(pieces["rng"])
+    else:  # the world grew: as mgpu.state.train_state does for a single-file checkpoint
+        step = int(common.get("progress", {}).get("step", loaded.step))
+        seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))

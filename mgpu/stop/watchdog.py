@@ -1,0 +1,660 @@
+"""Hangs end in minutes: a watchdog on every rank that knows what progress means, finds who is stuck,
+leaves evidence and ends the step, so that the job comes back (mgpu.run.recovery) instead of waiting out a
+30-minute collective timeout.
+
+The training thread beats (`beat(phase, step)`: a few attribute writes) at each micro-step's forward and
+backward, each optimizer step, each evaluation batch and each checkpoint. A watch thread per rank compares,
+with nothing but clocks, how long ago the last beat was against an allowance learned from the run itself:
+`step_multiple` times the median step time with the floor `floor_s` (`first_step_s` before a run's first
+step); `step_multiple` times the median evaluation batch time with the floor `eval_s` (`eval_s` for a run's
+first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written, `resume_s` while a checkpoint
+is found, hashed and loaded (both sized by the saves and resumes measured so far: mgpu.state.save_budget); and while
+a resume reads, each read counts as progress (the training thread's bytes read, from /proc, sampled by the
+publisher thread): a big checkpoint on a slow filesystem is read, not hung. A step's time runs from its first beat to the end of its optimizer phase: the
+evaluation or checkpoint that may follow it has its own allowance and is not part of it.
+
+Heartbeats go on a board, never on the run's shared filesystem (one stalled `open()` there would block every
+rank's watchdog at once, and attribute caching would make a live rank look stale): the rendezvous store
+(a TCPStore, through a connection of the watchdog's own with a 5 s timeout) in a world of several ranks, a
+node-local tmpfs directory otherwise. A publisher thread writes this rank's heartbeat every WRITE_EVERY_S;
+the watch thread does no I/O at all, so a stalled board or filesystem can delay evidence, never detection.
+Everything that touches a file, a socket or a log handler runs on a helper thread with a bound.
+
+Past the allowance, the rank:
+
+1. writes the Python stack of every thread (faulthandler) to its log, and asks every other rank to do the
+   same (`.stacks-requested` on the board, looked at once a poll): it leaves only once every live rank has, since
+   its exit ends the step (srun --kill-on-bad-exit) before a rank that waits for it would see its own hang;
+2. reads every rank's heartbeat and names the stuck ranks: a heartbeat that stopped changing (a frozen
+   process: SIGSTOP, a D-state read, C code holding the GIL), or ranks behind the others (still in a
+   forward while the others wait in the gradient all-reduce of that step). Frozen means no new heartbeat since
+   the hang was found, by the rank's own clock (`still_silent`: no two machines' clocks are compared), within
+   STALE_AFTER_S and then a second look as long as the machine's load makes a live publisher slow
+   (`second_look_s`, from the load each heartbeat reports): an overloaded but live rank is not blamed;
+3. one rank (the first to claim `.hang-<job>-<restart>`) writes a `hang` event to the ledger: the stuck
+   ranks, their hosts, the last step every rank completed, each rank's phase (steps 1-3 on a helper thread,
+   bounded: on a filesystem that does not answer they are cut short, never the exit);
+4. exits with HANG_EXIT_CODE: srun ends the step (--kill-on-bad-exit), and the batch script excludes a
+   node that alone is to blame and requeues, or starts the step again in the same allocation.
+
+A slow but healthy rank is not hung: every rank waits for it in the same collectives, so every rank's
+step time (the allowance's base: wall time, waits included, never a rank's own compute) is as slow as it is.
+
+Once training is over, `teardown()` bounds the process group's teardown (a rank can hang there too, e.g.
+destroying a communicator whose peer is gone): past `TEARDOWN_S` (`ENDED_TEARDOWN_S` once the run's outcome is
+recorded) the rank writes its stacks and exits with the code it was given, without blaming anybody (the others
+may have left already).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import hashlib
+import json
+import logging
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from mgpu.config.schema import WatchdogConfig
+
+__all__ = ["ENDED_TEARDOWN_S", "HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Board", "DirBoard", "Heartbeat", "StoreBoard",
+           "Watchdog", "blame", "default_board"]
+
+log = logging.getLogger("mgpu.train")
+HANG_EXIT_CODE = 4
+PHASES = ("start", "resume", "data", "forward", "model", "backward", "optimizer", "eval", "agree", "checkpoint", "write",
+          "checkpoint-wait")
+"""A step's phases in order: a rank in an earlier phase of the same step is behind the others. `forward` is
+the task's loss, `model` the DDP forward inside it (whose buffer broadcast waits for every rank), so a
+rank stuck in its own code before the model is behind those waiting in DDP; `agree` (an evaluation's stop
+agreement) waits for the others; rank 0 `write`s a checkpoint while the others wait (`checkpoint-wait`); `resume`:
+finding, hashing and loading the checkpoint a run resumes from."""
+WRITE_EVERY_S = 2.0
+STALE_AFTER_S = 4 * WRITE_EVERY_S
+SECOND_LOOK_MAX_S = 2 * STALE_AFTER_S
+"""At most this much longer a rank that did not republish within STALE_AFTER_S is waited for, on a loaded machine
+(`second_look_s`), before it is called frozen: within LOOK_SLACK_S, the collective timeout's margin for a loaded
+machine, so the others' collectives still outlast the verdict."""
+LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
+EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
+TEARDOWN_S = 60.0
+"""Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
+ENDED_TEARDOWN_S = 5.0
+"""The same once the run's outcome is recorded (checkpoint, ledger, loggers): cutting it short loses nothing,
+and Slurm's KillWait (often 5-30 s after a stop's signal) is near."""
+STACKS_REQUESTED = ".stacks-requested"
+"""On the board: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for
+its stacks."""
+STORE_TIMEOUT_S = 5.0
+"""Every operation of the watchdog on the rendezvous store (its own connection) ends within this."""
+EVAL_PHASES = ("eval", "agree")
+WAITING_PHASES = ("model", "agree", "checkpoint-wait")
+"""Phases in which a rank waits for the others in a collective."""
+CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
+MAX_ALLOWANCE_S = 86_400.0
+"""No allowance, and no collective timeout derived from one, is longer (mgpu.state.save_budget.MAX_ALLOWANCE_S): a
+step or save timed across a suspended job must not make a timeout overflow."""
+
+
+def thread_bytes_read(tid: int) -> int | None:
+    """Bytes the thread `tid` of this process passed through read() so far (Linux's /proc `rchar`; None
+    elsewhere or when unreadable). procfs answers from the kernel's counters: it never waits on a disk."""
+    try:
+        with open(f"/proc/self/task/{tid}/io", "rb") as file:
+            for line in file.read().splitlines():
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """What a rank's heartbeat file says."""
+
+    rank: int
+    host: str
+    pid: int
+    step: int
+    """Optimizer steps this rank completed."""
+    phase: str
+    since: float
+    """Wall time of this rank's last beat (its last progress)."""
+    written: float
+    """Wall time the watchdog thread wrote the file (it stops changing when the process is frozen)."""
+    stacks: bool = False
+    """This rank's stacks are in its log (for this hang)."""
+    load: float = 0.0
+    """Its machine's load average per CPU when it was written (how slow a live publisher may be there)."""
+
+
+def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = None,
+          frozen_ranks: Sequence[int] | None = None) -> list[int]:
+    """The ranks that hold the others up: frozen ones (a file not rewritten since `fresh_after`, or none at
+    all; `frozen_ranks`, when given, is the verdict of the second look instead of the clocks), else those
+    behind the rest."""
+    seen = {b.rank for b in beats}
+    frozen = (list(frozen_ranks) if frozen_ranks is not None else [b.rank for b in beats if b.written < fresh_after])
+    frozen += [rank for rank in range(world or 0) if rank not in seen]
+    if frozen:
+        return sorted(frozen)
+    if not beats:
+        return []
+    order = {phase: i for i, phase in enumerate(PHASES)}
+    position = {b.rank: (b.step, order.get(b.phase, 0)) for b in beats}
+    furthest, least = max(position.values()), min(position.values())
+    phase = {b.rank: b.phase for b in beats}
+    # A rank waiting in a collective may look behind: gloo's broadcast (DDP's forward) ends on some ranks before
+    # others (seen at 8 ranks: one rank still in `model` beside the culprit in its loss). Such a rank is to
+    # blame only if nobody is further behind than it.
+    behind = [rank for rank, where in position.items()
+              if where < furthest and (where == least or phase[rank] not in WAITING_PHASES)]
+    return sorted(behind)
+
+
+def machine_load() -> float:
+    """This machine's 1-minute load average per CPU (0 where the system does not say)."""
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except OSError:
+        return 0.0
+
+
+def second_look_s(load_per_cpu: float) -> float:
+    """How much longer than STALE_AFTER_S to wait for a rank that has not republished: none on a machine with a
+    CPU per runnable thread, STALE_AFTER_S per unit of load beyond that, at most SECOND_LOOK_MAX_S. At 32 ranks
+    on 2 cores (load ~20 per CPU) a live rank's publisher went unscheduled for more than 8 s and was blamed."""
+    return min(SECOND_LOOK_MAX_S, max(0.0, load_per_cpu - 1.0) * STALE_AFTER_S)
+
+
+def still_silent(first: Mapping[int, float], beats: Sequence[Heartbeat], world: int, detected: float) -> list[int]:
+    """The ranks that showed no sign of life since the hang was found: none at all, or a heartbeat written before
+    `detected` (this machine's clock) and unchanged since `first` (the rank's own clock: a rank whose clock is
+    behind this one's is alive once its heartbeat changes)."""
+    now = {b.rank: b for b in beats}
+    silent = []
+    for rank in range(world):
+        beat = now.get(rank)
+        if beat is None:
+            silent.append(rank)
+        elif beat.written < detected and (rank not in first or beat.written == first[rank]):
+            silent.append(rank)
+    return silent
+
+
+class Board(Protocol):
+    """Where the ranks' heartbeats meet: never the run's shared filesystem, whose one stalled `open()` would
+    blind every rank's watchdog at once. Every call may fail (OSError, RuntimeError) and is bounded."""
+
+    def publish(self, rank: int, beat: str) -> None: ...
+    def read(self, world: int) -> dict[int, str]: ...
+    def request_stacks(self, at: float) -> None: ...
+    def stacks_requested(self) -> float | None: ...
+    def close(self, rank: int) -> None: ...
+
+
+class DirBoard:
+    """Heartbeat files in a node-local directory (tmpfs: /dev/shm, else $TMPDIR): for a world on one node. A
+    create and a rename per rank every WRITE_EVERY_S, on memory, never on the shared filesystem."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.mkdir(parents=True, exist_ok=True)
+
+    def _put(self, name: str, text: str) -> None:
+        tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        tmp.write_text(text)
+        os.replace(tmp, self.path / name)
+
+    def publish(self, rank: int, beat: str) -> None:
+        self._put(f"heartbeat-rank{rank}.json", beat)
+
+    def read(self, world: int) -> dict[int, str]:
+        found = {}
+        for rank in range(world):
+            try:
+                found[rank] = (self.path / f"heartbeat-rank{rank}.json").read_text()
+            except OSError:
+                continue
+        return found
+
+    def request_stacks(self, at: float) -> None:
+        self._put(STACKS_REQUESTED, repr(at))
+
+    def stacks_requested(self) -> float | None:
+        try:
+            return float((self.path / STACKS_REQUESTED).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def close(self, rank: int) -> None:
+        (self.path / f"heartbeat-rank{rank}.json").unlink(missing_ok=True)
+
+
+class StoreBoard:
+    """Heartbeats in the c10d rendezvous store (a TCPStore: memory, no cache), through a connection of the
+    watchdog's own whose every operation times out after `STORE_TIMEOUT_S`. One `set` per rank every
+    WRITE_EVERY_S and no filesystem operation at all: the load is on the store's host, in memory."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @classmethod
+    def connect(cls, host: str, port: int, namespace: str, timeout_s: float = 0.0) -> "StoreBoard":
+        import torch.distributed as dist
+
+        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                               timeout=timedelta(seconds=timeout_s or STORE_TIMEOUT_S))
+        return cls(dist.PrefixStore(namespace, client))
+
+    def publish(self, rank: int, beat: str) -> None:
+        self.store.set(f"hb/{rank}", beat)
+
+    def read(self, world: int) -> dict[int, str]:
+        keys = [f"hb/{rank}" for rank in range(world)]
+        if self.store.check(keys):  # one round trip when every rank has beaten (a missing key's get waits)
+            return {rank: bytes(value).decode() for rank, value in enumerate(self.store.multi_get(keys))}
+        return {rank: bytes(self.store.get(key)).decode() for rank, key in enumerate(keys) if self.store.check([key])}
+
+    def request_stacks(self, at: float) -> None:
+        self.store.set(STACKS_REQUESTED, repr(at))
+
+    def stacks_requested(self) -> float | None:
+        if not self.store.check([STACKS_REQUESTED]):
+            return None
+        return float(bytes(self.store.get(STACKS_REQUESTED)).decode())
+
+    def close(self, rank: int) -> None:
+        pass  # the store ends with the step's rendezvous; its host may be gone already
+
+
+def node_local_dir(key: str, environ: Mapping[str, str] | None = None) -> Path:
+    """A directory on this node's memory (/dev/shm), else $TMPDIR, for this run's attempt `key`."""
+    environ = os.environ if environ is None else environ
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(environ.get("TMPDIR") or tempfile.gettempdir())
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return base / f"mgpu-{os.getuid()}" / f"watchdog-{digest}"
+
+
+def default_board(world: int, key: str) -> Board:
+    """The rendezvous store when the process group is formed across several ranks, else a node-local
+    directory (a world of one, or no store to be found)."""
+    if world > 1:
+        try:
+            import torch.distributed as dist
+            from torch.distributed.distributed_c10d import _get_default_store
+
+            if dist.is_initialized():
+                store = _get_default_store()
+                while hasattr(store, "underlying_store"):
+                    store = store.underlying_store
+                if hasattr(store, "host") and hasattr(store, "port"):
+                    namespace = "mgpu-watchdog/" + hashlib.sha1(key.encode()).hexdigest()[:16] + "/"
+                    return StoreBoard.connect(store.host, store.port, namespace)
+        except (ImportError, RuntimeError, ValueError) as error:
+            log.warning("the watchdog cannot reach the rendezvous store (%s): heartbeats stay on this node", error)
+    return DirBoard(node_local_dir(key))
+
+
+def attempt_key(logs: Path, environ: Mapping[str, str] | None = None) -> str:
+    """What names one attempt of one run: its logs, its Slurm job and restart, torchrun's restart."""
+    environ = os.environ if environ is None else environ
+    return "|".join([str(logs.resolve()), environ.get("SLURM_JOB_ID", ""), environ.get("SLURM_RESTART_COUNT", ""),
+                     environ.get("TORCHELASTIC_RESTART_COUNT", ""), environ.get("MGPU_RESTART", "")])
+
+
+def _bounded(work: Callable[[], Any], timeout: float, name: str = "mgpu-watchdog-evidence") -> bool:
+    """Run `work` on a daemon thread for at most `timeout` s: True if it ended. Whatever touches a file, a
+    socket or a log handler (whose lock a stalled training thread may hold) goes through here."""
+    worker = threading.Thread(target=work, name=name, daemon=True)
+    worker.start()
+    worker.join(timeout=timeout)
+    return not worker.is_alive()
+
+
+class Watchdog:
+    """One rank's watchdog; `start()` it once the process group is formed, `teardown()` before the group's
+    teardown and `stop()` after it.
+
+    Two threads: the watch thread only compares clocks (no file, no socket, no log line: nothing it calls can
+    block), and starts bounded helpers for evidence; the publisher thread writes this rank's heartbeat to the
+    `board` and looks for another rank's request for stacks. A publisher stalled on the board makes this rank
+    look frozen to the others, which is what they can know; it never keeps this rank's own hang unnoticed."""
+
+    def __init__(self, rank: int, world: int, board: "Board | Path", *, step_multiple: float, floor_s: float,
+                 first_step_s: float, checkpoint_s: float, eval_s: float | None = None,
+                 resume_s: float | None = None,
+                 on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
+                 log_file: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit,
+                 clock: Callable[[], float] = time.time,
+                 bytes_read: Callable[[int], int | None] = thread_bytes_read) -> None:
+        self.rank, self.world = rank, world
+        # A path: heartbeat files there (a test's directory, or a node-local one); else the board given.
+        self._board: Board | None = DirBoard(board) if isinstance(board, Path) else board
+        self._board_path = board if isinstance(board, Path) else None
+        self.step_multiple, self.floor_s = step_multiple, floor_s
+        self.first_step_s, self.checkpoint_s = first_step_s, checkpoint_s
+        # None: the first step's allowance, as before evaluation had its own (a caller not passing it yet).
+        self.eval_s = first_step_s if eval_s is None else eval_s
+        # A resume: at least the first step's allowance (None: that alone, as before it had its own).
+        self.resume_s = first_step_s if resume_s is None else max(first_step_s, resume_s)
+        self.bytes_read = bytes_read
+        self._reader: int | None = None  # the training thread's id, for its bytes read during a resume
+        self._read_mark: tuple[int, float] | None = None  # (bytes read, when they last grew) in this resume
+        self.on_hang, self.log_file, self.exit, self.clock = on_hang, log_file, exit, clock
+        self.step, self.phase, self.since = 0, "start", clock()
+        self._step_started: float | None = None  # the current step's first beat
+        self._eval_mark = 0.0  # the current evaluation batch's beat
+        self._in_eval = False  # an evaluation runs: `agree` is its stop agreement, not a step's end
+        self._step_timed = True  # the current step's time is recorded (nothing to record before the first)
+        self._step_times: deque[float] = deque(maxlen=50)
+        self._eval_times: deque[float] = deque(maxlen=50)
+        self._teardown: tuple[float, int] | None = None  # (allowance, exit code) once the teardown began
+        self._stop = threading.Event()
+        self._publish_now = threading.Event()  # the publisher writes at once (stacks written, a hang found)
+        self._asked = threading.Event()  # another rank asked for this rank's stacks
+        self._thread: threading.Thread | None = None
+        self._publisher: threading.Thread | None = None
+        self._created = time.time()  # a stacks request older than this one is a former run's
+        self._stacks = False  # this rank's stacks are in its log
+        self.published = 0.0  # wall time of the last heartbeat the board took
+        self.host = socket.gethostname()
+
+    @classmethod
+    def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
+                    on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
+                    log_file: Callable[[], Any] | None = None, board: "Board | None" = None,
+                    checkpoint_s: float | None = None, resume_s: float | None = None) -> "Watchdog":
+        """A watchdog with the allowances of the config's `watchdog` section, its heartbeats on `board`
+        (default: the rendezvous store, or a node-local directory; `logs` only names the attempt);
+        `checkpoint_s`, `resume_s`: the save's and the resume's allowances derived from the saves and resumes
+        measured so far (mgpu.state.save_budget)."""
+        return cls(rank, world, board if board is not None else default_board(world, attempt_key(logs)),
+                   step_multiple=config.step_multiple, floor_s=config.floor_s, first_step_s=config.first_step_s,
+                   checkpoint_s=config.checkpoint_s if checkpoint_s is None else checkpoint_s, eval_s=config.eval_s,
+                   resume_s=resume_s, on_hang=on_hang, log_file=log_file)
+
+    # ------------------------------------------------------------------ the training thread's side
+    def beat(self, phase: str, step: int | None = None) -> None:
+        """Progress: this rank is now in `phase` (of optimizer step `step`, when it changes)."""
+        now = self.clock()
+        if self.phase == "optimizer" and phase != "optimizer" and self._step_started is not None \
+                and not self._step_timed:
+            # The step ends with its optimizer phase (and what runs until the next beat: the log line's
+            # all-reduce, the stop agreement); an evaluation or checkpoint after it is not part of it.
+            self._step_times.append(now - self._step_started)
+            self._step_timed = True
+        if step is not None and step != self.step and self._step_started is not None and not self._step_timed \
+                and not self._in_eval and self.phase not in CHECKPOINT_PHASES:
+            # A loop of one's own beats no optimizer phase (mgpu.Session: `model` at a step's first forward,
+            # `agree` at its end): its step lasts until the next one begins.
+            self._step_times.append(now - self._step_started)
+        if phase == "eval":
+            if self._in_eval:  # the previous batch, with the stop agreement after it if any
+                self._eval_times.append(now - self._eval_mark)
+            self._eval_mark = now
+            self._in_eval = True
+        elif phase != "agree":  # `agree` belongs to what it follows: an evaluation batch, or a step's end
+            self._in_eval = False
+        if step is not None:
+            self.step = step
+            self._step_started = now
+            self._step_timed = False
+        if phase == "resume" and self.phase != "resume":
+            self._reader, self._read_mark = threading.get_native_id(), None
+        self.phase, self.since = phase, now
+
+    def allowance(self) -> float:
+        """Seconds without a beat after which this rank counts as hung, in its current phase."""
+        if self.phase == "teardown" and self._teardown is not None:
+            return self._teardown[0]
+        if self.phase in CHECKPOINT_PHASES:
+            return self.checkpoint_s
+        if self.phase == "resume":
+            return self.resume_s
+        if self.phase == "eval" or (self.phase == "agree" and self._in_eval):
+            if not self._eval_times:
+                return self.eval_s
+            return max(self.eval_s, self.step_multiple * statistics.median(self._eval_times))
+        if not self._step_times:
+            return self.first_step_s
+        return max(self.floor_s, self.step_multiple * statistics.median(self._step_times))
+
+    def collective_timeout(self, configured: float, *, resuming: bool = False) -> float:
+        """The process group's timeout once training runs: `configured`, but longer than any allowance this
+        watchdog may apply (a checkpoint write, a first evaluation batch, the steps so far times
+        step_multiple) plus the time it takes to notice and leave evidence: a hang then ends through the
+        watchdog, with the stacks, the ledger's `hang` event and the node's exclusion, not through a
+        collective's timeout error, and a long but healthy save is never cut short by one. `resuming`: while a
+        resume's collectives wait for a rank that hashes a checkpoint (its allowance counts too)."""
+        so_far = [*self._step_times, *self._eval_times,
+                  *([self.clock() - self._step_started] if self._step_started is not None else [])]
+        longest = min(max(self.first_step_s, self.checkpoint_s, self.eval_s, self.floor_s,
+                          self.resume_s if resuming else 0.0, self.step_multiple * max(so_far, default=0.0)),
+                      MAX_ALLOWANCE_S)
+        return max(configured, longest + WRITE_EVERY_S + STALE_AFTER_S + EVIDENCE_S + LOOK_SLACK_S)
+
+    def teardown(self, exit_code: int = HANG_EXIT_CODE, allowance_s: float = TEARDOWN_S) -> None:
+        """Training is over and the process group's teardown begins: from here on the watchdog only bounds
+        it. Past `allowance_s` without `stop()`, this rank writes every thread's stack to its log and exits
+        with `exit_code` (0 where the run finished and its result is recorded; else HANG_EXIT_CODE, so
+        that the batch script brings the job back). No `hang` event: the others may have left already."""
+        self._teardown = (allowance_s, exit_code)
+        self.beat("teardown")
+
+    # ------------------------------------------------------------------ the threads
+    def start(self) -> "Watchdog":
+        # The first heartbeat at once (a rank frozen before its publisher's first write is then seen as
+        # stale), but bounded: the caller is the training thread.
+        _bounded(self._publish, STORE_TIMEOUT_S, "mgpu-watchdog-publish")
+        self._publisher = threading.Thread(target=self._publish_loop, name="mgpu-watchdog-publish", daemon=True)
+        self._publisher.start()
+        self._thread = threading.Thread(target=self._watch, name="mgpu-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._publish_now.set()
+        for thread in (self._thread, self._publisher):
+            if thread is not None:
+                thread.join(timeout=10 if thread is self._thread else 1)
+        board = self._board
+        if board is not None:
+            _bounded(lambda: board.close(self.rank), 1.0, "mgpu-watchdog-close")
+
+    def _beat_text(self) -> str:
+        return json.dumps({"rank": self.rank, "host": self.host, "pid": os.getpid(), "step": self.step,
+                           "phase": self.phase, "since": round(self.since, 3), "written": round(time.time(), 3),
+                           "stacks": self._stacks, "load": round(machine_load(), 2)})
+
+    def _publish(self) -> None:
+        if self._board is None:
+            return
+        try:
+            self._board.publish(self.rank, self._beat_text())
+            self.published = time.time()
+            requested = self._board.stacks_requested()
+            if requested is not None and requested > self._created and not self._stacks:
+                self._asked.set()
+        except (OSError, RuntimeError, ValueError):
+            pass  # the others then see this rank as frozen, which is what they can know
+
+    def note_reads(self) -> None:
+        """During a resume, the time the training thread's bytes read last grew (the publisher's, once a poll):
+        a resume that keeps reading is making progress, whatever its allowance."""
+        reader = self._reader
+        if self.phase != "resume" or reader is None:
+            return
+        count = self.bytes_read(reader)
+        if count is None:
+            return
+        mark = self._read_mark
+        if mark is None:  # what it had read when the resume began: growth from here on is progress
+            self._read_mark = (count, self.since)
+        elif count > mark[0]:
+            self._read_mark = (count, self.clock())
+
+    def waited(self) -> float:
+        """Seconds since this rank's last progress: its last beat, or during a resume its last read, but
+        never past MAX_ALLOWANCE_S since the beat."""
+        now = self.clock()
+        mark = self._read_mark
+        if self.phase == "resume" and mark is not None and mark[1] > self.since:
+            return max(now - mark[1], now - self.since - MAX_ALLOWANCE_S)
+        return now - self.since
+
+    def _publish_loop(self) -> None:
+        # Every WRITE_EVERY_S, as documented (it was every 1 s: twice the store's load, ~1,000 requests/s at 512
+        # ranks on the store the rendezvous and DCP use); at once when asked (stacks written, a hang found).
+        while not self._stop.is_set():
+            self.note_reads()
+            self._publish()
+            self._publish_now.wait(WRITE_EVERY_S)
+            self._publish_now.clear()
+
+    def read_all(self) -> list[Heartbeat]:
+        """Every rank's last heartbeat the board holds (bounded: the board's own timeout)."""
+        if self._board is None:
+            return []
+        beats = []
+        for text in self._board.read(self.world).values():
+            try:
+                beats.append(Heartbeat(**json.loads(text)))
+            except (ValueError, TypeError):
+                continue
+        return beats
+
+    def _watch(self) -> None:
+        # Nothing here may block: clocks, events, and bounded helpers only.
+        while not self._stop.wait(0.5):
+            if self._asked.is_set() and not self._stacks:
+                _bounded(lambda: self._dump_stacks("another rank found a hang: dumping every thread's stack"),
+                         EVIDENCE_S)
+                self._publish_now.set()  # tell the one waiting for it at once
+            waited = self.waited()
+            if waited > self.allowance():
+                if self.phase == "teardown" and self._teardown is not None:
+                    self._stuck_in_teardown(waited, self._teardown[1])
+                else:
+                    self._hung(waited)
+                return
+
+    def _leave(self, code: int) -> None:
+        _bounded(logging.shutdown, 2.0, "mgpu-watchdog-shutdown")  # a log on a stalled filesystem cannot keep us
+        self.exit(code)
+
+    def _hung(self, waited: float) -> None:
+        _bounded(lambda: self._evidence(waited), STALE_AFTER_S + SECOND_LOOK_MAX_S + EVIDENCE_S)
+        self._leave(HANG_EXIT_CODE)
+
+    def _stuck_in_teardown(self, waited: float, code: int) -> None:
+        message = (f"the process group's teardown made no progress for {waited:.0f} s (allowance "
+                   f"{self.allowance():.0f} s): dumping every thread's stack and exiting with code {code}")
+        _bounded(lambda: self._dump_stacks(message), EVIDENCE_S)
+        self._leave(code)
+
+    def _dump_stacks(self, message: str) -> None:
+        log.error("%s", message)
+        file = self.log_file() if self.log_file is not None else None
+        if file is not None and not self._stacks:
+            faulthandler.dump_traceback(file=file, all_threads=True)
+            file.flush()
+        self._stacks = True
+
+    def _evidence(self, waited: float) -> None:
+        detected = time.time()
+        board = self._board
+        first = self._first_look()
+        if board is not None:  # first, so that the others start on their stacks while this rank writes its own
+            _bounded(lambda: board.request_stacks(detected), STORE_TIMEOUT_S)
+        self._dump_stacks(f"no progress for {waited:.0f} s in phase {self.phase} of step {self.step} (allowance "
+                          f"{self.allowance():.0f} s): dumping every thread's stack")
+        # A live rank's publisher rewrites its heartbeat within WRITE_EVERY_S, with its stacks written. One that has
+        # not by STALE_AFTER_S gets a second look on a loaded machine (second_look_s: its publisher may be waiting
+        # for a CPU): only one silent until then is frozen. Waiting also lets the others reach the same view.
+        beats: list[Heartbeat] = []
+        silent: list[int] = []
+        while True:
+            self._publish_now.set()  # this rank's publisher is alive, whatever its training thread does
+            try:
+                beats = self.read_all()
+            except (OSError, RuntimeError):
+                beats = []  # the board is out of reach: nobody can be blamed on what it held
+            silent = [r for r in still_silent(first, beats, self.world, detected) if r != self.rank]
+            everyone = len(beats) == self.world and not silent and all(b.stacks for b in beats)
+            now = time.time()
+            load = max([machine_load(), *(b.load for b in beats)])
+            # No second look without a board to look at (its host, rank 0's process, may have left already).
+            look_s = second_look_s(load) if beats else 0.0
+            if everyone or (now > detected + STALE_AFTER_S and
+                            (not silent or now > detected + STALE_AFTER_S + look_s)):
+                break
+            time.sleep(0.25)
+        if silent and beats:
+            log.error("rank(s) %s did not publish a heartbeat for %.0f s since the hang was found (load %.1f per "
+                      "CPU): frozen", silent, time.time() - detected, load)
+        stuck = blame(beats, detected, self.world, frozen_ranks=silent) if beats else []
+        self.on_hang(beats, stuck, waited, detected)
+
+    def _first_look(self) -> dict[int, float]:
+        """Every rank's heartbeat time (by its own clock) when the hang is found, to tell later which moved."""
+        found: list[dict[int, float]] = []
+
+        def read() -> None:
+            with contextlib.suppress(OSError, RuntimeError):
+                found.append({b.rank: b.written for b in self.read_all()})
+
+        _bounded(read, STORE_TIMEOUT_S, "mgpu-watchdog-first-look")
+        return found[0] if found else {}
+
+
+def report_hang(run: Any, job_id: str, restart: int, rank: int, beats: Sequence[Heartbeat], stuck: list[int],
+                waited: float, allowance: float, detected: float) -> bool:
+    """Write the `hang` event (the first rank to claim `.hang-<job>-<restart>` does); True if this rank did.
+
+    `run` is the mgpu.record.rundir.RunDir. The event: the stuck ranks and their hosts (all ranks' hosts when none
+    can be blamed), the last step every rank completed, each rank's phase, who saw it and after how long."""
+    from mgpu.record.ledger import Ledger
+
+    try:
+        fd = os.open(run.path / f".hang-{job_id}-{restart}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    except OSError:
+        return False
+    os.close(fd)
+    by_rank = {b.rank: b for b in beats}
+    hosts = sorted({by_rank[r].host if r in by_rank else _recorded_host(run, r) for r in stuck} - {None})  # type: ignore[type-var]  # None is taken out
+    frozen = [r for r in stuck if r not in by_rank or by_rank[r].written < detected]
+    live = [b for b in beats if b.rank not in frozen] or list(beats)  # a frozen rank's file is out of date
+    completed = min((b.step - 1 for b in live), default=None)  # a beat's step is the one in progress
+    Ledger(run.ledger, job_id, restart).write(
+        "hang", ranks=stuck, hosts=hosts, step=completed, phases={str(b.rank): b.phase for b in beats},
+        steps={str(b.rank): b.step for b in beats}, frozen=frozen,
+        missing=[r for r in stuck if r not in by_rank], detected_by=rank,
+        waited_s=round(waited, 1), allowance_s=round(allowance, 1))
+    log.error("hung: rank(s) %s on %s hold the others up (phases %s)", stuck or "none identified", hosts or "?",
+              {b.rank: f"{b.phase}@{b.step}" for b in beats})
+    return True
+
+
+def _recorded_host(run: Any, rank: int) -> str | None:
+    """The host a rank recorded at its start (logs/rank<N>.json), for a rank without a heartbeat."""
+    try:
+        return str(json.loads(run.rank_record(rank).read_text())["hostname"])
+    except (OSError, ValueError, KeyError):
+        return None

@@ -1,0 +1,3 @@
+"""mgpu's trainer on a Session: the user's `Task`, the step loop (`trainer`), evaluation, optimizer and schedule,
+metrics that reduce exactly, and the whole job on one rank (`job`). Imports `mgpu.run` and below.
+"""
