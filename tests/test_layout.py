@@ -44,6 +44,36 @@ def test_every_import_runs_downward() -> None:
     assert not upward, "imports that run up a layer:\n" + "\n".join(upward)
 
 
+def imported_modules(path: Path) -> set[str]:
+    """The mgpu modules (dotted) a file imports, type-only imports included."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and node.module.startswith("mgpu"):
+            found |= {f"{node.module}.{a.name}" for a in node.names} | {node.module}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("mgpu")}
+    return found
+
+
+def test_no_module_imports_itself_through_others() -> None:
+    files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in (ROOT / "mgpu").rglob("*.py")
+             if p.name != "__init__.py"}
+    graph = {name: imported_modules(path) & set(files) - {name} for name, path in files.items()}
+    done: set[str] = set()
+
+    def visit(name: str, trail: list[str]) -> None:
+        if name in trail:
+            raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(name):], name]))
+        if name in done:
+            return
+        for dep in sorted(graph[name]):
+            visit(dep, [*trail, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+
+
 def test_every_module_lives_in_a_layer() -> None:
     top = {p.stem for p in (ROOT / "mgpu").glob("*.py")} - {"__init__"}
     assert top == LEAVES, f"modules outside the layers: {sorted(top - LEAVES)}"

@@ -49,6 +49,7 @@ from mgpu.run.recovery import rank_failed
 from mgpu.state.resumption import Resumption
 from mgpu.record.rundir import RunDir
 from mgpu.run.runner import no_beat, process_start
+from mgpu.run.session_base import SessionBase
 from mgpu.run.session_end import conclude, discard_if_unused
 from mgpu.run.session_start import after_first_step, record_start, start
 from mgpu.run.uncaught import record_uncaught
@@ -70,7 +71,7 @@ if TYPE_CHECKING:
 __all__ = ["Session"]
 
 
-class Session:
+class Session(SessionBase):
     """This rank's run. Construct it first (it catches the stop signals from then on), use it as a
     context manager or call `finish()` at the end. Every method marked *collective* must be called by
     every rank at the same point.
@@ -81,25 +82,6 @@ class Session:
     (`distributed`, `preemption`, `checkpoint`, `watchdog`, `train.seed`, `train.deterministic`, `run`).
     Testing: `MGPU_STOP_AT_STEP=K` in the environment stops after step K as if preempted (mgpu.stop.stopping).
     """
-
-    # Set by mgpu.run.session_start.start, in this order.
-    limits: Limits
-    env: ProcessEnv
-    rank: int
-    world_size: int
-    local_rank: int
-    is_main: bool
-    run: RunDir
-    slurm_job: str | None
-    """The Slurm job this process belongs to, the only one it may ask about or requeue (None: none)."""
-    budgets: StopBudgets
-    ledger: Ledger
-    started: float
-    resumption: Resumption
-    device: torch.device
-    backend: str
-    expected_save_s: float | None
-    save_allowance_s: float
 
     def __init__(self, run_dir: str | Path | None = None, *, seed: int | None = None, config: Config | None = None,
                  env: ProcessEnv | None = None, recovery_by_batch_script: bool | None = None,

@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mgpu.errors import MgpuError
 from mgpu.run.outcome import Outcome, decide_after_stop
 from mgpu.run.runner import discard
+from mgpu.run.session_base import SessionBase
 
-if TYPE_CHECKING:  # the session these functions end; no import at run time (session imports this module)
-    from mgpu.run.session import Session
 
 __all__ = ["arm_teardown", "conclude", "discard_if_unused"]
 
 log = logging.getLogger("mgpu.train")
 
 
-def conclude(session: Session, status: str | None, fields: dict[str, Any]) -> Outcome:
+def conclude(session: SessionBase, status: str | None, fields: dict[str, Any]) -> Outcome:
     """What `Session.end` decides: after a stop, the state saved (if not at this step already) and whether the
     job comes back; otherwise the run finished. `status`, `fields`: as `Session.end`'s."""
     reasons = session.reasons
@@ -48,7 +47,7 @@ def conclude(session: Session, status: str | None, fields: dict[str, Any]) -> Ou
     return outcome
 
 
-def arm_teardown(session: Session) -> None:
+def arm_teardown(session: SessionBase) -> None:
     """From here the watchdog bounds the group's teardown (a dead peer can block it): past its allowance,
     stacks to the log and an exit, 4 when the run did not end as it should; when it did (its outcome is
     recorded: nothing is lost by cutting the teardown short), within ENDED_TEARDOWN_S and with the outcome's
@@ -62,7 +61,7 @@ def arm_teardown(session: Session) -> None:
         session.watchdog.teardown(exit_code=HANG_EXIT_CODE, allowance_s=TEARDOWN_S)
 
 
-def discard_if_unused(session: Session, error: BaseException) -> None:
+def discard_if_unused(session: SessionBase, error: BaseException) -> None:
     """Bad input found before the run began leaves no trace of this attempt."""
     if isinstance(error, MgpuError) and not session._began and session._created is not None:
         discard(session.run, session.rank, session._created)

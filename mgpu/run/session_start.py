@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mgpu.cluster.environment import ProcessEnv, detect_environment
 from mgpu.record.ledger import Ledger
@@ -21,16 +21,15 @@ from mgpu.record.rundir import RunDir
 from mgpu.run.runner import join_run, prepare_run_dir, setup_logging, start_watchdog
 from mgpu.run.session_end import arm_teardown
 from mgpu.cluster.slurm_job import owns_slurm_job
+from mgpu.run.session_base import SessionBase
 
-if TYPE_CHECKING:  # the session these functions start; no import at run time (session imports this module)
-    from mgpu.run.session import Session
 
 __all__ = ["after_first_step", "longest_write_s", "record_start", "start"]
 
 log = logging.getLogger("mgpu.train")
 
 
-def start(session: Session, env: ProcessEnv | None) -> None:
+def start(session: SessionBase, env: ProcessEnv | None) -> None:
     """Everything between the stop signals caught and the loop's first call: sets the session's `limits`, `env`,
     `rank`, `world_size`, `local_rank`, `is_main`, `run`, `slurm_job`, `budgets`, `ledger`, `started`,
     `resumption`, `device`, `backend`, `expected_save_s`, `save_allowance_s`, `watchdog`, `beat`, `stopper`."""
@@ -91,7 +90,7 @@ def start(session: Session, env: ProcessEnv | None) -> None:
     seed_rank(cfg.train.seed, session.rank, cfg.train.deterministic)
 
 
-def record_start(session: Session, fields: dict[str, Any]) -> None:
+def record_start(session: SessionBase, fields: dict[str, Any]) -> None:
     """The ledger's `started` event (who, where, the limits, the config and code; `fields`), then `resumed`."""
     env, limits = session.env, session.limits
     session.ledger.write("started", world_size=session.world_size, nodes=list(env.nodes), launcher=env.launcher,
@@ -101,14 +100,14 @@ def record_start(session: Session, fields: dict[str, Any]) -> None:
     session.resumption.record()
 
 
-def longest_write_s(session: Session) -> float:
+def longest_write_s(session: SessionBase) -> float:
     """What the deadline stop leaves for the save: this process's longest write, or the time the saves of
     earlier runs say the next one takes, whichever is longer."""
     own = session._checkpointer.longest_write_s if session._checkpointer is not None else 0.0
     return max(own, session.expected_save_s or 0.0)
 
 
-def after_first_step(session: Session) -> None:
+def after_first_step(session: SessionBase) -> None:
     """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
     then fails a collective in minutes, not in distributed.init_timeout_s); the ledger's `first_step`."""
     from mgpu.parallel.distributed import set_collective_timeout

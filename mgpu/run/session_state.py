@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 from mgpu.errors import MgpuError
+from mgpu.run.session_base import SessionBase
 
-if TYPE_CHECKING:  # the session whose state this saves and loads; no import at run time (session imports this)
-    from mgpu.run.session import Session
+if TYPE_CHECKING:
     from mgpu.state.train_state import State
 
 __all__ = ["load", "memory", "open_checkpointer", "restore_from_memory", "resume_begins", "save", "snapshot"]
@@ -26,7 +26,7 @@ __all__ = ["load", "memory", "open_checkpointer", "restore_from_memory", "resume
 log = logging.getLogger("mgpu.train")
 
 
-def open_checkpointer(session: Session) -> Any:
+def open_checkpointer(session: SessionBase) -> Any:
     """The run's checkpoint coordination (mgpu.state.checkpointer; sharded: mgpu.state.sharded), closed with the session."""
     from mgpu.state.checkpointer import open_checkpointer as open_for_run
     from mgpu.state.save_budget import peer_wait_s
@@ -52,7 +52,7 @@ def check_state(objects: Mapping[str, Any], sharded: bool) -> None:
         refuse_stale_optimizers(objects)
 
 
-def resume_begins(session: Session) -> None:
+def resume_begins(session: SessionBase) -> None:
     """The resume's own watchdog allowance until load() ends (mgpu.state.save_budget), its start recorded
     (mgpu.record.save_record), and a group timeout that waits out rank 0's hash when that may be longer."""
     from mgpu.record.save_record import open_attempt
@@ -68,7 +68,7 @@ def resume_begins(session: Session) -> None:
             set_collective_timeout(timedelta(seconds=wait))
 
 
-def load(session: Session, state: MutableMapping[str, Any], missing_ok: set[str] | frozenset[str],
+def load(session: SessionBase, state: MutableMapping[str, Any], missing_ok: set[str] | frozenset[str],
          override: Mapping[str, Any] | None, fresh: bool, batch_size: int | None,
          global_batch: int | None) -> State:
     """`Session.load`: `state` resumed from the run's newest checkpoint, if it has one; the run begun."""
@@ -105,7 +105,7 @@ def load(session: Session, state: MutableMapping[str, Any], missing_ok: set[str]
     return state if isinstance(state, State) else State(state)
 
 
-def save(session: Session, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None, best: bool,
+def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None, best: bool,
          wait: bool, reason: str | None, meta: dict[str, Any] | None) -> Path | None:
     """`Session.save`: `state` (default: the one given to `load()`) checkpointed at the session's step."""
     from mgpu.state.train_state import gather_state
@@ -135,7 +135,7 @@ def save(session: Session, state: Mapping[str, Any] | Callable[[], Mapping[str, 
     return path
 
 
-def memory(session: Session) -> Any:
+def memory(session: SessionBase) -> Any:
     """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.state.memory_state), opened at
     first use; another job's of this run on this node removed."""
     if session._memory is None:
@@ -149,7 +149,7 @@ def memory(session: Session) -> Any:
     return session._memory
 
 
-def snapshot(session: Session) -> bool:
+def snapshot(session: SessionBase) -> bool:
     """`Session.snapshot`: this step's state into the node's memory when `checkpoint.memory_every_steps` says so."""
     if session._state is None or not session.cfg.checkpoint.memory_every_steps:
         return False
@@ -159,7 +159,7 @@ def snapshot(session: Session) -> bool:
     return bool(memory(session).take(session.step, objects, lambda: ddps.gather(dict) or {}))
 
 
-def restore_from_memory(session: Session, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
+def restore_from_memory(session: SessionBase, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
     """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
     durable checkpoint (mgpu.state.memory_state.Restored), else None. `fresh`: none restored, this rank's removed."""
     found = session.resumption.latest()

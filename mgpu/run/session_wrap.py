@@ -9,16 +9,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from mgpu.errors import MgpuError
+from mgpu.run.session_base import SessionBase
 
-if TYPE_CHECKING:  # the session whose models these are; no import at run time (session imports this module)
+if TYPE_CHECKING:
     from torch import nn
 
-    from mgpu.run.session import Session
 
 __all__ = ["wrap"]
 
 
-def wrap(session: Session, model: nn.Module, find_unused_parameters: bool, static_graph: bool, parallel: str,
+def wrap(session: SessionBase, model: nn.Module, find_unused_parameters: bool, static_graph: bool, parallel: str,
          shard_hook: Callable[[Any, Any], Any] | None) -> nn.Module:
     """`Session.wrap`: `model` in DDP (several ranks), sharded (`parallel="fsdp"`) or as it is (one rank)."""
     from mgpu.parallel.fsdp import refuse_to_wrap
@@ -42,7 +42,7 @@ def wrap(session: Session, model: nn.Module, find_unused_parameters: bool, stati
     return watched(session, ddp)
 
 
-def watched(session: Session, model: nn.Module) -> nn.Module:
+def watched(session: SessionBase, model: nn.Module) -> nn.Module:
     """Entering the model's forward (of the next step), this rank waits for the others: a watchdog beat. A
     loop that beats nothing else starts its step here; a step's first forward starts it, not each one."""
     watchdog = session.watchdog
