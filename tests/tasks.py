@@ -450,19 +450,17 @@ class SlowHashBlobTask(BlobTask):
         super().__init__(**kwargs)
         pause_s = float(os.environ.get("SLOW_HASH_PAUSE_S", "0"))
         if pause_s > 0:
-            import hashlib
+            import mgpu.state.digest
 
-            import mgpu.state.checkpoint
+            real = mgpu.state.digest.digest_file
 
-            def slow_sha256(path: Path) -> str:
-                digest = hashlib.sha256()
+            def slow_digest_file(path: Path, *args, **kwargs):  # the verification every resume runs
                 with open(path, "rb") as file:
-                    while block := file.read(chunk):
-                        digest.update(block)
+                    while file.read(chunk):
                         time.sleep(pause_s)
-                return digest.hexdigest()
+                return real(path, *args, **kwargs)
 
-            mgpu.state.checkpoint._sha256 = slow_sha256  # type: ignore[attr-defined]  # the hash every resume runs
+            mgpu.state.digest.digest_file = slow_digest_file  # type: ignore[attr-defined]  # a test's slow disk
 
 
 class KilledBlobTask(BlobTask):

@@ -182,7 +182,8 @@ def decide_unanswered(reasons: set[str], budget: Budget, unanswered: str) -> Dec
         return Decision("unknown", False, f"Slurm gave no answer ({unanswered}); without it, a SIGTERM (or a test "
                                           "stop) cannot tell a scancel from a preemption or the time limit: not "
                                           "requeued from here")
-    event: Event = {"requeue_signal": "user_signal", "deadline": "time_limit", "drain": "node_drain"}[evidence]  # type: ignore[assignment]
+    events: dict[str, Event] = {"requeue_signal": "user_signal", "deadline": "time_limit", "drain": "node_drain"}
+    event = events[evidence]
     said = {"requeue_signal": "the user signal came", "deadline": "the job's own deadline was reached",
             "drain": "the job stopped ahead of a node's drain"}[evidence]
     if budget.spent:

@@ -129,8 +129,15 @@ def refuse_stale_optimizers(objects: Mapping[str, Any]) -> None:
     """MgpuError, one line, when an optimizer of `objects` holds parameters that are not those of the modules in
     `objects` now: built before `wrap(parallel='fsdp')`, it holds the parameters sharding replaced (it would train
     nothing, and a sharded checkpoint cannot name them)."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
+    # A forward without its backward (a metric's check at start) leaves an FSDP2 root unsharded, its module
+    # attributes the unsharded parameters: back to the sharded ones, which an optimizer built after wrap holds.
+    for value in objects.values():
+        for module in value.modules() if isinstance(value, nn.Module) else ():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     owned = {id(param) for value in objects.values() if isinstance(value, nn.Module)
              for param in (value.module if isinstance(value, DistributedDataParallel) else value).parameters()}
     for name, value in objects.items():
