@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -36,10 +38,22 @@ IN_CI = random.Random(CI_SEED).sample(sorted(TABLE), 1)
 
 
 def check(*args: str, tmp: Path, timeout: float = 400) -> subprocess.CompletedProcess[str]:
-    """The checker from the repository root (a relative script path), its scratch under `tmp`."""
-    (tmp / "scratch").mkdir(exist_ok=True)
-    return subprocess.run([PYTHON, "-m", "mgpu.check.resume", *args], cwd=ROOT, capture_output=True, text=True,
-                          env=base_env(TMPDIR=str(tmp / "scratch")), timeout=timeout)
+    """The checker from the repository root (a relative script path), its scratch in `tmp / "scratch"`: a link to
+    a short folder, since the ranks' DataLoader workers put Unix sockets in TMPDIR (at most 107 bytes of path:
+    pytest-xdist's tmp_path is longer, and a worker that cannot share a batch leaves its rank waiting)."""
+    short = Path(tempfile.mkdtemp(prefix="mgpu-cr-", dir="/tmp"))
+    shutil.rmtree(tmp / "scratch", ignore_errors=True)  # the last call's
+    (tmp / "scratch").symlink_to(short, target_is_directory=True)
+    try:
+        return subprocess.run([PYTHON, "-m", "mgpu.check.resume", *args], cwd=ROOT, capture_output=True, text=True,
+                              env=base_env(TMPDIR=str(short)), timeout=timeout)
+    finally:
+        left = list(short.iterdir())
+        shutil.rmtree(short, ignore_errors=True)
+        (tmp / "scratch").unlink()
+        (tmp / "scratch").mkdir()
+        for path in left:  # what the check left behind, for the test to see
+            (tmp / "scratch" / path.name).touch()
 
 
 def test_a_shipped_own_loop_with_workers_passes_and_leaves_nothing(tmp_path: Path) -> None:

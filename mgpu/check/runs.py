@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,11 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from mgpu.errors import MgpuError
+from mgpu.run.outcome import STOPPED_EXIT_CODE
 
 __all__ = ["OutOfTime", "Run", "Runner", "Target", "failed", "last_lines"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (mgpu/check/runs.py)
 _LAUNCHER = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
+FAILED_RANK_GRACE_S = 10.0
+"""How long the other ranks of a segment get to leave on their own after one failed (its error recorded)."""
 _RANK_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"}
 
 
@@ -55,10 +57,13 @@ class Run:
     outputs: list[str] = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _host_store() -> Any:
+    """The ranks' rendezvous store, hosted here on a port the system picks, as mgpu.run.spawn hosts it: a port
+    chosen free and then bound by rank 0 can be taken in between (another test's ranks), and rank 1 then waits
+    out the rendezvous timeout."""
+    from mgpu.run.spawn import _host_store as host
+
+    return host()
 
 
 class Runner:
@@ -72,9 +77,11 @@ class Runner:
         check_dir = self.scratch / f"{run.name}.segment{len(run.segments)}"
         check_dir.mkdir(parents=True)
         env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER) and k not in _RANK_VARS}
+        store = _host_store()  # kept alive until the segment's ranks are gone
         env.update(OMP_NUM_THREADS=env.get("OMP_NUM_THREADS", "1"), PYTHONUNBUFFERED="1",
                    PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), str(self.cwd), env.get("PYTHONPATH")) if p),
-                   MGPU_CHECK_RESUME_DIR=str(check_dir), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+                   MGPU_CHECK_RESUME_DIR=str(check_dir), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True",
                    WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
         env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.scratch / "torchinductor"))  # torch's, in the scratch
         env.pop("MGPU_STOP_AT_STEP", None)
@@ -89,11 +96,18 @@ class Runner:
                 procs.append(subprocess.Popen(command, cwd=self.cwd, env={**env, "RANK": str(rank),
                                                                           "LOCAL_RANK": str(rank)},
                                               stdout=logs[rank], stderr=subprocess.STDOUT, **group))
-            for proc in procs:
-                left = self.deadline - time.monotonic()
-                if left <= 0:
+            # A rank that failed ends the segment within a few seconds: the others would wait for it in a
+            # collective until the rendezvous or collective timeout (minutes), not until the check's deadline.
+            failed_at: float | None = None
+            while any(proc.poll() is None for proc in procs):
+                now = time.monotonic()
+                if now > self.deadline:
                     raise subprocess.TimeoutExpired(command, 0)
-                proc.wait(timeout=left)
+                if failed_at is None and any(proc.poll() not in (None, 0, STOPPED_EXIT_CODE) for proc in procs):
+                    failed_at = now
+                if failed_at is not None and now - failed_at > FAILED_RANK_GRACE_S:
+                    break
+                time.sleep(0.1)
         except subprocess.TimeoutExpired:
             raise OutOfTime(f"out of time (--timeout) in the {run.name} run: give it more time, or fewer --steps") from None
         finally:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECK_DIR", "digest_samples", "record_batch", "record_step", "record_outside"]
+__all__ = ["CHECK_DIR", "checking", "digest_samples", "record_batch", "record_step", "record_outside"]
 
 CHECK_DIR = "MGPU_CHECK_RESUME_DIR"
 
@@ -27,6 +27,13 @@ _KINDS = {"Module": "module", "Optimizer": "optimizer", "LRScheduler": "schedule
 def _directory() -> Path | None:
     where = os.environ.get(CHECK_DIR)
     return Path(where) if where else None
+
+
+def checking() -> bool:
+    """Whether this run is one of the resume check's: its periodic saves then wait for the writer instead of
+    being deferred (mgpu.state.checkpointer), so that the runs it compares save the same steps at the same
+    points of the loop whatever the machine's timing."""
+    return _directory() is not None
 
 
 def _append(name: str, record: dict[str, Any]) -> None:

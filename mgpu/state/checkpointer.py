@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint, check_loadable
 from mgpu.parallel.distributed import broadcast_object
+from mgpu.record.check_hooks import checking
 from mgpu.record.ledger import Ledger
 from mgpu.record.rundir import RunDir
 
@@ -83,7 +84,7 @@ class Checkpointer:
             failed = self._failed_step == step
             if not (broadcast_object(failed) if self.world > 1 else failed):
                 return self.store.latest_path() if self.store is not None else None
-        if not wait and not is_best and self.async_save and self._writer_busy():
+        if not wait and not is_best and self.async_save and self._writer_busy() and not checking():
             # Deferred, not queued: no host copy (and no second one held) for a save the writer could not start.
             self._deferred += 1
             log.info("checkpoint step %d deferred: the last save is still being written; training goes on", step)

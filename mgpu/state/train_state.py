@@ -51,7 +51,7 @@ class Progress:
 
 def code_version(root: Path | None = None) -> str | None:
     """The git commit of the code (with `+dirty` for uncommitted changes), or None outside a checkout."""
-    root = root or Path(__file__).resolve().parent.parent
+    root = root or Path(__file__).resolve().parents[2]  # the checkout: mgpu/state/ is two folders down
     try:
         sha = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
                              timeout=5, check=True).stdout.strip()
