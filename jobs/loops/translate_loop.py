@@ -88,7 +88,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         if session.stopping:
             break
 
-        totals = evaluate(model.module, valid_loader, device)  # type: ignore[arg-type]  # DDP's .module is typed Module
+        totals = evaluate(getattr(model, "module", model), valid_loader, device)  # type: ignore[arg-type]  # DDP or one rank's Module
         dist.all_reduce(totals)
         valid_loss, bleu = (totals[0] / totals[1]).item(), corpus_bleu(totals[2:].tolist())
         improved = bleu > early_stopper.best
