@@ -58,7 +58,7 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     run_dir = fs / "run"
     result = torchrun(run_dir, *FILLING, f"task.args.fill_dir={fs}", "task.args.fill_at=3", "--stop-at-step=5")
     # Every rank prints the same one line (torchrun merges their stderr: two lines may share a line).
-    errors = re.findall(r"train: error: .*?step_\d{8}(?:; the newest checkpoint on disk is \S+?step_\d{8})?",
+    errors = re.findall(r"train: error: .*?step_\d{8}(?:; the newest checkpoint on disk is (?:\S+?step_\d{8}|none))?",
                         result.stdout)
     assert len(errors) == 2 and errors[0] == errors[1], result.stdout[-3000:]
     named = re.fullmatch(r"train: error: checkpoint step 5 not written: disk full \(ENOSPC\) at \S+; the newest "
@@ -71,8 +71,13 @@ def test_a_stop_that_cannot_save_ends_in_one_line_and_no_requeue(small_fs: Calla
     assert "exitcode  : 2" in result.stdout and "exitcode  : 1" not in result.stdout
     failed = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "failed"]
     assert all(e["retry"] is False for e in failed), failed
-    latest = CheckpointStore(run_dir / "checkpoints").latest()  # the disk filled up during step 3's loss
-    assert latest is not None and latest.step in (1, 2) and str(latest.path) == named[1]
+    # The disk filled up during step 3's loss: the newest durable checkpoint is step 1's or 2's, or none when
+    # those were deferred or still being written then (issue 31: a due save waits for no writer); the line names it.
+    latest = CheckpointStore(run_dir / "checkpoints").latest()
+    if named[1] == "none":
+        assert latest is None
+    else:
+        assert latest is not None and latest.step in (1, 2) and str(latest.path) == named[1]
 
 
 @pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # its writer thread's traceback
