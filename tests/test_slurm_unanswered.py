@@ -193,6 +193,23 @@ def test_recovery_asks_again_after_a_stop_slurm_did_not_answer(
     assert "asked again after the step" in capsys.readouterr().err
 
 
+def test_recovery_names_rank_0s_lost_requeue_as_its_own(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         real_client: None, own_job: None) -> None:
+    # Rank 0's requeue got no answer in time but took effect: the recovery's asks again and finds the job
+    # pending. The requeue is the job's own ("self"), not Slurm's (what a GraceTime-0 preemption would be).
+    bin_dir = stub_bin(tmp_path, scontrol_show=("answer", LATIN1_SHOW))
+    (bin_dir / "scontrol-requeue").write_text("#!/bin/sh\necho 'scontrol: error: Job is pending execution' >&2\n"
+                                              "exit 1\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    run = tmp_path / "run"
+    run.mkdir()
+    open_stop(run, unknown=False)
+    Ledger(run / "events.jsonl", "7", 0).write("requeue_unknown", step=5, error="scontrol requeue 7: no answer")
+    recovery_main(["--exit-code", str(UNANSWERED_EXIT_CODE), "--run-dir", str(run)])
+    (requeued,) = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "requeued"]
+    assert requeued["how"] == "self" and "rank 0's earlier try" in requeued["message"], requeued
+
+
 def test_recovery_leaves_a_decided_stop_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real_client: None,
                                               own_job: None) -> None:
     monkeypatch.setenv("PATH", f"{stub_bin(tmp_path, scontrol_show=('answer', LATIN1_SHOW))}:/usr/bin:/bin")

@@ -30,13 +30,15 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import time
 from dataclasses import dataclass
 from typing import Literal, Mapping
 
-from mgpu.cluster.slurm import JobView, RequeueOutcome, SlurmClient, SlurmError, client, parse_job_view, recorded_resume_command
+from mgpu.cluster.slurm import (MIN_TRY_S, JobView, RequeueOutcome, SlurmClient, SlurmError, client, parse_job_view,
+                                recorded_resume_command)
 from mgpu.cluster.slurm_job import owns_slurm_job
 
-__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "decide",
+__all__ = ["Budget", "Decision", "JobView", "RequeueError", "RequeueOutcome", "classify", "complete_resume_command", "decide",
            "decide_unanswered", "parse_job_view", "query_job", "requeue", "resume_command", "sbatch_options"]
 
 Event = Literal["preempted", "time_limit", "user_signal", "requeued_by_slurm", "cancelled", "interrupted",
@@ -80,13 +82,22 @@ def sbatch_options(submit_line: str, args: list[str]) -> list[str] | None:
     return ["sbatch", *words[1:]]
 
 
-def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, slurm: SlurmClient | None = None) -> str:
+SUBMIT_LINE_TRIES = 3
+"""Asks of accounting for a job's SubmitLine: Slurm records it with the job's start, seconds behind the
+controller (2-5 s measured on the test cluster, idle; more on a loaded database), and shows an empty one
+until then."""
+SUBMIT_LINE_WAIT_S = 1.0
+
+
+def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, slurm: SlurmClient | None = None,
+                   tries: int = SUBMIT_LINE_TRIES, wait_s: float = SUBMIT_LINE_WAIT_S) -> str:
     """The exact command that continues the run, as the submitter recorded it in MGPU_RESUME_COMMAND.
 
     slurm/*.sbatch cannot know the sbatch options it was submitted with and leave a placeholder: with
     `ask`, they come from accounting (`sacct -o SubmitLine`, recorded by Slurm >= 21.08 when the
-    cluster keeps accounting); without it, or when it cannot be split back exactly, the placeholder
-    stays and says whose options to repeat. Never raises."""
+    cluster keeps accounting; an empty one is asked again up to `tries` times, `wait_s` apart, within the
+    client's deadline); without it, or when it cannot be split back exactly, the placeholder stays and
+    says whose options to repeat. Never raises."""
     environ = os.environ if environ is None else environ
     recorded = environ.get("MGPU_RESUME_COMMAND", "")
     if not recorded:
@@ -96,13 +107,39 @@ def resume_command(environ: Mapping[str, str] | None = None, ask: bool = True, s
     if not (ask and found and found["job"] == environ.get("SLURM_JOB_ID") and owns_slurm_job(environ)):
         return recorded
     try:
-        args = shlex.split(found["args"])
-        out = (slurm or client()).sacct([found["job"]], ["SubmitLine"])
-        lines = out.splitlines() if out else []
-        words = sbatch_options(lines[0].strip(), args) if lines else None
+        words = _submitted_with(found["job"], shlex.split(found["args"]), slurm or client(), tries, wait_s)
     except ValueError:
         words = None
     return recorded if words is None else f"{found['head']}{shlex.join(words)}{found['args']}"
+
+
+def _submitted_with(job: str, args: list[str], slurm: SlurmClient, tries: int, wait_s: float) -> list[str] | None:
+    """`sbatch` and the options job `job` was submitted with, from accounting (None: not known)."""
+    for attempt in range(max(1, tries)):
+        if attempt:
+            left = slurm.seconds_left()
+            if left is not None and left < wait_s + MIN_TRY_S:
+                return None  # the stop's window has no room for another ask
+            time.sleep(wait_s)
+        out = slurm.sacct([job], ["SubmitLine"])
+        if out is None:
+            return None  # no answer (noted by the client): asking again would only spend the window
+        line = out.splitlines()[0].strip() if out.strip() else ""
+        if line:
+            return sbatch_options(line, args)
+    return None
+
+
+def complete_resume_command(within_s: float = 5.0) -> None:
+    """Rank 0, once the job runs (its first step): fill a template's placeholder from accounting now, while there
+    is time, and keep it in MGPU_RESUME_COMMAND, so that a stop's message needs no ask within KillWait."""
+    recorded = os.environ.get("MGPU_RESUME_COMMAND", "")
+    if "<the sbatch options of job" not in recorded:
+        return
+    with client().within(within_s):
+        completed = resume_command(tries=1)
+    if completed != recorded:
+        os.environ["MGPU_RESUME_COMMAND"] = completed
 
 
 def query_job(job_id: str) -> JobView:

@@ -178,6 +178,8 @@ class SlurmClient:
     """time.monotonic() by which every call and retry must be done (None: only `timeout_s` per try)."""
     unanswered: list[str] = field(default_factory=list)
     """One line per call that gave no answer, and why (what `status` and a stop say they could not ask)."""
+    lost_tries: int = 0
+    """The last call's tries that got no answer (timed out or killed): each may still have taken effect."""
 
     @contextlib.contextmanager
     def within(self, seconds: float) -> Iterator["SlurmClient"]:
@@ -190,7 +192,8 @@ class SlurmClient:
         finally:
             self.deadline = before
 
-    def _left(self) -> float | None:
+    def seconds_left(self) -> float | None:
+        """Seconds until the deadline of `within` (None: no deadline)."""
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     # ------------------------------------------------------------------ the runner
@@ -207,13 +210,14 @@ class SlurmClient:
             return None
         key = f"{tool} {args[0]}" if tool == "scontrol" and args else tool
         proc, why, tries = None, "", 0
+        self.lost_tries = 0
         for attempt in range(self.retries + 1):
-            left = self._left()
+            left = self.seconds_left()
             if attempt:
                 if left is not None and left < self.retry_wait_s + MIN_TRY_S:
                     break  # no time for another try before the deadline
                 time.sleep(self.retry_wait_s)
-                left = self._left()
+                left = self.seconds_left()
             timeout = self.timeout_s if left is None else max(MIN_TRY_S, min(self.timeout_s, left))
             self.calls[key] = self.calls.get(key, 0) + 1
             tries += 1
@@ -221,6 +225,7 @@ class SlurmClient:
                 proc = self.run([path, *args], timeout)
             except subprocess.TimeoutExpired:
                 proc, why = None, f"no answer from Slurm within {round(timeout, 1):g} s"
+                self.lost_tries += 1
                 continue
             except OSError as error:
                 self._note(f"{command}: cannot run {tool}: {error.strerror or error}")
@@ -228,6 +233,7 @@ class SlurmClient:
             message = (proc.stderr or "").lower()
             if proc.returncode >= 0 and not (proc.returncode and any(t in message for t in _TRANSIENT)):
                 return proc
+            self.lost_tries += proc.returncode < 0
             why = (f"no answer from Slurm: killed by signal {-proc.returncode}" if proc.returncode < 0
                    else f"no answer from Slurm: exit {proc.returncode}: {' '.join((proc.stderr or '').split())[:160]}")
         self._note(f"{command}: {why} ({tries} {'try' if tries == 1 else 'tries'})")
@@ -291,6 +297,11 @@ class SlurmClient:
             return RequeueOutcome("self", f"requeued job {job_id}")
         message = (proc.stderr or proc.stdout).strip()
         if "pending" in message.lower():
+            if self.lost_tries:
+                # A try that got no answer in time (a loaded controller) still requeued it: the retry finds
+                # the job pending. Ours: far likelier than a preemption's requeue landing within those seconds.
+                return RequeueOutcome("self", f"requeued job {job_id} (the first try got no answer in time but "
+                                              f"took effect: {message})")
             # GraceTime=0: Slurm requeued the job already; ours arrives second and fails harmlessly.
             return RequeueOutcome("slurm", f"Slurm had already requeued job {job_id} ({message})")
         raise SlurmError(f"scontrol requeue {job_id} failed: {message}")

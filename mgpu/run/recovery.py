@@ -46,7 +46,7 @@ from mgpu.record.exclusion import apply_exclusion, partition_nodes, plan_exclusi
 from mgpu.cluster.hostlist import expand_hostlist
 from mgpu.cluster.requeue import Budget, JobView, decide, decide_unanswered, query_job, requeue, resume_command
 from mgpu.record.rundir import RunDir
-from mgpu.cluster.slurm import SlurmError, SlurmUnanswered, client, stop_window_s
+from mgpu.cluster.slurm import RequeueOutcome, SlurmError, SlurmUnanswered, client, stop_window_s
 from mgpu.cluster.slurm_job import owns_slurm_job
 
 __all__ = ["finish_stop", "handle_failure", "main", "peer_consequence", "rank_failed"]
@@ -125,6 +125,10 @@ def finish_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: 
             except SlurmError as error:
                 ledger.write("requeue_refused", step=step, error=str(error), by="recovery")
                 return "none", f"{why}; but Slurm refused the requeue ({error}); to resume: {resume_command()}"
+            if outcome.how == "slurm" and any(e.get("event") == "requeue_unknown" for e in attempt):
+                # Rank 0's requeue got no answer in time yet took effect (the job is pending now): it was ours.
+                outcome = RequeueOutcome("self", f"requeued job {job_id} by rank 0's earlier try, which got no "
+                                                 f"answer in time ({outcome.message})")
             ledger.write("requeued", step=step, how=outcome.how, message=outcome.message, by="recovery",
                          **({} if progressed else {"after": "no_progress"}))
             return "requeued", f"{why}: {outcome.message}"

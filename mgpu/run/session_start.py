@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import Any
 
 from mgpu.cluster.environment import ProcessEnv, detect_environment
+from mgpu.cluster.requeue import complete_resume_command
 from mgpu.record.ledger import Ledger
 from mgpu.run.outcome import StopBudgets
 from mgpu.record.budgets import Limits
@@ -109,7 +110,8 @@ def longest_write_s(session: SessionBase) -> float:
 
 def after_first_step(session: SessionBase) -> None:
     """Every rank reached a first step: collectives need no rendezvous allowance any more (a hung peer
-    then fails a collective in minutes, not in distributed.init_timeout_s); the ledger's `first_step`."""
+    then fails a collective in minutes, not in distributed.init_timeout_s); rank 0 completes a template's resume
+    command; the ledger's `first_step`."""
     from mgpu.parallel.distributed import set_collective_timeout
 
     seconds = None
@@ -118,6 +120,8 @@ def after_first_step(session: SessionBase) -> None:
         seconds = round(session.watchdog.collective_timeout(session.cfg.watchdog.collective_timeout_s), 1)
         set_collective_timeout(timedelta(seconds=seconds), session.stopper.agreement.group)  # type: ignore[attr-defined]  # the agreement the controller built for this rank
     session.timings["first_step"] = time.time()
+    if session.is_main and session.slurm_job:
+        complete_resume_command()  # a template's sbatch options from accounting now, not within a stop's KillWait
     session.ledger.write("first_step", step=session.step, collective_timeout_s=seconds,
                          checkpoint_allowance_s=round(session.save_allowance_s, 1),
                          timings={k: round(v, 3) for k, v in session.timings.items()})
