@@ -10,6 +10,7 @@ examples, the stream row and one planted fault drawn with CI_SEED; `MGPU_BROKEN_
 from __future__ import annotations
 
 import os
+import re
 import random
 import shutil
 import subprocess
@@ -82,9 +83,12 @@ def test_the_lost_samples_of_a_stream_with_a_shuffle_buffer_are_named(tmp_path: 
     result = check("--nproc", "1", "--checks", "stop", "--", FAULTY, "{run}", "--fault", "hf_shuffle_buffer",
                    "--epochs", "1", tmp=tmp_path)
     assert result.returncode == 1, result.stdout + result.stderr
-    assert ("DIFFERS: the batches differ: rank 0's batch at step 6 (epoch 0, position 6): other samples than the "
-            "unbroken run's (8 sample(s) never trained, 0 trained twice or more); the resumed run ended at step 14, "
-            "the unbroken run at step 16") in result.stdout, result.stdout
+    # The real library (tests/hf_stream.py): how many of the buffer's samples a stop loses is its own business;
+    # the report names the count and the resumed epoch's shortfall (4 samples per step, batch 4 on one rank).
+    found = re.search(r"DIFFERS: the batches differ: rank 0's batch at step 6 \(epoch 0, position 6\): other samples "
+                      r"than the unbroken run's \((\d+) sample\(s\) never trained, 0 trained twice or more\); the "
+                      r"resumed run ended at step (\d+), the unbroken run at step 16", result.stdout)
+    assert found and int(found[1]) > 0 and int(found[2]) == 16 - int(found[1]) // 4, result.stdout
     assert "hint: the stream shuffles through a buffer its state_dict() does not hold" in result.stdout
     assert result.stdout.splitlines()[-1] == "DIFFERS"
 

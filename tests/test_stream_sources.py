@@ -1,8 +1,8 @@
-"""Sources that cannot resume exactly, named before they cost a run: a Stateful stream that shuffles through a
-buffer its state_dict() does not hold (tests/hf_like.py: Hugging Face's streaming `shuffle(buffer_size=...)`,
-emulated: `datasets` is not installed here) gets one warning at start, and what such a stream does across a
-stop (the buffer's samples lost); a stream whose saved state does not fit its DataLoader worker on a resume
-fails in one line naming the fix, not with a worker's IndexError. In-process, real DataLoader workers."""
+"""Sources that cannot resume exactly, named before they cost a run: a Hugging Face `datasets` streaming dataset
+(the real library, tests/hf_stream.py) shuffled through a buffer its state_dict() does not hold gets one warning
+at start, and what it does across a stop (samples lost); a stream whose saved state does not fit its DataLoader
+worker on a resume (the library's own with 2 workers, and a minimal one) fails in one line naming the fix, not
+with a worker's IndexError. In-process, real DataLoader workers."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from mgpu.data.stream import StreamError
 from mgpu.data.stream_loader import StatefulStreamLoader, open_loader, shuffle_buffer
-from tests.hf_like import IterableDataset as HFLikeStream
+from tests.hf_stream import hf_stream
 
 
 def ids(loader: StatefulStreamLoader, count: int | None = None) -> list[int]:
@@ -27,9 +27,8 @@ def ids(loader: StatefulStreamLoader, count: int | None = None) -> list[int]:
     return seen
 
 
-def stream(shuffled: bool) -> HFLikeStream:
-    source = HFLikeStream.from_ids(48, n_shards=4)
-    return source.shuffle(seed=0, buffer_size=8) if shuffled else source
+def stream(shuffled: bool) -> Any:
+    return hf_stream(48, n_shards=4, buffer_size=8 if shuffled else None)
 
 
 def loader(dataset: Any, workers: int = 0) -> StatefulStreamLoader:
@@ -56,9 +55,10 @@ def test_the_loader_names_a_shuffle_buffer_at_start_with_the_fix(caplog: pytest.
     assert "shuffle without a buffer" in said and "mgpu.data.stream.ShardedStream" in said
 
 
-@pytest.mark.parametrize("shuffled, lost", [(False, 0), (True, 8)])
-def test_what_a_buffered_stream_does_across_a_stop(shuffled: bool, lost: int) -> None:
-    """The emulated library's behaviour, which the warning is about: the buffer's samples never come back."""
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_what_a_buffered_stream_does_across_a_stop(shuffled: bool) -> None:
+    """The library's behaviour, which the warning is about: without a buffer a stop loses nothing; with one, the
+    samples in the buffer at the stop never come back (the resumed epoch is short by as many)."""
     unbroken = ids(loader(stream(shuffled)))
     first = loader(stream(shuffled))
     before = ids(first, 3)
@@ -66,8 +66,27 @@ def test_what_a_buffered_stream_does_across_a_stop(shuffled: bool, lost: int) ->
     resumed.load_state_dict(first.state_dict())
     after = ids(resumed)
     assert sorted(unbroken) == list(range(48))
-    assert len(set(unbroken) - set(before + after)) == lost
-    assert len(before + after) == 48 - lost
+    lost = set(unbroken) - set(before + after)
+    assert bool(lost) is shuffled and len(before + after) == 48 - len(lost), (sorted(lost), before, after)
+
+
+def test_the_librarys_own_crash_on_a_resume_under_workers_is_one_line() -> None:
+    """The buffered stream resumed under 2 DataLoader workers: the library raises an IndexError in a worker
+    (datasets' per-worker shard state); the loader says it in one line with the fix."""
+    first = loader(stream(shuffled=True), workers=2)
+    ids(first, 3)
+    resumed = loader(stream(shuffled=True), workers=2)
+    resumed.load_state_dict(first.state_dict())
+    try:
+        with pytest.raises(StreamError) as raised:
+            ids(resumed)
+    finally:
+        for worker in multiprocessing.active_children():  # workers that raised stay up until the process exits
+            worker.kill()
+            worker.join()
+    said = str(raised.value)
+    assert "\n" not in said and "failed on its first batch after a resume under 2 DataLoader workers (IndexError" in said, said
+    assert "num_workers=0" in said and "ShardedStream" in said
 
 
 class Misfit(IterableDataset):

@@ -9,8 +9,8 @@
 --fault own_dataloader: a torch DataLoader of its own (a resume starts its epoch over).
 --fault ema_not_saved: a mean-teacher EMA model in the loss, not in `state` (a resume copies the weights).
 --fault schedule_from_len: the schedule's length from len(loader) (micro-batches: changes with the world size).
---fault hf_shuffle_buffer: a Hugging Face-style stream shuffled through a buffer its state does not hold
-    (tests/hf_like.py): a resume loses the buffer's samples.
+--fault hf_shuffle_buffer: a Hugging Face `datasets` stream shuffled through a buffer its state does not hold
+    (tests/hf_stream.py): a resume loses the buffer's samples.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import mgpu  # noqa: E402
-from tests.hf_like import IterableDataset as HFLikeStream  # noqa: E402
+from tests.hf_stream import hf_stream  # noqa: E402
 
 FAULTS = ("none", "outside_value", "scheduler_missing", "rng_at_epoch_start", "own_dataloader", "ema_not_saved",
           "schedule_from_len", "hf_shuffle_buffer")
@@ -57,7 +57,7 @@ def main() -> None:
             loader: object = DataLoader(dataset, batch_size=4, sampler=sampler)
             batches_per_epoch = len(sampler) // 4
         elif args.fault == "hf_shuffle_buffer":
-            stream = HFLikeStream.from_ids(64, 4, session.rank, session.world_size).shuffle(seed=0, buffer_size=8)
+            stream = hf_stream(64, 4, session.rank, session.world_size, buffer_size=8)
             loader = session.loader(stream, batch_size=4)
             batches_per_epoch = 64 // 4 // session.world_size
         else:
