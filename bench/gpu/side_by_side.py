@@ -107,6 +107,23 @@ def window_ms(ends: list[float], warmup: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- the forms
+def _hand_loop(args: Any, size: dict[str, int], device: Any, rank: int, model: Any, optimizer: Any,
+               save: Callable[[int], None] | None) -> dict[str, Any]:
+    """A hand-written loop's steps over `model` (wrapped as the form wraps it), `save(step)` every args.every."""
+    timer = Timer(device)
+    for step, windows in enumerate(batches(size, args.steps, rank), 1):
+        loss = loss_of(model, windows.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        if save is not None and args.every and step % args.every == 0:
+            timer.held(lambda: save(step))
+        timer.step_done(args.warmup)
+    timer.sync()
+    timer.ends[-1] = time.perf_counter()
+    return {"ms_step": window_ms(timer.ends, args.warmup), "blocked": timer.blocked, "written": timer.blocked}
+
+
 def hand_ddp(args: Any, size: dict[str, int], device: Any, rank: int, world: int, out: Path) -> dict[str, Any]:
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -115,19 +132,11 @@ def hand_ddp(args: Any, size: dict[str, int], device: Any, rank: int, world: int
     model = gpt(size).to(device)
     ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None) if world > 1 else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    timer = Timer(device)
-    for step, windows in enumerate(batches(size, args.steps, rank), 1):
-        loss = loss_of(ddp, windows.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if args.every and step % args.every == 0 and rank == 0:
-            timer.held(lambda: torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
-                                          out / f"hand_{step}.pt"))
-        timer.step_done(args.warmup)
-    timer.sync()
-    timer.ends[-1] = time.perf_counter()
-    return {"ms_step": window_ms(timer.ends, args.warmup), "blocked": timer.blocked, "written": timer.blocked}
+
+    def save(step: int) -> None:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, out / f"hand_{step}.pt")
+
+    return _hand_loop(args, size, device, rank, ddp, optimizer, save if rank == 0 else None)
 
 
 def hand_fsdp(args: Any, size: dict[str, int], device: Any, rank: int, world: int, out: Path) -> dict[str, Any]:
@@ -142,21 +151,12 @@ def hand_fsdp(args: Any, size: dict[str, int], device: Any, rank: int, world: in
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    timer = Timer(device)
-    for step, windows in enumerate(batches(size, args.steps, rank), 1):
-        loss = loss_of(model, windows.to(device))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if args.every and step % args.every == 0:
-            def save() -> None:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / f"hand_fsdp_{step}"))
-            timer.held(save)
-        timer.step_done(args.warmup)
-    timer.sync()
-    timer.ends[-1] = time.perf_counter()
-    return {"ms_step": window_ms(timer.ends, args.warmup), "blocked": timer.blocked, "written": timer.blocked}
+
+    def save(step: int) -> None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(out / f"hand_fsdp_{step}"))
+
+    return _hand_loop(args, size, device, rank, model, optimizer, save)
 
 
 def own(args: Any, size: dict[str, int], device: Any, rank: int, world: int, out: Path,
