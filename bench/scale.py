@@ -20,6 +20,7 @@ Ranks run on the machine's cores as they are (2 here, shared): the figures are u
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import signal
@@ -81,7 +82,18 @@ def hang(world: int, folder: Path) -> dict[str, float]:
             "to_event_s": round(event["time"] - stalled, 2),
             "to_all_out_s": round(out - stalled, 2), "codes_ok": all(p.returncode == 4 for p in procs),
             "codes": "+".join(f"{code}x{sum(p.returncode == code for p in procs)}"
-                              for code in sorted({p.returncode for p in procs}))}
+                              for code in sorted({p.returncode for p in procs})),
+            "other_exits": _other_exits(procs, 4, folder / f"out-hang-{world}")}
+
+
+def _other_exits(procs: list, expected: int, logs: Path) -> dict[str, str]:
+    """The ranks that exited with another code than `expected`: their code and the last line they printed."""
+    found = {}
+    for rank, proc in enumerate(procs):
+        if proc.returncode != expected:
+            lines = (logs / f"out{rank}.txt").read_text(errors="replace").strip().splitlines()
+            found[str(rank)] = f"exit {proc.returncode}: {lines[-1][-300:] if lines else ''}"
+    return found
 
 
 def preemption(world: int, folder: Path) -> dict[str, float]:
@@ -102,9 +114,11 @@ def main() -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[8, 16, 32])
     parser.add_argument("--scenarios", nargs="+", choices=["hang", "preemption"], default=["hang", "preemption"])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--keep", type=Path, help="run in this folder and keep the runs and the ranks' output")
     args = parser.parse_args()
     rows = []
-    with tempfile.TemporaryDirectory(prefix="mgpu-scale-") as tmp:
+    with contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="mgpu-scale-") as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for world in args.worlds:
             for scenario in [{"hang": hang, "preemption": preemption}[name] for name in args.scenarios]:
                 started = time.time()

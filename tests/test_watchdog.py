@@ -48,6 +48,8 @@ def test_blame(beats: list[Heartbeat], stuck: list[int]) -> None:
 
 def test_a_rank_without_a_heartbeat_is_blamed() -> None:
     assert blame([hb(0, 5, "model"), hb(2, 5, "model")], NOW - 8, world=3) == [1]
+    # The second look's verdict names a rank without a heartbeat too: named once (it was "1+1" in a hang event).
+    assert blame([hb(0, 5, "model"), hb(2, 5, "model")], NOW - 8, world=3, frozen_ranks=[1]) == [1]
 
 
 class Clock:

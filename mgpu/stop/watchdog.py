@@ -13,10 +13,10 @@ a resume reads, each read counts as progress (the training thread's bytes read, 
 publisher thread): a big checkpoint on a slow filesystem is read, not hung. A step's time runs from its first beat to the end of its optimizer phase: the
 evaluation or checkpoint that may follow it has its own allowance and is not part of it.
 
-Heartbeats go on a board, never on the run's shared filesystem (one stalled `open()` there would block every
-rank's watchdog at once, and attribute caching would make a live rank look stale): the rendezvous store
-(a TCPStore, through a connection of the watchdog's own with a 5 s timeout) in a world of several ranks, a
-node-local tmpfs directory otherwise. A publisher thread writes this rank's heartbeat every WRITE_EVERY_S;
+Heartbeats go on a board (mgpu.stop.heartbeat_board), never on the run's shared filesystem (one stalled
+`open()` there would block every rank's watchdog at once, and attribute caching would make a live rank look
+stale): the rendezvous store (a TCPStore, through a connection of the watchdog's own with a 5 s timeout) in a
+world of several ranks, a node-local tmpfs directory otherwise. A publisher thread writes this rank's heartbeat every WRITE_EVERY_S;
 the watch thread does no I/O at all, so a stalled board or filesystem can delay evidence, never detection.
 Everything that touches a file, a socket or a log handler runs on a helper thread with a bound.
 
@@ -50,20 +50,19 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import hashlib
 import json
 import logging
 import os
 import socket
 import statistics
-import tempfile
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+from mgpu.stop.heartbeat_board import STORE_TIMEOUT_S, Board, DirBoard, StoreBoard, default_board
 
 if TYPE_CHECKING:
     from mgpu.config.schema import WatchdogConfig
@@ -93,11 +92,6 @@ TEARDOWN_S = 60.0
 ENDED_TEARDOWN_S = 5.0
 """The same once the run's outcome is recorded (checkpoint, ledger, loggers): cutting it short loses nothing,
 and Slurm's KillWait (often 5-30 s after a stop's signal) is near."""
-STACKS_REQUESTED = ".stacks-requested"
-"""On the board: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for
-its stacks."""
-STORE_TIMEOUT_S = 5.0
-"""Every operation of the watchdog on the rendezvous store (its own connection) ends within this."""
 EVAL_PHASES = ("eval", "agree")
 WAITING_PHASES = ("model", "agree", "checkpoint-wait")
 """Phases in which a rank waits for the others in a collective."""
@@ -146,8 +140,8 @@ def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = No
     all; `frozen_ranks`, when given, is the verdict of the second look instead of the clocks), else those
     behind the rest."""
     seen = {b.rank for b in beats}
-    frozen = (list(frozen_ranks) if frozen_ranks is not None else [b.rank for b in beats if b.written < fresh_after])
-    frozen += [rank for rank in range(world or 0) if rank not in seen]
+    frozen = set(frozen_ranks) if frozen_ranks is not None else {b.rank for b in beats if b.written < fresh_after}
+    frozen |= {rank for rank in range(world or 0) if rank not in seen}  # the second look counts these already
     if frozen:
         return sorted(frozen)
     if not beats:
@@ -192,121 +186,6 @@ def still_silent(first: Mapping[int, float], beats: Sequence[Heartbeat], world: 
         elif beat.written < detected and (rank not in first or beat.written == first[rank]):
             silent.append(rank)
     return silent
-
-
-class Board(Protocol):
-    """Where the ranks' heartbeats meet: never the run's shared filesystem, whose one stalled `open()` would
-    blind every rank's watchdog at once. Every call may fail (OSError, RuntimeError) and is bounded."""
-
-    def publish(self, rank: int, beat: str) -> None: ...
-    def read(self, world: int) -> dict[int, str]: ...
-    def request_stacks(self, at: float) -> None: ...
-    def stacks_requested(self) -> float | None: ...
-    def close(self, rank: int) -> None: ...
-
-
-class DirBoard:
-    """Heartbeat files in a node-local directory (tmpfs: /dev/shm, else $TMPDIR): for a world on one node. A
-    create and a rename per rank every WRITE_EVERY_S, on memory, never on the shared filesystem."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        path.mkdir(parents=True, exist_ok=True)
-
-    def _put(self, name: str, text: str) -> None:
-        tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(text)
-        os.replace(tmp, self.path / name)
-
-    def publish(self, rank: int, beat: str) -> None:
-        self._put(f"heartbeat-rank{rank}.json", beat)
-
-    def read(self, world: int) -> dict[int, str]:
-        found = {}
-        for rank in range(world):
-            try:
-                found[rank] = (self.path / f"heartbeat-rank{rank}.json").read_text()
-            except OSError:
-                continue
-        return found
-
-    def request_stacks(self, at: float) -> None:
-        self._put(STACKS_REQUESTED, repr(at))
-
-    def stacks_requested(self) -> float | None:
-        try:
-            return float((self.path / STACKS_REQUESTED).read_text())
-        except (OSError, ValueError):
-            return None
-
-    def close(self, rank: int) -> None:
-        (self.path / f"heartbeat-rank{rank}.json").unlink(missing_ok=True)
-
-
-class StoreBoard:
-    """Heartbeats in the c10d rendezvous store (a TCPStore: memory, no cache), through a connection of the
-    watchdog's own whose every operation times out after `STORE_TIMEOUT_S`. One `set` per rank every
-    WRITE_EVERY_S and no filesystem operation at all: the load is on the store's host, in memory."""
-
-    def __init__(self, store: Any) -> None:
-        self.store = store
-
-    @classmethod
-    def connect(cls, host: str, port: int, namespace: str, timeout_s: float = 0.0) -> "StoreBoard":
-        import torch.distributed as dist
-
-        client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
-                               timeout=timedelta(seconds=timeout_s or STORE_TIMEOUT_S))
-        return cls(dist.PrefixStore(namespace, client))
-
-    def publish(self, rank: int, beat: str) -> None:
-        self.store.set(f"hb/{rank}", beat)
-
-    def read(self, world: int) -> dict[int, str]:
-        keys = [f"hb/{rank}" for rank in range(world)]
-        if self.store.check(keys):  # one round trip when every rank has beaten (a missing key's get waits)
-            return {rank: bytes(value).decode() for rank, value in enumerate(self.store.multi_get(keys))}
-        return {rank: bytes(self.store.get(key)).decode() for rank, key in enumerate(keys) if self.store.check([key])}
-
-    def request_stacks(self, at: float) -> None:
-        self.store.set(STACKS_REQUESTED, repr(at))
-
-    def stacks_requested(self) -> float | None:
-        if not self.store.check([STACKS_REQUESTED]):
-            return None
-        return float(bytes(self.store.get(STACKS_REQUESTED)).decode())
-
-    def close(self, rank: int) -> None:
-        pass  # the store ends with the step's rendezvous; its host may be gone already
-
-
-def node_local_dir(key: str, environ: Mapping[str, str] | None = None) -> Path:
-    """A directory on this node's memory (/dev/shm), else $TMPDIR, for this run's attempt `key`."""
-    environ = os.environ if environ is None else environ
-    shm = Path("/dev/shm")
-    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(environ.get("TMPDIR") or tempfile.gettempdir())
-    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    return base / f"mgpu-{os.getuid()}" / f"watchdog-{digest}"
-
-
-def default_board(world: int, key: str) -> Board:
-    """The rendezvous store when the process group is formed across several ranks, else a node-local
-    directory (a world of one, or no store to be found)."""
-    if world > 1:
-        try:
-            import torch.distributed as dist
-            from torch.distributed.distributed_c10d import _get_default_store
-
-            if dist.is_initialized():
-                store = _get_default_store()
-                while hasattr(store, "underlying_store"):
-                    store = store.underlying_store
-                if hasattr(store, "host") and hasattr(store, "port"):
-                    namespace = "mgpu-watchdog/" + hashlib.sha1(key.encode()).hexdigest()[:16] + "/"
-                    return StoreBoard.connect(store.host, store.port, namespace)
-        except (ImportError, RuntimeError, ValueError) as error:
-            log.warning("the watchdog cannot reach the rendezvous store (%s): heartbeats stay on this node", error)
-    return DirBoard(node_local_dir(key))
 
 
 def attempt_key(logs: Path, environ: Mapping[str, str] | None = None) -> str:
