@@ -129,10 +129,10 @@ class ReplicaServer:
                     conn.settimeout(self.timeout)
                     self._handle(conn)
                 except Exception as error:  # noqa: BLE001  # a bad or torn request ends its connection, never the server
-                    if not self.closing and not self._failed:
+                    if not self.closing and not self._failed:  # a sender killed mid-transfer, mostly: no warning
                         self._failed = True
-                        log.warning("replica of rank %d: a request failed: %s: %s (said once)",
-                                    self.store.identity.rank, type(error).__name__, error)
+                        log.info("replica of rank %d: a request failed, the previous replica kept: %s: %s (said once)",
+                                 self.store.identity.rank, type(error).__name__, error)
                 finally:
                     self._active = None
 
@@ -298,6 +298,9 @@ class ReplicaSender:
                 assert snapshot is not None
                 self.partner.put(snapshot)
                 self.sent += 1
+                if self.sent == 1:
+                    log.info("rank %d: its snapshots are replicated on rank %d (node %s)", self.partner.identity.rank,
+                             self.partner.rank, self.partner.entry().get("node"))
             except Superseded:
                 pass
             except Exception as error:  # noqa: BLE001  # a replica never ends the run
