@@ -277,3 +277,17 @@ def test_the_batch_scripts_teardown_removes_the_replicas_too(tmp_path: Path) -> 
     SnapshotStore.for_rank(R1, tmp_path).write(1, dump("x"))
     assert remove_job("123", base=tmp_path) == [job_dir("123", "run-abc", tmp_path)]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fresh_start_removes_the_replica_held_and_goes_on_holding_the_next(
+        tmp_path: Path, pair: tuple[Replication, Replication]) -> None:
+    zero, one = pair
+    own = SnapshotStore.for_rank(R0, tmp_path)
+    zero.offer(own.write(1, dump("old")))
+    assert zero.sender.wait_idle(10) and one.held.valid_steps() == [1]
+    holder = MemorySnapshots(SnapshotStore.for_rank(R1, tmp_path), every=1, version=None)
+    holder.replication = one
+    holder.discard()  # load(fresh=True)
+    assert not one.held.directory.exists()
+    zero.offer(own.write(2, dump("new")))
+    assert zero.sender.wait_idle(10) and one.held.valid_steps() == [2] and zero.sender.failure is None
