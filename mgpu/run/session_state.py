@@ -169,7 +169,7 @@ def replication(session: SessionBase, identity: Any) -> Any:
                                         else socket.gethostname())
     try:
         return Replication.start(identity, node=node, ranks_per_node=env.local_world_size, num_nodes=env.num_nodes,
-                                 host=local_address(env.master_addr, env.master_port),
+                                 host=local_address(env.master_addr, env.master_port) if env.num_nodes > 1 else "",
                                  directory=StoreDirectory.rendezvous)
     except (OSError, RuntimeError, ValueError) as error:
         log.warning("checkpoint.memory_every_steps: rank %d: no replica of its snapshots on another node: %s: %s",
