@@ -111,15 +111,18 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
-def start_ranks(argv: list[str], world: int) -> list[subprocess.Popen[str]]:
+def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[subprocess.Popen[str]]:
     """`world` ranks of `python argv...` in one process group, as slurmstepd runs a step's tasks: a signal to
-    the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent)."""
+    the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent).
+    `nodes`: the ranks split over that many "nodes" of this host, named n1, n2, ... (MGPU_NODE_NAME)."""
     import random
 
     port, procs, group = str(random.SystemRandom().randint(20000, 32000)), [], 0
+    per_node = world // nodes
     for rank in range(world):
-        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                       MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
+                       LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                       **({"MGPU_NODE_NAME": f"n{rank // per_node + 1}"} if nodes > 1 else {}))
         procs.append(subprocess.Popen([PYTHON, *argv], env=env, cwd=ROOT, process_group=group,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         group = group or procs[0].pid

@@ -1,10 +1,12 @@
 """A rank SIGKILLed mid-run, the step started again in place (the same command, as mgpu.run.recovery's `restart`
 does under Slurm): with checkpoint.memory_every_steps=1 it resumes from the snapshots in memory, one step
 back, not from the durable checkpoint, and ends bit-identical to an unbroken run; the snapshots are gone once
-the run finishes. Real processes: 2 gloo ranks of jobs/train.py, under DDP and FSDP2."""
+the run finishes. Real processes: 2 gloo ranks of jobs/train.py, under DDP and FSDP2; and on 2 "nodes" of one
+rank each whose second loses its memory: its rank restores from the replica on the first."""
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +64,44 @@ def test_a_killed_rank_restarted_in_place_resumes_from_memory_bit_identically(
     assert_identical(final["model"], expected["model"], "model")
     assert_identical(final["optimizer"], expected["optimizer"], "optimizer")
     assert list(shm.iterdir()) == [], "snapshots left after the run finished"
+
+
+@pytest.mark.multiprocess
+def test_a_node_that_lost_its_memory_restores_from_the_replicas_bit_identically(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 "nodes" (n1, n2) x 1 rank sharing this host's memory, each rank's snapshots replicated to the other's node.
+    Rank 1 is SIGKILLed in step 14; then everything n2 held is removed (rank 1's own snapshots and the replica of
+    rank 0 it kept), as if the node had been replaced. The step started again resumes from memory (newer than the
+    durable step 10): rank 1 from its replica on n1, fetched back over its socket; the run ends bit-identical."""
+    from tests.conftest import start_ranks
+    from tests.test_faults import TRAIN, finish_step
+    from tests.test_trainer import assert_identical
+
+    shm = tmp_path / "shm"
+    monkeypatch.setenv(BASE_ENV, str(shm))
+    reference = tmp_path / "reference"
+    done = finish_step(start_ranks([TRAIN, f"run.dir={reference}", *ARGS], 2, nodes=2), timeout=150)
+    assert [rc for rc, _ in done] == [0, 0], done[0][1][-3000:]
+
+    run = tmp_path / "run"
+    killing = [TRAIN, f"run.dir={run}", *ARGS, "task.args.at=14", f"task.args.once_file={tmp_path / 'killed'}"]
+    crashed = finish_step(start_ranks(killing, 2, nodes=2), timeout=150)
+    assert crashed[1][0] == -9 and crashed[0][0] != 0, crashed[0][1][-3000:]
+    durable = CheckpointStore(run / "checkpoints").list_steps()[-1]
+    assert durable in (5, 10)  # step 10's epoch-end save, unless the background one was still being written
+    (jobs,) = shm.iterdir()
+    assert sorted(p.name for p in jobs.iterdir()) == ["rank0", "rank1", "replica-of-rank0-on-n2",
+                                                      "replica-of-rank1-on-n1"]
+    for lost in ("rank1", "replica-of-rank0-on-n2"):  # node n2's memory
+        shutil.rmtree(jobs / lost)
+
+    again = finish_step(start_ranks(killing, 2, nodes=2), timeout=150)
+    assert [rc for rc, _ in again] == [0, 0], again[1][1][-3000:]
+    (resumed,) = [e for e in read_ledger(run / "events.jsonl") if e["event"] == "resumed"]
+    assert resumed.get("memory") is True and resumed["durable_step"] == durable and resumed["step"] in (12, 13), resumed
+    assert f"rank 1: step {resumed['step']} restored from its replica on rank 0" in (run / "logs" / "rank1.log").read_text()
+    final, expected = (CheckpointStore(d / "checkpoints").latest().state for d in (run, reference))
+    assert final["progress"]["step"] == expected["progress"]["step"] == 20
+    assert_identical(final["model"], expected["model"], "model")
+    assert_identical(final["optimizer"], expected["optimizer"], "optimizer")
+    assert list(shm.iterdir()) == [], "snapshots or replicas left after the run finished"

@@ -146,7 +146,35 @@ def memory(session: SessionBase) -> Any:
             rank=session.rank, every=session.cfg.checkpoint.memory_every_steps, version=session.version,
             restart=session.env.restart_count)
         session._memory.remove_other_jobs()
+        if session.cfg.checkpoint.memory_every_steps:
+            session._memory.replication = replication(session, session._memory.store.identity)
     return session._memory
+
+
+NODE_ENV = "MGPU_NODE_NAME"
+"""This node's name for the replicas' directories, where the launcher does not give one (tests: two "nodes" on
+one host)."""
+
+
+def replication(session: SessionBase, identity: Any) -> Any:
+    """This rank's side of the replicas on another node (mgpu.state.memory_replica), or None: one node, or the
+    rendezvous store cannot be reached (said; the snapshots stay on their node)."""
+    import os
+    import socket
+
+    from mgpu.state.memory_replica import Replication, StoreDirectory, local_address
+
+    env = session.env
+    node = os.environ.get(NODE_ENV) or (env.nodes[env.node_rank] if env.node_rank < len(env.nodes)
+                                        else socket.gethostname())
+    try:
+        return Replication.start(identity, node=node, ranks_per_node=env.local_world_size, num_nodes=env.num_nodes,
+                                 host=local_address(env.master_addr, env.master_port) if env.num_nodes > 1 else "",
+                                 directory=StoreDirectory.rendezvous)
+    except (OSError, RuntimeError, ValueError) as error:
+        log.warning("checkpoint.memory_every_steps: rank %d: no replica of its snapshots on another node: %s: %s",
+                    session.rank, type(error).__name__, error)
+        return None
 
 
 def snapshot(session: SessionBase) -> bool:
@@ -165,7 +193,7 @@ def restore_from_memory(session: SessionBase, state: MutableMapping[str, Any], m
     found = session.resumption.latest()
     session._durable_step = found.step if found is not None else -1
     if fresh:
-        memory(session).remove()
+        memory(session).discard()
     if fresh or not session.cfg.checkpoint.memory_every_steps:
         return None  # (a snapshot taken under another memory_every_steps is another config's: never used)
 

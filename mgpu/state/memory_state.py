@@ -1,7 +1,8 @@
 """A session's snapshots in host memory (checkpoint.memory_every_steps): every k steps each rank writes what a
 checkpoint at that step would hold for it into node-local shared memory (mgpu.state.memory_snapshot); when the step
 is started again in the same allocation (a killed rank, a crash, a hang), the ranks agree on the newest step
-every one of them holds and restore it when it is newer than the durable checkpoint.
+every one of them holds (its own, or the replica its partner on another node holds: mgpu.state.memory_replica)
+and restore it when it is newer than the durable checkpoint.
 
 Under DDP every rank keeps the whole replicated state (model, optimizer, ...) with its own RNG and loader
 position: each rank restores alone, with no peer, at the cost of one state per rank in the node's memory.
@@ -18,9 +19,12 @@ import logging
 import time
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, MutableMapping
+from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 from mgpu.state.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id
+
+if TYPE_CHECKING:
+    from mgpu.state.memory_replica import Replication
 
 __all__ = ["MemorySnapshots", "Restored", "agree_on_step", "config_digest", "rank_state"]
 
@@ -44,11 +48,12 @@ def config_digest(config: Any) -> str:
 
 def agree_on_step(own: list[int], reduce_min: Callable[[int], int]) -> int | None:
     """*Collective* through `reduce_min` (an all-reduce MIN over the ranks): the newest step every rank holds
-    (`own`: this rank's valid snapshot steps), or None. Each round proposes every rank's newest step below the
-    last proposal and keeps the least; it is taken when every rank has it. At most SLOTS + 1 rounds, the same
-    number on every rank (every decision is on reduced values)."""
+    (`own`: the steps this rank can restore: its own slots and its replica's), or None. Each round proposes every
+    rank's newest step below the last proposal and keeps the least; it is taken when every rank has it. At most
+    2 x SLOTS + 1 rounds (two slots of its own, two of its replica), the same number on every rank (every
+    decision is on reduced values)."""
     bound: int | None = None
-    for _ in range(SLOTS + 1):
+    for _ in range(2 * SLOTS + 1):
         proposal = reduce_min(max((s for s in own if bound is None or s < bound), default=-1))
         if proposal < 0:
             return None
@@ -214,6 +219,8 @@ class MemorySnapshots:
         self.taken = 0
         self.last_seconds = 0.0
         self.last_bytes = 0
+        self.replication: Replication | None = None
+        """The replica of these snapshots on a partner of another node, and the one this rank holds (None: none)."""
 
     @classmethod
     def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
@@ -252,6 +259,8 @@ class MemorySnapshots:
         except OSError as error:
             return self._disable(f"writing one failed: {error}")
         self.last_seconds, self.last_bytes = time.perf_counter() - started, snapshot.path.stat().st_size
+        if self.replication is not None:
+            self.replication.offer(snapshot)  # sent in the background: the loop does not wait for it
         if self.taken == 0 and self.store.identity.rank == 0:
             log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.every,
                      self.last_bytes / 1e6, self.last_seconds, self.store.directory)
@@ -271,8 +280,10 @@ class MemorySnapshots:
         return False
 
     def agreed_step(self, reduce_min: Callable[[int], int]) -> int | None:
-        """*Collective.* The newest step every rank can restore from memory (None: none)."""
-        return agree_on_step(self.store.valid_steps(), reduce_min)
+        """*Collective.* The newest step every rank can restore from memory, its own or its replica (None: none)."""
+        own = self.store.valid_steps()
+        replica = self.replication.steps() if self.replication is not None else []
+        return agree_on_step(sorted(set(own) | set(replica), reverse=True), reduce_min)
 
     def restore(self, step: int, objects: MutableMapping[str, Any], seed: int,
                 missing_ok: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
@@ -286,7 +297,14 @@ class MemorySnapshots:
 
         from mgpu.state.train_state import _unwrapped
 
-        state = self.store.read(step, load)
+        try:
+            state = self.store.read(step, load)
+        except FileNotFoundError:  # not on this node (lost, replaced): the replica on the partner's
+            if self.replication is None:
+                raise
+            state = load(self.replication.fetch(step))
+            log.info("rank %d: step %d restored from its replica on rank %d", self.store.identity.rank, step,
+                     self.replication.partner.rank)
         sharded = [name for name in objects if name in state and _has_local(state[name])]
         for name in sharded:
             _restore_shards(state[name], _unwrapped(objects[name]), name)
@@ -301,17 +319,29 @@ class MemorySnapshots:
         checkpoint's (`durable_step`; -1: none), and say so on rank 0; None: the durable checkpoint, as before."""
         step = self.agreed_step(reduce_min)
         if step is None or step <= durable_step:
-            self.store.discard_after(max(durable_step, 0))  # the run goes on from the durable checkpoint
-            return None
-        self.store.discard_after(step)
+            step = None
+        for store in (self.store, self.replication.held if self.replication is not None else None):
+            if store is not None:  # the slots after the step the run goes on from are another attempt's
+                store.discard_after(max(durable_step, 0) if step is None else step)
+        if step is None:
+            return None  # the durable checkpoint
         state = self.restore(step, objects, seed, missing_ok)
         if self.store.identity.rank == 0:
             log.info("resumed at step %d from the snapshots in memory (%s), newer than the durable checkpoint%s",
                      step, self.store.directory.parent, f" (step {durable_step})" if durable_step >= 0 else " (none)")
         return Restored(step, state, self.store.directory.parent)
 
+    def discard(self) -> None:
+        """This rank's snapshots and the replica it holds (a fresh start); the replicas go on from here."""
+        if self.replication is not None:
+            self.replication.clear()
+        self.store.remove()
+
     def remove(self) -> None:
-        """This rank's snapshots (the run ended: finished, stopped with its checkpoint, or stays down)."""
+        """This rank's snapshots and the replica it holds, the replicas stopped first (the run ended: finished,
+        stopped with its checkpoint, or stays down)."""
+        if self.replication is not None:
+            self.replication.close()
         self.store.remove()
 
     def remove_other_jobs(self) -> None:

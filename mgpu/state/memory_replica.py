@@ -1,0 +1,433 @@
+"""A replica of each rank's snapshots in memory on a partner rank of another node (checkpoint.memory_every_steps),
+so the loss of one node's memory loses no snapshot while the allocation keeps going.
+
+Pairing (`partners`): rank r sends its snapshots to the rank with its local rank on the next node,
+(r + ranks per node) % world, and holds the replica of (r - ranks per node) % world; none on one node. The holder
+keeps it in its node's shared memory, `<job dir>/replica-of-rank<r>-on-<node>/`, with the snapshots' own two slots
+and commit records (mgpu.state.memory_snapshot.SnapshotStore, the sender's identity): a transfer cut short, or
+whose CRC-32 is not the sender's, is never committed, and the previous replica stays whole.
+
+Transport: a plain TCP socket per pair. Each rank serves the replica it holds on a port of its own, published
+with a random token in a directory (the rendezvous TCPStore the job already has, `StoreDirectory`); a daemon
+thread sends the newest snapshot (one in flight, one waiting that a newer one replaces: the loop never waits),
+and a restore asks the partner for the steps it holds and fetches one back over the same kind of connection.
+Not a gloo group on a thread: that would still be a collective, which a dead or slow partner turns into a hang
+of both; a socket fails alone, within its timeout. No torch here except in `StoreDirectory`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import io
+import json
+import logging
+import secrets
+import shutil
+import socket
+import threading
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, _SAFE, job_dir
+
+__all__ = ["Directory", "Replication", "StoreDirectory", "partners", "replica_dir"]
+
+log = logging.getLogger("mgpu.train")
+
+TIMEOUT_S = 60.0
+"""Each socket operation's bound (a connect, a send or receive of one chunk), and a partner's address lookup's."""
+CHUNK = 1 << 20
+_MAX_HEADER = 1 << 16
+
+
+class Directory(Protocol):
+    """Where the ranks publish their replica servers' addresses (the rendezvous store; a dict in tests)."""
+
+    def publish(self, key: str, value: str) -> None: ...
+
+    def lookup(self, key: str, timeout: float) -> str: ...
+
+
+def partners(rank: int, world_size: int, ranks_per_node: int, num_nodes: int) -> tuple[int, int] | None:
+    """(the rank this one sends its snapshots to, the rank whose replica it holds), or None: one node, or nodes
+    with unequal numbers of ranks (then the pairing is not the same on every rank)."""
+    if num_nodes < 2 or ranks_per_node < 1 or ranks_per_node * num_nodes != world_size:
+        return None
+    return (rank + ranks_per_node) % world_size, (rank - ranks_per_node) % world_size
+
+
+def replica_dir(job: str, run: str, rank: int, node: str, base: Path | None = None) -> Path:
+    """Where `node` holds the replica of `rank`'s snapshots: the node's name keeps the nodes' files apart where
+    two share one /dev/shm (the test cluster)."""
+    return job_dir(job, run, base) / f"replica-of-rank{rank}-on-{_SAFE.sub('_', node)}"
+
+
+class Refused(Exception):
+    """The partner refused a request (a stale identity, a bad token, no such step, closing), or its answer was torn."""
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    parts, left = [], size
+    while left:
+        chunk = conn.recv(min(left, CHUNK))
+        if not chunk:
+            raise ConnectionError(f"the connection closed {left} of {size} bytes short")
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def _send_msg(conn: socket.socket, message: dict[str, Any]) -> None:
+    data = json.dumps(message).encode()
+    conn.sendall(len(data).to_bytes(4, "big") + data)
+
+
+def _recv_msg(conn: socket.socket) -> dict[str, Any]:
+    size = int.from_bytes(_recv_exact(conn, 4), "big")
+    if size > _MAX_HEADER:
+        raise Refused(f"a header of {size} bytes")
+    message = json.loads(_recv_exact(conn, size))
+    if not isinstance(message, dict):
+        raise Refused("a header that is not an object")
+    return message
+
+
+def _crc(data: bytes) -> str:
+    return f"{zlib.crc32(data):08x}"
+
+
+class ReplicaServer:
+    """Holds the replica of one rank (`store`, with that rank's identity) and serves that rank, one connection at
+    a time on a daemon thread: `put` (a snapshot, written into the older slot, committed only whole and with the
+    sender's CRC-32), `list` (the valid steps), `get` (one step's file)."""
+
+    def __init__(self, store: SnapshotStore, host: str, token: str, timeout: float = TIMEOUT_S) -> None:
+        self.store, self.token, self.timeout = store, token, timeout
+        self.listener = socket.create_server((host, 0))
+        self.listener.settimeout(0.2)  # the accept loop looks at `closing` this often
+        self.address = f"{host}:{self.listener.getsockname()[1]}"
+        self.closing = False
+        self._active: socket.socket | None = None
+        self._failed = False
+        self._thread = threading.Thread(target=self._serve, name="mgpu-replica-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self.closing:
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            with conn:
+                self._active = conn
+                try:
+                    conn.settimeout(self.timeout)
+                    self._handle(conn)
+                except Exception as error:  # noqa: BLE001  # a bad or torn request ends its connection, never the server
+                    if not self.closing and not self._failed:  # a sender killed mid-transfer, mostly: no warning
+                        self._failed = True
+                        log.info("replica of rank %d: a request failed, the previous replica kept: %s: %s (said once)",
+                                 self.store.identity.rank, type(error).__name__, error)
+                finally:
+                    self._active = None
+
+    def _handle(self, conn: socket.socket) -> None:
+        request = _recv_msg(conn)
+        _send_msg(conn, self._answer(conn, request))
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
+        """The answer to `request` (a `get`'s content sent already after its own header; a `put`'s received)."""
+        if not hmac.compare_digest(str(request.get("token", "")), self.token):
+            return {"ok": False, "why": "bad token"}
+        asked = request.get("identity")
+        if asked != asdict(self.store.identity):
+            return {"ok": False, "why": f"stale: this holds {asdict(self.store.identity)}, asked for {asked}"}
+        if self.closing:
+            return {"ok": False, "why": "closing"}
+        op = request.get("op")
+        if op == "list":
+            return {"ok": True, "steps": self.store.valid_steps()}
+        if op == "get":
+            try:
+                content = self.store.read(int(request["step"]), lambda file: file.read())
+            except FileNotFoundError as error:
+                return {"ok": False, "why": str(error)}
+            _send_msg(conn, {"ok": True, "bytes": len(content), "crc32": _crc(content)})
+            conn.sendall(content)
+            return {"ok": True}
+        if op == "put":
+            size, crc = int(request["bytes"]), str(request["crc32"])
+            _send_msg(conn, {"ok": True})
+
+            def receive(file: Any) -> None:
+                left, mine = size, 0
+                while left:
+                    chunk = conn.recv(min(left, CHUNK))
+                    if not chunk:
+                        raise ConnectionError(f"the sender closed the connection {left} of {size} bytes short")
+                    file.write(chunk)
+                    mine, left = zlib.crc32(chunk, mine), left - len(chunk)
+                if f"{mine:08x}" != crc:
+                    raise Refused("torn: the bytes received are not the sender's CRC-32")
+
+            self.store.write(int(request["step"]), receive)  # raises before its commit record on a torn transfer
+            return {"ok": True}
+        return {"ok": False, "why": f"unknown op {op!r}"}
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop serving: a transfer under way is cut (never committed), the thread joined (bounded)."""
+        self.closing = True
+        with contextlib.suppress(OSError):
+            self.listener.close()
+        active = self._active
+        if active is not None:
+            with contextlib.suppress(OSError):
+                active.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout)
+
+
+class Partner:
+    """The client side: the partner's server (its address and token looked up once in the directory), asked for
+    one rank's replica (`identity`)."""
+
+    def __init__(self, rank: int, identity: Identity, directory: Directory, namespace: str, node: str,
+                 timeout: float = TIMEOUT_S) -> None:
+        self.rank, self.identity, self.directory, self.namespace = rank, identity, directory, namespace
+        self.node, self.timeout = node, timeout
+        self._entry: dict[str, str] | None = None
+
+    def entry(self) -> dict[str, str]:
+        """The partner's published entry (address, token, node); refused when it is on this rank's node."""
+        if self._entry is None:
+            entry = json.loads(self.directory.lookup(f"{self.namespace}{self.rank}", self.timeout))
+            if entry.get("node") == self.node:
+                raise Refused(f"rank {self.rank} is on this rank's node ({self.node}): a replica there protects nothing")
+            self._entry = entry
+        return self._entry
+
+    def _request(self, message: dict[str, Any]) -> tuple[socket.socket, dict[str, Any]]:
+        entry = self.entry()
+        host, port = entry["address"].rsplit(":", 1)
+        conn = socket.create_connection((host, int(port)), timeout=self.timeout)
+        try:
+            _send_msg(conn, {**message, "token": entry["token"], "identity": asdict(self.identity)})
+            answer = _recv_msg(conn)
+            if not answer.get("ok"):
+                raise Refused(str(answer.get("why")))
+        except BaseException:
+            conn.close()
+            raise
+        return conn, answer
+
+    def steps(self) -> list[int]:
+        conn, answer = self._request({"op": "list"})
+        conn.close()
+        return [int(step) for step in answer["steps"]]
+
+    def fetch(self, step: int) -> bytes:
+        """The replica of `step`, checked against the CRC-32 its holder read it with."""
+        conn, answer = self._request({"op": "get", "step": step})
+        with conn:
+            content = _recv_exact(conn, int(answer["bytes"]))
+            _recv_msg(conn)  # the server's end of the request
+        if _crc(content) != answer["crc32"]:
+            raise Refused(f"torn: the replica of step {step} received is not its CRC-32")
+        return content
+
+    def put(self, snapshot: Snapshot) -> None:
+        """Send `snapshot`, read whole into memory first and checked against its commit record (its slot is
+        written over two snapshots later, maybe while this is sent)."""
+        content = snapshot.path.read_bytes()
+        if _crc(content) != snapshot.digest:
+            raise Superseded(f"step {snapshot.step}'s slot was written over before it was sent")
+        conn, _ = self._request({"op": "put", "step": snapshot.step, "bytes": len(content), "crc32": snapshot.digest})
+        with conn:
+            conn.sendall(content)
+            answer = _recv_msg(conn)
+        if not answer.get("ok"):
+            raise Refused(str(answer.get("why")))
+
+
+class Superseded(Exception):
+    """A snapshot written over before it could be sent: the newer one goes instead."""
+
+
+class ReplicaSender:
+    """Sends this rank's newest snapshot to its partner on a daemon thread: one in flight, one waiting (a newer
+    snapshot replaces it there). A failure is said once, when the next snapshot is offered (a partner that ended
+    with the run is no failure); the run goes on either way."""
+
+    def __init__(self, partner: Partner) -> None:
+        self.partner = partner
+        self.sent = 0
+        self.failure: str | None = None
+        self._said = False
+        self._pending: Snapshot | None = None
+        self._closing = False
+        self._busy = False
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def offer(self, snapshot: Snapshot) -> None:
+        with self._cond:
+            if self.failure is not None and not self._said:
+                self._said = True
+                log.warning("checkpoint.memory_every_steps: rank %d: a replica to rank %d failed: %s (said once; "
+                            "the snapshots stay on this node)", self.partner.identity.rank, self.partner.rank,
+                            self.failure)
+            self._pending = snapshot
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mgpu-replica-sender", daemon=True)
+                self._thread.start()
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                snapshot, self._pending, self._busy = self._pending, None, True
+            try:
+                assert snapshot is not None
+                self.partner.put(snapshot)
+                self.sent += 1
+                if self.sent == 1:
+                    log.info("rank %d: its snapshots are replicated on rank %d (node %s)", self.partner.identity.rank,
+                             self.partner.rank, self.partner.entry().get("node"))
+            except Superseded:
+                pass
+            except Exception as error:  # noqa: BLE001  # a replica never ends the run
+                self.failure = self.failure or f"{type(error).__name__}: {error}"
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Whether nothing is waiting or being sent within `timeout` s (tests)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._pending is None and not self._busy, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+
+
+@dataclass
+class Replication:
+    """One rank's side of the replicas: the server holding its partner's, the sender of its own, the client that
+    lists and fetches its own back."""
+
+    held: SnapshotStore
+    server: ReplicaServer
+    sender: ReplicaSender
+
+    @classmethod
+    def start(cls, identity: Identity, *, node: str, ranks_per_node: int, num_nodes: int, host: str,
+              directory: Callable[[], Directory], base: Path | None = None,
+              timeout: float = TIMEOUT_S) -> "Replication | None":
+        """Serve the replica this rank holds and publish where in `directory()` (called only where there are
+        partners); None (and rank 0 says so) on one node."""
+        pair = partners(identity.rank, identity.world_size, ranks_per_node, num_nodes)
+        if pair is None:
+            if identity.rank == 0:
+                log.info("checkpoint.memory_every_steps: %s: the snapshots have no replica on another node (a lost "
+                         "node costs the durable checkpoint)", "one node" if num_nodes < 2 else
+                         "nodes with unequal numbers of ranks")
+            return None
+        to, held_rank = pair
+        held = SnapshotStore(replica_dir(identity.job, identity.run, held_rank, node, base),
+                             Identity(**{**asdict(identity), "rank": held_rank}))
+        token = secrets.token_hex(16)
+        server = ReplicaServer(held, host, token, timeout)
+        namespace = f"mgpu-replica/{identity.job}/{identity.restart}/{identity.run}/"
+        try:
+            published = directory()
+            published.publish(f"{namespace}{identity.rank}", json.dumps({"address": server.address, "token": token,
+                                                                         "node": node}))
+        except BaseException:
+            server.close()
+            raise
+        return cls(held, server, ReplicaSender(Partner(to, identity, published, namespace, node, timeout)))
+
+    @property
+    def partner(self) -> Partner:
+        return self.sender.partner
+
+    def offer(self, snapshot: Snapshot) -> None:
+        self.sender.offer(snapshot)
+
+    def steps(self) -> list[int]:
+        """The steps of this rank's replica its partner can give back ([]: none, or it cannot be asked: said)."""
+        try:
+            return self.partner.steps()
+        except Exception as error:  # noqa: BLE001  # no replica: the own snapshots or the durable checkpoint
+            log.warning("checkpoint.memory_every_steps: rank %d cannot ask rank %d for its replica: %s: %s",
+                        self.partner.identity.rank, self.partner.rank, type(error).__name__, error)
+            return []
+
+    def fetch(self, step: int) -> io.BytesIO:
+        return io.BytesIO(self.partner.fetch(step))
+
+    def discard_after(self, step: int) -> None:
+        self.held.discard_after(step)
+
+    def clear(self) -> None:
+        """The replica this rank holds, removed (a fresh start); it goes on serving."""
+        shutil.rmtree(self.held.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop sending and serving, then remove the replica held (nothing writes it after)."""
+        self.sender.close()
+        self.server.close()
+        self.clear()
+
+
+class StoreDirectory:
+    """The rendezvous TCPStore as the directory, through a connection of its own (every operation bounded)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    @classmethod
+    def rendezvous(cls, timeout: float = TIMEOUT_S) -> "StoreDirectory":
+        """A connection to the default process group's store (raises where it has none reachable)."""
+        from datetime import timedelta
+
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        store = _get_default_store()
+        while hasattr(store, "underlying_store"):
+            store = store.underlying_store
+        if not (hasattr(store, "host") and hasattr(store, "port")):
+            raise RuntimeError(f"the rendezvous store is a {type(store).__name__}, not a TCPStore")
+        return cls(dist.TCPStore(store.host, store.port, is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=timeout)))
+
+    def publish(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def lookup(self, key: str, timeout: float) -> str:
+        from datetime import timedelta
+
+        self.store.wait([key], timedelta(seconds=timeout))
+        return bytes(self.store.get(key)).decode()
+
+
+def local_address(peer: str, port: int) -> str:
+    """This host's address on the route to `peer` (the rendezvous host): where a partner can reach it."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((peer, port))  # no packet: the kernel picks the route and its source address
+            return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostbyname(socket.gethostname())
