@@ -63,6 +63,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from mgpu.stop.heartbeat_board import STORE_TIMEOUT_S, Board, DirBoard, StoreBoard, default_board
+from mgpu.stop.phase_progress import LongPhases
 
 if TYPE_CHECKING:
     from mgpu.config.schema import WatchdogConfig
@@ -251,6 +252,7 @@ class Watchdog:
         self._stacks = False  # this rank's stacks are in its log
         self.published = 0.0  # wall time of the last heartbeat the board took
         self.host = socket.gethostname()
+        self._long_phases = LongPhases(rank)  # progress lines of a long resume, save or rendezvous
 
     @classmethod
     def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
@@ -401,6 +403,9 @@ class Watchdog:
         # ranks on the store the rendezvous and DCP use); at once when asked (stacks written, a hang found).
         while not self._stop.is_set():
             self.note_reads()
+            line = self._long_phases.poll(self.phase, self.step, self.since, self.clock(), self.allowance())
+            if line is not None:
+                _bounded(lambda said=line: log.info("%s", said), 1.0, "mgpu-watchdog-progress")
             self._publish()
             self._publish_now.wait(WRITE_EVERY_S)
             self._publish_now.clear()

@@ -1,0 +1,65 @@
+"""A long resume, save or rendezvous reports its progress in the rank's log (mgpu.stop.phase_progress): every
+PROGRESS_EVERY_S in one such phase, how long, against the allowance, and the bytes read and written meanwhile;
+nothing for a step's phases, nothing before it is due. Pure: a clock and the io counters given."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import pytest
+
+from mgpu.stop.phase_progress import LongPhases, process_io
+
+
+def test_a_long_phase_is_reported_every_interval_with_its_bytes() -> None:
+    io = [(0, 0)]
+    phases = LongPhases(3, every_s=30.0, counters=lambda: io[0])
+    assert phases.poll("resume", 7, since=100.0, now=100.5, allowance_s=600) is None  # begins: the mark
+    io[0] = (2_500_000_000, 1_000)
+    assert phases.poll("resume", 7, since=100.0, now=129.0, allowance_s=600) is None  # not due yet
+    line = phases.poll("resume", 7, since=100.0, now=131.0, allowance_s=600)
+    assert line == ("rank 3: in the resume of step 7 for 31 s (the watchdog allows 600 s); this process read 2.50 GB "
+                    "and wrote 0.00 GB meanwhile")
+    assert phases.poll("resume", 7, since=100.0, now=140.0, allowance_s=600) is None  # the next in 30 s
+    assert phases.poll("resume", 7, since=100.0, now=161.5, allowance_s=600) is not None
+    # A step's phase is not long; a new save starts its own count.
+    assert phases.poll("backward", 8, since=170.0, now=300.0, allowance_s=5) is None
+    assert phases.poll("write", 8, since=310.0, now=311.0, allowance_s=120) is None
+    io[0] = (2_500_000_000, 4_001_000)
+    assert phases.poll("write", 8, since=310.0, now=345.0, allowance_s=120).endswith(  # type: ignore[union-attr]
+        "read 0.00 GB and wrote 0.00 GB meanwhile")
+
+
+def test_without_counters_the_line_has_no_bytes() -> None:
+    phases = LongPhases(0, every_s=1.0, counters=lambda: None)
+    phases.poll("start", 0, since=0.0, now=0.0, allowance_s=600)
+    assert phases.poll("start", 0, since=0.0, now=2.0, allowance_s=600) == (
+        "rank 0: in the rendezvous and setup before the first step of step 0 for 2 s (the watchdog allows 600 s)")
+
+
+def test_the_process_counters_grow_with_a_write(tmp_path: Path) -> None:
+    before = process_io()
+    assert before is not None  # Linux
+    (tmp_path / "f").write_bytes(b"x" * 1_000_000)
+    after = process_io()
+    assert after is not None and after[1] - before[1] >= 1_000_000
+
+
+def test_the_watchdog_logs_a_long_phase(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                        caplog: pytest.LogCaptureFixture) -> None:
+    from mgpu.stop.watchdog import Watchdog
+
+    monkeypatch.setattr("mgpu.stop.watchdog.WRITE_EVERY_S", 0.1)  # the publisher's poll
+    dog = Watchdog(0, 1, tmp_path, step_multiple=5, floor_s=60, first_step_s=60, checkpoint_s=60,
+                   on_hang=lambda *a: None)
+    dog._long_phases = LongPhases(0, every_s=0.2)
+    with caplog.at_level(logging.INFO, logger="mgpu.train"):
+        dog.start()
+        try:
+            dog.beat("resume")
+            time.sleep(1.0)
+        finally:
+            dog.stop()
+    assert any("rank 0: in the resume of step 0 for" in r.getMessage() for r in caplog.records), caplog.text
