@@ -58,9 +58,10 @@ DIGEST = "crc32"
 """The checksum of new saves (mgpu.state.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
 A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
 ZIP_CRC32 = False
-"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json covers every
-byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t` reports it): a quarter
-of the writer's CPU saved. True, or a torch without the writer this needs: torch.save as it is."""
+"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json (a sharded
+save's manifests) covers every byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t`
+reports it): a quarter of the writer's CPU saved. True, or a torch without the parts this needs: torch.save as it
+is. A sharded save's DCP shards: mgpu.state.zip_crc (torch.save of the writing thread only)."""
 
 log = logging.getLogger("mgpu.state.checkpoint")
 

@@ -399,7 +399,8 @@ class ShardedCheckpointer:
         arrivals = self._arrivals(job)
         writer = (FileSystemWriter(job.tmp, sync_files=True) if arrivals is None
                   else MarkingWriter(job.tmp, sync_files=True, on_written=arrivals.mark))
-        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST)  # the manifest's checksums, no re-read
+        # The manifest's checksums, no re-read; DCP's torch.save into these streams without its zip CRC32s.
+        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST, zip_crc32=_checkpoint.ZIP_CRC32)
         return writer
 
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
