@@ -457,7 +457,9 @@ class CheckpointStore:
         extra = _checked_extra(state, step, extra)
         self._supersede(step)
         self.settle()
-        return self._write(state, step, is_best, extra, time.monotonic())
+        saved = self._write(state, step, is_best, extra, time.monotonic())
+        self.prune()
+        return saved
 
     def save_async(self, state: dict[str, Any], step: int, *, is_best: bool = False,
                    extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
@@ -573,6 +575,11 @@ class CheckpointStore:
                 job.on_done(outcome)
             except Exception:
                 log.exception("checkpoint on_done callback failed")
+        if isinstance(outcome, SavedCheckpoint):
+            try:
+                self.prune()  # after its durability was reported; still before the writer is free
+            except Exception:  # noqa: BLE001  (the writer must end its loop: `in_flight` would never clear)
+                log.exception("pruning old checkpoints failed")
 
     def _write(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                started: float) -> SavedCheckpoint:
@@ -623,7 +630,7 @@ class CheckpointStore:
         self._point(LATEST, name)
         if is_best:
             self._point(BEST, name)
-        self._prune()
+        # Durable and pointed at: its time ends here; the older ones are pruned after (`prune`).
         saved = SavedCheckpoint(path=final, step=step, bytes=size, seconds=time.monotonic() - started)
         log.info("saved checkpoint %s (%d bytes, %.2fs)", final, size, saved.seconds)
         return saved
@@ -654,6 +661,16 @@ class CheckpointStore:
             write_durably(tmp, f"{name}\n".encode())
             os.replace(tmp, self.directory / pointer)
         fsync_path(self.directory, directory=True)
+
+    def prune(self) -> None:
+        """Remove the complete checkpoints beyond the newest `keep_last`, the `latest` and `best` ones kept: called
+        once a save is durable and reported, outside the save's time. A failure is logged (the save stands; the next
+        prune tries again)."""
+        try:
+            self._prune()
+        except OSError as error:
+            log.warning("could not prune old checkpoints in %s: %s", self.directory,
+                        _describe_os_error(error, self.directory))
 
     def _prune(self) -> None:
         complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]
