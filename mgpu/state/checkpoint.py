@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 import torch
 
 from mgpu.state.digest import DigestingFile, digest_file, mismatch
+from mgpu.state.writeback import WritebackFile
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
@@ -597,7 +598,7 @@ class CheckpointStore:
             fsync_path(path)
             return digest_file(path, DIGEST)
         with open(path, "wb") as file:
-            digesting = DigestingFile(file, DIGEST)
+            digesting = DigestingFile(WritebackFile(file), DIGEST)  # the disk writes while the rest is copied
             try:
                 _torch_save(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
             except RuntimeError as error:

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from mgpu.state.digest import DigestingFile
+from mgpu.state.writeback import WritebackFile
 from mgpu.state.zip_crc import without_zip_crc32
 
 __all__ = ["DigestingFileSystem"]
@@ -33,7 +34,7 @@ class DigestingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            digesting = DigestingFile(raw, self.algorithm)
+            digesting = DigestingFile(WritebackFile(raw), self.algorithm)  # (mgpu.state.writeback)
             try:
                 with without_zip_crc32(not self.zip_crc32):
                     yield digesting
