@@ -1,6 +1,6 @@
 """Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
 
-    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--writeback] [--profile]
+    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--writeback] [--ab-writeback] [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
 checkpoints would be on). Per repeat, in this order, each from its call to durable (fsync'd, renamed):
@@ -10,6 +10,8 @@ checkpoints would be on). Per repeat, in this order, each from its call to durab
 - `single`: `CheckpointStore.save` (the stop's save: synchronous, in the calling thread) of a state of N bytes;
 - `single_async`: `save_async` + `wait` (a periodic save: the background writer), the snapshot included;
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
+- with `--ab-writeback`, also `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off
+  (`WRITEBACK_BYTES = 0`), into stores of their own, alternating with the others (that technique's share alone).
 A plain write runs before the first save and after every save, so each save has a plain write on either side:
 its `ratio` is the mean of those two plain times / its own time (1.0 = the disk's speed), which follows the
 disk's drift (other processes' writes) better than comparing the best of each column; `ratio_best` /
@@ -133,6 +135,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory here)")
     parser.add_argument("--writeback", action="store_true", help="the plain write starts writeback early too")
+    parser.add_argument("--ab-writeback", action="store_true", help="also each save form with early writeback off")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -171,6 +174,25 @@ def main() -> None:
             "single_async": lambda step: (async_store.save_async(state, step), async_store.wait())[1].seconds,
             "sharded": lambda step: (sharded.save_objects({"model": module}, step, "bench", wait=True),
                                      ledger_seconds())[1]}
+        if args.ab_writeback:
+            from mgpu.state import writeback
+
+            def without_writeback(save: Callable[[int], float]) -> Callable[[int], float]:
+                def run(step: int) -> float:
+                    kept, writeback.WRITEBACK_BYTES = writeback.WRITEBACK_BYTES, 0
+                    try:
+                        return save(step)
+                    finally:
+                        writeback.WRITEBACK_BYTES = kept
+                return run
+
+            store_nowb = CheckpointStore(directory / "single_nowb", keep_last=1)
+            sharded_nowb = ShardedCheckpointer(directory / "sharded_nowb", 0, 1, Ledger(ledger_path, "", 0), keep_last=1)
+            saves["single_nowb"] = without_writeback(lambda step: store_nowb.save(state, step).seconds)
+            saves["sharded_nowb"] = without_writeback(
+                lambda step: (sharded_nowb.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
+            order = ["single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
+            saves = {form: saves[form] for form in order}
         times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
         cpu: dict[str, list[float]] = {form: [] for form in times}
         ratios: dict[str, list[float]] = {form: [] for form in times}
@@ -198,6 +220,8 @@ def main() -> None:
             print(f"repeat {step}: " + ", ".join(f"{k} {total / v[-1] / 1e9:.2f} GB/s" for k, v in times.items()),
                   flush=True)
         sharded.close()
+        if args.ab_writeback:
+            sharded_nowb.close()
         async_store.close()
         dist.destroy_process_group()
         os.unlink(store_file.name)
