@@ -10,8 +10,9 @@ checkpoints would be on). Per repeat, in this order, each from its call to durab
 - `single`: `CheckpointStore.save` (the stop's save: synchronous, in the calling thread) of a state of N bytes;
 - `single_async`: `save_async` + `wait` (a periodic save: the background writer), the snapshot included;
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
-- with `--ab-writeback`, also `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off
-  (`WRITEBACK_BYTES = 0`), into stores of their own, alternating with the others (that technique's share alone).
+- with `--ab-writeback`, also `plain_wb` (the plain write with its writeback started every 64 MiB), and
+  `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off (`WRITEBACK_BYTES = 0`), into
+  stores of their own, alternating with the others (that technique's share alone).
 A plain write runs before the first save and after every save, so each save has a plain write on either side:
 its `ratio` is the mean of those two plain times / its own time (1.0 = the disk's speed), which follows the
 disk's drift (other processes' writes) better than comparing the best of each column; `ratio_best` /
@@ -191,7 +192,13 @@ def main() -> None:
             saves["single_nowb"] = without_writeback(lambda step: store_nowb.save(state, step).seconds)
             saves["sharded_nowb"] = without_writeback(
                 lambda step: (sharded_nowb.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
-            order = ["single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
+            def plain_wb(step: int) -> float:
+                seconds = timed(lambda: plain_write(directory / "plain_wb.bin", data, True))
+                (directory / "plain_wb.bin").unlink()
+                return seconds
+
+            saves["plain_wb"] = plain_wb
+            order = ["plain_wb", "single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
             saves = {form: saves[form] for form in order}
         times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
         cpu: dict[str, list[float]] = {form: [] for form in times}
