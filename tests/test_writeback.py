@@ -50,3 +50,11 @@ def test_a_refused_writeback_leaves_a_plain_write(tmp_path: Path, monkeypatch: p
     pieces = [os.urandom(200_000) for _ in range(5)]
     _write(tmp_path / "f", pieces, step=64 << 10)
     assert (tmp_path / "f").read_bytes() == b"".join(pieces) and len(calls) == 1  # tried once, then not again
+
+
+def test_a_file_without_a_descriptor_is_written_through() -> None:
+    import io
+
+    buffer = io.BytesIO()
+    wrapped = WritebackFile(buffer, step=4)
+    assert wrapped.write(b"0123456789") == 10 and buffer.getvalue() == b"0123456789"

@@ -46,8 +46,13 @@ class WritebackFile(io.RawIOBase):
         super().__init__()
         self.file = file
         self.step = WRITEBACK_BYTES if step is None else step
-        self._fd = file.fileno() if self.step > 0 and _SYNC_FILE_RANGE is not None else None
-        self._started = file.tell() if self._fd is not None else 0  # writeback started up to here
+        self._fd: int | None = None
+        self._started = 0  # writeback started up to here
+        if self.step > 0 and _SYNC_FILE_RANGE is not None:
+            try:
+                self._fd, self._started = file.fileno(), file.tell()
+            except (OSError, ValueError):  # no descriptor or position (io.UnsupportedOperation is both)
+                self._fd = None
 
     def writable(self) -> bool:
         return True
