@@ -1,19 +1,26 @@
 """Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
 
-    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--profile]
+    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--writeback] [--ab-writeback] [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
 checkpoints would be on). Per repeat, in this order, each from its call to durable (fsync'd, renamed):
-- `plain`: the N bytes written with 64 MiB writes to a new file, fsync'd (the disk's sequential limit);
+- `plain`: the N bytes written with 64 MiB writes to a new file, fsync'd (the disk's sequential limit; with
+  `--writeback`, the writeback of each 64 MiB started as soon as it is written, as mgpu.state.writeback does: the
+  limit of that technique, not of a naive write);
 - `single`: `CheckpointStore.save` (the stop's save: synchronous, in the calling thread) of a state of N bytes;
 - `single_async`: `save_async` + `wait` (a periodic save: the background writer), the snapshot included;
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
+- with `--ab-writeback`, also `plain_wb` (the plain write with its writeback started every 64 MiB), and
+  `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off (`WRITEBACK_BYTES = 0`), into
+  stores of their own, alternating with the others (that technique's share alone).
 A plain write runs before the first save and after every save, so each save has a plain write on either side:
 its `ratio` is the mean of those two plain times / its own time (1.0 = the disk's speed), which follows the
 disk's drift (other processes' writes) better than comparing the best of each column; `ratio_best` /
 `ratio_median` are the best and the median of those per-save ratios. `cpu_s`: the process's CPU seconds during
 the operation (all threads; the plain write's is the copy into the page cache), a figure the disk's noise does
-not move. The disk is noisy: run it a few times and read best and median together.
+not move. `durable_s`: the save's own time to durable as it reports it (SavedCheckpoint.seconds, the ledger's
+`checkpoint_saved`): the call's time less what follows durability (pruning the previous step), and
+`ratio_durable` its per-save ratio. The disk is noisy: run it a few times and read best and median together.
 
 `--profile`: the phases of one single-file save timed apart (torch.save into a null sink, the digest of N bytes,
 the plain write + fsync) and a cProfile of `CheckpointStore.save`, to bench/results/write_speed_profile.txt.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import json
 import os
 import pstats
 import shutil
@@ -40,12 +48,23 @@ from bench.common import ROOT, median, report  # noqa: E402
 CHUNK = 64 << 20
 
 
-def plain_write(path: Path, data: memoryview) -> None:
+def _sync_file_range() -> Any:
+    import ctypes
+
+    function = ctypes.CDLL(None, use_errno=True).sync_file_range
+    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return function
+
+
+def plain_write(path: Path, data: memoryview, writeback: bool = False) -> None:
     """The physical limit: large sequential writes, then fsync (file and directory)."""
+    start_writeback = _sync_file_range() if writeback else None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for start in range(0, len(data), CHUNK):
             os.write(fd, data[start:start + CHUNK])
+            if start_writeback is not None:
+                start_writeback(fd, start, CHUNK, 2)  # SYNC_FILE_RANGE_WRITE
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -116,6 +135,8 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=1024, help="MiB of tensors per save")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory here)")
+    parser.add_argument("--writeback", action="store_true", help="the plain write starts writeback early too")
+    parser.add_argument("--ab-writeback", action="store_true", help="also each save form with early writeback off")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -142,17 +163,51 @@ def main() -> None:
         async_store = CheckpointStore(directory / "single_async", keep_last=1)
         store_file = tempfile.NamedTemporaryFile(prefix="store-", delete=False)
         dist.init_process_group("gloo", init_method=f"file://{store_file.name}", rank=0, world_size=1)
-        sharded = ShardedCheckpointer(directory / "sharded", 0, 1, Ledger(None, "", 0), keep_last=1)
-        saves: dict[str, Callable[[int], Any]] = {
-            "single": lambda step: store.save(state, step),
-            "single_async": lambda step: (async_store.save_async(state, step), async_store.wait()),
-            "sharded": lambda step: sharded.save_objects({"model": module}, step, "bench", wait=True)}
+        ledger_path = directory / "ledger.jsonl"
+        sharded = ShardedCheckpointer(directory / "sharded", 0, 1, Ledger(ledger_path, "", 0), keep_last=1)
+
+        def ledger_seconds() -> float:
+            lines = ledger_path.read_text().splitlines()
+            return float(json.loads(lines[-1])["seconds"])
+
+        saves: dict[str, Callable[[int], float]] = {
+            "single": lambda step: store.save(state, step).seconds,
+            "single_async": lambda step: (async_store.save_async(state, step), async_store.wait())[1].seconds,
+            "sharded": lambda step: (sharded.save_objects({"model": module}, step, "bench", wait=True),
+                                     ledger_seconds())[1]}
+        if args.ab_writeback:
+            from mgpu.state import writeback
+
+            def without_writeback(save: Callable[[int], float]) -> Callable[[int], float]:
+                def run(step: int) -> float:
+                    kept, writeback.WRITEBACK_BYTES = writeback.WRITEBACK_BYTES, 0
+                    try:
+                        return save(step)
+                    finally:
+                        writeback.WRITEBACK_BYTES = kept
+                return run
+
+            store_nowb = CheckpointStore(directory / "single_nowb", keep_last=1)
+            sharded_nowb = ShardedCheckpointer(directory / "sharded_nowb", 0, 1, Ledger(ledger_path, "", 0), keep_last=1)
+            saves["single_nowb"] = without_writeback(lambda step: store_nowb.save(state, step).seconds)
+            saves["sharded_nowb"] = without_writeback(
+                lambda step: (sharded_nowb.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
+            def plain_wb(step: int) -> float:
+                seconds = timed(lambda: plain_write(directory / "plain_wb.bin", data, True))
+                (directory / "plain_wb.bin").unlink()
+                return seconds
+
+            saves["plain_wb"] = plain_wb
+            order = ["plain_wb", "single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
+            saves = {form: saves[form] for form in order}
         times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
         cpu: dict[str, list[float]] = {form: [] for form in times}
         ratios: dict[str, list[float]] = {form: [] for form in times}
+        durable: dict[str, list[float]] = {form: [] for form in times}
+        durable_ratios: dict[str, list[float]] = {form: [] for form in times}
 
         def plain() -> float:
-            seconds = timed(lambda: plain_write(directory / "plain.bin", data), cpu["plain"])
+            seconds = timed(lambda: plain_write(directory / "plain.bin", data, args.writeback), cpu["plain"])
             (directory / "plain.bin").unlink()
             times["plain"].append(seconds)
             return seconds
@@ -160,15 +215,20 @@ def main() -> None:
         before = plain()
         for step in range(1, args.repeats + 1):
             for form, save in saves.items():
-                seconds = timed(lambda: save(step), cpu[form])
+                reported: list[float] = []
+                seconds = timed(lambda: reported.append(save(step)), cpu[form])
                 after = plain()
                 times[form].append(seconds)
                 ratios[form].append((before + after) / 2 / seconds)
+                durable[form].append(reported[0])
+                durable_ratios[form].append((before + after) / 2 / reported[0])
                 ratios["plain"].append(1.0)
                 before = after
             print(f"repeat {step}: " + ", ".join(f"{k} {total / v[-1] / 1e9:.2f} GB/s" for k, v in times.items()),
                   flush=True)
         sharded.close()
+        if args.ab_writeback:
+            sharded_nowb.close()
         async_store.close()
         dist.destroy_process_group()
         os.unlink(store_file.name)
@@ -177,7 +237,10 @@ def main() -> None:
             rows.append({"form": form, "bytes": total, "best_s": min(seconds), "median_s": median(seconds),
                          "best_gb_s": total / min(seconds) / 1e9, "median_gb_s": total / median(seconds) / 1e9,
                          "ratio_best": max(ratios[form]), "ratio_median": median(ratios[form]),
-                         "cpu_s": median(cpu[form]), "all_s": [round(s, 3) for s in seconds]})
+                         "cpu_s": median(cpu[form]),
+                         "durable_s": median(durable[form] or seconds),
+                         "ratio_durable": median(durable_ratios[form] or ratios[form]),
+                         "all_s": [round(s, 3) for s in seconds]})
         report("write_speed", rows, args.out)
     finally:
         shutil.rmtree(directory, ignore_errors=True)

@@ -126,6 +126,45 @@ def test_latest_is_never_pruned(tmp_path: Path) -> None:
     assert loaded is not None and loaded.step == 5
 
 
+def test_a_save_is_reported_durable_before_the_older_ones_are_pruned(tmp_path: Path) -> None:
+    """Pruning runs after the save's outcome is reported, outside its time; the newest is never pruned."""
+    store = CheckpointStore(tmp_path, keep_last=1)
+    store.save(_state(1.0), 1)
+    seen: list[tuple[Any, list[int]]] = []
+    store.save_async(_state(2.0), 2, on_done=lambda outcome: seen.append((outcome, store.list_steps())))
+    store.wait()
+    [(outcome, steps_when_reported)] = seen
+    assert isinstance(outcome, SavedCheckpoint) and outcome.step == 2
+    assert steps_when_reported == [1, 2]  # reported first: step 2 durable and pointed at, step 1 not yet pruned
+    assert store.list_steps() == [2] and _tmp_entries(tmp_path) == []  # pruned before the writer was free
+    saved = store.save(_state(3.0), 3)
+    assert store.list_steps() == [3] and saved.step == 3  # the stop's save: pruned before it returns
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 3
+    _assert_same(loaded.state, _state(3.0))
+
+
+def test_a_prune_that_fails_leaves_the_durable_save_standing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path, keep_last=1)
+    store.save(_state(1.0), 1)
+    real = CheckpointStore._prune
+
+    def refused(self: CheckpointStore) -> None:
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "step_00000001"))
+
+    monkeypatch.setattr(CheckpointStore, "_prune", refused)
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.checkpoint"):
+        saved = store.save(_state(2.0), 2)
+    assert saved.step == 2 and store.list_steps() == [1, 2]
+    assert "could not prune old checkpoints" in caplog.text and "EACCES" in caplog.text
+    loaded = store.latest()
+    assert loaded is not None and loaded.step == 2
+    monkeypatch.setattr(CheckpointStore, "_prune", real)
+    store.save(_state(3.0), 3)
+    assert store.list_steps() == [3]  # the next prune catches up
+
+
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_saving_a_step_again_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
     if not exchange:  # as on a platform or filesystem without renameat2

@@ -99,6 +99,44 @@ def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_
     assert manifest["files"]["__0_0.distcp"]["checksum"] == real_digest(path / "__0_0.distcp")
 
 
+def _records(path: Path) -> list[tuple[Any, bytes]]:
+    """(DCP's index, the torch.save'd bytes) of every tensor record in the shards of checkpoint `path`."""
+    storage = SafeReader(path).read_metadata().storage_data
+    return [(index, (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length])
+            for index, info in storage.items()]
+
+
+def test_a_shards_tensors_carry_no_zip_crc32_and_a_changed_byte_is_still_caught(group: None, tmp_path: Path) -> None:
+    import io
+    import zipfile
+
+    save_steps(tmp_path, [1, 2])[0].close()
+    path = tmp_path / "checkpoints" / "step_00000002"
+    records = _records(path)
+    assert records
+    for _, data in records:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            assert {info.CRC for info in archive.infolist()} == {0}  # mgpu's manifest checksum covers them
+    # A byte of a tensor's data changed: torch.load reads it without complaint, so the manifest must catch it.
+    index, data = max(records, key=lambda record: len(record[1]))
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        entry = next(info for info in archive.infolist() if "/data/" in info.filename)
+    header = entry.header_offset  # the local header's own name and extra (alignment) lengths, then the data
+    name_length, extra_length = (int.from_bytes(data[header + at:header + at + 2], "little") for at in (26, 28))
+    start = header + 30 + name_length + extra_length + entry.file_size // 2
+    info = SafeReader(path).read_metadata().storage_data[index]
+    target = path / info.relative_path
+    whole = bytearray(target.read_bytes())
+    whole[info.offset + start] ^= 0x01
+    target.write_bytes(bytes(whole))
+    altered = bytes(whole[info.offset:info.offset + info.length])
+    assert not torch.equal(torch.load(io.BytesIO(altered), weights_only=True),
+                           torch.load(io.BytesIO(data), weights_only=True))
+    loaded = checkpointer(tmp_path).find_latest()
+    assert loaded is not None and loaded.step == 1
+    assert loaded.skipped[0][0].name == "step_00000002" and info.relative_path in loaded.skipped[0][1]
+
+
 def test_a_checkpoint_whose_manifest_records_sha256s_still_verifies(group: None, tmp_path: Path) -> None:
     """As saved before mgpu.state.digest: a whole-file sha256 per file."""
     save_steps(tmp_path, [1])[0].close()

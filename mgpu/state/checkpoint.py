@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Iterator, TypeVar
 import torch
 
 from mgpu.state.digest import DigestingFile, digest_file, mismatch
+from mgpu.state.writeback import WritebackFile
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
@@ -58,9 +59,10 @@ DIGEST = "crc32"
 """The checksum of new saves (mgpu.state.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
 A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
 ZIP_CRC32 = False
-"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json covers every
-byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t` reports it): a quarter
-of the writer's CPU saved. True, or a torch without the writer this needs: torch.save as it is."""
+"""Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json (a sharded
+save's manifests) covers every byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t`
+reports it): a quarter of the writer's CPU saved. True, or a torch without the parts this needs: torch.save as it
+is. A sharded save's DCP shards: mgpu.state.zip_crc (torch.save of the writing thread only)."""
 
 log = logging.getLogger("mgpu.state.checkpoint")
 
@@ -456,7 +458,9 @@ class CheckpointStore:
         extra = _checked_extra(state, step, extra)
         self._supersede(step)
         self.settle()
-        return self._write(state, step, is_best, extra, time.monotonic())
+        saved = self._write(state, step, is_best, extra, time.monotonic())
+        self.prune()
+        return saved
 
     def save_async(self, state: dict[str, Any], step: int, *, is_best: bool = False,
                    extra: dict[str, Any] | None = None, on_done: OnDone | None = None) -> None:
@@ -572,6 +576,11 @@ class CheckpointStore:
                 job.on_done(outcome)
             except Exception:
                 log.exception("checkpoint on_done callback failed")
+        if isinstance(outcome, SavedCheckpoint):
+            try:
+                self.prune()  # after its durability was reported; still before the writer is free
+            except Exception:  # noqa: BLE001  (the writer must end its loop: `in_flight` would never clear)
+                log.exception("pruning old checkpoints failed")
 
     def _write(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
                started: float) -> SavedCheckpoint:
@@ -589,7 +598,7 @@ class CheckpointStore:
             fsync_path(path)
             return digest_file(path, DIGEST)
         with open(path, "wb") as file:
-            digesting = DigestingFile(file, DIGEST)
+            digesting = DigestingFile(WritebackFile(file), DIGEST)  # the disk writes while the rest is copied
             try:
                 _torch_save(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
             except RuntimeError as error:
@@ -622,7 +631,7 @@ class CheckpointStore:
         self._point(LATEST, name)
         if is_best:
             self._point(BEST, name)
-        self._prune()
+        # Durable and pointed at: its time ends here; the older ones are pruned after (`prune`).
         saved = SavedCheckpoint(path=final, step=step, bytes=size, seconds=time.monotonic() - started)
         log.info("saved checkpoint %s (%d bytes, %.2fs)", final, size, saved.seconds)
         return saved
@@ -653,6 +662,16 @@ class CheckpointStore:
             write_durably(tmp, f"{name}\n".encode())
             os.replace(tmp, self.directory / pointer)
         fsync_path(self.directory, directory=True)
+
+    def prune(self) -> None:
+        """Remove the complete checkpoints beyond the newest `keep_last`, the `latest` and `best` ones kept: called
+        once a save is durable and reported, outside the save's time. A failure is logged (the save stands; the next
+        prune tries again)."""
+        try:
+            self._prune()
+        except OSError as error:
+            log.warning("could not prune old checkpoints in %s: %s", self.directory,
+                        _describe_os_error(error, self.directory))
 
     def _prune(self) -> None:
         complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]

@@ -1,5 +1,7 @@
 """The checksums of a sharded save's files, computed while DCP writes them (mgpu.state.digest): a rank's manifest
-then needs no second read of its shard. Which stream wrote which file is recorded by name."""
+then needs no second read of its shard. Which stream wrote which file is recorded by name. DCP's torch.save of each
+tensor into such a stream writes no zip CRC32 (mgpu.state.zip_crc: this thread only, while the stream is open):
+the stream's own checksum covers the same bytes."""
 
 from __future__ import annotations
 
@@ -10,17 +12,20 @@ from typing import Any, Iterator
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from mgpu.state.digest import DigestingFile
+from mgpu.state.writeback import WritebackFile
+from mgpu.state.zip_crc import without_zip_crc32
 
 __all__ = ["DigestingFileSystem"]
 
 
 class DigestingFileSystem(FileSystem):
     """DCP's local filesystem, whose written streams are digested on the way: `digests[file name]` is each
-    file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.digest's)."""
+    file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.digest's).
+    `zip_crc32`: torch.save into a digested stream computes its zip CRC32s as well (False: it does not)."""
 
-    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32") -> None:
+    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32", zip_crc32: bool = False) -> None:
         super().__init__()
-        self.digests, self.algorithm = digests, algorithm
+        self.digests, self.algorithm, self.zip_crc32 = digests, algorithm, zip_crc32
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
@@ -29,9 +34,10 @@ class DigestingFileSystem(FileSystem):
                 yield stream
             return
         with super().create_stream(path, mode) as raw:
-            digesting = DigestingFile(raw, self.algorithm)
+            digesting = DigestingFile(WritebackFile(raw), self.algorithm)  # (mgpu.state.writeback)
             try:
-                yield digesting
+                with without_zip_crc32(not self.zip_crc32):
+                    yield digesting
             finally:
                 digesting.close()  # its digest thread; DCP may have closed it already
             self.digests[Path(path).name] = digesting.digest.entry()

@@ -399,7 +399,8 @@ class ShardedCheckpointer:
         arrivals = self._arrivals(job)
         writer = (FileSystemWriter(job.tmp, sync_files=True) if arrivals is None
                   else MarkingWriter(job.tmp, sync_files=True, on_written=arrivals.mark))
-        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST)  # the manifest's checksums, no re-read
+        # The manifest's checksums, no re-read; DCP's torch.save into these streams without its zip CRC32s.
+        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST, zip_crc32=_checkpoint.ZIP_CRC32)
         return writer
 
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
@@ -486,6 +487,8 @@ class ShardedCheckpointer:
             error = holder[0]
         if error is not None:
             return self._failed(job, error)
+        if self.rank == 0:
+            self.store.prune()  # once durable and reported, every rank released: outside the save's time
         arrivals = self._arrivals(job)
         if arrivals is not None:
             arrivals.clear()
@@ -532,7 +535,7 @@ class ShardedCheckpointer:
                                                    + "\n").encode())
 
     def _install(self, job: "_Job") -> int:
-        """Rank 0: meta.json (binding every manifest), the atomic rename, `latest`, `best`, keep-K."""
+        """Rank 0: meta.json (binding every manifest), the atomic rename, `latest`, `best` (keep-K after, `_finish`)."""
         tmp = job.tmp
         manifests = {str(r): _sha256(tmp / _manifest(r)) for r in range(self.world)}
         size = sum(p.stat().st_size for p in tmp.iterdir())
@@ -546,7 +549,6 @@ class ShardedCheckpointer:
         self.store._point("latest", name)
         if job.is_best:
             self.store._point("best", name)
-        self.store._prune()
         return size
 
     def settle(self) -> str | None:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -405,7 +406,7 @@ class Watchdog:
             self.note_reads()
             line = self._long_phases.poll(self.phase, self.step, self.since, self.clock(), self.allowance())
             if line is not None:
-                _bounded(lambda said=line: log.info("%s", said), 1.0, "mgpu-watchdog-progress")
+                _bounded(functools.partial(log.info, "%s", line), 1.0, "mgpu-watchdog-progress")
             self._publish()
             self._publish_now.wait(WRITE_EVERY_S)
             self._publish_now.clear()
