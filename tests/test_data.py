@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -245,6 +246,49 @@ def test_workers_draw_per_sample_at_the_largest_seed() -> None:
     by_one = _draws(seed, [[5, 2], [7, 0, 1], [3, 6, 4]], workers=1)
     assert sorted(by_two) == list(range(8)) and by_two == by_one  # a sample's draw, whichever worker loads it
     assert len(set(by_two.values())) == 8
+
+
+class Collecting:
+    """Eight samples; a worker runs a full garbage collection at each, as any worker may at any allocation."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> int:
+        import gc
+
+        gc.collect()
+        return index
+
+
+def test_a_workers_garbage_collection_leaves_the_training_processs_garbage_alone() -> None:
+    """Destroyed gloo groups still held by reference cycles (as an FSDP2 model dropped after Session.finish()
+    holds its mesh's group) are garbage in this process when a loader forks its workers. Collected in a
+    worker, each group's destructor joins gloo threads that only this process has: the worker segfaulted
+    ('Unexpected segmentation fault encountered in worker': tests/test_stream_stateful.py's resume after
+    tests/test_session_api.py in one pytest process) or, with a single such group, hung (the loader's timeout
+    says so). The workers are forked with this process's objects frozen: their collections never reach them."""
+    import gc
+
+    import torch.distributed as dist
+
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.data.loader import ResumableLoader
+    from mgpu.parallel.distributed import process_group
+
+    gc.disable()  # the cycles stay uncollected here until the workers exist, as they may between two collections
+    try:
+        for _ in range(4):  # four groups: the worker segfaults (with one it hung)
+            with process_group(detect_environment({})):
+                cycle: dict[str, Any] = {"group": dist.group.WORLD}
+                cycle["self"] = cycle
+            del cycle
+        loader = ResumableLoader(Collecting(), 4, rank=0, world_size=1, shuffle=False,  # type: ignore[arg-type]
+                                 num_workers=1, collate_fn=list, timeout=10)
+        assert list(loader) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    finally:
+        gc.enable()
+        gc.collect()  # the groups go here, where their threads are
 
 
 def test_seeds_fit_torch_stay_distinct_and_keep_the_streams_that_worked() -> None:

@@ -10,6 +10,10 @@ checkpoint is never written. So:
   lands in between; workers still exit when the loader is done or the training process dies (torch's
   watchdog), and any left at interpreter exit are SIGKILLed (multiprocessing would SIGTERM and wait for
   them forever);
+- workers are forked with the training process's objects frozen (`gc.freeze()`): a worker's garbage collector
+  never finalizes the parent's garbage, whose destructors may need the parent's threads (a destroyed gloo
+  group still held by a reference cycle, e.g. an FSDP2 model dropped after `Session.finish()`: its
+  destructor joins gloo threads the fork did not copy, and the worker segfaults or hangs);
 - torch's SIGCHLD handler is removed: a worker that dies anyway (OOM killer) is found by the loader at
   its next fetch, a step boundary, where `Batches` either re-raises it or, when a stop was already
   requested, finishes the run's last steps loading in the training process;
@@ -22,7 +26,9 @@ checkpoint is never written. So:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
+import gc
 import itertools
 import logging
 import multiprocessing
@@ -137,11 +143,36 @@ def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
     # Only this thread's mask: the process still receives the signals (on another thread if need be).
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
-        iterator = iter(loader)
+        with _parents_objects_frozen():
+            iterator = iter(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     _drop_torch_sigchld()
     return iterator
+
+
+@contextlib.contextmanager
+def _parents_objects_frozen() -> Iterator[None]:
+    """Fork (the workers) with every object of this process frozen, so that no worker's garbage collector
+    finalizes one. A fork copies the memory, not the threads: garbage that outlived its group (a reference
+    cycle holding a destroyed gloo ProcessGroup, as an FSDP2 model dropped after the session's end does) is
+    collected by the first worker that runs a collection, and the group's destructor joins gloo threads that
+    exist only here: the worker segfaults (or hangs). Frozen, the workers' collections never look at the
+    parent's objects (the fork-and-freeze pattern of gc.freeze's documentation, which also spares them the
+    copy-on-write of every page the collector would touch). Thawed here once the workers exist (into the oldest
+    generation), this process collects its own garbage, where its threads are. O(1) both ways: no collection
+    is run. Where
+    something else froze objects already (its own fork, mgpu.stop.process_exit at exit), thawing would undo
+    that: the garbage is collected here instead, before the fork."""
+    if gc.get_freeze_count():
+        gc.collect()
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class Batches:
