@@ -63,3 +63,26 @@ def test_the_watchdog_logs_a_long_phase(monkeypatch: pytest.MonkeyPatch, tmp_pat
         finally:
             dog.stop()
     assert any("rank 0: in the resume of step 0 for" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_status_shows_the_ranks_still_in_a_long_phase(tmp_path: Path) -> None:
+    """`status` of a live run: the ranks whose log's last line is a long phase's progress (written lately)."""
+    import json
+    import os
+
+    from mgpu.record.runview import describe
+
+    now = time.time()
+    events = [{"time": now - 200, "event": "started", "job_id": "local-1", "restart": 0, "launcher": "single"},
+              {"time": now - 20, "event": "first_step", "job_id": "local-1", "restart": 0, "step": 1}]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    said = ("rank 1: in the checkpoint's write of step 700 for 61 s (the watchdog allows 900 s); this process read "
+            "0.00 GB and wrote 41.20 GB meanwhile")
+    (logs / "rank0.log").write_text("12:00:00 [rank 0] INFO step 700/900 loss 1.0\n")  # in a step: not shown
+    (logs / "rank1.log").write_text(f"12:00:00 [rank 1] INFO step 700/900 loss 1.0\n12:01:01 [rank 1] INFO {said}\n")
+    (logs / "rank2.log").write_text(f"12:01:01 [rank 2] INFO {said.replace('rank 1', 'rank 2')}\n")
+    os.utime(logs / "rank2.log", (now - 600, now - 600))  # written long ago: the run has moved on (or died)
+    lines = describe(tmp_path, now=now)
+    assert [line for line in lines if line.startswith("long phase")] == [f"long phase  {said}"], lines

@@ -304,6 +304,38 @@ def sacct_runs(events: list[dict[str, Any]]) -> tuple[list[SacctRun], bool]:
     return (parse_sacct(out), True) if out is not None else ([], False)
 
 
+_LONG_PHASE = re.compile(r"^\d\d:\d\d:\d\d \[rank \d+\] INFO (rank \d+: in .+ for \d+ s .*)$")
+LONG_PHASE_FRESH_S = 90.0
+"""A rank's progress line of a long phase (mgpu.stop.phase_progress: one every 30 s) shows in `status` while its
+log was written this recently and the line is its last: the phase is still going on."""
+
+
+def long_phases(logs: Path, now: float, tail_bytes: int = 4096, limit: int = 4) -> list[str]:
+    """The ranks still in a long resume, save or rendezvous, as their logs last said (at most `limit`: the
+    first ranks by number; the others' are in their logs)."""
+    found = []
+    try:
+        candidates = sorted(logs.glob("rank*.log"), key=lambda p: int(re.sub(r"\D", "", p.name) or 0))
+    except OSError:
+        return []
+    for log_path in candidates:
+        try:
+            if now - log_path.stat().st_mtime > LONG_PHASE_FRESH_S:
+                continue
+            with open(log_path, "rb") as file:
+                size = file.seek(0, 2)
+                file.seek(max(0, size - tail_bytes))
+                last = file.read().decode("utf-8", "replace").rstrip("\n").rsplit("\n", 1)[-1]
+        except OSError:
+            continue
+        matched = _LONG_PHASE.match(last)
+        if matched:
+            found.append(matched[1])
+            if len(found) == limit:
+                break
+    return found
+
+
 def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str]:
     """The lines `status.py` prints for one run directory (its ledger read once: pass a RunView)."""
     view = run if isinstance(run, RunView) else RunView.load(run)
@@ -372,6 +404,8 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
     # local run also looks "running").
     live = sched in ("RUNNING", "COMPLETING") or (sched is None and summary["state"] == "running"
                                                   and summary["last_event_age_s"] < LIVE_S)
+    if live:
+        lines.extend(f"long phase  {line}" for line in long_phases(view.run.logs, now))
     lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known))
     return lines
 
