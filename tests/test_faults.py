@@ -43,9 +43,12 @@ def test_the_stop_saves_afresh_after_background_saves_failed(small_fs: Callable[
                       "--stop-at-step=8")
     assert "exitcode  : 3" in result.stdout, result.stdout[-3000:]  # stopped (not a Slurm job), not crashed
     failures = re.findall(r"checkpoint step (\d+) not written: disk full \(ENOSPC\) at (\S+);", result.stdout)
-    # A periodic save due while the last is still being written is deferred (issue 31), so which of 3-5 met the
-    # full disk depends on the writer's timing; at least one did.
-    assert {int(step) for step, _ in failures} & {3, 4, 5}, result.stdout[-3000:]
+    # The disk is full from step 3's loss until step 6: a save being written then fails, whether due at 3-5 or still
+    # in flight from step 1 or 2 (a periodic save due while the last is being written is deferred, issue 31: which
+    # saves meet the full disk depends on the writer's timing; a fresh clone's CI run saw step 1's); at least one
+    # did, and none after space was back.
+    steps = {int(step) for step, _ in failures}
+    assert steps and max(steps) <= 5, result.stdout[-3000:]
     assert all(path.startswith(str(run_dir / "checkpoints")) for _, path in failures)
     latest = CheckpointStore(run_dir / "checkpoints").latest()
     assert latest is not None and latest.step == 8 and not latest.skipped

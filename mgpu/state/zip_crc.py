@@ -40,8 +40,8 @@ def _install() -> bool:
             return False if _skipping() else original()
 
         get_crc32_options.__doc__ = original.__doc__
-        get_crc32_options._mgpu_thread_scoped = True  # type: ignore[attr-defined]
-        get_crc32_options.__wrapped__ = original  # type: ignore[attr-defined]
+        get_crc32_options._mgpu_thread_scoped = True  # type: ignore[attr-defined]  # a marker on the function: wrapped once
+        get_crc32_options.__wrapped__ = original  # type: ignore[attr-defined]  # functools.wraps's attribute, set by hand
         setattr(torch.serialization, "get_crc32_options", get_crc32_options)
         return True
 
