@@ -8,7 +8,8 @@
 # Everything lives under $MGPU_SLURM_DIR (default /var/tmp/mgpu-slurm); /etc/slurm/slurm.conf is a
 # symlink to the generated config so plain sbatch/srun/sacct (and submitit) need no SLURM_CONF.
 # Second run: if every recorded daemon is alive and the config is unchanged, it does nothing;
-# otherwise it stops what it started before (stop.sh) and starts afresh.
+# otherwise it stops what it started before (stop.sh) and starts afresh, with no job of the earlier
+# daemons (forget_jobs). `source start.sh` defines the functions and starts nothing (tests use that).
 set -euo pipefail
 
 DIR=${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}
@@ -25,12 +26,6 @@ log_tail() {  # the last lines of every log, for a failure message
 }
 fail() { log_tail; die "$*"; }
 
-[[ $(id -u) -eq 0 ]] || die "not root (the daemons and /etc/hosts need root)"
-mkdir -p "$DIR"/{etc,log,pids,run,state,spool}
-# One start at a time (two test sessions may start together). Every daemon below gets `9>&-` so
-# that it does not inherit, and hold forever, the lock's file descriptor.
-exec 9>"$DIR/.lock"
-flock -w 900 9 || die "another start.sh still holds $DIR/.lock after 900s"
 
 # ---------------------------------------------------------------- packages
 install_packages() {
@@ -286,27 +281,49 @@ all_alive() {
   for n in munged mariadbd slurmdbd slurmctld slurmd-n1 slurmd-n2; do alive "$n" || return 1; done
 }
 
+forget_jobs() {
+  # A fresh start is a new cluster: the controller's saved jobs and the nodes' spools go. Kept, they are
+  # recovered: jobs of daemons stopped mid-run (a machine image taken while tests ran, a killed session)
+  # requeue and run again, holding the nodes that the next tests wait for (CI saw both nodes busy, and
+  # its first job still pending after 60 s). Job ids still go on from the accounting DB (next_job_id).
+  rm -rf "$DIR/state" "$DIR/spool"
+  mkdir -p "$DIR/state" "$DIR/spool"
+}
+
 # ---------------------------------------------------------------- main
-t_start=$SECONDS
-install_packages
-ensure_hosts
-export SLURM_CONF=$CONF
-if all_alive && [[ -s $DIR/etc/fingerprint && $(<"$DIR/etc/fingerprint") == "$(fingerprint)" ]] &&
-  timeout 10 scontrol ping >/dev/null 2>&1; then
-  echo "slurm cluster already running (state dir $DIR):"
+main() {
+  [[ $(id -u) -eq 0 ]] || die "not root (the daemons and /etc/hosts need root)"
+  mkdir -p "$DIR"/{etc,log,pids,run,state,spool}
+  # One start at a time (two test sessions may start together). Every daemon below gets `9>&-` so
+  # that it does not inherit, and hold forever, the lock's file descriptor.
+  exec 9>"$DIR/.lock"
+  flock -w 900 9 || die "another start.sh still holds $DIR/.lock after 900s"
+  t_start=$SECONDS
+  install_packages
+  ensure_hosts
+  export SLURM_CONF=$CONF
+  if all_alive && [[ -s $DIR/etc/fingerprint && $(<"$DIR/etc/fingerprint") == "$(fingerprint)" ]] &&
+    timeout 10 scontrol ping >/dev/null 2>&1; then
+    echo "slurm cluster already running (state dir $DIR):"
+    link_etc
+    wait_nodes
+    summary
+    exit 0
+  fi
+  # Anything left from an earlier start (partial, or an older config): stop it cleanly first.
+  "$HERE/stop.sh" >/dev/null || fail "could not stop the previous daemons"
+  forget_jobs
+  write_config
   link_etc
+  start_munge
+  start_mariadb
+  start_slurm
   wait_nodes
+  fingerprint >"$DIR/etc/fingerprint"
+  echo "slurm cluster started in $((SECONDS - t_start))s (state dir $DIR):"
   summary
-  exit 0
-fi
-# Anything left from an earlier start (partial, or an older config): stop it cleanly first.
-"$HERE/stop.sh" >/dev/null || fail "could not stop the previous daemons"
-write_config
-link_etc
-start_munge
-start_mariadb
-start_slurm
-wait_nodes
-fingerprint >"$DIR/etc/fingerprint"
-echo "slurm cluster started in $((SECONDS - t_start))s (state dir $DIR):"
-summary
+}
+
+# Sourced (`source start.sh`): the functions only, nothing started (tests/test_cluster_start.py).
+[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0
+main "$@"

@@ -1,0 +1,81 @@
+"""slurm/cluster/start.sh: a fresh start forgets the jobs of the daemons before it; a start that finds the
+cluster running keeps them.
+
+start.sh runs for real (sourced, then its `main`), with every step that installs or starts a daemon replaced
+by a stub that logs its name: what is tested is the order of the steps and what they leave in the state dir.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+START = ROOT / "slurm" / "cluster" / "start.sh"
+STUBBED = ("install_packages", "ensure_hosts", "write_config", "link_etc", "start_munge", "start_mariadb",
+           "wait_nodes", "summary")
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="start.sh runs as root only")
+
+
+def _earlier_sessions_state(state_dir: Path) -> None:
+    """What a controller and two slurmd stopped mid-run leave: saved jobs, a job's script, spools."""
+    (state_dir / "state" / "hash.7" / "job.617").mkdir(parents=True)
+    (state_dir / "state" / "hash.7" / "job.617" / "script").write_text("#!/bin/sh\nsleep 600\n")
+    (state_dir / "state" / "job_state").write_bytes(b"617")
+    (state_dir / "state" / "job_state.old").write_bytes(b"616")
+    (state_dir / "spool" / "n1").mkdir(parents=True)
+    (state_dir / "spool" / "n1" / "cred_state").write_bytes(b"617")
+    (state_dir / "etc").mkdir()
+    (state_dir / "etc" / "fingerprint").write_text("same\n")
+
+
+def _start(tmp_path: Path, running: bool) -> list[str]:
+    # Without its guard, sourcing start.sh would start a real cluster in tmp_path and point /etc/slurm at it.
+    assert '[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0' in START.read_text().splitlines()
+    state_dir, log = tmp_path / "slurm", tmp_path / "steps.log"
+    _earlier_sessions_state(state_dir)
+    stop = tmp_path / "stop.sh"
+    stop.write_text(f"#!/bin/sh\necho stop.sh >>{log}\n")
+    stop.chmod(0o755)
+    bin_dir = tmp_path / "bin"  # `timeout 10 scontrol ping` runs a program: the controller answers
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "scontrol").chmod(0o755)
+    stubs = "\n".join(f'{name}() {{ echo {name} >>"{log}"; }}' for name in STUBBED)
+    script = f"""
+source {START}
+{stubs}
+HERE={tmp_path}
+all_alive() {{ {'true' if running else 'false'}; }}
+fingerprint() {{ echo same; }}
+start_slurm() {{  # what the controller would recover when it starts
+  if [[ -e $DIR/state/job_state || -e $DIR/spool/n1/cred_state ]]; then echo start_slurm-with-old-jobs; else echo start_slurm; fi >>"{log}"
+}}
+main
+"""
+    env = dict(os.environ, MGPU_SLURM_DIR=str(state_dir), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return log.read_text().split()
+
+
+def test_a_fresh_start_forgets_the_earlier_daemons_jobs(tmp_path: Path) -> None:
+    # CI's machine image was taken while a test session's jobs ran: its slurmctld recovered them, they held
+    # both nodes, and the first test's job stayed pending for 60 s.
+    steps = _start(tmp_path, running=False)
+    assert steps == ["install_packages", "ensure_hosts", "stop.sh", "write_config", "link_etc", "start_munge",
+                     "start_mariadb", "start_slurm", "wait_nodes", "summary"]
+    state_dir = tmp_path / "slurm"
+    assert list((state_dir / "state").iterdir()) == [] and list((state_dir / "spool").iterdir()) == []
+
+
+def test_a_start_that_finds_the_cluster_running_keeps_its_jobs(tmp_path: Path) -> None:
+    steps = _start(tmp_path, running=True)
+    assert steps == ["install_packages", "ensure_hosts", "link_etc", "wait_nodes", "summary"]
+    assert (tmp_path / "slurm" / "state" / "job_state").read_bytes() == b"617"
+    assert (tmp_path / "slurm" / "spool" / "n1" / "cred_state").exists()
