@@ -89,11 +89,18 @@ class SlowBlobTask(BlobTask):
 
 class DiskFillingBlobTask(BlobTask):
     """BlobTask whose rank 0 fills the filesystem of `fill_dir` at its `fill_at`-th loss call and frees it
-    again at call `free_at` (0: never): checkpoints in between meet a real ENOSPC."""
+    again at call `free_at` (0: never): checkpoints in between meet a real ENOSPC.
 
-    def __init__(self, fill_dir: str = "", fill_at: int = 3, free_at: int = 0, **kwargs) -> None:
+    `settle_dir` (a run's checkpoints directory): from call `free_at` on, rank 0 first waits for the background
+    writer to finish the save it is writing, so that the next due save is not deferred (a writer at low priority
+    on a loaded machine can take several of these millisecond steps, and CI saw every save after the disk was
+    free deferred to the stop's)."""
+
+    def __init__(self, fill_dir: str = "", fill_at: int = 3, free_at: int = 0, settle_dir: str = "",
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         self.fill_dir, self.fill_at, self.free_at, self.calls = Path(fill_dir), fill_at, free_at, 0
+        self.settle_dir = Path(settle_dir) if settle_dir else None
 
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         from tests.conftest import fill
@@ -104,7 +111,18 @@ class DiskFillingBlobTask(BlobTask):
                 fill(self.fill_dir)
             elif self.calls == self.free_at:
                 (self.fill_dir / "ballast").unlink()
+            if self.settle_dir is not None and 0 < self.free_at <= self.calls:
+                self._writer_settled(self.settle_dir)
         return super().loss(model, batch)
+
+    @staticmethod
+    def _writer_settled(checkpoints: Path, limit_s: float = 60.0) -> None:
+        """Wait until no save is being written under `checkpoints` (one is built under a .tmp-* name), then
+        0.5 s more: the writer reports the save and prunes before it is free."""
+        deadline = time.monotonic() + limit_s
+        while any(checkpoints.glob(".tmp-*")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)
 
 
 class NoisyBlobs(Blobs):
