@@ -309,7 +309,7 @@ def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, mo
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("mgpu.state.checkpoint._torch_save", full)
+    monkeypatch.setattr("mgpu.state.checkpoint.save_state_file", full)
     calls: list[int] = []
     assert not snapshots.take(2, {"x": 1}, lambda: calls.append(2) or {})
     assert snapshots.disabled == "on this rank: writing one failed: [Errno 28] No space left on device"

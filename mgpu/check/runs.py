@@ -61,7 +61,7 @@ def _host_store() -> Any:
     """The ranks' rendezvous store, hosted here on a port the system picks, as mgpu.run.spawn hosts it: a port
     chosen free and then bound by rank 0 can be taken in between (another test's ranks), and rank 1 then waits
     out the rendezvous timeout."""
-    from mgpu.run.spawn import _host_store as host
+    from mgpu.run.spawn import host_store as host
 
     return host()
 

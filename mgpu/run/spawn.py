@@ -30,14 +30,14 @@ from typing import Any, Callable, Sequence
 
 from mgpu.run.outcome import SPAWN_ARGV, STOPPED_EXIT_CODE
 
-__all__ = ["spawn"]
+__all__ = ["host_store", "spawn"]
 
 _PR_SET_PDEATHSIG = 1
 KILL_AFTER_S = 30.0
 """After the time limit's SIGTERM, the ranks' grace period before SIGKILL (Slurm's KillWait)."""
 
 
-def _host_store() -> Any:
+def host_store() -> Any:
     """The ranks' rendezvous store, hosted here as torchrun's agent hosts it: bound to a port the system
     picks and kept for the ranks' lifetime. (A port found by binding and closing a probe could be taken by
     anyone before rank 0 binds it again.)"""
@@ -88,7 +88,7 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
     if nprocs == 1 and time_limit_s is None:
         fn(0, *args)
         return
-    store = _host_store()
+    store = host_store()
     port = int(store.port)
     context = multiprocessing.get_context("spawn")
     launch = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])  # this process's command line

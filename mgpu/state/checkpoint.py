@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import os
-import pickle
 import re
 import secrets
 import shutil
@@ -35,11 +34,13 @@ import torch
 
 from mgpu.state.digest import DigestingFile, digest_file, mismatch
 from mgpu.state.writeback import WritebackFile
+from mgpu.state.zip_crc import without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
 __all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
-           "check_loadable", "release_pinned_cache", "snapshot_to_cpu"]
+           "TMP_PREFIX", "check_loadable", "describe_os_error", "one_line", "release_pinned_cache", "save_state_file",
+           "snapshot_to_cpu"]
 
 FORMAT = 1
 STATE_FILE = "state.pt"
@@ -47,7 +48,7 @@ META_FILE = "meta.json"
 LATEST = "latest"
 BEST = "best"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
-_TMP_PREFIX = ".tmp-"
+TMP_PREFIX = ".tmp-"
 _CHUNK = 1 << 20
 
 WRITER_NICE = 10
@@ -61,8 +62,9 @@ A load verifies whichever a checkpoint records, a sha256 of the whole file inclu
 ZIP_CRC32 = False
 """Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json (a sharded
 save's manifests) covers every byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t`
-reports it): a quarter of the writer's CPU saved. True, or a torch without the parts this needs: torch.save as it
-is. A sharded save's DCP shards: mgpu.state.zip_crc (torch.save of the writing thread only)."""
+reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.zip_crc wraps:
+torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
+writing thread only (mgpu.state.zip_crc)."""
 
 log = logging.getLogger("mgpu.state.checkpoint")
 
@@ -124,7 +126,8 @@ class CheckpointWriteError(CheckpointError):
         self.errno = errno_code
 
 
-def _describe_os_error(error: OSError, fallback: Path) -> str:
+def describe_os_error(error: OSError, fallback: Path) -> str:
+    """What the filesystem refused, in words, with the errno's name and the path ("disk full (ENOSPC) at ...")."""
     name = errno.errorcode.get(error.errno or 0, "")
     what = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error",
             errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}.get(error.errno or 0,
@@ -144,31 +147,10 @@ def _lower_writer_priority() -> None:
         log.debug("checkpoint writer keeps its priority: %s", error)
 
 
-def _private_writer() -> tuple[Any, Any, Any] | None:
-    """torch's own parts of torch.save (private: None where this torch lacks them)."""
-    parts = (getattr(torch._C, "PyTorchFileWriter", None), getattr(torch.serialization, "_save", None),
-             getattr(torch.serialization, "_get_storage_alignment", None))
-    return parts if all(part is not None for part in parts) else None
-
-
-_PRIVATE_WRITER = _private_writer()
-
-
-def _torch_save(state: dict[str, Any], file: BinaryIO) -> None:
-    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there)."""
-    if ZIP_CRC32 or _PRIVATE_WRITER is None:
+def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
+    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.zip_crc)."""
+    with without_zip_crc32(not ZIP_CRC32):
         torch.save(state, file)
-        return
-    writer_class, save, alignment = _PRIVATE_WRITER
-    try:
-        writer = writer_class(file, False, alignment())  # (buffer, compute_crc32, storage_alignment)
-    except TypeError:  # another torch's signature: its own torch.save
-        torch.save(state, file)
-        return
-    try:
-        save(state, writer, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
-    finally:
-        writer.write_end_of_file()  # the zip's central directory, as torch.save's writer context does on exit
     file.flush()
 
 
@@ -283,7 +265,7 @@ def _load_problem(value: Any) -> str | None:
     except Exception as error:  # noqa: BLE001  (any refusal is the answer)
         lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines() if line.strip()]
         telling = [line for line in lines if "Unsupported" in line or "GLOBAL" in line]
-        return _one_line((telling or lines or [type(error).__name__])[0], 200)
+        return one_line((telling or lines or [type(error).__name__])[0], 200)
     return None
 
 
@@ -312,13 +294,14 @@ def check_loadable(state: dict[str, Any]) -> None:
                           f"numbers, strings, lists, tuples and dicts")
 
 
-def _one_line(text: object, limit: int = 500) -> str:
+def one_line(text: object, limit: int = 500) -> str:
+    """`text` on one line (whitespace runs become one space), cut to `limit` characters."""
     line = " ".join(str(text).split())
     return line if len(line) <= limit else line[:limit] + "..."
 
 
 def _tmp_name(label: str) -> str:
-    return f"{_TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _sha256(path: Path) -> str:
@@ -588,7 +571,7 @@ class CheckpointStore:
         try:
             return self._write_unchecked(state, step, is_best, extra, started)
         except OSError as error:
-            raise CheckpointWriteError(f"checkpoint step {step} not written: {_describe_os_error(error, where)}",
+            raise CheckpointWriteError(f"checkpoint step {step} not written: {describe_os_error(error, where)}",
                                        error.errno) from error
 
     def _write_state(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -600,7 +583,7 @@ class CheckpointStore:
         with open(path, "wb") as file:
             digesting = DigestingFile(WritebackFile(file), DIGEST)  # the disk writes while the rest is copied
             try:
-                _torch_save(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
+                save_state_file(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
             except RuntimeError as error:
                 if digesting.error is not None:
                     raise digesting.error from error
@@ -671,7 +654,7 @@ class CheckpointStore:
             self._prune()
         except OSError as error:
             log.warning("could not prune old checkpoints in %s: %s", self.directory,
-                        _describe_os_error(error, self.directory))
+                        describe_os_error(error, self.directory))
 
     def _prune(self) -> None:
         complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]
@@ -686,7 +669,7 @@ class CheckpointStore:
 
     def _remove_stale_tmp(self) -> None:
         # List first, then read the claims: a live temporary path is claimed before it is created.
-        entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(_TMP_PREFIX)]
+        entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(TMP_PREFIX)]
         with _ACTIVE_LOCK:
             active = set(_ACTIVE)
         for entry in entries:
@@ -726,7 +709,7 @@ class CheckpointStore:
         try:
             return _verify_and_load(Path(path), verify=verify)
         except _Invalid as e:
-            raise CheckpointError(f"checkpoint {path} is invalid: {_one_line(e)}") from None
+            raise CheckpointError(f"checkpoint {path} is invalid: {one_line(e)}") from None
 
     def _first_valid(self, paths: list[Path]) -> LoadedCheckpoint:
         skipped: list[tuple[Path, str]] = []
@@ -734,7 +717,7 @@ class CheckpointStore:
             try:
                 return _verify_and_load(path, tuple(skipped))
             except _Invalid as e:
-                reason = _one_line(e)
+                reason = one_line(e)
                 log.warning("skipping checkpoint %s: %s", path, reason)
                 skipped.append((path, reason))
         raise CheckpointError(f"no valid checkpoint in {self.directory}: {len(skipped)} rejected, "
@@ -757,7 +740,7 @@ class CheckpointStore:
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as e:
-            name = _one_line(e)
+            name = one_line(e)
         if _STEP_DIR.fullmatch(name):
             return name
         log.warning("ignoring %s: not a step_XXXXXXXX name (%s)", self.directory / pointer, name)

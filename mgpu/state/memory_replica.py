@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, _SAFE, job_dir
+from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, job_dir, safe_name
 
 __all__ = ["Directory", "Replication", "StoreDirectory", "partners", "replica_dir"]
 
@@ -62,7 +62,7 @@ def partners(rank: int, world_size: int, ranks_per_node: int, num_nodes: int) ->
 def replica_dir(job: str, run: str, rank: int, node: str, base: Path | None = None) -> Path:
     """Where `node` holds the replica of `rank`'s snapshots: the node's name keeps the nodes' files apart where
     two share one /dev/shm (the test cluster)."""
-    return job_dir(job, run, base) / f"replica-of-rank{rank}-on-{_SAFE.sub('_', node)}"
+    return job_dir(job, run, base) / f"replica-of-rank{rank}-on-{safe_name(node)}"
 
 
 class Refused(Exception):

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
 
-__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "remove_job"]
+__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "remove_job", "safe_name"]
 
 BASE_ENV = "MGPU_SNAPSHOT_DIR"
 """Where the job directories go instead of /dev/shm (tests; a node whose /dev/shm is too small)."""
@@ -55,6 +55,11 @@ class Snapshot:
     digest: str
 
 
+def safe_name(text: str) -> str:
+    """`text` as one part of a file name: every character outside [A-Za-z0-9_.-] becomes "_"."""
+    return _SAFE.sub("_", text)
+
+
 def local_job_id(run_id: str) -> str:
     """The job id outside Slurm: derived from the run, so a local restart of the same run finds its snapshots."""
     return f"local-{run_id}"
@@ -66,13 +71,13 @@ def base_dir() -> Path:
 
 def job_dir(job: str, run: str, base: Path | None = None) -> Path:
     """`<base>/mgpu-<job>-<run>`: one job's snapshots on this node, every rank's."""
-    return (base or base_dir()) / f"mgpu-{_SAFE.sub('_', job)}-{_SAFE.sub('_', run)}"
+    return (base or base_dir()) / f"mgpu-{safe_name(job)}-{safe_name(run)}"
 
 
 def remove_job(job: str, run: str | None = None, base: Path | None = None) -> list[Path]:
     """Remove this node's snapshots of `job` (of one run, or of every run of the job): the paths removed."""
     root = base or base_dir()
-    pattern = job_dir(job, run, root).name if run is not None else f"mgpu-{_SAFE.sub('_', job)}-*"
+    pattern = job_dir(job, run, root).name if run is not None else f"mgpu-{safe_name(job)}-*"
     removed = []
     for path in sorted(root.glob(pattern)) if root.is_dir() else ():
         shutil.rmtree(path, ignore_errors=True)

@@ -67,7 +67,7 @@ def rank_state(objects: Mapping[str, Any], rank: int, world_size: int, version: 
     """What a checkpoint holds, as this rank can give it with no collective: the objects' states (replicated
     under DDP), and in the per-rank entries (RNG, a stateful stream's position) this rank's alone, at its place."""
     from mgpu.state.rng import capture_rng_state
-    from mgpu.state.train_state import FORMAT, _unwrapped
+    from mgpu.state.train_state import FORMAT, unwrapped
 
     def at_rank(value: Any) -> list[Any]:
         entries: list[Any] = [None] * world_size
@@ -80,7 +80,7 @@ def rank_state(objects: Mapping[str, Any], rank: int, world_size: int, version: 
         if callable(getattr(value, "rank_state_dict", None)):
             state[name] = {"per_rank": at_rank(value.rank_state_dict())}
             continue
-        value = _unwrapped(value)
+        value = unwrapped(value)
         if hasattr(value, "state_dict"):
             state[name] = _local(value.state_dict())
         elif is_dataclass(value) and not isinstance(value, type):
@@ -161,9 +161,9 @@ def _restore_shards(saved: dict[str, Any], target: Any, name: str) -> None:
 
 
 def _unsupported(objects: Mapping[str, Any]) -> str | None:
-    from mgpu.state.train_state import _is_zero
+    from mgpu.state.train_state import is_zero_optimizer
 
-    if any(_is_zero(value) for value in objects.values()):
+    if any(is_zero_optimizer(value) for value in objects.values()):
         return "a ZeroRedundancyOptimizer's state is split across the ranks"
     return None
 
@@ -247,7 +247,7 @@ class MemorySnapshots:
         extra = layouts()
         if self.disabled is not None:
             return False
-        from mgpu.state.checkpoint import _torch_save
+        from mgpu.state.checkpoint import save_state_file
 
         started = time.perf_counter()
         state = rank_state(objects, self.store.identity.rank, self.store.identity.world_size, self.version)
@@ -255,7 +255,7 @@ class MemorySnapshots:
         if self.taken == 0 and (why := no_room(self.store.directory.parent.parent, _tensor_bytes(state))):
             return self._disable(why)
         try:
-            snapshot = self.store.write(step, lambda file: _torch_save(state, file))
+            snapshot = self.store.write(step, lambda file: save_state_file(state, file))
         except OSError as error:
             return self._disable(f"writing one failed: {error}")
         self.last_seconds, self.last_bytes = time.perf_counter() - started, snapshot.path.stat().st_size
@@ -295,7 +295,7 @@ class MemorySnapshots:
         def load(file: IO[bytes]) -> Any:
             return torch.load(file, map_location="cpu", weights_only=True)
 
-        from mgpu.state.train_state import _unwrapped
+        from mgpu.state.train_state import unwrapped
 
         try:
             state = self.store.read(step, load)
@@ -307,7 +307,7 @@ class MemorySnapshots:
                      self.replication.partner.rank)
         sharded = [name for name in objects if name in state and _has_local(state[name])]
         for name in sharded:
-            _restore_shards(state[name], _unwrapped(objects[name]), name)
+            _restore_shards(state[name], unwrapped(objects[name]), name)
         rest = {name: value for name, value in objects.items() if name not in sharded}
         restore_state(state, rest, self.store.identity.rank, seed, missing_ok)
         objects.update(rest)  # the plain values restore_state replaced
@@ -348,9 +348,9 @@ class MemorySnapshots:
         """Snapshots of this run on this node from another job (never restorable here: another job id)."""
         import shutil
 
-        from mgpu.state.memory_snapshot import _SAFE
+        from mgpu.state.memory_snapshot import safe_name
 
         mine = self.store.directory.parent
-        for path in mine.parent.glob(f"mgpu-*-{_SAFE.sub('_', self.store.identity.run)}"):
+        for path in mine.parent.glob(f"mgpu-*-{safe_name(self.store.identity.run)}"):
             if path != mine:
                 shutil.rmtree(path, ignore_errors=True)

@@ -51,11 +51,10 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel
 
 from mgpu.errors import MgpuError
 from mgpu.state.checkpoint import (META_FILE, CheckpointError, CheckpointStore, LoadedCheckpoint,
-                             _claimed, _describe_os_error, _one_line, _sha256, _TMP_PREFIX, check_loadable)
+                             _claimed, describe_os_error, one_line, _sha256, TMP_PREFIX, check_loadable)
 from mgpu.state import checkpoint as _checkpoint
 from mgpu.state.digest import digest_bytes, digest_file, mismatch
 from mgpu.state.shard_digest import DigestingFileSystem
@@ -63,9 +62,10 @@ from mgpu.fsutil import fsync_path, write_durably
 from mgpu.record.ledger import Ledger
 from mgpu.state.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
 from mgpu.state.shard_arrivals import Arrivals, MarkingWriter, late_line
-from mgpu.state.train_state import gather_rank_states
+from mgpu.state.train_state import gather_rank_states, unwrapped
 
-__all__ = ["KIND", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "restore_sharded", "split_objects"]
+__all__ = ["KIND", "SafeEmptyPlanner", "ShardedCheckpointer", "SafeLoadPlanner", "SafeReader", "rank_file", "read_meta",
+           "restore_sharded", "split_objects", "verify_rank"]
 
 KIND = "sharded"
 FORMAT = 1
@@ -73,7 +73,8 @@ COMMON = "common.pt"
 log = logging.getLogger("mgpu.train")
 
 
-def _rank_file(rank: int) -> str:
+def rank_file(rank: int) -> str:
+    """The file of a rank's own entries (its RNG, its sampler's position) in a sharded checkpoint's directory."""
     return f"rank_{rank}.pt"
 
 
@@ -134,7 +135,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     load_bytes = _load_bytes_safely
 
 
-class _SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
+class SafeEmptyPlanner(_EmptyStateDictLoadPlanner):
     """The planner that rebuilds a state from the metadata (one process), loading values safely: the whole
     state, or (`module`) one saved module's entries alone, no optimizer tensor read."""
 
@@ -157,16 +158,12 @@ def module_of(key: str, metadata: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------- state layout
-def _unwrapped(value: Any) -> Any:
-    return value.module if isinstance(value, DistributedDataParallel) else value
-
-
 def split_objects(objects: Mapping[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer],
                                                         dict[str, Any]]:
     """(modules, optimizers, the rest): the first two go through DCP (sharded), the rest into common.pt."""
     modules, optimizers, rest = {}, {}, {}
     for name, value in objects.items():
-        value = _unwrapped(value)
+        value = unwrapped(value)
         if isinstance(value, nn.Module):
             modules[name] = value
         elif isinstance(value, torch.optim.Optimizer):
@@ -233,7 +230,7 @@ def _entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | None:
+def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | None:
     """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact)."""
     manifest_path = path / _manifest(saved_rank)
     try:
@@ -250,11 +247,12 @@ def _verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | 
             if problem is not None:
                 return f"{problem} ({manifest_path.name})"
     except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"{path}: rank {saved_rank}'s files unreadable: {_one_line(error, 200)}"
+        return f"{path}: rank {saved_rank}'s files unreadable: {one_line(error, 200)}"
     return None
 
 
-def _read_meta(path: Path, step: int) -> dict[str, Any]:
+def read_meta(path: Path, step: int) -> dict[str, Any]:
+    """The meta.json of the sharded checkpoint of `step` in `path`; ValueError where it is not one."""
     meta = json.loads((path / META_FILE).read_text())
     if not (isinstance(meta, dict) and meta.get("kind") == KIND and meta.get("step") == step
             and isinstance(meta.get("world_size"), int) and isinstance(meta.get("manifests"), dict)
@@ -362,7 +360,7 @@ class ShardedCheckpointer:
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.store._remove_stale_tmp()  # a killed save's space back before this one needs it
-            name = f"{_TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"{TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
             (self.directory / name).mkdir()
         views: list[Any] = [(name, self._group_failed)]
         if self.world > 1:
@@ -373,7 +371,7 @@ class ShardedCheckpointer:
                 self._replace_group()
             except RuntimeError as error:  # a rank gone as well: this save fails; the next one tries again
                 raise CheckpointError(f"sharded checkpoint step {step} not written: its ranks could not form the "
-                                      f"save's group: {_one_line(error, 200)}") from None
+                                      f"save's group: {one_line(error, 200)}") from None
         return self.directory / str(views[0][0])
 
     def _new_group(self) -> Any:
@@ -519,9 +517,9 @@ class ShardedCheckpointer:
 
     def _write_manifest(self, job: "_Job") -> None:
         tmp = job.tmp
-        write_durably(tmp / _rank_file(self.rank), job.pieces)
-        names = [_rank_file(self.rank)]
-        from_bytes = {_rank_file(self.rank): job.pieces}
+        write_durably(tmp / rank_file(self.rank), job.pieces)
+        names = [rank_file(self.rank)]
+        from_bytes = {rank_file(self.rank): job.pieces}
         if job.common is not None:
             write_durably(tmp / COMMON, job.common)
             names += [COMMON, ".metadata"]
@@ -587,7 +585,7 @@ class ShardedCheckpointer:
                 try:
                     return self._load(path, step, meta, tuple(skipped))
                 except Exception as error:  # noqa: BLE001  (alike on every rank: the files verified)
-                    reason = f"does not load safely: {_one_line(error, 200)}"
+                    reason = f"does not load safely: {one_line(error, 200)}"
             if self.rank == 0:
                 log.warning("skipping checkpoint %s: %s", path, reason)
             skipped.append((path, reason))
@@ -599,13 +597,13 @@ class ShardedCheckpointer:
     def _verify(self, path: Path, step: int) -> tuple[str | None, dict[str, Any]]:
         """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W."""
         try:
-            meta: dict[str, Any] | None = _read_meta(path, step)
+            meta: dict[str, Any] | None = read_meta(path, step)
             problem = None
         except (OSError, ValueError) as error:
-            meta, problem = None, _one_line(error, 300)
+            meta, problem = None, one_line(error, 300)
         if problem is None and meta is not None:
             for saved in range(self.rank, meta["world_size"], self.world):
-                problem = _verify_rank(path, saved, meta)
+                problem = verify_rank(path, saved, meta)
                 if problem is not None:
                     break
         problems: list[Any] = [problem]
@@ -619,7 +617,7 @@ class ShardedCheckpointer:
               ) -> LoadedCheckpoint:
         SafeReader(path).read_metadata()  # DCP's pickle read through the allow-list now: a refusal falls back
         state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
-        own = path / _rank_file(self.rank)
+        own = path / rank_file(self.rank)
         state["rank_pieces"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
         self.last_saved_step = step
         return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
@@ -649,11 +647,11 @@ def _os_cause(error: BaseException) -> OSError | None:
 def _describe(error: BaseException, where: Path) -> str:
     cause: BaseException | None = _os_cause(error)
     if isinstance(cause, OSError):
-        return _describe_os_error(cause, where)
+        return describe_os_error(cause, where)
     cause = error
     for failure in getattr(error, "failures", {}).values():  # DCP's: the last rank's failure inside
         cause = failure[0] if isinstance(failure, tuple) else failure
-    return _one_line(f"{type(cause).__name__}: {cause}", 300)
+    return one_line(f"{type(cause).__name__}: {cause}", 300)
 
 
 # ---------------------------------------------------------------------------------------------- restore

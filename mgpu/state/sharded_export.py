@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
-from mgpu.state.checkpoint import (META_FILE, STATE_FILE, CheckpointError, CheckpointStore, _describe_os_error,
-                             _one_line, _TMP_PREFIX)
+from mgpu.state.checkpoint import (META_FILE, STATE_FILE, CheckpointError, CheckpointStore, describe_os_error,
+                             one_line, TMP_PREFIX)
 from mgpu.errors import MgpuError
 from mgpu.fsutil import fsync_path
 from mgpu.record.ledger import Ledger
-from mgpu.state.sharded import (COMMON, KIND, SafeReader, ShardedCheckpointer, _rank_file, _read_meta, _SafeEmptyPlanner,
-                          _verify_rank, module_of)
+from mgpu.state.sharded import (COMMON, KIND, SafeReader, ShardedCheckpointer, rank_file, read_meta, SafeEmptyPlanner,
+                          verify_rank, module_of)
 
 __all__ = ["consolidate", "consolidated_model", "is_sharded_checkpoint", "main"]
 
@@ -52,11 +52,11 @@ def _verified(path: Path, verify: bool) -> dict[str, Any]:
     """`path`'s meta.json, every file verified first (`verify`), and DCP's metadata read through the allow-list:
     a CheckpointError (one line) for anything else."""
     try:
-        meta = _read_meta(path, _step_number(path))
+        meta = read_meta(path, _step_number(path))
     except (OSError, ValueError) as error:
-        raise CheckpointError(f"checkpoint {path} is invalid: {_one_line(error, 300)}") from None
+        raise CheckpointError(f"checkpoint {path} is invalid: {one_line(error, 300)}") from None
     for saved in range(meta["world_size"]) if verify else ():
-        problem = _verify_rank(path, saved, meta)
+        problem = verify_rank(path, saved, meta)
         if problem is not None:
             raise CheckpointError(f"checkpoint {path} is invalid: {problem}")
     return meta
@@ -69,13 +69,13 @@ def _load_flat(path: Path, module: str | None = None) -> dict[str, Any]:
     try:
         metadata = SafeReader(path).read_metadata()
     except Exception as error:  # noqa: BLE001  (a refused global, or a pickle that is not DCP's metadata)
-        raise CheckpointError(f"checkpoint {path} does not load safely: {_one_line(error, 200)}") from None
+        raise CheckpointError(f"checkpoint {path} does not load safely: {one_line(error, 200)}") from None
     if module is not None:
         names = {name for key in metadata.state_dict_metadata if (name := module_of(key, metadata)) is not None}
         if module not in names:
             raise CheckpointError(f"checkpoint {path} holds no module named {module!r} (it has {sorted(names)})")
     flat: dict[str, Any] = {}
-    _load_state_dict(flat, storage_reader=SafeReader(path), planner=_SafeEmptyPlanner(module), no_dist=True)
+    _load_state_dict(flat, storage_reader=SafeReader(path), planner=SafeEmptyPlanner(module), no_dist=True)
     return flat
 
 
@@ -99,7 +99,7 @@ def consolidate(path: Path, verify: bool = True) -> dict[str, Any]:
         state.setdefault(name, {}).update(values)
     if "optim" in flat:
         state["optim"] = flat["optim"]
-    state["rng"] = [torch.load(path / _rank_file(r), map_location="cpu", weights_only=True)["rng"]
+    state["rng"] = [torch.load(path / rank_file(r), map_location="cpu", weights_only=True)["rng"]
                     for r in range(meta["world_size"])]
     return state
 
@@ -151,7 +151,7 @@ def _inside_checkpoints(where: Path, source: Path) -> Path | None:
     included) that `where` lies in, if any."""
     store = source.resolve().parent if source.name.startswith("step_") else None
     for folder in (where, *where.parents):
-        if ((folder / META_FILE).exists() or folder.name.startswith(_TMP_PREFIX) or folder == store
+        if ((folder / META_FILE).exists() or folder.name.startswith(TMP_PREFIX) or folder == store
                 or ((folder / "latest").is_file() and any(folder.glob("step_*")))):
             return folder
     return None
@@ -186,7 +186,7 @@ def _write(state: dict[str, Any], out: Path) -> None:
                 raise
             os.replace(tmp, out)  # a filesystem without hard links
     except OSError as error:
-        raise MgpuError(f"{out} not written: {_describe_os_error(error, out)}") from None
+        raise MgpuError(f"{out} not written: {describe_os_error(error, out)}") from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -25,7 +25,7 @@ from mgpu.state.rng import capture_rng_state, derived_seed, restore_rng_state, s
 from mgpu.errors import MgpuError
 
 __all__ = ["RESERVED", "Progress", "State", "check_checkpointable", "code_version", "gather_rank_states", "gather_state",
-           "restore_state"]
+           "is_zero_optimizer", "restore_state", "unwrapped"]
 
 FORMAT = 1
 
@@ -80,7 +80,7 @@ RESERVED = ("format", "rng", "world_size", "code_version", "ddp")  # ddp: the se
 """Keys the session adds to every checkpoint; a state of yours cannot use them."""
 
 
-def _is_zero(value: Any) -> bool:
+def is_zero_optimizer(value: Any) -> bool:
     """Whether `value` is a ZeroRedundancyOptimizer. Without importing torch.distributed.optim (FSDP, DTensor and
     sympy: about a second of every start): an instance exists only once something imported its module."""
     module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
@@ -88,7 +88,7 @@ def _is_zero(value: Any) -> bool:
     return zero is not None and isinstance(value, zero)
 
 
-def _unwrapped(value: Any) -> Any:
+def unwrapped(value: Any) -> Any:
     """The module inside DDP: its state loads into a plain module too (another world size, inference)."""
     return value.module if isinstance(value, DistributedDataParallel) else value
 
@@ -102,7 +102,7 @@ def _is_dataclass_object(value: Any) -> bool:
 
 def _unstorable(value: Any, where: str) -> tuple[str, Any] | None:
     """(where, the value) of the first part of `value` a checkpoint cannot hold and give back; None: all can."""
-    value = _unwrapped(value)
+    value = unwrapped(value)
     if hasattr(value, "state_dict") and hasattr(value, "load_state_dict"):
         return None
     if isinstance(value, _PLAIN):
@@ -190,18 +190,18 @@ def gather_state(objects: Mapping[str, Any], version: str | None) -> dict[str, A
     rng = _all_rank_rng_states()
     per_rank = gather_rank_states(objects)
     for value in objects.values():
-        if _is_zero(value):
+        if is_zero_optimizer(value):
             value.consolidate_state_dict(to=0)  # the shards meet on rank 0
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     state: dict[str, Any] = {"format": FORMAT, "rng": rng, "world_size": len(rng), "code_version": version}
     for name, value in objects.items():
-        value = _unwrapped(value)
+        value = unwrapped(value)
         if name in per_rank:
             state[name] = {"per_rank": per_rank[name]}
         elif hasattr(value, "state_dict"):
             state[name] = value.state_dict()
-            if _is_zero(value):
+            if is_zero_optimizer(value):
                 # ZeRO keeps every rank's consolidated shard until the next consolidation: a second full
                 # optimizer state on rank 0 for the rest of the run. The checkpoint holds what it needs.
                 value._all_state_dicts = []
@@ -249,7 +249,7 @@ def restore_state(state: Mapping[str, Any], objects: MutableMapping[str, Any], r
     for name, value in objects.items():
         if name not in state:
             continue
-        target = _unwrapped(value)
+        target = unwrapped(value)
         if isinstance(target, nn.Module):
             target.load_state_dict(state[name])  # copied into its own parameters and buffers
         elif hasattr(target, "load_state_dict"):
