@@ -15,7 +15,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from mgpu.state.memory_replica import (Partner, Refused, Replication, _recv_msg, _send_msg, partners,
+from mgpu.state.memory_replica import (Partner, Refused, Replication, Superseded, _recv_msg, _send_msg, partners,
                                        replica_dir)
 from mgpu.state.memory_snapshot import Identity, SnapshotStore, job_dir, remove_job
 from mgpu.state.memory_state import MemorySnapshots
@@ -291,3 +291,34 @@ def test_a_fresh_start_removes_the_replica_held_and_goes_on_holding_the_next(
     assert not one.held.directory.exists()
     zero.offer(own.write(2, dump("new")))
     assert zero.sender.wait_idle(10) and one.held.valid_steps() == [2] and zero.sender.failure is None
+
+
+@pytest.mark.parametrize("when", ["before it is sent", "while it is sent"])
+def test_a_snapshot_written_over_is_superseded_and_the_replica_held_stays_whole(
+        when: str, tmp_path: Path, pair: tuple[Replication, Replication], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender sends the slot's file as it is (no copy, no CRC-32 of its own): the two snapshots after it may
+    write over it before or during the send. Either way it is superseded (no failure), and the holder commits
+    nothing torn: it keeps step 2."""
+    zero, one = pair
+    own = SnapshotStore.for_rank(R0, tmp_path)
+    zero.offer(own.write(2, dump("step 2 " * 1000)))
+    assert zero.sender.wait_idle(10) and one.held.valid_steps() == [2]
+    first = own.write(3, dump("step 3 " * 1000))
+    if when == "before it is sent":
+        own.write(4, dump("step 4"))
+        own.write(5, dump("step 5 " * 2000))  # step 3's slot again
+    else:
+        request = zero.partner._request
+
+        def overwritten_after_the_go(message: dict[str, Any]) -> Any:
+            answer = request(message)  # the holder waits for `bytes` bytes with step 3's CRC-32
+            own.write(4, dump("step 4"))
+            own.write(5, dump("step 5 " * 2000))  # longer: the sender sends the first `bytes` of it
+            return answer
+
+        monkeypatch.setattr(zero.partner, "_request", overwritten_after_the_go)
+    with pytest.raises(Superseded):
+        zero.partner.put(first)
+    zero.offer(first)
+    assert zero.sender.wait_idle(10) and zero.sender.failure is None
+    assert one.held.valid_steps() == [2] and load(zero.fetch(2)) == "step 2 " * 1000

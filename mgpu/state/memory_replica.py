@@ -22,6 +22,7 @@ import hmac
 import io
 import json
 import logging
+import os
 import secrets
 import shutil
 import socket
@@ -240,17 +241,32 @@ class Partner:
         return content
 
     def put(self, snapshot: Snapshot) -> None:
-        """Send `snapshot`, read whole into memory first and checked against its commit record (its slot is
-        written over two snapshots later, maybe while this is sent)."""
-        content = snapshot.path.read_bytes()
-        if _crc(content) != snapshot.digest:
-            raise Superseded(f"step {snapshot.step}'s slot was written over before it was sent")
-        conn, _ = self._request({"op": "put", "step": snapshot.step, "bytes": len(content), "crc32": snapshot.digest})
-        with conn:
-            conn.sendall(content)
-            answer = _recv_msg(conn)
+        """Send `snapshot` from its file to the socket (os.sendfile: no copy through this process, and no CRC-32
+        here: the holder computes it as it receives and commits only what matches the commit record's). Its slot
+        is written over two snapshots later, maybe while this is sent: then it is Superseded, whatever arrived."""
+        def superseded() -> Superseded:
+            return Superseded(f"step {snapshot.step}'s slot was written over before it was sent")
+
+        try:
+            file = open(snapshot.path, "rb")
+        except FileNotFoundError:
+            raise superseded() from None
+        with file:
+            size = os.fstat(file.fileno()).st_size
+            if not snapshot.still_committed():
+                raise superseded()
+            conn, _ = self._request({"op": "put", "step": snapshot.step, "bytes": size, "crc32": snapshot.digest})
+            with conn:
+                try:
+                    if conn.sendfile(file, 0, size) != size:  # the file was cut short under it: the holder sees a close
+                        raise superseded()
+                    answer = _recv_msg(conn)  # a holder that found the bytes torn closes without one
+                except OSError:
+                    if not snapshot.still_committed():
+                        raise superseded() from None
+                    raise
         if not answer.get("ok"):
-            raise Refused(str(answer.get("why")))
+            raise superseded() if not snapshot.still_committed() else Refused(str(answer.get("why")))
 
 
 class Superseded(Exception):

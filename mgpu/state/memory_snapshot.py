@@ -54,6 +54,15 @@ class Snapshot:
     path: Path
     digest: str
 
+    def still_committed(self) -> bool:
+        """Whether its slot still holds it: a write into the slot removes the commit record before it touches the
+        file and writes a new one (another step) only after, so while this is True the file was not written over."""
+        try:
+            record = json.loads(self.path.with_suffix(".json").read_text())
+        except (OSError, ValueError):
+            return False
+        return isinstance(record, dict) and record.get("step") == self.step and record.get("crc32") == self.digest
+
 
 def safe_name(text: str) -> str:
     """`text` as one part of a file name: every character outside [A-Za-z0-9_.-] becomes "_"."""
