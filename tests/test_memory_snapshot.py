@@ -286,16 +286,50 @@ def test_a_node_without_room_for_two_snapshots_takes_none_and_says_so(tmp_path: 
     assert no_room(tmp_path, 1000) is None
     why = no_room(tmp_path, 1 << 60)
     assert why is not None and why.startswith(f"{tmp_path} has ") and "GB free, two snapshots of this rank need" in why
-    cgroup = tmp_path / "cg"
-    relative = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1].lstrip("/")
-    (cgroup / relative).mkdir(parents=True)
-    (cgroup / relative / "memory.max").write_text("3000000000\n")
-    (cgroup / relative / "memory.current").write_text("2000000000\n")
-    assert no_room(tmp_path, 400_000_000, cgroup) is None  # 0.88 GB needed, 1 GB left
-    assert no_room(tmp_path, 500_000_000, cgroup) == ("this job's memory limit leaves 1.00 GB, two snapshots of "
-                                                      "this rank need 1.05 GB")
-    (cgroup / relative / "memory.max").write_text("max\n")
-    assert no_room(tmp_path, 500_000_000, cgroup) is None
+    cgroup, proc = tmp_path / "cg", tmp_path / "proc-self-cgroup"
+    proc.write_text("0::/job_7/task_0\n")
+    _limits(cgroup, {"job_7": ("3000000000", 2_000_000_000), "job_7/task_0": ("max", 1_000_000_000)})
+    assert no_room(tmp_path, 400_000_000, cgroup, proc) is None  # 0.88 GB needed, 1 GB left
+    assert no_room(tmp_path, 500_000_000, cgroup, proc) == ("this job's memory limit leaves 1.00 GB, two snapshots of "
+                                                            "this rank need 1.05 GB")
+    (cgroup / "job_7" / "memory.max").write_text("max\n")
+    assert no_room(tmp_path, 500_000_000, cgroup, proc) is None
+
+
+def _limits(root: Path, levels: dict[str, tuple[str, int]], v1: bool = False) -> None:
+    """Fake cgroup files: {level: (limit, usage)}, v2 names (memory.max, memory.current) or v1 ones."""
+    for level, (limit, usage) in levels.items():
+        where = root / "memory" / level if v1 else root / level
+        where.mkdir(parents=True, exist_ok=True)
+        (where / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{limit}\n")
+        (where / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
+
+
+V1_NONE = "9223372036854771712"  # what cgroup v1 writes for no limit
+SLURM_V2 = "0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n"
+SLURM_V1 = "12:pids:/\n4:memory:/slurm/uid_0/job_7/step_0/task_0\n3:cpu,cpuacct:/slurm/uid_0/job_7\n0::/\n"
+
+
+@pytest.mark.parametrize("proc, levels, v1, headroom", [
+    # Slurm's v2 tree: the job's limit, none on the step's or the task's (the level the rank is in)
+    (SLURM_V2, {"system.slice/slurmstepd.scope/job_7": ("3000000000", 2_000_000_000),
+                "system.slice/slurmstepd.scope/job_7/step_0/user/task_0": ("max", 500_000_000)}, False, 1_000_000_000),
+    # two limits on the way up: the tighter headroom
+    ("0::/a/b\n", {"a": ("8000000000", 2_000_000_000), "a/b": ("3000000000", 2_500_000_000)}, False, 500_000_000),
+    # a hybrid host (v1 memory controller, as this machine): the v1 files, the job's limit
+    (SLURM_V1, {"slurm/uid_0/job_7": ("4000000000", 1_000_000_000),
+                "slurm/uid_0/job_7/step_0/task_0": (V1_NONE, 300_000_000)}, True, 3_000_000_000),
+    (SLURM_V1, {"slurm/uid_0/job_7/step_0/task_0": (V1_NONE, 300_000_000), "": (V1_NONE, 9_000_000_000)}, True, None),
+    ("3:cpu,cpuacct:/x\n0::/y\n", {"y": ("2000000000", 500_000_000)}, False, 1_500_000_000),  # no v1 memory: v2
+    ("0::/\n", {}, False, None),  # the v2 root has no memory.max
+    ("", {}, False, None),
+])
+def test_the_memory_headroom_is_the_least_on_the_way_up(tmp_path: Path, proc: str, levels: dict[str, tuple[str, int]],
+                                                       v1: bool, headroom: int | None) -> None:
+    from mgpu.state.memory_state import memory_headroom
+
+    _limits(tmp_path, levels, v1)
+    assert memory_headroom(proc, tmp_path) == headroom
 
 
 def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -179,10 +179,44 @@ def _tensor_bytes(value: Any) -> int:
     return 0
 
 
-def no_room(base: Path, size: int, cgroup: Path = Path("/sys/fs/cgroup")) -> str | None:
+_UNLIMITED = 1 << 62
+"""cgroup v1 writes "no limit" as a number near 2**63 (PAGE_COUNTER_MAX pages): at or above this, none."""
+
+
+def memory_headroom(proc_cgroup: str, root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """The bytes this process's memory cgroups let it add (None: no limit): the least of limit less usage over its
+    cgroup and every ancestor, since a limit is often set on the job's cgroup and not on the step's or task's below
+    it (Slurm). `proc_cgroup`: the text of /proc/self/cgroup. v1 where a hierarchy has the memory controller
+    (memory.limit_in_bytes, memory.usage_in_bytes under `root`/memory), else v2 (memory.max, memory.current)."""
+    v1 = [line.split(":", 2)[2] for line in proc_cgroup.splitlines()
+          if line.count(":") >= 2 and "memory" in line.split(":", 2)[1].split(",")]
+    v2 = [line.split(":", 2)[2] for line in proc_cgroup.splitlines() if line.startswith("0::")]
+    if v1:
+        path, base, limit_file, usage_file = v1[0], root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+    elif v2:
+        path, base, limit_file, usage_file = v2[0], root, "memory.max", "memory.current"
+    else:
+        return None
+    parts = [part for part in path.strip().split("/") if part]
+    headroom = None
+    for depth in range(len(parts), -1, -1):
+        level = base.joinpath(*parts[:depth])
+        try:
+            limit = (level / limit_file).read_text().strip()
+            usage = int((level / usage_file).read_text())
+        except (OSError, ValueError):
+            continue  # no limit at this level (the v2 root has no memory.max), or unreadable
+        if limit == "max" or not limit.isdigit() or int(limit) >= _UNLIMITED:
+            continue
+        headroom = min(headroom, int(limit) - usage) if headroom is not None else int(limit) - usage
+    return headroom
+
+
+def no_room(base: Path, size: int, cgroup: Path = Path("/sys/fs/cgroup"),
+            proc_cgroup: Path = Path("/proc/self/cgroup")) -> str | None:
     """Why this node cannot hold two more snapshots of `size` bytes (None: it can): the free space of the shared
-    memory filesystem at `base`, or the headroom of this process's memory cgroup (v2: memory.max less
-    memory.current; tmpfs pages are charged to it, so a full one would get the rank OOM-killed)."""
+    memory filesystem at `base`, or the headroom of this process's memory cgroups (`memory_headroom`; tmpfs pages
+    are charged to them, so a full one would get the rank OOM-killed)."""
     import os
 
     need = 2 * size + size // 10
@@ -195,13 +229,11 @@ def no_room(base: Path, size: int, cgroup: Path = Path("/sys/fs/cgroup")) -> str
         return (f"{base} has {stats.f_bavail * stats.f_frsize / 1e9:.2f} GB free, two snapshots of this rank need "
                 f"{need / 1e9:.2f} GB")
     try:
-        relative = Path("/proc/self/cgroup").read_text().strip().split("::", 1)[1]
-        limit = (cgroup / relative.lstrip("/") / "memory.max").read_text().strip()
-        used = int((cgroup / relative.lstrip("/") / "memory.current").read_text())
-    except (OSError, IndexError, ValueError):
-        return None  # no cgroup v2 memory limit to read: the filesystem's free space decides
-    if limit != "max" and int(limit) - used < need:
-        return (f"this job's memory limit leaves {(int(limit) - used) / 1e9:.2f} GB, two snapshots of this rank "
+        headroom = memory_headroom(proc_cgroup.read_text(), cgroup)
+    except OSError:
+        return None  # no /proc/self/cgroup: the filesystem's free space decides
+    if headroom is not None and headroom < need:
+        return (f"this job's memory limit leaves {headroom / 1e9:.2f} GB, two snapshots of this rank "
                 f"need {need / 1e9:.2f} GB")
     return None
 
