@@ -15,6 +15,7 @@ host copy (`blocked_s`, the snapshot every save must take) — the target is <= 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -59,6 +60,7 @@ def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: P
     checkpointer = Checkpointer(run_dir, 0, 1, Ledger(ledger_path, "bench", 0), keep_last=1)
     state = {"model": model, "optimizer": optimizer, "progress": {"step": 0}}
     blocked = 0.0
+    os.sync()  # the last run's checkpoints written back first: their writeback would otherwise load this run's CPUs
     started = time.perf_counter()
     for n in range(1, steps + 1):
         step(model, optimizer, batch)
