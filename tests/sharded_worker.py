@@ -110,8 +110,8 @@ def main() -> None:
         elif point == "install":  # rank 0 wrote meta.json, the directory is not renamed into place
             import mgpu.state.sharded as sharded
 
-            original_install = sharded.CheckpointStore._install
-            sharded.CheckpointStore._install = lambda self, tmp, final: (kill(), original_install(self, tmp, final))[1]  # type: ignore[method-assign]
+            original_install = sharded.CheckpointStore.install
+            sharded.CheckpointStore.install = lambda self, tmp, final: (kill(), original_install(self, tmp, final))[1]  # type: ignore[method-assign]
         checkpointer.save_objects({**objects, "progress": {"step": 2}}, 2, "periodic", wait=point == "install")
         checkpointer.settle()
     elif mode == "late":

@@ -29,8 +29,9 @@ import torch
 
 import mgpu.state.checkpoint
 import mgpu.state.zip_crc
-from mgpu.state.checkpoint import (CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint, check_loadable,
-                             snapshot_to_cpu)
+from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint
+from mgpu.state.host_copy import snapshot_to_cpu
+from mgpu.state.loadable import check_loadable
 from mgpu.state.digest import digest_file
 from tests.conftest import PYTHON, ROOT, base_env, fill
 
@@ -712,7 +713,7 @@ def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp
 
 def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Re-reading a large state.pt for its hash would happen inside the stop's time window.
-    monkeypatch.setattr("mgpu.state.checkpoint._sha256", lambda path: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.state.checkpoint.sha256_file", lambda path: pytest.fail("state.pt read back to hash it"))
     monkeypatch.setattr("mgpu.state.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())

@@ -89,8 +89,8 @@ def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_
     import mgpu.state.sharded
 
     read_back: list[str] = []
-    real_sha, real_digest = mgpu.state.sharded._sha256, mgpu.state.sharded.digest_file
-    monkeypatch.setattr(mgpu.state.sharded, "_sha256", lambda path: read_back.append(path.name) or real_sha(path))
+    real_sha, real_digest = mgpu.state.sharded.sha256_file, mgpu.state.sharded.digest_file
+    monkeypatch.setattr(mgpu.state.sharded, "sha256_file", lambda path: read_back.append(path.name) or real_sha(path))
     monkeypatch.setattr(mgpu.state.sharded, "digest_file", lambda path, *a: read_back.append(path.name) or real_digest(path, *a))
     save_steps(tmp_path, [1])[0].close()
     assert not [name for name in read_back if name.endswith(".distcp")], read_back  # only small files: .metadata, manifests

@@ -9,12 +9,10 @@ Rank 0 only; call a store from one thread (its own background writer aside).
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import dataclasses
 import errno
 import hashlib
-import io
 import json
 import logging
 import os
@@ -28,19 +26,19 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, TypeVar
+from typing import Any, BinaryIO, Callable, Iterator
 
 import torch
 
 from mgpu.state.digest import DigestingFile, digest_file, mismatch
+from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
 from mgpu.state.writeback import WritebackFile
 from mgpu.state.zip_crc import without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
 __all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
-           "TMP_PREFIX", "check_loadable", "describe_os_error", "one_line", "release_pinned_cache", "save_state_file",
-           "snapshot_to_cpu"]
+           "TMP_PREFIX", "describe_os_error", "one_line", "save_state_file"]
 
 FORMAT = 1
 STATE_FILE = "state.pt"
@@ -72,26 +70,8 @@ log = logging.getLogger("mgpu.state.checkpoint")
 _ACTIVE: set[Path] = set()
 _ACTIVE_LOCK = threading.Lock()
 
-T = TypeVar("T")
 Writer = Callable[[dict[str, Any], Path], None]
 OnDone = Callable[["SavedCheckpoint | BaseException"], None]
-
-
-def release_pinned_cache() -> None:
-    """Give freed pinned (page-locked) host memory back to the system. Freeing the staging buffers only returns
-    their blocks to torch's host caching allocator, which keeps them for reuse: the process would hold a full
-    copy of the state anyway. Only once CUDA is initialised (nothing was pinned before); a torch without
-    the call keeps its cache. Costs a cudaFreeHost per block (it synchronises the device), once per free."""
-    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return
-    accelerator = getattr(torch, "accelerator", None)
-    release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
-    if release is None:
-        return
-    try:
-        release()
-    except RuntimeError as error:  # the memory stays cached; nothing else depends on it
-        log.warning("could not release the checkpoint's pinned host memory: %s", error)
 
 
 def _drop_locals(error: BaseException) -> None:
@@ -189,111 +169,6 @@ class _Invalid(Exception):
     """A checkpoint directory that fails verification; the message names the bad file."""
 
 
-def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> T:
-    """A copy of nested dicts, lists and tuples in which every tensor is a CPU copy.
-
-    Training may go on changing the live tensors while a background thread writes the copy. A tensor
-    reached twice (tied weights) is copied once; a dict keeps its type and attributes (a state_dict's
-    `_metadata`). `staging`: buffers kept from the previous snapshot, keyed by position, reused when
-    shape and dtype match: copying into memory that is already mapped avoids a page fault per 4 KiB,
-    which costs more than the copy itself for a large state. The caller must not reuse `staging`
-    while an earlier snapshot taken with it is still being written.
-    """
-    memo: dict[int, torch.Tensor] = {}
-    devices: set[torch.device] = set()
-
-    def copy_tensor(tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
-        tensor = tensor.detach()
-        kept = staging.get(path) if staging is not None else None
-        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or tensor.layout != torch.strided:
-            if tensor.layout != torch.strided:
-                return tensor.to("cpu", copy=True)
-            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below.
-            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            if staging is not None:
-                staging[path] = kept
-        if tensor.is_cuda:
-            devices.add(tensor.device)
-        return kept.copy_(tensor, non_blocking=tensor.is_cuda)
-
-    def walk(value: Any, path: tuple[Any, ...]) -> Any:
-        if isinstance(value, torch.Tensor):
-            if id(value) not in memo:
-                memo[id(value)] = copy_tensor(value, path)
-            return memo[id(value)]
-        if isinstance(value, dict):
-            out = copy.copy(value)
-            for key, item in value.items():
-                out[key] = walk(item, (*path, key))
-            return out
-        if isinstance(value, list):
-            return [walk(item, (*path, i)) for i, item in enumerate(value)]
-        if isinstance(value, tuple):
-            items = [walk(item, (*path, i)) for i, item in enumerate(value)]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        return copy.deepcopy(value)
-
-    result = walk(obj, ())
-    for device in devices:
-        torch.cuda.synchronize(device)
-    return result
-
-
-def _skeleton(value: Any) -> Any:
-    """`value` with every tensor replaced by an empty one of its dtype: the pickled structure, no data."""
-    if isinstance(value, torch.Tensor):
-        return torch.empty(0, dtype=value.dtype)
-    if isinstance(value, dict):
-        out = copy.copy(value)
-        for key, item in value.items():
-            out[key] = _skeleton(item)
-        return out
-    if isinstance(value, list):
-        return [_skeleton(item) for item in value]
-    if isinstance(value, tuple) and not hasattr(value, "_fields"):
-        return tuple(_skeleton(item) for item in value)
-    return value
-
-
-def _load_problem(value: Any) -> str | None:
-    """Why `torch.load(weights_only=True)` would not read `value` back (None: it would)."""
-    buffer = io.BytesIO()
-    try:
-        torch.save(value, buffer)
-        buffer.seek(0)
-        torch.load(buffer, weights_only=True)
-    except Exception as error:  # noqa: BLE001  (any refusal is the answer)
-        lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(error).splitlines() if line.strip()]
-        telling = [line for line in lines if "Unsupported" in line or "GLOBAL" in line]
-        return one_line((telling or lines or [type(error).__name__])[0], 200)
-    return None
-
-
-def _offender(value: Any, path: str) -> tuple[str, Any]:
-    """The innermost key of `value` (a skeleton) whose content alone cannot be loaded back."""
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, (list, tuple)) \
-        and not hasattr(value, "_fields") else ()
-    for key, item in items:
-        if _load_problem({"x": item}) is not None:
-            return _offender(item, f"{path}.{key}" if isinstance(value, dict) else f"{path}[{key}]")
-    return path, value
-
-
-def check_loadable(state: dict[str, Any]) -> None:
-    """CheckpointError naming the key whose value a resume could not load (torch.load(weights_only=True)).
-
-    A custom object in a state_dict saves fine and fails only at the first resume, days later; this
-    finds it at the first save. Tensors are replaced by empty ones, so it costs no copy of the data."""
-    skeleton = _skeleton(state)
-    problem = _load_problem(skeleton)
-    if problem is None:
-        return
-    path, value = _offender(skeleton, "state")
-    raise CheckpointError(f"checkpoint {path} holds a {type(value).__name__}, which a resume cannot load with "
-                          f"torch.load(weights_only=True) ({problem}): keep state_dict() values to tensors, "
-                          f"numbers, strings, lists, tuples and dicts")
-
-
 def one_line(text: object, limit: int = 500) -> str:
     """`text` on one line (whitespace runs become one space), cut to `limit` characters."""
     line = " ".join(str(text).split())
@@ -304,7 +179,8 @@ def _tmp_name(label: str) -> str:
     return f"{TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """The sha256 of a file's bytes, hex (checkpoints saved before the crc32 digest record it)."""
     digest = hashlib.sha256()
     with open(path, "rb") as file:
         while chunk := file.read(_CHUNK):
@@ -317,7 +193,7 @@ def _mismatch(path: Path, meta: dict[str, Any]) -> str | None:
     mgpu.state.digest records the sha256 of the whole file."""
     if "checksum" in meta:
         return mismatch(path, meta["checksum"])
-    sha = _sha256(path)
+    sha = sha256_file(path)
     if sha != meta["sha256"]:
         return f"{path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... (corrupted)"
     return None
@@ -334,7 +210,7 @@ def _remove(path: Path) -> None:
 
 
 @contextmanager
-def _claimed(path: Path) -> Iterator[Path]:
+def claimed(path: Path) -> Iterator[Path]:
     """Mark a temporary path as this process's while the block runs, and remove whatever is left at it."""
     with _ACTIVE_LOCK:
         _ACTIVE.add(path)
@@ -599,10 +475,10 @@ class CheckpointStore:
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True, exist_ok=True)
             fsync_path(self.directory.parent, directory=True)
-        self._remove_stale_tmp()  # frees the space a killed writer held before this one needs it
+        self.remove_stale_tmp()  # frees the space a killed writer held before this one needs it
         name = f"step_{step:08d}"
         final = self.directory / name
-        with _claimed(self.directory / _tmp_name(name)) as tmp:
+        with claimed(self.directory / _tmp_name(name)) as tmp:
             tmp.mkdir()
             checksum = self._write_state(state, tmp / STATE_FILE)
             size = (tmp / STATE_FILE).stat().st_size
@@ -610,16 +486,16 @@ class CheckpointStore:
                     "extra": extra}
             write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
             fsync_path(tmp, directory=True)
-            self._install(tmp, final)
-        self._point(LATEST, name)
+            self.install(tmp, final)
+        self.point(LATEST, name)
         if is_best:
-            self._point(BEST, name)
+            self.point(BEST, name)
         # Durable and pointed at: its time ends here; the older ones are pruned after (`prune`).
         saved = SavedCheckpoint(path=final, step=step, bytes=size, seconds=time.monotonic() - started)
         log.info("saved checkpoint %s (%d bytes, %.2fs)", final, size, saved.seconds)
         return saved
 
-    def _install(self, tmp: Path, final: Path) -> None:
+    def install(self, tmp: Path, final: Path) -> None:
         """Rename the complete `tmp` to `final`; a step saved again replaces its old directory."""
         try:
             os.rename(tmp, final)
@@ -631,7 +507,7 @@ class CheckpointStore:
             if not _exchange(tmp, final):
                 # A crash between these renames leaves the step at neither name: a resume then falls
                 # back to an older checkpoint (lost progress, never a torn state).
-                with _claimed(tmp.with_name(tmp.name + "-old")) as aside:
+                with claimed(tmp.with_name(tmp.name + "-old")) as aside:
                     os.rename(final, aside)
                     try:
                         os.rename(tmp, final)
@@ -640,8 +516,9 @@ class CheckpointStore:
                         raise
         fsync_path(self.directory, directory=True)
 
-    def _point(self, pointer: str, name: str) -> None:
-        with _claimed(self.directory / _tmp_name(pointer)) as tmp:
+    def point(self, pointer: str, name: str) -> None:
+        """Make `pointer` (`latest`, `best`) name the step directory `name`, durably and atomically."""
+        with claimed(self.directory / _tmp_name(pointer)) as tmp:
             write_durably(tmp, f"{name}\n".encode())
             os.replace(tmp, self.directory / pointer)
         fsync_path(self.directory, directory=True)
@@ -659,15 +536,16 @@ class CheckpointStore:
     def _prune(self) -> None:
         complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]
         keep = {path.name for path in complete[:self.keep_last]}
-        keep |= {name for name in (self._pointer(LATEST), self._pointer(BEST)) if name}
+        keep |= {name for name in (self.pointer(LATEST), self.pointer(BEST)) if name}
         for path in complete:
             if path.name not in keep:
                 # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir.
-                with _claimed(self.directory / _tmp_name(path.name)) as trash:
+                with claimed(self.directory / _tmp_name(path.name)) as trash:
                     os.rename(path, trash)
-        self._remove_stale_tmp()
+        self.remove_stale_tmp()
 
-    def _remove_stale_tmp(self) -> None:
+    def remove_stale_tmp(self) -> None:
+        """Remove the temporary paths no save of this process is writing (a killed save's leftovers)."""
         # List first, then read the claims: a live temporary path is claimed before it is created.
         entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(TMP_PREFIX)]
         with _ACTIVE_LOCK:
@@ -685,17 +563,17 @@ class CheckpointStore:
         paths = [path for _, path in self._step_dirs()]
         if not paths:
             return None
-        pointed = self._pointer(LATEST)
+        pointed = self.pointer(LATEST)
         return self._first_valid(sorted(paths, key=lambda path: path.name != pointed))
 
     def best(self) -> LoadedCheckpoint | None:
         """The checkpoint `best` names (None if no save was marked best); CheckpointError if it is invalid."""
-        name = self._pointer(BEST)
+        name = self.pointer(BEST)
         return None if name is None else self._first_valid([self.directory / name])
 
     def latest_path(self) -> Path | None:
         """The directory the `latest` file names, unverified."""
-        name = self._pointer(LATEST)
+        name = self.pointer(LATEST)
         return None if name is None else self.directory / name
 
     def list_steps(self) -> list[int]:
@@ -734,7 +612,8 @@ class CheckpointStore:
                 found.append((int(match[1]), entry))
         return sorted(found, reverse=True)
 
-    def _pointer(self, pointer: str) -> str | None:
+    def pointer(self, pointer: str) -> str | None:
+        """The step directory `pointer` (`latest`, `best`) names, if any."""
         try:
             name = (self.directory / pointer).read_text().strip()
         except FileNotFoundError:

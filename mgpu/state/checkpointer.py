@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint, check_loadable
+from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint
+from mgpu.state.loadable import check_loadable
 from mgpu.parallel.distributed import broadcast_object
 from mgpu.record.check_hooks import checking
 from mgpu.record.ledger import Ledger

@@ -54,7 +54,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from mgpu.errors import MgpuError
 from mgpu.state.checkpoint import (META_FILE, CheckpointError, CheckpointStore, LoadedCheckpoint,
-                             _claimed, describe_os_error, one_line, _sha256, TMP_PREFIX, check_loadable)
+                             claimed, describe_os_error, one_line, sha256_file, TMP_PREFIX)
+from mgpu.state.loadable import check_loadable
 from mgpu.state import checkpoint as _checkpoint
 from mgpu.state.digest import digest_bytes, digest_file, mismatch
 from mgpu.state.shard_digest import DigestingFileSystem
@@ -225,7 +226,7 @@ def _entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
     """Why `file` does not match its manifest line (a checksum, or the sha256 of a checkpoint saved before)."""
     if "checksum" in entry:
         return mismatch(file, entry["checksum"])
-    if _sha256(file) != entry["sha256"]:
+    if sha256_file(file) != entry["sha256"]:
         return f"{file} does not match the sha256 in its manifest (corrupted)"
     return None
 
@@ -234,7 +235,7 @@ def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | N
     """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact)."""
     manifest_path = path / _manifest(saved_rank)
     try:
-        sha = _sha256(manifest_path)
+        sha = sha256_file(manifest_path)
         if sha != meta["manifests"][str(saved_rank)]:
             return f"{manifest_path} has sha256 {sha[:16]}..., {META_FILE} says another (corrupted)"
         manifest = json.loads(manifest_path.read_text())
@@ -359,7 +360,7 @@ class ShardedCheckpointer:
         name = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self.store._remove_stale_tmp()  # a killed save's space back before this one needs it
+            self.store.remove_stale_tmp()  # a killed save's space back before this one needs it
             name = f"{TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
             (self.directory / name).mkdir()
         views: list[Any] = [(name, self._group_failed)]
@@ -468,7 +469,7 @@ class ShardedCheckpointer:
             error = f"sharded checkpoint step {job.step} not written (rank {first[0]}: {first[1]})"
         elif self.rank == 0:
             try:
-                size = self._install(job)
+                size = self.install(job)
                 seconds = time.monotonic() - job.started
                 self.longest_write_s = max(self.longest_write_s, seconds)
                 self.ledger.write("checkpoint_saved", step=job.step, seconds=round(seconds, 4), bytes=size,
@@ -509,7 +510,7 @@ class ShardedCheckpointer:
         self._failed_step = job.step
         self._group_failed = True
         if self.rank == 0:
-            with _claimed(job.tmp):
+            with claimed(job.tmp):
                 pass  # removes what the failed save left
             self.ledger.write("checkpoint_failed", step=job.step, reason=job.reason, error=error)
             log.error("%s", error)
@@ -532,21 +533,21 @@ class ShardedCheckpointer:
         write_durably(tmp / _manifest(self.rank), (json.dumps({"rank": self.rank, "files": files}, indent=1)
                                                    + "\n").encode())
 
-    def _install(self, job: "_Job") -> int:
+    def install(self, job: "_Job") -> int:
         """Rank 0: meta.json (binding every manifest), the atomic rename, `latest`, `best` (keep-K after, `_finish`)."""
         tmp = job.tmp
-        manifests = {str(r): _sha256(tmp / _manifest(r)) for r in range(self.world)}
+        manifests = {str(r): sha256_file(tmp / _manifest(r)) for r in range(self.world)}
         size = sum(p.stat().st_size for p in tmp.iterdir())
         meta = {"step": job.step, "kind": KIND, "format": FORMAT, "world_size": self.world, "bytes": size,
                 "manifests": manifests, "created": time.time(), "extra": job.extra}
         write_durably(tmp / META_FILE, (json.dumps(meta, indent=2) + "\n").encode())
         fsync_path(tmp, directory=True)
         name = f"step_{job.step:08d}"
-        with _claimed(tmp):
-            self.store._install(tmp, self.directory / name)
-        self.store._point("latest", name)
+        with claimed(tmp):
+            self.store.install(tmp, self.directory / name)
+        self.store.point("latest", name)
         if job.is_best:
-            self.store._point("best", name)
+            self.store.point("best", name)
         return size
 
     def settle(self) -> str | None:
@@ -570,7 +571,7 @@ class ShardedCheckpointer:
         its common state and this rank's own pieces loaded; None for a new run."""
         candidates = None
         if self.rank == 0:
-            pointed = self.store._pointer("latest")
+            pointed = self.store.pointer("latest")
             steps = [(step, path) for step, path in self.store._step_dirs() if (path / META_FILE).is_file()]
             candidates = [(step, str(path)) for step, path in sorted(steps, key=lambda s: s[1].name != pointed)]
         if self.world > 1:

@@ -109,7 +109,7 @@ def consolidated_model(directory: Path, which: str = "best", name: str = "model"
     the run's checkpoints are single files). The latest falls back past a damaged checkpoint; `best` does not.
     Only that module's tensors are read (every file is verified)."""
     store = CheckpointStore(Path(directory))
-    best = store._pointer("best") if which == "best" else None
+    best = store.pointer("best") if which == "best" else None
     path = store.directory / best if best else store.latest_path()
     if path is None or not is_sharded_checkpoint(path):
         return None

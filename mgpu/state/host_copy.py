@@ -1,0 +1,83 @@
+"""The host copy a background save writes from: every tensor of a state copied to CPU memory (pinned where it comes
+from a GPU, into buffers kept from the last copy), and that pinned memory given back to the system when freed."""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["release_pinned_cache", "snapshot_to_cpu"]
+
+log = logging.getLogger("mgpu.state.checkpoint")
+
+T = TypeVar("T")
+
+
+def release_pinned_cache() -> None:
+    """Give freed pinned (page-locked) host memory back to the system. Freeing the staging buffers only returns
+    their blocks to torch's host caching allocator, which keeps them for reuse: the process would hold a full
+    copy of the state anyway. Only once CUDA is initialised (nothing was pinned before); a torch without
+    the call keeps its cache. Costs a cudaFreeHost per block (it synchronises the device), once per free."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    accelerator = getattr(torch, "accelerator", None)
+    release = getattr(accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if release is None:
+        return
+    try:
+        release()
+    except RuntimeError as error:  # the memory stays cached; nothing else depends on it
+        log.warning("could not release the checkpoint's pinned host memory: %s", error)
+
+
+def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> T:
+    """A copy of nested dicts, lists and tuples in which every tensor is a CPU copy.
+
+    Training may go on changing the live tensors while a background thread writes the copy. A tensor
+    reached twice (tied weights) is copied once; a dict keeps its type and attributes (a state_dict's
+    `_metadata`). `staging`: buffers kept from the previous snapshot, keyed by position, reused when
+    shape and dtype match: copying into memory that is already mapped avoids a page fault per 4 KiB,
+    which costs more than the copy itself for a large state. The caller must not reuse `staging`
+    while an earlier snapshot taken with it is still being written.
+    """
+    memo: dict[int, torch.Tensor] = {}
+    devices: set[torch.device] = set()
+
+    def copy_tensor(tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
+        tensor = tensor.detach()
+        kept = staging.get(path) if staging is not None else None
+        if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or tensor.layout != torch.strided:
+            if tensor.layout != torch.strided:
+                return tensor.to("cpu", copy=True)
+            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below.
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            if staging is not None:
+                staging[path] = kept
+        if tensor.is_cuda:
+            devices.add(tensor.device)
+        return kept.copy_(tensor, non_blocking=tensor.is_cuda)
+
+    def walk(value: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = copy_tensor(value, path)
+            return memo[id(value)]
+        if isinstance(value, dict):
+            out = copy.copy(value)
+            for key, item in value.items():
+                out[key] = walk(item, (*path, key))
+            return out
+        if isinstance(value, list):
+            return [walk(item, (*path, i)) for i, item in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [walk(item, (*path, i)) for i, item in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        return copy.deepcopy(value)
+
+    result = walk(obj, ())
+    for device in devices:
+        torch.cuda.synchronize(device)
+    return result
