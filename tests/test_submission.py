@@ -146,6 +146,23 @@ def test_dry_run_prints_the_whole_sbatch_script(tmp_path: Path, config: Path) ->
     assert result.stdout == expected_script(runs / "submitit", argv, signal="XCPU"), result.stderr
 
 
+@pytest.mark.parametrize("sbatch_on_path, first_line", [(False, "# local: 1 node, 2 process(es)"),
+                                                         (True, "#!/bin/bash")])
+def test_the_default_cluster_is_slurm_where_sbatch_is_on_path_else_local(tmp_path: Path, sbatch_on_path: bool,
+                                                                         first_line: str) -> None:
+    """The README's first command (`jobs/submit.py --gpus-per-node 2`, `--cluster auto`) on a machine without Slurm
+    runs locally; with sbatch on PATH it is a Slurm job."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if sbatch_on_path:
+        (bin_dir / "sbatch").write_text("#!/bin/sh\nexit 1\n")  # found, never run: a dry run submits nothing
+        (bin_dir / "sbatch").chmod(0o755)
+    result = run_script([SUBMIT, "--gpus-per-node", "2", "--folder", str(tmp_path / "runs"), "--dry-run"],
+                        PATH=str(bin_dir))
+    assert result.returncode == 0, result.stderr
+    assert (result.stdout + result.stderr).lstrip().startswith(first_line), result.stdout + result.stderr
+
+
 def test_dry_run_is_what_submitit_submits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SlurmExecutor given slurm_parameters() writes the same file (single job and array)."""
     from submitit.slurm.slurm import SlurmExecutor
