@@ -21,7 +21,8 @@ from torch import nn
 from mgpu.state.checkpoint import CheckpointError
 from mgpu.state.digest import digest_file
 from mgpu.record.ledger import Ledger
-from mgpu.state.sharded import SafeReader, ShardedCheckpointer, restore_sharded
+from mgpu.state.dcp_safe import SafeReader
+from mgpu.state.sharded import ShardedCheckpointer, restore_sharded
 from mgpu.state.shard_arrivals import Arrivals, late_line
 from mgpu.state.sharded_export import consolidate
 

@@ -24,8 +24,8 @@ from mgpu.state.checkpoint import (META_FILE, STATE_FILE, CheckpointError, Check
 from mgpu.errors import MgpuError
 from mgpu.fsutil import fsync_path
 from mgpu.record.ledger import Ledger
-from mgpu.state.sharded import (COMMON, KIND, SafeReader, ShardedCheckpointer, rank_file, read_meta, SafeEmptyPlanner,
-                          verify_rank, module_of)
+from mgpu.state.dcp_safe import SafeEmptyPlanner, SafeReader, module_of
+from mgpu.state.sharded import COMMON, KIND, ShardedCheckpointer, rank_file, read_meta, verify_rank
 
 __all__ = ["consolidate", "consolidated_model", "is_sharded_checkpoint", "main"]
 
