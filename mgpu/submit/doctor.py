@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from mgpu.errors import MgpuError
 
 __all__ = ["ClusterConfig", "EnvFacts", "PreemptionFacts", "analyze_env", "analyze_preemption", "batch_script",
-           "check_name", "parse_config", "parse_kv", "read_probe_log", "report", "settings_and_risks"]
+           "check_name", "parse_config", "parse_kv", "read_probe_log", "report", "requeue_unanswered", "settings_and_risks"]
 
 JOB_PREFIX = "mgpu-doctor"
 TOGETHER_S = 1.0
@@ -209,6 +209,13 @@ class EnvFacts:
     """The self-requeue -> the next run's start."""
 
 
+def requeue_unanswered(rc: object) -> bool:
+    """Whether `scontrol requeue`'s exit status leaves its outcome open: it died of a signal (a negative status).
+    Slurm signals every process of the requeued job, scontrol among them even in a session of its own, and one that
+    has sent the request but not yet exited dies of that TERM: the job's next run is the answer."""
+    return isinstance(rc, int) and rc < 0
+
+
 def analyze_env(logs: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]], end_time: float | None) -> EnvFacts:
     """The env probe's logs, keyed by (restart, task), and the first run's EndTime -> facts."""
     first = {task: recs for (restart, task), recs in logs.items() if restart == 0}
@@ -253,11 +260,14 @@ def analyze_env(logs: Mapping[tuple[int, int], Sequence[Mapping[str, Any]]], end
     requeue = next((r for _, r in events if r["ev"] == "requeue"), None)
     back = min((float(r["t"]) for (restart, _), recs in logs.items() if restart > 0 for r in recs
                 if r["ev"] == "start"), default=None)
-    hold = back - float(requeue["t"]) if back is not None and requeue is not None and requeue.get("rc") == 0 else None
+    rc = None if requeue is None else requeue.get("rc")
+    if requeue_unanswered(rc) and back is not None:
+        rc = 0  # scontrol died of the requeue's own signal, and the job ran again: the requeue worked
+    hold = back - float(requeue["t"]) if back is not None and requeue is not None and rc == 0 else None
     return EnvFacts(len(first), [node_of[t] for t in sorted(first)], scontrol, unresolved, addresses, rendezvous,
                     max(delays) if delays else None, shared_error, None if lead is None else round(lead, 1),
                     len(arrived), term_first and not arrived,
-                    None if requeue is None else requeue.get("rc"),
+                    rc,
                     "" if requeue is None else str(requeue.get("out") or requeue.get("error") or ""),
                     None if hold is None else round(hold, 1))
 

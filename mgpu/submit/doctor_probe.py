@@ -139,7 +139,8 @@ def _requeue(job_id: str) -> None:
         log("requeue", error="no scontrol on PATH")
         return
     try:
-        # Its own session: the TERM that Slurm sends the job's processes on a requeue must not kill it first.
+        # Its own session, so that a TERM to the job's process group spares it; Slurm's process tracking can still
+        # signal it (a descendant of the task) before it exits: rc < 0, and the job's next run tells (doctor).
         proc = subprocess.run([path, "requeue", job_id], capture_output=True, text=True, timeout=30,
                               start_new_session=True)
         log("requeue", rc=proc.returncode, out=(proc.stdout + proc.stderr).strip()[:300])

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from mgpu.submit.doctor import (JOB_PREFIX, ClusterConfig, EnvFacts, PreemptionFacts, analyze_env, analyze_preemption,
-                         batch_script, check_name, parse_config, parse_kv, read_probe_log, report,
+                         batch_script, check_name, parse_config, parse_kv, read_probe_log, report, requeue_unanswered,
                          settings_and_risks)
 from mgpu.errors import MgpuError
 from mgpu.record.goodput import parse_slurm_time
@@ -249,7 +249,8 @@ class Doctor:
             answered = self.wait(lambda: self._first("env", 0, "exit", nodes), 150)
             if answered is None:
                 self.incomplete.append(f"env: no answer before the probe's time limit: {self._pending_why(job_id)}")
-            elif any(r["ev"] == "requeue" and r.get("rc") == 0 for r in self._logs("env").get((0, 0), [])):
+            elif any(r["ev"] == "requeue" and (r.get("rc") == 0 or requeue_unanswered(r.get("rc")))
+                     for r in self._logs("env").get((0, 0), [])):
                 self._back("env", job_id)
         logs = self._logs("env")
         self._gone(job_id)
