@@ -102,7 +102,8 @@ class TrainConfig:
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """How the model is spread over the ranks: ddp (a whole copy on every rank, gradients all-reduced) or fsdp
     (FSDP2's fully_shard: parameters, gradients and optimizer state sharded; each top-level child block, then
-    the root, unless the task's `shard` says otherwise). fsdp checkpoints are sharded (checkpoint.format)."""
+    the root, which keeps tied and small children, unless the task's `shard` says otherwise). fsdp checkpoints
+    are sharded (checkpoint.format)."""
     deterministic: bool = False
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN deterministic and no autotuning,
     CUBLAS_WORKSPACE_CONFIG=:4096:8): what a bit-identical resume needs on GPUs; slower. CPU runs are

@@ -42,11 +42,20 @@ def is_sharded(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+SMALL_UNIT = 1 / 8
+"""A child with fewer parameters than this fraction of the largest unit's stays with the root: its own unit would
+cost three collectives a step (its all-gathers in forward and backward, its reduce-scatter) for a negligible share of
+the memory (a final LayerNorm, a small position embedding). Latency-bound collectives showed it: on 2 CPU ranks
+(gloo), GPT's position embedding and final LayerNorm as units of their own made the step 1.4x a hand-written loop
+that shards only the blocks, and the same layout as that loop's made it equal (bench/gpu/side_by_side.py)."""
+
+
 def default_units(model: nn.Module) -> list[nn.Module]:
     """The default layout's FSDP units below the root: every child with parameters; a container child (a
     ModuleList or ModuleDict: no forward of its own, which fully_shard refuses) gives its children instead,
     so GPT's `blocks` list becomes one unit per block. A child that shares a parameter with another (tied
-    embedding and output weights) stays with the root: a parameter belongs to one unit."""
+    embedding and output weights) stays with the root: a parameter belongs to one unit. So does a child smaller
+    than SMALL_UNIT of the largest unit."""
     def candidates(module: nn.Module) -> list[nn.Module]:
         found: list[nn.Module] = []
         for child in module.children():
@@ -63,7 +72,10 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     for unit in units:
         for param in unit.parameters():
             owners[id(param)] = owners.get(id(param), 0) + 1
-    return [unit for unit in units if all(owners[id(param)] == 1 for param in unit.parameters())]
+    units = [unit for unit in units if all(owners[id(param)] == 1 for param in unit.parameters())]
+    sizes = [sum(param.numel() for param in unit.parameters()) for unit in units]
+    largest = max(sizes, default=0)
+    return [unit for unit, size in zip(units, sizes) if size >= SMALL_UNIT * largest]
 
 
 def shard(model: nn.Module, device: torch.device, hook: ShardHook | None = None) -> nn.Module:
