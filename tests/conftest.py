@@ -3,6 +3,7 @@ environment variables, an initialised default process group, or live child proce
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -111,6 +112,22 @@ def base_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def _stacks(procs: list[subprocess.Popen[str]]) -> str:
+    """SIGABRT to every rank still running (faulthandler prints every thread's stack), then each one's output's tail."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGABRT)
+    parts = []
+    for rank, proc in enumerate(procs):
+        try:
+            out, _ = proc.communicate(timeout=15)
+        except (subprocess.TimeoutExpired, ValueError):
+            continue
+        parts.append(f"----- rank {rank} (rc {proc.returncode}), the end of its output:\n{(out or '')[-6000:]}")
+    return "\n".join(parts)
+
+
 def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[subprocess.Popen[str]]:
     """`world` ranks of `python argv...` in one process group, as slurmstepd runs a step's tasks: a signal to
     the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent).
@@ -121,7 +138,7 @@ def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[subprocess.
     per_node = world // nodes
     for rank in range(world):
         env = base_env(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                       LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONFAULTHANDLER="1",
                        **({"MGPU_NODE_NAME": f"n{rank // per_node + 1}"} if nodes > 1 else {}))
         procs.append(subprocess.Popen([PYTHON, *argv], env=env, cwd=ROOT, process_group=group,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
@@ -130,11 +147,16 @@ def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[subprocess.
 
 
 def wait_ranks(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str]]:
-    """(exit code, output) of every rank, one deadline each; any left at the end are killed."""
+    """(exit code, output) of every rank, one deadline each; any left at the end are killed. A rank still running
+    at its deadline fails the test with the Python stacks of every rank still running (SIGABRT: faulthandler,
+    which start_ranks enables), so that a rare hang in CI says where it was."""
     results = []
     try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=timeout)
+        for rank, proc in enumerate(procs):
+            try:
+                out, _ = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"rank {rank} still running after {timeout:.0f} s\n" + _stacks(procs)) from None
             results.append((proc.returncode, out))
     finally:
         for proc in procs:
