@@ -350,6 +350,9 @@ def run_form(args: argparse.Namespace, form: str, every: int, base: Path) -> dic
     row: dict[str, Any] = {"form": form, "every": every}
     if any(proc.returncode for proc in procs) or not result_path.is_file():
         row["error"] = " | ".join(o.strip().splitlines()[-1] for o in outputs if o.strip())[:300]
+        for rank, output in enumerate(outputs):  # the whole story where a lent GPU's minutes are spent on it
+            tail = "\n".join(output.strip().splitlines()[-20:])
+            print(f"--- {form} (every {every}) rank {rank}, rc {procs[rank].returncode}:\n{tail}", file=sys.stderr)
     else:
         result = json.loads(result_path.read_text())
         if "skipped" in result:
@@ -361,6 +364,19 @@ def run_form(args: argparse.Namespace, form: str, every: int, base: Path) -> dic
             row["write_s"] = round(statistics.median(result["written"]), 4) if result["written"] else None
     shutil.rmtree(workdir, ignore_errors=True)
     return row
+
+
+HAND = {"hand_ddp": "hand_ddp", "lightning": "hand_ddp", "trainer": "hand_ddp", "own": "hand_ddp",
+        "trainer_sharded": "hand_ddp", "hand_fsdp": "hand_fsdp", "trainer_fsdp": "hand_fsdp", "own_fsdp": "hand_fsdp"}
+"""Each form's peer: the hand-written loop of the same parallelism."""
+
+
+def vs_hand(rows: list[dict[str, Any]]) -> None:
+    """Set each row's `vs_hand`: its ms_step over its hand-written peer's, with the same saves."""
+    steps = {(row["form"], row["every"]): row.get("ms_step") for row in rows}
+    for row in rows:
+        peer = steps.get((HAND[row["form"]], row["every"]))
+        row["vs_hand"] = round(row["ms_step"] / peer, 3) if row.get("ms_step") and peer else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -404,11 +420,14 @@ def main(argv: list[str] | None = None) -> int:
                 row["disk_gb_s"] = round(disk, 3)
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                if args.out:  # what has run so far survives a run cut short (a lent GPU's time limit)
+                    args.out.write_text(json.dumps({"partial": True, "rows": rows}, indent=1))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     from bench.common import report
 
-    keys = ("form", "every", "ms_step", "saves", "blocked_s", "write_s", "disk_gb_s", "skipped", "error")
+    vs_hand(rows)
+    keys = ("form", "every", "ms_step", "vs_hand", "saves", "blocked_s", "write_s", "disk_gb_s", "skipped", "error")
     report("side_by_side", [{key: row.get(key, "") for key in keys} for row in rows], args.out)
     return 0
 
