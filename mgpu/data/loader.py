@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from mgpu.data import worker_start
 from mgpu.record.check_hooks import record_batch
 from mgpu.stop.preemption import signal_number
 from mgpu.state.rng import derived_seed, seed_everything
@@ -79,6 +80,7 @@ class SampleSeeded(Dataset):
 
 
 def _quiet_worker(signals: tuple[int, ...], then: Callable[[int], None] | None, worker_id: int) -> None:
+    worker_start.mark(worker_id)  # first: this worker reached Python after its fork
     for signum in signals:
         signal.signal(signum, signal.SIG_IGN)  # a signal pending since the fork is discarded here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
@@ -136,9 +138,36 @@ def is_worker_death(error: BaseException) -> bool:
 
 
 def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
-    """`iter(loader)`, its workers forked with the stop signals blocked (see `_quiet_worker`)."""
+    """`iter(loader)`, its workers forked with the stop signals blocked (see `_quiet_worker`), and forked again
+    if one never reached Python (mgpu.data.worker_start)."""
     if not loader.num_workers:
         return iter(loader)
+    ours = isinstance(loader.worker_init_fn, functools.partial) and loader.worker_init_fn.func is _quiet_worker
+    kept = getattr(loader, "_iterator", None) if loader.persistent_workers else None  # reused: nothing forks
+    rewind = loader.generator.get_state() if loader.generator is not None else None
+    for attempt in range(1, worker_start.FORK_ATTEMPTS + 1):
+        with worker_start.Marks(loader.num_workers) as marks:
+            iterator = _fork(loader, requeue_signal)
+        try:
+            if not ours or (kept is not None and iterator is kept):
+                return iterator
+            late = marks.wait(getattr(iterator, "_workers", []))
+            if not late:
+                return iterator
+            pids = worker_start.kill_workers(iterator)
+        finally:
+            marks.close()
+        log.warning("DataLoader worker(s) %s (pids %s) had not reached Python %.0f s after their fork (CPython's "
+                    "after-fork code waits forever on a lock another thread held at the fork): killed%s", late, pids,
+                    worker_start.STARTED_WITHIN_S, f", forking the workers again ({attempt + 1} of "
+                    f"{worker_start.FORK_ATTEMPTS})" if attempt < worker_start.FORK_ATTEMPTS else "")
+        if rewind is not None:  # the same base seed as the first try drew
+            loader.generator.set_state(rewind)
+    raise RuntimeError(f"DataLoader workers did not start: {worker_start.FORK_ATTEMPTS} forks in a row left a worker "
+                       f"that had not reached Python after {worker_start.STARTED_WITHIN_S:.0f} s")
+
+
+def _fork(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
     signals = _stop_signals(requeue_signal)
     # Only this thread's mask: the process still receives the signals (on another thread if need be).
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
