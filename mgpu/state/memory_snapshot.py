@@ -57,11 +57,17 @@ class Snapshot:
     def still_committed(self) -> bool:
         """Whether its slot still holds it: a write into the slot removes the commit record before it touches the
         file and writes a new one (another step) only after, so while this is True the file was not written over."""
-        try:
-            record = json.loads(self.path.with_suffix(".json").read_text())
-        except (OSError, ValueError):
-            return False
-        return isinstance(record, dict) and record.get("step") == self.step and record.get("crc32") == self.digest
+        record = read_record(self.path.with_suffix(".json"))
+        return record is not None and record.get("step") == self.step and record.get("crc32") == self.digest
+
+
+def read_record(path: Path) -> dict[str, Any] | None:
+    """A slot's commit record; None where it is missing, torn or not an object."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def safe_name(text: str) -> str:
@@ -138,11 +144,7 @@ class SnapshotStore:
         return self.directory / f"slot{slot}.pt"
 
     def _record(self, slot: int) -> dict[str, Any] | None:
-        try:
-            record = json.loads(self._record_path(slot).read_text())
-        except (OSError, ValueError):
-            return None
-        return record if isinstance(record, dict) else None
+        return read_record(self._record_path(slot))
 
     def _age(self, slot: int) -> int:
         """A slot's step, for choosing the one to overwrite: -1 if empty or unreadable, -2 if another identity's."""
