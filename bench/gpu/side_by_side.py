@@ -23,7 +23,8 @@ checkpoint directory's filesystem, measured first. One table on stdout and `benc
 (`--out`).
 
 Sizes: `tiny` (2 layers, 64 wide, 32 tokens: a CPU step in milliseconds), `small` (4 layers, 256 wide, 128
-tokens: a CPU step in about a hundred milliseconds, for CPU ratios) and `gpu` (12 layers, 768 wide,
+tokens: a CPU step in about a hundred milliseconds, for CPU ratios), `state` (the `gpu` size's weights, so its
+checkpoints too, with 64-token windows of batch 1: its saves on a CPU) and `gpu` (12 layers, 768 wide,
 1,024 tokens, batch 8, bf16 autocast: 124M parameters, ~1.5 GB of checkpoint state; 16 runs in about 8 minutes
 of one H100 by estimate: not yet run on a GPU).
 """
@@ -49,7 +50,8 @@ from mgpu.train.task import Task  # noqa: E402
 FORMS = ("hand_ddp", "lightning", "trainer", "own", "hand_fsdp", "trainer_fsdp", "own_fsdp", "trainer_sharded")
 SIZES = {"tiny": {"n_layer": 2, "n_head": 2, "n_embd": 64, "block_size": 32, "vocab": 256, "batch": 4},
          "small": {"n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 128, "vocab": 512, "batch": 8},
-         "gpu": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab": 50304, "batch": 8}}
+         "gpu": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 1024, "vocab": 50304, "batch": 8},
+         "state": {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 64, "vocab": 50304, "batch": 1}}
 
 
 # ---------------------------------------------------------------------------------------------- the model, data
