@@ -21,6 +21,10 @@ def test_the_side_by_side_runs_tiny_on_the_cpu(tmp_path: Path, capsys: pytest.Ca
     without, with_saves = rows
     assert without["ms_step"] > 0 and without["saves"] == 0 and with_saves["saves"] == 2
     assert with_saves["blocked_s"] >= 0 and with_saves["write_s"] > 0 and with_saves["disk_gb_s"] > 0
+    # the cost of the saves: over the run without, and less the time they held the loop (spread over 6 steps)
+    assert with_saves["vs_none"] == round(with_saves["ms_step"] / without["ms_step"], 3)
+    held_ms = with_saves["blocked_sum_s"] * 1e3 / 6
+    assert with_saves["vs_none_less_held"] == round((with_saves["ms_step"] - held_ms) / without["ms_step"], 3)
     assert list(tmp_path.iterdir()) == [out]  # its checkpoints are removed
 
 

@@ -363,6 +363,7 @@ def run_form(args: argparse.Namespace, form: str, every: int, base: Path) -> dic
             row["ms_step"] = round(result["ms_step"], 3)
             row["saves"] = len(result["blocked"]) or len(result["written"])
             row["blocked_s"] = round(statistics.median(result["blocked"]), 4) if result["blocked"] else None
+            row["blocked_sum_s"] = round(sum(result["blocked"]), 4)
             row["write_s"] = round(statistics.median(result["written"]), 4) if result["written"] else None
     shutil.rmtree(workdir, ignore_errors=True)
     return row
@@ -373,12 +374,19 @@ HAND = {"hand_ddp": "hand_ddp", "lightning": "hand_ddp", "trainer": "hand_ddp", 
 """Each form's peer: the hand-written loop of the same parallelism."""
 
 
-def vs_hand(rows: list[dict[str, Any]]) -> None:
-    """Set each row's `vs_hand`: its ms_step over its hand-written peer's, with the same saves."""
+def vs_hand(rows: list[dict[str, Any]], timed_steps: int) -> None:
+    """Set each row's `vs_hand`: its ms_step over its hand-written peer's, with the same saves; and a row with
+    saves its `vs_none` (over the same form's without) and `vs_none_less_held` (less the time its saves held the
+    loop, spread over the `timed_steps`: what the saves cost beyond their host copies)."""
     steps = {(row["form"], row["every"]): row.get("ms_step") for row in rows}
     for row in rows:
         peer = steps.get((HAND[row["form"]], row["every"]))
         row["vs_hand"] = round(row["ms_step"] / peer, 3) if row.get("ms_step") and peer else None
+        none = steps.get((row["form"], 0))
+        if row["every"] and row.get("ms_step") and none:
+            row["vs_none"] = round(row["ms_step"] / none, 3)
+            held_ms = row.get("blocked_sum_s", 0.0) * 1e3 / max(1, timed_steps)
+            row["vs_none_less_held"] = round((row["ms_step"] - held_ms) / none, 3)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -428,8 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(base, ignore_errors=True)
     from bench.common import report
 
-    vs_hand(rows)
-    keys = ("form", "every", "ms_step", "vs_hand", "saves", "blocked_s", "write_s", "disk_gb_s", "skipped", "error")
+    vs_hand(rows, args.steps - args.warmup)
+    keys = ("form", "every", "ms_step", "vs_hand", "vs_none", "vs_none_less_held", "saves", "blocked_s", "blocked_sum_s",
+            "write_s", "disk_gb_s", "skipped", "error")
     report("side_by_side", [{key: row.get(key, "") for key in keys} for row in rows], args.out)
     return 0
 
