@@ -146,9 +146,10 @@ def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
     kept = getattr(loader, "_iterator", None) if loader.persistent_workers else None  # reused: nothing forks
     rewind = loader.generator.get_state() if loader.generator is not None else None
     for attempt in range(1, worker_start.FORK_ATTEMPTS + 1):
-        with worker_start.Marks(loader.num_workers) as marks:
-            iterator = _fork(loader, requeue_signal)
+        marks = worker_start.Marks(loader.num_workers)
         try:
+            with marks:
+                iterator = _fork(loader, requeue_signal)
             if not ours or (kept is not None and iterator is kept):
                 return iterator
             late = marks.wait(getattr(iterator, "_workers", []))
