@@ -1,13 +1,16 @@
 """Periodic saves that come faster than writes: the step time with them over the step time without, side by side.
 
-    python bench/periodic_saves.py [--mb 128] [--steps 120] [--repeats 3]
+    python bench/periodic_saves.py [--mb 128] [--steps 120] [--repeats 3] [--ab-direct]
 
 One process (the single-file `Checkpointer`, rank 0 of a world of one): a stack of Linear layers with AdamW
 (`--mb` of fp32 weights, about 3x that of state), `--steps` training steps timed as a whole, three ways per
 repeat, alternating: `none` (no checkpoint), `deferred` (a save every N steps, as mgpu saves now: a save that comes
 due while the last is being written is deferred to the first due save after the writer is free) and `blocking`
-(the same saves, each first waiting for the one in flight, as mgpu did before). N is chosen so that N steps take
-about half a write (measured first): saves come twice as fast as the disk takes them.
+(the same saves, each first waiting for the one in flight, as mgpu did before); with `--ab-direct`, also `buffered`
+(`deferred` with its files written through the page cache, mgpu.state.checkpoint.DIRECT_IO off: as mgpu wrote them
+before, and as it still does on a filesystem that refuses O_DIRECT). N is chosen so that N steps take
+about half a write (measured first): saves come twice as fast as the disk takes them. `--steady-malloc`: glibc
+keeps the step's freed memory (see `steady_malloc`).
 `saved` / `deferred`: saves written / due saves deferred (the ledger's `checkpoint_saved` counts them, `deferred`). `ratio`: the run's time / `none`'s; `ratio_less_copy`: the same less the time the saves held the loop for their
 host copy (`blocked_s`, the snapshot every save must take) — the target is <= 1.05 for `deferred`.
 """
@@ -59,6 +62,9 @@ def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: P
     ledger_path = root / "ledger.jsonl"
     checkpointer = Checkpointer(run_dir, 0, 1, Ledger(ledger_path, "bench", 0), keep_last=1)
     state = {"model": model, "optimizer": optimizer, "progress": {"step": 0}}
+    from mgpu.state import checkpoint as checkpoint_module
+
+    checkpoint_module.DIRECT_IO = form != "buffered"
     blocked = 0.0
     os.sync()  # the last run's checkpoints written back first: their writeback would otherwise load this run's CPUs
     started = time.perf_counter()
@@ -85,6 +91,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None)
+    parser.add_argument("--ab-direct", action="store_true", help="also `buffered`: deferred, through the page cache")
+    parser.add_argument("--steady-malloc", action="store_true",
+                        help="glibc keeps freed memory for the next step instead of faulting it in again")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
 
@@ -94,6 +103,8 @@ def main() -> None:
     from mgpu.state.train_state import gather_state
 
     torch.set_num_threads(1)  # the step on one core, the writer on the other (a GPU node's spare cores)
+    if args.steady_malloc:
+        steady_malloc()
     base = args.dir or Path.cwd()
     directory = Path(tempfile.mkdtemp(prefix="periodic-saves-", dir=base))
     try:
@@ -109,7 +120,8 @@ def main() -> None:
         del state
         every = max(1, int(0.5 * write_s / step_s))
         print(f"step {step_s * 1e3:.1f} ms, write {write_s:.2f} s: a save every {every} steps", flush=True)
-        results: dict[str, list[dict[str, Any]]] = {"none": [], "deferred": [], "blocking": []}
+        forms = ["none", "deferred", *(["buffered"] if args.ab_direct else []), "blocking"]
+        results: dict[str, list[dict[str, Any]]] = {form: [] for form in forms}
         for repeat in range(args.repeats):
             for form in results:
                 results[form].append(run(form, every, args.steps, objects, directory))
@@ -126,6 +138,19 @@ def main() -> None:
         report("periodic_saves", rows, args.out)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def steady_malloc() -> None:
+    """Keep glibc from returning the step's freed memory to the system (trimming the heap, unmapping large blocks)
+    only to fault it in again at the next step, as a GPU's caching allocator keeps its blocks: on the CI machine
+    the step took 5k-19k page faults and its time varied 1.5x between runs, more than the saves move it."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    # M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD (32 MiB: glibc's largest on 64 bits; the step's tensors are 4 MiB)
+    for option, value in ((-1, 2**31 - 1), (-2, 1 << 30), (-3, 32 << 20)):
+        if not libc.mallopt(option, value):
+            raise SystemExit(f"mallopt({option}, {value}) refused")
 
 
 def _timed(action: Any) -> float:

@@ -1,15 +1,20 @@
 """Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
 
-    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--writeback] [--ab-writeback] [--profile]
+    python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--writeback] [--ab-writeback] [--ab-direct]
+                                [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
 checkpoints would be on). Per repeat, in this order, each from its call to durable (fsync'd, renamed):
+- `plain_direct`: the same with O_DIRECT, from page-aligned memory, past the page cache (`dd oflag=direct`): the
+  disk's own limit, steadier than the page cache's (`vs_direct`: its time / the form's, per repeat, median);
 - `plain`: the N bytes written with 64 MiB writes to a new file, fsync'd (the disk's sequential limit; with
   `--writeback`, the writeback of each 64 MiB started as soon as it is written, as mgpu.state.writeback does: the
   limit of that technique, not of a naive write);
 - `single`: `CheckpointStore.save` (the stop's save: synchronous, in the calling thread) of a state of N bytes;
 - `single_async`: `save_async` + `wait` (a periodic save: the background writer), the snapshot included;
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
+- with `--ab-direct`, also `single_buffered` and `sharded_buffered`: the saves through the page cache
+  (mgpu.state.checkpoint.DIRECT_IO off), into stores of their own;
 - with `--ab-writeback`, also `plain_wb` (the plain write with its writeback started every 64 MiB), and
   `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off (`WRITEBACK_BYTES = 0`), into
   stores of their own, alternating with the others (that technique's share alone).
@@ -56,10 +61,11 @@ def _sync_file_range() -> Any:
     return function
 
 
-def plain_write(path: Path, data: memoryview, writeback: bool = False) -> None:
-    """The physical limit: large sequential writes, then fsync (file and directory)."""
+def plain_write(path: Path, data: memoryview, writeback: bool = False, direct: bool = False) -> None:
+    """The physical limit: large sequential writes, then fsync (file and directory). `direct`: with O_DIRECT
+    (`data` page-aligned, as `aligned_copy` makes it), past the page cache, as `dd oflag=direct` writes."""
     start_writeback = _sync_file_range() if writeback else None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:
         for start in range(0, len(data), CHUNK):
             os.write(fd, data[start:start + CHUNK])
@@ -73,6 +79,15 @@ def plain_write(path: Path, data: memoryview, writeback: bool = False) -> None:
         os.fsync(dfd)
     finally:
         os.close(dfd)
+
+
+def aligned_copy(data: memoryview) -> memoryview:
+    """`data` copied into page-aligned memory (an anonymous mapping), for O_DIRECT."""
+    import mmap
+
+    copy = mmap.mmap(-1, len(data))
+    copy[:] = data
+    return memoryview(copy)
 
 
 def build_module(total_bytes: int) -> Any:
@@ -137,6 +152,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory here)")
     parser.add_argument("--writeback", action="store_true", help="the plain write starts writeback early too")
     parser.add_argument("--ab-writeback", action="store_true", help="also each save form with early writeback off")
+    parser.add_argument("--ab-direct", action="store_true", help="also each save form through the page cache")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -175,6 +191,34 @@ def main() -> None:
             "single_async": lambda step: (async_store.save_async(state, step), async_store.wait())[1].seconds,
             "sharded": lambda step: (sharded.save_objects({"model": module}, step, "bench", wait=True),
                                      ledger_seconds())[1]}
+        aligned = aligned_copy(data)
+
+        def plain_direct(step: int) -> float:
+            seconds = timed(lambda: plain_write(directory / "plain_direct.bin", aligned, direct=True))
+            (directory / "plain_direct.bin").unlink()
+            return seconds
+
+        saves = {"plain_direct": plain_direct, **saves}
+        if args.ab_direct:
+            from mgpu.state import checkpoint as checkpoint_module
+
+            def buffered(save: Callable[[int], float]) -> Callable[[int], float]:
+                def run(step: int) -> float:
+                    kept, checkpoint_module.DIRECT_IO = checkpoint_module.DIRECT_IO, False
+                    try:
+                        return save(step)
+                    finally:
+                        checkpoint_module.DIRECT_IO = kept
+                return run
+
+            store_buffered = CheckpointStore(directory / "single_buffered", keep_last=1)
+            sharded_buffered = ShardedCheckpointer(directory / "sharded_buffered", 0, 1, Ledger(ledger_path, "", 0),
+                                                   keep_last=1)
+            saves["single_buffered"] = buffered(lambda step: store_buffered.save(state, step).seconds)
+            saves["sharded_buffered"] = buffered(lambda step: (
+                sharded_buffered.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
+            order = ["plain_direct", "single", "single_buffered", "single_async", "sharded", "sharded_buffered"]
+            saves = {form: saves[form] for form in order}
         if args.ab_writeback:
             from mgpu.state import writeback
 
@@ -198,7 +242,7 @@ def main() -> None:
                 return seconds
 
             saves["plain_wb"] = plain_wb
-            order = ["plain_wb", "single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
+            order = ["plain_direct", "plain_wb", "single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
             saves = {form: saves[form] for form in order}
         times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
         cpu: dict[str, list[float]] = {form: [] for form in times}
@@ -229,6 +273,8 @@ def main() -> None:
         sharded.close()
         if args.ab_writeback:
             sharded_nowb.close()
+        if args.ab_direct:
+            sharded_buffered.close()
         async_store.close()
         dist.destroy_process_group()
         os.unlink(store_file.name)
@@ -238,6 +284,7 @@ def main() -> None:
                          "best_gb_s": total / min(seconds) / 1e9, "median_gb_s": total / median(seconds) / 1e9,
                          "ratio_best": max(ratios[form]), "ratio_median": median(ratios[form]),
                          "cpu_s": median(cpu[form]),
+                         "vs_direct": median([d / t for d, t in zip(times["plain_direct"], seconds)]),
                          "durable_s": median(durable[form] or seconds),
                          "ratio_durable": median(durable_ratios[form] or ratios[form]),
                          "all_s": [round(s, 3) for s in seconds]})

@@ -168,17 +168,26 @@ def wait_ranks(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list
 
 @pytest.fixture
 def small_fs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
-    """`small_fs(kib)`: a real filesystem of that size (a tmpfs mount; needs root), for disk-full tests.
-    Skipped without root, except in CI, where a test that cannot run must fail."""
+    """`small_fs(kib, kind)`: a real filesystem of that size, for disk-full tests: `tmpfs` (written through the page
+    cache), or `ext4` on a loop device (which takes O_DIRECT, as a disk does). Needs root: skipped without it,
+    except in CI, where a test that cannot run must fail."""
     mounts: list[Path] = []
 
-    def make(kib: int) -> Path:
+    def make(kib: int, kind: str = "tmpfs") -> Path:
         where = tmp_path / f"fs{len(mounts)}"
         where.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)],
-                              capture_output=True, text=True)
+        if kind == "ext4":
+            image = tmp_path / f"fs{len(mounts)}.img"
+            with open(image, "wb") as file:
+                file.truncate(kib << 10)
+            made = subprocess.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], capture_output=True, text=True)
+            command = ["mount", "-o", "loop", str(image), str(where)]
+        else:
+            made = subprocess.CompletedProcess([], 0, "", "")
+            command = ["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(where)]
+        proc = made if made.returncode != 0 else subprocess.run(command, capture_output=True, text=True)
         if proc.returncode != 0:
-            reason = f"cannot mount a small tmpfs ({proc.stderr.strip() or 'not root'})"
+            reason = f"cannot mount a small {kind} ({proc.stderr.strip() or 'not root'})"
             if os.environ.get("CI", "").lower() == "true":
                 pytest.fail(reason, pytrace=False)
             pytest.skip(reason)

@@ -418,8 +418,10 @@ class HangingBlobTask(SlowBlobTask):
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
                 import mgpu.state.digest
+                import mgpu.state.direct_io
 
                 mgpu.state.digest.DigestingFile.write = lambda *args: time.sleep(3600)
+                mgpu.state.direct_io.DirectFile.write = lambda *args: time.sleep(3600)
         return super().loss(model, batch)
 
 

@@ -604,8 +604,13 @@ def _big_state(value: float) -> dict[str, Any]:
     return {"w": torch.full((64 * 1024,), value)}  # 256 KiB of state.pt
 
 
-def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(small_fs: Callable[[int], Path]) -> None:
-    directory = small_fs(1024) / "ckpt"
+@pytest.mark.parametrize("kind, direct", [("tmpfs", False), ("ext4", True)])  # mgpu.state.direct_io on a disk's fs
+def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(kind: str, direct: bool, small_fs: Callable[..., Path],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from mgpu.state import checkpoint
+
+    monkeypatch.setattr(checkpoint, "DIRECT_IO", direct)
+    directory = small_fs(1024, kind) / "ckpt"
     store = CheckpointStore(directory, keep_last=1)
     store.save(_big_state(1.0), 1)
     ballast = fill(directory.parent)
@@ -652,11 +657,14 @@ class _RefusingFile(io.RawIOBase):
 
 
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
-    """Every state.pt written from now on meets `code` (below torch.save, which would hide it)."""
+    """Every state.pt written from now on meets `code` (below torch.save, which would hide it): through the page
+    cache, or with O_DIRECT, in the thread that writes the full buffers."""
     from mgpu.state.digest import DigestingFile
+    from mgpu.state.direct_io import DirectFile
 
     wrap = DigestingFile.__init__
     monkeypatch.setattr(DigestingFile, "__init__", lambda self, file, *args: wrap(self, _RefusingFile(code), *args))
+    monkeypatch.setattr(DirectFile, "_pwrite", lambda self, data, offset: _RefusingFile(code).write(data))
 
 
 @pytest.mark.parametrize("code, words", [

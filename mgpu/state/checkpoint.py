@@ -31,6 +31,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 import torch
 
 from mgpu.state.digest import DigestingFile, digest_file, mismatch
+from mgpu.state.direct_io import DirectFile, open_direct
 from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
 from mgpu.state.writeback import WritebackFile
 from mgpu.state.zip_crc import without_zip_crc32
@@ -63,6 +64,11 @@ save's manifests) covers every byte already and torch.load does not read the CRC
 reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.zip_crc wraps:
 torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
 writing thread only (mgpu.state.zip_crc)."""
+DIRECT_IO = True
+"""Whether checkpoint files are written past the page cache (O_DIRECT, mgpu.state.direct_io) where the filesystem
+takes it: the disk's full speed with a fraction of the CPU and none of the page cache. False, or a filesystem
+without O_DIRECT (tmpfs): through the page cache, with early writeback (mgpu.state.writeback). The same for a
+sharded save's files."""
 
 log = logging.getLogger("mgpu.state.checkpoint")
 
@@ -132,6 +138,19 @@ def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
     with without_zip_crc32(not ZIP_CRC32):
         torch.save(state, file)
     file.flush()
+
+
+def _save_direct(state: dict[str, Any], file: DirectFile) -> None:
+    """save_state_file into an O_DIRECT file, closed after (its last block written); a write's OSError is raised
+    as itself, not as the RuntimeError torch's zip writer turns it into."""
+    try:
+        save_state_file(state, file)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
+    except RuntimeError as error:
+        if file.error is not None:
+            raise file.error from error
+        raise
+    finally:
+        file.close()
 
 
 @dataclass(frozen=True)
@@ -456,6 +475,11 @@ class CheckpointStore:
             self._writer(state, path)
             fsync_path(path)
             return digest_file(path, DIGEST)
+        direct = open_direct(path, DIGEST) if DIRECT_IO else None
+        if direct is not None:
+            _save_direct(state, direct)
+            fsync_path(path)
+            return direct.digest.entry()
         with open(path, "wb") as file:
             digesting = DigestingFile(WritebackFile(file), DIGEST)  # the disk writes while the rest is copied
             try:

@@ -1,7 +1,8 @@
 """The checksums of a sharded save's files, computed while DCP writes them (mgpu.state.digest): a rank's manifest
 then needs no second read of its shard. Which stream wrote which file is recorded by name. DCP's torch.save of each
 tensor into such a stream writes no zip CRC32 (mgpu.state.zip_crc: this thread only, while the stream is open):
-the stream's own checksum covers the same bytes."""
+the stream's own checksum covers the same bytes. The files are written past the page cache where the filesystem
+takes it (mgpu.state.direct_io), as a single-file save's are."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from typing import Any, Iterator
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
+from mgpu.fsutil import fsync_path
 from mgpu.state.digest import DigestingFile
+from mgpu.state.direct_io import open_direct
 from mgpu.state.writeback import WritebackFile
 from mgpu.state.zip_crc import without_zip_crc32
 
@@ -21,17 +24,29 @@ __all__ = ["DigestingFileSystem"]
 class DigestingFileSystem(FileSystem):
     """DCP's local filesystem, whose written streams are digested on the way: `digests[file name]` is each
     file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.digest's).
-    `zip_crc32`: torch.save into a digested stream computes its zip CRC32s as well (False: it does not)."""
+    `zip_crc32`: torch.save into a digested stream computes its zip CRC32s as well (False: it does not).
+    `direct`: written with O_DIRECT where the filesystem takes it (mgpu.state.direct_io)."""
 
-    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32", zip_crc32: bool = False) -> None:
+    def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32", zip_crc32: bool = False,
+                 direct: bool = True) -> None:
         super().__init__()
-        self.digests, self.algorithm, self.zip_crc32 = digests, algorithm, zip_crc32
+        self.digests, self.algorithm, self.zip_crc32, self.direct = digests, algorithm, zip_crc32, direct
 
     @contextmanager
     def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
+            return
+        direct = open_direct(Path(path), self.algorithm) if self.direct else None
+        if direct is not None:
+            try:
+                with without_zip_crc32(not self.zip_crc32):
+                    yield direct
+            finally:
+                direct.close()  # its last block; DCP's fsync came before it
+            fsync_path(Path(path))
+            self.digests[Path(path).name] = direct.digest.entry()
             return
         with super().create_stream(path, mode) as raw:
             digesting = DigestingFile(WritebackFile(raw), self.algorithm)  # (mgpu.state.writeback)

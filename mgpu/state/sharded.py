@@ -330,7 +330,8 @@ class ShardedCheckpointer:
         writer = (FileSystemWriter(job.tmp, **options) if arrivals is None
                   else MarkingWriter(job.tmp, on_written=arrivals.mark, **options))
         # The manifest's checksums, no re-read; DCP's torch.save into these streams without its zip CRC32s.
-        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST, zip_crc32=_checkpoint.ZIP_CRC32)
+        writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST, zip_crc32=_checkpoint.ZIP_CRC32,
+                                        direct=_checkpoint.DIRECT_IO)
         return writer
 
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:

@@ -1,0 +1,138 @@
+"""mgpu.state.direct_io: checkpoint files written with O_DIRECT hold exactly the bytes written, carry the same
+checksum as a buffered write, raise the writes' errors, and leave nothing in the page cache."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import errno
+import mmap
+import os
+import random
+from pathlib import Path
+import pytest
+import torch
+
+from mgpu.state import checkpoint as checkpoint_module
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.digest import digest_bytes
+from mgpu.state.direct_io import ALIGN, DirectFile, open_direct
+
+_SMALL = 4 * ALIGN  # buffers of 16 KiB: a few bytes span several of them
+
+
+def _direct(path: Path) -> DirectFile:
+    file = open_direct(path)
+    if file is None:
+        pytest.skip(f"{path.parent}'s filesystem refuses O_DIRECT")
+    return file
+
+
+@pytest.mark.parametrize("size", [0, 1, ALIGN - 1, ALIGN, ALIGN + 1, _SMALL, 3 * _SMALL + 13])
+def test_the_file_holds_the_bytes_written_and_their_checksum(size: int, tmp_path: Path) -> None:
+    data = random.Random(size).randbytes(size + 3)[3:]  # from an unaligned address
+    path = tmp_path / "state.pt"
+    opened = _direct(path)
+    file = DirectFile(os.dup(opened.fd), buffer_bytes=_SMALL)
+    opened.close()
+    pieces = random.Random(1)
+    at = 0
+    while at < size:  # writes of every size, across the buffers' edges
+        count = min(size - at, pieces.choice([1, 7, ALIGN - 3, ALIGN, _SMALL + 5]))
+        assert file.write(memoryview(data)[at:at + count]) == count
+        at += count
+        assert file.tell() == at
+    file.close()
+    assert path.read_bytes() == data
+    assert file.digest.entry() == digest_bytes(data)
+
+
+class _Refused(Exception):
+    pass
+
+
+def test_a_write_refused_below_is_raised_as_itself_and_the_file_closed(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    file = _direct(tmp_path / "state.pt")
+    fd = file.fd
+    monkeypatch.setattr(DirectFile, "_pwrite", lambda self, data, offset: (_ for _ in ()).throw(
+        OSError(errno.EIO, os.strerror(errno.EIO))))
+    with pytest.raises(OSError) as raised:
+        for _ in range(4):  # a full buffer is written in the other thread: the error comes at a later call
+            file.write(bytes(8 << 20))
+        file.close()
+    assert raised.value.errno == errno.EIO
+    with pytest.raises(OSError, match="Input/output error"):
+        file.close()  # the close too: nothing written after a failed write counts
+    assert file.closed
+    with pytest.raises(OSError, match="Bad file descriptor"):
+        os.fstat(fd)  # closed, not leaked
+
+
+def test_a_filesystem_that_refuses_o_direct_is_written_through_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal is faked (os.open answers EINVAL to O_DIRECT, as a filesystem without it does: tmpfs before Linux
+    6.6, some network filesystems); this machine's filesystems all take it."""
+    real_open = os.open
+
+    def refusing_open(path: object, flags: int, *args: object) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refusing_open)
+    assert open_direct(tmp_path / "probe") is None
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"w": torch.ones(1000)}, 1)
+    loaded = store.latest()
+    assert loaded is not None and torch.equal(loaded.state["w"], torch.ones(1000))
+
+
+def _cached_pages(path: Path) -> int:
+    """How many of `path`'s pages are in the page cache (mincore of a read-only mapping of it)."""
+    from mgpu.state.direct_io import _address
+
+    size = path.stat().st_size
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    vector = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+    with open(path, "rb") as file, mmap.mmap(file.fileno(), size, prot=mmap.PROT_READ) as mapped:
+        view = memoryview(mapped)
+        try:
+            assert libc.mincore(_address(view), size, vector) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            view.release()
+    return sum(byte & 1 for byte in vector)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_saved_checkpoint_leaves_the_page_cache_as_it_was(direct: bool, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """With O_DIRECT, the checkpoint's 32 MiB did not pass through the page cache (a dataset's cached files stay
+    cached); the buffered write, the control, leaves them there, so the measurement can see them."""
+    if open_direct(tmp_path / "probe") is None:
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(checkpoint_module, "DIRECT_IO", direct)
+    state = {"w": torch.arange(8 << 20, dtype=torch.float32)}
+    store = CheckpointStore(tmp_path / "ckpt")
+    saved = store.save(state, 1)
+    cached = _cached_pages(saved.path / "state.pt")
+    pages = -(-saved.bytes // mmap.PAGESIZE)
+    if direct:
+        assert cached <= 2, f"{cached} of {pages} pages cached"  # the cut-back last block at most
+    else:
+        assert cached > pages // 2, f"only {cached} of {pages} pages cached: the control sees nothing"
+    loaded = store.latest()  # its checksum verified on load
+    assert loaded is not None and torch.equal(loaded.state["w"], state["w"])
+
+
+def test_a_checkpoint_written_either_way_has_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same state saved with O_DIRECT and through the page cache: the same file, the same checksum."""
+    state = {"w": torch.randn(300_001), "step": 3, "name": "x" * 5000}
+    files = []
+    for direct in (True, False):
+        monkeypatch.setattr(checkpoint_module, "DIRECT_IO", direct)
+        saved = CheckpointStore(tmp_path / f"ckpt-{direct}").save(state, 1)
+        meta = json.loads((saved.path / "meta.json").read_text())
+        files.append(((saved.path / "state.pt").read_bytes(), meta["checksum"], meta["bytes"]))
+    assert files[0] == files[1]
