@@ -88,6 +88,28 @@ def test_a_filesystem_that_refuses_o_direct_is_written_through_the_page_cache(
     assert loaded is not None and torch.equal(loaded.state["w"], torch.ones(1000))
 
 
+def test_a_filesystem_that_refuses_the_direct_writes_gets_them_through_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that opens with O_DIRECT and then answers EINVAL to every write made with it (faked): the
+    flag is dropped and the file holds every byte, its checksum unchanged."""
+    import fcntl
+
+    def refusing(self: DirectFile, data: memoryview, offset: int) -> int:
+        if fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return os.pwrite(self.fd, data, offset)
+
+    monkeypatch.setattr(DirectFile, "_pwrite", refusing)
+    data = random.Random(0).randbytes(3 * _SMALL + 5)
+    opened = _direct(tmp_path / "state.pt")
+    file = DirectFile(os.dup(opened.fd), buffer_bytes=_SMALL)
+    opened.close()
+    file.write(data)
+    file.close()
+    assert (tmp_path / "state.pt").read_bytes() == data
+    assert file.digest.entry() == digest_bytes(data)
+
+
 def _cached_pages(path: Path) -> int:
     """How many of `path`'s pages are in the page cache (mincore of a read-only mapping of it)."""
     from mgpu.state.direct_io import _address

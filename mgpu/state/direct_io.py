@@ -10,8 +10,10 @@ while another writes it, as the next one fills (the way DeepNVMe and FastPersist
 
 O_DIRECT needs the buffer's address, the file offset and the length aligned to the device's block: every write
 here is a whole buffer at an aligned offset, except the last, which is padded with zeros and then cut back to the
-file's true size (ftruncate). Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems, not Linux)
-`open_direct` returns None and the caller writes through the page cache as before. What is durable, and when, is
+file's true size (ftruncate). Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some network
+filesystems, not Linux) `open_direct` returns None and the caller writes through the page cache as before; where it
+opens the file with O_DIRECT and then refuses a write (EINVAL), the flag is dropped and the file written through the
+page cache. What is durable, and when, is
 still the fsync's to say: O_DIRECT bypasses the cache, not the device's own write cache or the file's metadata.
 """
 
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import errno
+import fcntl
 import io
 import mmap
 import os
@@ -71,7 +75,7 @@ def open_direct(path: Path, algorithm: str = "crc32") -> "DirectFile | None":
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _O_DIRECT, 0o644)
     except OSError as error:
-        if error.errno in (22, 95):  # EINVAL, EOPNOTSUPP: a filesystem without O_DIRECT (tmpfs)
+        if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # a filesystem without O_DIRECT (tmpfs before Linux 6.6)
             return None
         raise
     return DirectFile(fd, algorithm)
@@ -147,7 +151,21 @@ class DirectFile(io.RawIOBase):
         view = memoryview(buffer)
         done = 0
         while done < length:
-            done += self._pwrite(view[done:length], offset + done)
+            try:
+                done += self._pwrite(view[done:length], offset + done)
+            except OSError as error:
+                if error.errno != errno.EINVAL or not self._drop_direct():
+                    raise
+
+    def _drop_direct(self) -> bool:
+        """Whether O_DIRECT was still on and is now off: a filesystem that opened the file with it and then
+        refuses the writes (EINVAL: an alignment it needs and this one does not meet) gets them through the page
+        cache instead, the rest of this file included."""
+        flags = fcntl.fcntl(self.fd, fcntl.F_GETFL)
+        if not flags & _O_DIRECT:
+            return False
+        fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+        return True
 
     def _pwrite(self, data: memoryview, offset: int) -> int:
         return os.pwrite(self.fd, data, offset)
