@@ -12,7 +12,9 @@ before, and as it still does on a filesystem that refuses O_DIRECT). N is chosen
 about half a write (measured first): saves come twice as fast as the disk takes them. `--steady-malloc`: glibc
 keeps the step's freed memory (see `steady_malloc`).
 `saved` / `deferred`: saves written / due saves deferred (the ledger's `checkpoint_saved` counts them, `deferred`). `ratio`: the run's time / `none`'s; `ratio_less_copy`: the same less the time the saves held the loop for their
-host copy (`blocked_s`, the snapshot every save must take) — the target is <= 1.05 for `deferred`.
+host copy (`blocked_s`, the snapshot every save must take) — the target is <= 1.05 for `deferred`. `step_ms_run`:
+the median of the steps' own times (the saves' calls left out); `after_copy_ms`: of the steps right after a host
+copy; `other_ms`: of the rest (where the step time goes with the writer busy beside it).
 """
 
 from __future__ import annotations
@@ -67,22 +69,32 @@ def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: P
     checkpoint_module.DIRECT_IO = form != "buffered"
     blocked = 0.0
     os.sync()  # the last run's checkpoints written back first: their writeback would otherwise load this run's CPUs
+    step_times: list[tuple[float, bool]] = []  # each step's own time, and whether a host copy came just before it
+    copied = False
     started = time.perf_counter()
     for n in range(1, steps + 1):
+        begun = time.perf_counter()
         step(model, optimizer, batch)
+        step_times.append((time.perf_counter() - begun, copied))
+        copied = False
         if form != "none" and n % every == 0:
             held = time.perf_counter()
             if form == "blocking" and checkpointer.store is not None:
                 checkpointer.store.settle()  # as before: a save waited for the one in flight
             waited = time.perf_counter() - held
             state["progress"] = {"step": n}
+            deferred_before = checkpointer._deferred  # counts deferred saves; a save taken resets it
             checkpointer.save(lambda: gather_state(state, None), n, "periodic")
+            copied = checkpointer._deferred != deferred_before + 1
             blocked += time.perf_counter() - held - waited
     elapsed = time.perf_counter() - started
     checkpointer.close()
     saved = [e for e in read_ledger(ledger_path) if e["event"] == "checkpoint_saved"] if ledger_path.exists() else []
+    after = [t for t, c in step_times if c]
     return {"form": form, "seconds": elapsed, "blocked_s": blocked, "saved": len(saved),
-            "deferred": sum(e.get("deferred", 0) for e in saved)}
+            "deferred": sum(e.get("deferred", 0) for e in saved), "step_ms": median([t for t, _ in step_times]) * 1e3,
+            "after_copy_ms": median(after) * 1e3 if after else None,
+            "other_ms": median([t for t, c in step_times if not c]) * 1e3}
 
 
 def main() -> None:
@@ -134,7 +146,10 @@ def main() -> None:
             rows.append({"form": form, "every": every, "step_ms": step_s * 1e3, "write_s": write_s,
                          "seconds": median([r["seconds"] for r in runs]), "blocked_s": median([r["blocked_s"] for r in runs]),
                          "saved": median([r["saved"] for r in runs]), "deferred": median([r["deferred"] for r in runs]),
-                         "ratio": median(ratios), "ratio_less_copy": median(less)})
+                         "ratio": median(ratios), "ratio_less_copy": median(less),
+                         "step_ms_run": median([r["step_ms"] for r in runs]),
+                         "after_copy_ms": median([r["after_copy_ms"] for r in runs if r["after_copy_ms"] is not None] or [0]),
+                         "other_ms": median([r["other_ms"] for r in runs])})
         report("periodic_saves", rows, args.out)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
