@@ -1,7 +1,7 @@
 """Checkpoint files written past the page cache (O_DIRECT), digested on the way. No torch.
 
 A buffered write costs the writing thread a copy into the page cache plus the kernel's bookkeeping of every page
-(allocating it, dirtying it, writing it back, reclaiming it later): about 2 GB/s of one core on the CI machine,
+(allocating it, dirtying it, writing it back, reclaiming it later): 1-2 GB/s of one core on the CI machine,
 under the write speed of an NVMe drive, and a stream of memory traffic that slows a training step which shares the
 memory bus (bench/periodic_saves.py). It also evicts what the page cache held, a dataset's files included. Written
 with O_DIRECT, the bytes go from a few small aligned buffers straight to the device: the writing thread copies
@@ -13,8 +13,8 @@ here is a whole buffer at an aligned offset, except the last, which is padded wi
 file's true size (ftruncate). Where the filesystem refuses O_DIRECT (tmpfs before Linux 6.6, some network
 filesystems, not Linux) `open_direct` returns None and the caller writes through the page cache as before; where it
 opens the file with O_DIRECT and then refuses a write (EINVAL), the flag is dropped and the file written through the
-page cache. What is durable, and when, is
-still the fsync's to say: O_DIRECT bypasses the cache, not the device's own write cache or the file's metadata.
+page cache. What is durable, and when, is still the fsync's to say: O_DIRECT bypasses the page cache, not the
+device's own write cache or the file's metadata.
 """
 
 from __future__ import annotations
