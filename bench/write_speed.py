@@ -105,6 +105,18 @@ def build_module(total_bytes: int) -> Any:
     return module
 
 
+def with_setting(module: Any, name: str, value: Any, save: Callable[[int], float]) -> Callable[[int], float]:
+    """`save` run with `module.name` set to `value` (restored after): a save form with one mgpu setting changed."""
+    def run(step: int) -> float:
+        kept = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            return save(step)
+        finally:
+            setattr(module, name, kept)
+    return run
+
+
 def timed(action: Callable[[], Any], cpu: list[float] | None = None) -> float:
     started, cpu_started = time.perf_counter(), time.process_time()
     action()
@@ -203,13 +215,7 @@ def main() -> None:
             from mgpu.state import checkpoint as checkpoint_module
 
             def buffered(save: Callable[[int], float]) -> Callable[[int], float]:
-                def run(step: int) -> float:
-                    kept, checkpoint_module.DIRECT_IO = checkpoint_module.DIRECT_IO, False
-                    try:
-                        return save(step)
-                    finally:
-                        checkpoint_module.DIRECT_IO = kept
-                return run
+                return with_setting(checkpoint_module, "DIRECT_IO", False, save)
 
             store_buffered = CheckpointStore(directory / "single_buffered", keep_last=1)
             sharded_buffered = ShardedCheckpointer(directory / "sharded_buffered", 0, 1, Ledger(ledger_path, "", 0),
@@ -223,13 +229,7 @@ def main() -> None:
             from mgpu.state import writeback
 
             def without_writeback(save: Callable[[int], float]) -> Callable[[int], float]:
-                def run(step: int) -> float:
-                    kept, writeback.WRITEBACK_BYTES = writeback.WRITEBACK_BYTES, 0
-                    try:
-                        return save(step)
-                    finally:
-                        writeback.WRITEBACK_BYTES = kept
-                return run
+                return with_setting(writeback, "WRITEBACK_BYTES", 0, save)
 
             store_nowb = CheckpointStore(directory / "single_nowb", keep_last=1)
             sharded_nowb = ShardedCheckpointer(directory / "sharded_nowb", 0, 1, Ledger(ledger_path, "", 0), keep_last=1)

@@ -140,9 +140,10 @@ def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
     file.flush()
 
 
-def _save_direct(state: dict[str, Any], file: DirectFile) -> None:
-    """save_state_file into an O_DIRECT file, closed after (its last block written); a write's OSError is raised
-    as itself, not as the RuntimeError torch's zip writer turns it into."""
+def _save_into(state: dict[str, Any], file: DirectFile | DigestingFile) -> None:
+    """save_state_file into a digesting file (O_DIRECT or buffered), closed after (its last block written, its
+    digest thread ended); a write's OSError is raised as itself, not as the RuntimeError torch's zip writer turns
+    it into."""
     try:
         save_state_file(state, file)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
     except RuntimeError as error:
@@ -477,19 +478,12 @@ class CheckpointStore:
             return digest_file(path, DIGEST)
         direct = open_direct(path, DIGEST) if DIRECT_IO else None
         if direct is not None:
-            _save_direct(state, direct)
+            _save_into(state, direct)
             fsync_path(path)
             return direct.digest.entry()
         with open(path, "wb") as file:
             digesting = DigestingFile(WritebackFile(file), DIGEST)  # the disk writes while the rest is copied
-            try:
-                save_state_file(state, digesting)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
-            except RuntimeError as error:
-                if digesting.error is not None:
-                    raise digesting.error from error
-                raise
-            finally:
-                digesting.close()  # its digest thread; `file` stays open
+            _save_into(state, digesting)  # `file` stays open
             file.flush()
             os.fsync(file.fileno())
         return digesting.digest.entry()
