@@ -15,6 +15,8 @@ checkpoints would be on). Per repeat, in this order, each from its call to durab
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
 - with `--ab-direct`, also `single_buffered` and `sharded_buffered`: the saves through the page cache
   (mgpu.state.checkpoint.DIRECT_IO off), into stores of their own;
+- with `--ab-huge-pages`, also `plain_direct_4k`, `single_4k` and `sharded_4k`: the O_DIRECT write and saves from
+  4 KiB pages (mgpu.state.direct_io.HUGE_PAGES off: the form before), into stores of their own;
 - with `--ab-writeback`, also `plain_wb` (the plain write with its writeback started every 64 MiB), and
   `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off (`WRITEBACK_BYTES = 0`), into
   stores of their own, alternating with the others (that technique's share alone).
@@ -25,7 +27,9 @@ disk's drift (other processes' writes) better than comparing the best of each co
 the operation (all threads; the plain write's is the copy into the page cache), a figure the disk's noise does
 not move. `durable_s`: the save's own time to durable as it reports it (SavedCheckpoint.seconds, the ledger's
 `checkpoint_saved`): the call's time less what follows durability (pruning the previous step), and
-`ratio_durable` its per-save ratio. The disk is noisy: run it a few times and read best and median together.
+`ratio_durable` its per-save ratio; `request_kib`: the mean size of the write requests the device took during the
+form (/sys/dev/block/M:N/stat; other processes' writes included), median; `vs_direct_durable`: the O_DIRECT plain write's time to durable (the unlink
+of its file, which the call's time includes as a save's includes pruning, left out) / the form's, per repeat, median. The disk is noisy: run it a few times and read best and median together.
 
 `--profile`: the phases of one single-file save timed apart (torch.save into a null sink, the digest of N bytes,
 the plain write + fsync) and a cProfile of `CheckpointStore.save`, to bench/results/write_speed_profile.txt.
@@ -81,10 +85,18 @@ def plain_write(path: Path, data: memoryview, writeback: bool = False, direct: b
         os.close(dfd)
 
 
-def aligned_copy(data: memoryview) -> memoryview:
-    """`data` copied into page-aligned memory (an anonymous mapping), for O_DIRECT."""
+def aligned_copy(data: memoryview, huge_pages: bool = True) -> memoryview:
+    """`data` copied into page-aligned memory, for O_DIRECT: by default where mgpu's O_DIRECT writer keeps its
+    buffers (mgpu.state.direct_io.aligned_buffer: transparent huge pages where granted, the device's largest
+    requests), else an anonymous shared mapping of 4 KiB pages (`huge_pages=False`: the form before)."""
     import mmap
 
+    if huge_pages:
+        from mgpu.state import direct_io
+
+        mapping, view = with_setting(direct_io, "HUGE_PAGES", True, lambda _: direct_io.aligned_buffer(len(data)))(0)
+        view[:] = data
+        return view
     copy = mmap.mmap(-1, len(data))
     copy[:] = data
     return memoryview(copy)
@@ -115,6 +127,21 @@ def with_setting(module: Any, name: str, value: Any, save: Callable[[int], float
         finally:
             setattr(module, name, kept)
     return run
+
+
+def device_writes(directory: Path) -> Callable[[], tuple[int, int]] | None:
+    """A reader of the (write requests, bytes written) counters of the block device under `directory`
+    (/sys/dev/block/M:N/stat), or None where there is none (tmpfs, overlay): the size of the requests a write
+    reached the device in."""
+    device = os.stat(directory).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(device)}:{os.minor(device)}/stat")
+    if not stat.exists():
+        return None
+
+    def read() -> tuple[int, int]:
+        fields = stat.read_text().split()
+        return int(fields[4]), int(fields[6]) * 512  # writes completed, sectors written (always 512-byte units)
+    return read
 
 
 def timed(action: Callable[[], Any], cpu: list[float] | None = None) -> float:
@@ -165,6 +192,8 @@ def main() -> None:
     parser.add_argument("--writeback", action="store_true", help="the plain write starts writeback early too")
     parser.add_argument("--ab-writeback", action="store_true", help="also each save form with early writeback off")
     parser.add_argument("--ab-direct", action="store_true", help="also each save form through the page cache")
+    parser.add_argument("--ab-huge-pages", action="store_true",
+                        help="also the O_DIRECT plain write and saves from 4 KiB pages (direct_io.HUGE_PAGES off)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -244,11 +273,34 @@ def main() -> None:
             saves["plain_wb"] = plain_wb
             order = ["plain_direct", "plain_wb", "single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
             saves = {form: saves[form] for form in order}
+        if args.ab_huge_pages:
+            from mgpu.state import direct_io
+
+            def small_pages(save: Callable[[int], float]) -> Callable[[int], float]:
+                return with_setting(direct_io, "HUGE_PAGES", False, save)
+
+            aligned_4k = aligned_copy(data, huge_pages=False)
+
+            def plain_direct_4k(step: int) -> float:
+                seconds = timed(lambda: plain_write(directory / "plain_direct_4k.bin", aligned_4k, direct=True))
+                (directory / "plain_direct_4k.bin").unlink()
+                return seconds
+
+            store_4k = CheckpointStore(directory / "single_4k", keep_last=1)
+            sharded_4k = ShardedCheckpointer(directory / "sharded_4k", 0, 1, Ledger(ledger_path, "", 0), keep_last=1)
+            saves["plain_direct_4k"] = plain_direct_4k
+            saves["single_4k"] = small_pages(lambda step: store_4k.save(state, step).seconds)
+            saves["sharded_4k"] = small_pages(lambda step: (
+                sharded_4k.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
+            order = ["plain_direct", "plain_direct_4k", "single", "single_4k", "single_async", "sharded", "sharded_4k"]
+            saves = {form: saves[form] for form in order}
         times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
         cpu: dict[str, list[float]] = {form: [] for form in times}
         ratios: dict[str, list[float]] = {form: [] for form in times}
         durable: dict[str, list[float]] = {form: [] for form in times}
         durable_ratios: dict[str, list[float]] = {form: [] for form in times}
+        requests: dict[str, list[float]] = {form: [] for form in times}
+        counters = device_writes(directory)
 
         def plain() -> float:
             seconds = timed(lambda: plain_write(directory / "plain.bin", data, args.writeback), cpu["plain"])
@@ -260,7 +312,11 @@ def main() -> None:
         for step in range(1, args.repeats + 1):
             for form, save in saves.items():
                 reported: list[float] = []
+                counted = counters() if counters else None
                 seconds = timed(lambda: reported.append(save(step)), cpu[form])
+                if counters and counted:
+                    writes, written = (now - then for now, then in zip(counters(), counted))
+                    requests[form].append(written / max(writes, 1) / 1024)
                 after = plain()
                 times[form].append(seconds)
                 ratios[form].append((before + after) / 2 / seconds)
@@ -275,6 +331,8 @@ def main() -> None:
             sharded_nowb.close()
         if args.ab_direct:
             sharded_buffered.close()
+        if args.ab_huge_pages:
+            sharded_4k.close()
         async_store.close()
         dist.destroy_process_group()
         os.unlink(store_file.name)
@@ -286,7 +344,9 @@ def main() -> None:
                          "cpu_s": median(cpu[form]),
                          "vs_direct": median([d / t for d, t in zip(times["plain_direct"], seconds)]),
                          "durable_s": median(durable[form] or seconds),
+                         "vs_direct_durable": median([d / t for d, t in zip(durable["plain_direct"], durable[form] or seconds)]),
                          "ratio_durable": median(durable_ratios[form] or ratios[form]),
+                         "request_kib": round(median(requests[form]), 1) if requests[form] else None,
                          "all_s": [round(s, 3) for s in seconds]})
         report("write_speed", rows, args.out)
     finally:
