@@ -586,3 +586,37 @@ def test_a_failed_save_leaves_its_group_behind(group: None, tmp_path: Path, monk
     assert store.group is not None and store.group is not first
     store.close()
     assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))] == ["step_00000002", "step_00000005"]
+
+
+def test_each_shard_file_is_fsynced_once_after_it_is_closed(group: None, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each fsync of a file is a journal commit: DCP's, before its O_DIRECT stream had written its last block,
+    # and a second after the close cost a 1 GiB save 15 ms of its 360.
+    import mgpu.state.direct_io
+
+    synced: list[str] = []
+    open_files: set[str] = set()
+    real_fsync, real_close = os.fsync, mgpu.state.direct_io.DirectFile.close
+
+    def fsync(fd: int) -> None:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        assert name not in open_files, f"{name} fsync'd while still being written"
+        synced.append(name)
+        real_fsync(fd)
+
+    def close(self: Any) -> None:
+        real_close(self)
+        open_files.discard(self.name)
+
+    real_init = mgpu.state.direct_io.DirectFile.__init__
+
+    def init(self: Any, fd: int, *args: Any, **kwargs: Any) -> None:
+        real_init(self, fd, *args, **kwargs)
+        self.name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        open_files.add(self.name)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(mgpu.state.direct_io.DirectFile, "__init__", init)
+    monkeypatch.setattr(mgpu.state.direct_io.DirectFile, "close", close)
+    save_steps(tmp_path, [1])[0].close()
+    assert synced.count("__0_0.distcp") == 1 and synced.count(".metadata") == 1, synced

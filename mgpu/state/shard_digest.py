@@ -12,7 +12,6 @@ from typing import Any, Iterator
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from mgpu.fsutil import fsync_path
 from mgpu.state.digest import DigestingFile
 from mgpu.state.direct_io import open_direct
 from mgpu.state.writeback import WritebackFile
@@ -25,7 +24,8 @@ class DigestingFileSystem(FileSystem):
     """DCP's local filesystem, whose written streams are digested on the way: `digests[file name]` is each
     file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.digest's).
     `zip_crc32`: torch.save into a digested stream computes its zip CRC32s as well (False: it does not).
-    `direct`: written with O_DIRECT where the filesystem takes it (mgpu.state.direct_io)."""
+    `direct`: written with O_DIRECT where the filesystem takes it (mgpu.state.direct_io). It fsyncs nothing: the
+    caller fsyncs each file once, after its close (mgpu.state.sharded)."""
 
     def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32", zip_crc32: bool = False,
                  direct: bool = True) -> None:
@@ -44,8 +44,7 @@ class DigestingFileSystem(FileSystem):
                 with without_zip_crc32(not self.zip_crc32):
                     yield direct
             finally:
-                direct.close()  # its last block; DCP's fsync came before it
-            fsync_path(Path(path))
+                direct.close()  # its last block (made durable with the rest by the caller's fsync)
             self.digests[Path(path).name] = direct.digest.entry()
             return
         with super().create_stream(path, mode) as raw:
