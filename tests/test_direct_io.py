@@ -185,3 +185,19 @@ def test_the_write_buffers_are_huge_pages_where_the_system_grants_them() -> None
     assert ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0 and len(view) == BUFFER_BYTES
     view[:] = bytes(len(view))  # (faulted in)
     assert _huge_page_bytes(view) >= BUFFER_BYTES // 2
+
+
+def test_a_closed_files_buffers_serve_the_next_file(tmp_path: Path) -> None:
+    # Faulting huge pages in is where a fragmented host compacts memory: once per process, not per checkpoint.
+    from mgpu.state import direct_io
+
+    first = _direct(tmp_path / "a")
+    first.write(b"x" * 10)
+    addresses = {ctypes.addressof(ctypes.c_char.from_buffer(view)) for view in first._buffers}
+    first.close()
+    second = _direct(tmp_path / "b")
+    assert {ctypes.addressof(ctypes.c_char.from_buffer(view)) for view in second._buffers} == addresses
+    files = [_direct(tmp_path / str(n)) for n in range(4)]  # more at once than are kept
+    for file in [second, *files]:
+        file.close()
+    assert len(direct_io._spare[BUFFER_BYTES, direct_io.HUGE_PAGES]) == direct_io.SPARE_BUFFERS

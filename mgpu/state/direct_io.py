@@ -26,6 +26,7 @@ import fcntl
 import io
 import mmap
 import os
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -93,6 +94,29 @@ def aligned_buffer(size: int) -> tuple[mmap.mmap, memoryview]:
     return mapping, memoryview(mapping)[offset:offset + size]
 
 
+_spare: dict[tuple[int, bool], list[memoryview]] = {}
+_spare_lock = threading.Lock()
+SPARE_BUFFERS = 2 * DEPTH
+"""Buffers a closed file leaves for the next (per size): a process faults its huge pages in once, not at every
+save. Where memory is fragmented, the fault of a huge page is where the kernel compacts memory (`defrag`), which
+can take milliseconds to seconds: paid once per process, not once per checkpoint."""
+
+
+def _take_buffers(size: int, count: int) -> list[memoryview]:
+    with _spare_lock:
+        spare = _spare.get((size, HUGE_PAGES), [])
+        taken = [spare.pop() for _ in range(min(count, len(spare)))]
+    return taken + [aligned_buffer(size)[1] for _ in range(count - len(taken))]
+
+
+def _give_back(views: list[memoryview]) -> None:
+    with _spare_lock:
+        for view in views:
+            spare = _spare.setdefault((len(view), HUGE_PAGES), [])
+            if len(spare) < SPARE_BUFFERS:
+                spare.append(view)
+
+
 def open_direct(path: Path, algorithm: str = "crc32") -> "DirectFile | None":
     """A new file at `path` written with O_DIRECT, or None where this system or filesystem refuses it."""
     if not _O_DIRECT:
@@ -121,8 +145,8 @@ class DirectFile(io.RawIOBase):
         self._size = 0  # bytes written by the caller
         self._offset = 0  # file offset of the current buffer's first byte (aligned)
         self._fill = 0  # bytes in the current buffer
-        self._buffers = [aligned_buffer(buffer_bytes) for _ in range(depth)]  # (the mappings: kept until closed)
-        self._free = [view for _, view in self._buffers]
+        self._buffers = _take_buffers(buffer_bytes, depth)  # (each view keeps its mapping alive)
+        self._free = list(self._buffers)
         self._in_flight: collections.deque[tuple[memoryview, Future[None], Future[None]]] = collections.deque()
         # One thread each, so the digest keeps the bytes' order and the file's writes stay sequential.
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="mgpu-direct-digest")
@@ -226,7 +250,9 @@ class DirectFile(io.RawIOBase):
             self._digester.shutdown()
             self._writer.shutdown()
             os.close(self.fd)
-            self._free.clear()  # the buffers' memory back now, not when the file object goes
+            # (Both threads have finished: no write reads a buffer any more.)
+            _give_back(self._buffers)
+            self._free.clear()
             self._buffers.clear()
             self._current = memoryview(b"")
             super().close()
