@@ -96,7 +96,7 @@ def aligned_buffer(size: int) -> tuple[mmap.mmap, memoryview]:
 
 _spare: dict[tuple[int, bool], list[memoryview]] = {}
 _spare_lock = threading.Lock()
-SPARE_BUFFERS = 2 * DEPTH
+SPARE_BUFFERS = DEPTH
 """Buffers a closed file leaves for the next (per size): a process faults its huge pages in once, not at every
 save. Where memory is fragmented, the fault of a huge page is where the kernel compacts memory (`defrag`), which
 can take milliseconds to seconds: paid once per process, not once per checkpoint."""
