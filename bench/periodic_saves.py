@@ -8,7 +8,9 @@ repeat, alternating: `none` (no checkpoint), `deferred` (a save every N steps, a
 due while the last is being written is deferred to the first due save after the writer is free) and `blocking`
 (the same saves, each first waiting for the one in flight, as mgpu did before); with `--ab-direct`, also `buffered`
 (`deferred` with its files written through the page cache, mgpu.state.checkpoint.DIRECT_IO off: as mgpu wrote them
-before, and as it still does on a filesystem that refuses O_DIRECT). N is chosen so that N steps take
+before, and as it still does on a filesystem that refuses O_DIRECT); with `--ab-in-place`, also `copied` (`deferred`
+with the snapshot copied into the O_DIRECT writer's buffers, mgpu.state.direct_io.IN_PLACE_BYTES out of reach, not
+written from where it is: as before). N is chosen so that N steps take
 about half a write (measured first): saves come twice as fast as the disk takes them. `--steady-malloc`: glibc
 keeps the step's freed memory (see `steady_malloc`).
 `saved` / `deferred`: saves written / due saves deferred (the ledger's `checkpoint_saved` counts them, `deferred`). `ratio`: the run's time / `none`'s; `ratio_less_copy`: the same less the time the saves held the loop for their
@@ -31,6 +33,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median, report  # noqa: E402
+
+
+_IN_PLACE_DEFAULT: dict[str, int] = {}
 
 
 def build(mb: int) -> tuple[Any, Any, Any]:
@@ -66,7 +71,12 @@ def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: P
     state = {"model": model, "optimizer": optimizer, "progress": {"step": 0}}
     from mgpu.state import checkpoint as checkpoint_module
 
+    from mgpu.state import direct_io
+
     checkpoint_module.DIRECT_IO = form != "buffered"
+    # `copied`: the snapshot copied into the writer's buffers, not written in place (as before)
+    _IN_PLACE_DEFAULT.setdefault("bytes", direct_io.IN_PLACE_BYTES)
+    direct_io.IN_PLACE_BYTES = 1 << 62 if form == "copied" else _IN_PLACE_DEFAULT["bytes"]
     blocked = 0.0
     os.sync()  # the last run's checkpoints written back first: their writeback would otherwise load this run's CPUs
     step_times: list[tuple[float, bool]] = []  # each step's own time, and whether a host copy came just before it
@@ -104,6 +114,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", type=Path, default=None)
     parser.add_argument("--ab-direct", action="store_true", help="also `buffered`: deferred, through the page cache")
+    parser.add_argument("--ab-in-place", action="store_true",
+                        help="also `copied`: deferred, the snapshot copied into the writer's buffers, not written in place")
     parser.add_argument("--steady-malloc", action="store_true",
                         help="glibc keeps freed memory for the next step instead of faulting it in again")
     parser.add_argument("--out", type=Path, default=None)
@@ -132,7 +144,8 @@ def main() -> None:
         del state
         every = max(1, int(0.5 * write_s / step_s))
         print(f"step {step_s * 1e3:.1f} ms, write {write_s:.2f} s: a save every {every} steps", flush=True)
-        forms = ["none", "deferred", *(["buffered"] if args.ab_direct else []), "blocking"]
+        forms = ["none", "deferred", *(["copied"] if args.ab_in_place else []), *(["buffered"] if args.ab_direct else []),
+                 "blocking"]
         results: dict[str, list[dict[str, Any]]] = {form: [] for form in forms}
         for repeat in range(args.repeats):
             for form in results:

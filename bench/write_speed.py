@@ -15,6 +15,8 @@ checkpoints would be on). Per repeat, in this order, each from its call to durab
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` of a module holding the same N bytes (a gloo world of 1).
 - with `--ab-direct`, also `single_buffered` and `sharded_buffered`: the saves through the page cache
   (mgpu.state.checkpoint.DIRECT_IO off), into stores of their own;
+- with `--ab-in-place`, also `single_async_copied`: the background save with its snapshot copied into the
+  writer's buffers (mgpu.state.direct_io.IN_PLACE_BYTES out of reach: the form before), not written in place;
 - with `--ab-huge-pages`, also `plain_direct_4k`, `single_4k` and `sharded_4k`: the O_DIRECT write and saves from
   4 KiB pages (mgpu.state.direct_io.HUGE_PAGES off: the form before), into stores of their own;
 - with `--ab-writeback`, also `plain_wb` (the plain write with its writeback started every 64 MiB), and
@@ -92,9 +94,9 @@ def aligned_copy(data: memoryview, huge_pages: bool = True) -> memoryview:
     import mmap
 
     if huge_pages:
-        from mgpu.state import direct_io
+        from mgpu.state.direct_io import aligned_buffer
 
-        mapping, view = with_setting(direct_io, "HUGE_PAGES", True, lambda _: direct_io.aligned_buffer(len(data)))(0)
+        _, view = aligned_buffer(len(data))  # (HUGE_PAGES is on but while a `_4k` form runs)
         view[:] = data
         return view
     copy = mmap.mmap(-1, len(data))
@@ -192,6 +194,8 @@ def main() -> None:
     parser.add_argument("--writeback", action="store_true", help="the plain write starts writeback early too")
     parser.add_argument("--ab-writeback", action="store_true", help="also each save form with early writeback off")
     parser.add_argument("--ab-direct", action="store_true", help="also each save form through the page cache")
+    parser.add_argument("--ab-in-place", action="store_true",
+                        help="also the background save with its snapshot copied into the buffers (no in-place writes)")
     parser.add_argument("--ab-huge-pages", action="store_true",
                         help="also the O_DIRECT plain write and saves from 4 KiB pages (direct_io.HUGE_PAGES off)")
     parser.add_argument("--profile", action="store_true")
@@ -273,6 +277,14 @@ def main() -> None:
             saves["plain_wb"] = plain_wb
             order = ["plain_direct", "plain_wb", "single", "single_nowb", "single_async", "sharded", "sharded_nowb"]
             saves = {form: saves[form] for form in order}
+        if args.ab_in_place:
+            from mgpu.state import direct_io
+
+            async_copied = CheckpointStore(directory / "single_async_copied", keep_last=1)
+            saves["single_async_copied"] = with_setting(direct_io, "IN_PLACE_BYTES", 1 << 62, lambda step: (
+                async_copied.save_async(state, step), async_copied.wait())[1].seconds)
+            order = ["plain_direct", "single", "single_async", "single_async_copied", "sharded"]
+            saves = {form: saves[form] for form in order}
         if args.ab_huge_pages:
             from mgpu.state import direct_io
 
@@ -334,6 +346,8 @@ def main() -> None:
         if args.ab_huge_pages:
             sharded_4k.close()
         async_store.close()
+        if args.ab_in_place:
+            async_copied.close()
         dist.destroy_process_group()
         os.unlink(store_file.name)
         rows = []

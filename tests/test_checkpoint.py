@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import mgpu.state.checkpoint
-import mgpu.state.zip_crc
+import mgpu.state.zip_options
 from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint
 from mgpu.state.host_copy import snapshot_to_cpu
 from mgpu.state.loadable import check_loadable
@@ -801,8 +801,8 @@ def test_state_pt_is_written_without_torchs_crc32_and_still_verifies(tmp_path: P
 def test_otherwise_it_is_torch_save_with_its_crc32(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "asked":
         monkeypatch.setattr(mgpu.state.checkpoint, "ZIP_CRC32", True)
-    else:  # torch.serialization.get_crc32_options absent: nothing to wrap (mgpu.state.zip_crc)
-        monkeypatch.setattr(mgpu.state.zip_crc, "_install", lambda: False)
+    else:  # torch.serialization.get_crc32_options absent: nothing to wrap (mgpu.state.zip_options)
+        monkeypatch.setattr(mgpu.state.zip_options, "_install", lambda name, override: False)
     saved = CheckpointStore(tmp_path).save(_big_state(4.0), 4)
     assert 0 not in _zip_crcs(saved.path / "state.pt")
     loaded = CheckpointStore(tmp_path).latest()

@@ -16,7 +16,7 @@ import torch
 from mgpu.state import checkpoint as checkpoint_module
 from mgpu.state.checkpoint import CheckpointStore
 from mgpu.state.digest import digest_bytes
-from mgpu.state.direct_io import ALIGN, BUFFER_BYTES, DirectFile, aligned_buffer, open_direct
+from mgpu.state.direct_io import ALIGN, BUFFER_BYTES, IN_PLACE_BYTES, DirectFile, _address, aligned_buffer, open_direct
 
 _SMALL = 4 * ALIGN  # buffers of 16 KiB: a few bytes span several of them
 
@@ -94,10 +94,10 @@ def test_a_filesystem_that_refuses_the_direct_writes_gets_them_through_the_page_
     flag is dropped and the file holds every byte, its checksum unchanged."""
     import fcntl
 
-    def refusing(self: DirectFile, data: memoryview, offset: int) -> int:
+    def refusing(self: DirectFile, pieces: list[memoryview], offset: int) -> int:
         if fcntl.fcntl(self.fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return os.pwrite(self.fd, data, offset)
+        return os.pwritev(self.fd, pieces, offset)
 
     monkeypatch.setattr(DirectFile, "_pwrite", refusing)
     data = random.Random(0).randbytes(3 * _SMALL + 5)
@@ -201,3 +201,73 @@ def test_a_closed_files_buffers_serve_the_next_file(tmp_path: Path) -> None:
     for file in [second, *files]:
         file.close()
     assert len(direct_io._spare[BUFFER_BYTES, direct_io.HUGE_PAGES]) == direct_io.SPARE_BUFFERS
+
+
+def _writes_from(monkeypatch: pytest.MonkeyPatch, limit: int | None = None) -> list[int]:
+    """The addresses of the pieces every write request reads from (each request cut to `limit` bytes: a short
+    write the file must resume)."""
+    addresses: list[int] = []
+
+    def pwrite(self: DirectFile, pieces: list[memoryview], offset: int) -> int:
+        addresses.extend(_address(piece) for piece in pieces)
+        if limit is not None:
+            pieces = [pieces[0][:limit]]
+        return os.pwritev(self.fd, pieces, offset)
+
+    monkeypatch.setattr(DirectFile, "_pwrite", pwrite)
+    return addresses
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_page_aligned_piece_is_written_from_the_callers_memory_only_if_it_stays_put(
+        in_place: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    addresses = _writes_from(monkeypatch)
+    _, big = aligned_buffer(IN_PLACE_BYTES + 3 * ALIGN)
+    big[:] = random.Random(2).randbytes(len(big))
+    head, tail = b"h" * (2 * ALIGN), b"t" * 100  # the aligned piece lands at an aligned offset, then more
+    opened = _direct(tmp_path / "state.pt")
+    file = DirectFile(os.dup(opened.fd), buffer_bytes=4 * _SMALL, in_place=in_place)
+    opened.close()
+    for piece in (head, big, tail, big[1:ALIGN + 1]):  # the last: unaligned, copied either way
+        file.write(piece)
+    file.close()
+    data = head + bytes(big) + tail + bytes(big[1:ALIGN + 1])
+    assert (tmp_path / "state.pt").read_bytes() == data
+    assert file.digest.entry() == digest_bytes(data)
+    source = ctypes.addressof(ctypes.c_char.from_buffer(big))
+    assert (source in addresses) == in_place
+
+
+def test_a_short_write_resumes_where_it_stopped_across_the_pieces(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    _writes_from(monkeypatch, limit=5000)  # (a plain file: unaligned resumptions are fine without O_DIRECT)
+    _, big = aligned_buffer(IN_PLACE_BYTES)
+    big[:] = random.Random(3).randbytes(len(big))
+    fd = os.open(tmp_path / "state.pt", os.O_WRONLY | os.O_CREAT)
+    file = DirectFile(fd, buffer_bytes=_SMALL, in_place=True)
+    for piece in (b"x" * ALIGN, big, b"y" * 7):
+        file.write(piece)
+    file.close()
+    assert (tmp_path / "state.pt").read_bytes() == b"x" * ALIGN + bytes(big) + b"y" * 7
+
+
+def test_a_background_save_writes_its_snapshots_big_tensors_in_place(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    addresses = _writes_from(monkeypatch)
+    from mgpu.state.host_copy import _page_aligned_empty
+
+    big = _page_aligned_empty(torch.Size([IN_PLACE_BYTES // 4 * 3 + 5]), torch.float32).copy_(
+        torch.randn(IN_PLACE_BYTES // 4 * 3 + 5))
+    state = {"big": big, "small": torch.arange(7)}  # page-aligned itself: only the copy's ownership differs
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save_async(state, 1)
+    saved = store.wait()
+    staged = store._spare[("big",)]  # the snapshot's buffer, kept for the next save
+    assert staged.data_ptr() % ALIGN == 0 and staged.data_ptr() in addresses
+    assert saved is not None
+    loaded = torch.load(saved.path / "state.pt", weights_only=True)
+    assert torch.equal(loaded["big"], state["big"]) and torch.equal(loaded["small"], state["small"])
+    addresses.clear()
+    store.save(state, 2)  # the caller's own tensors: copied, never written from where they are
+    assert big.data_ptr() % ALIGN == 0 and addresses and big.data_ptr() not in addresses
+    store.close()

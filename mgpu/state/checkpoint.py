@@ -34,7 +34,7 @@ from mgpu.state.digest import DigestingFile, digest_file, mismatch
 from mgpu.state.direct_io import DirectFile, open_direct
 from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
 from mgpu.state.writeback import WritebackFile
-from mgpu.state.zip_crc import without_zip_crc32
+from mgpu.state.zip_options import page_aligned_storages, without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.errors import MgpuError
 
@@ -61,9 +61,9 @@ A load verifies whichever a checkpoint records, a sha256 of the whole file inclu
 ZIP_CRC32 = False
 """Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json (a sharded
 save's manifests) covers every byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t`
-reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.zip_crc wraps:
+reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.zip_options wraps:
 torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
-writing thread only (mgpu.state.zip_crc)."""
+writing thread only (mgpu.state.zip_options)."""
 DIRECT_IO = True
 """Whether checkpoint files are written past the page cache (O_DIRECT, mgpu.state.direct_io) where the filesystem
 takes it: the disk's full speed with a fraction of the CPU and none of the page cache. False, or a filesystem
@@ -134,8 +134,9 @@ def _lower_writer_priority() -> None:
 
 
 def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
-    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.zip_crc)."""
-    with without_zip_crc32(not ZIP_CRC32):
+    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there), every storage at a page-aligned
+    offset (an O_DIRECT file can write a snapshot's tensors from where they are; mgpu.state.zip_options)."""
+    with without_zip_crc32(not ZIP_CRC32), page_aligned_storages():
         torch.save(state, file)
     file.flush()
 
@@ -435,7 +436,8 @@ class CheckpointStore:
         state = job.box.pop()
         waited = time.monotonic() - job.queued_at
         try:
-            saved = self._write(state, job.step, job.is_best, job.extra, job.started + waited)
+            # The snapshot is ours and unchanged until the write ends: its tensors can be written in place.
+            saved = self._write(state, job.step, job.is_best, job.extra, job.started + waited, in_place=True)
             outcome: SavedCheckpoint | BaseException = dataclasses.replace(saved, queued_s=waited) \
                 if waited > 0.01 else saved
         except BaseException as e:
@@ -462,21 +464,22 @@ class CheckpointStore:
                 log.exception("pruning old checkpoints failed")
 
     def _write(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
-               started: float) -> SavedCheckpoint:
+               started: float, in_place: bool = False) -> SavedCheckpoint:
         where = self.directory / f"step_{step:08d}"
         try:
-            return self._write_unchecked(state, step, is_best, extra, started)
+            return self._write_unchecked(state, step, is_best, extra, started, in_place)
         except OSError as error:
             raise CheckpointWriteError(f"checkpoint step {step} not written: {describe_os_error(error, where)}",
                                        error.errno) from error
 
-    def _write_state(self, state: dict[str, Any], path: Path) -> dict[str, Any]:
-        """state.pt, fsynced; returns its checksum (computed while writing with the default writer)."""
+    def _write_state(self, state: dict[str, Any], path: Path, in_place: bool = False) -> dict[str, Any]:
+        """state.pt, fsynced; returns its checksum (computed while writing with the default writer). `in_place`:
+        `state`'s memory stays allocated and unchanged until this returns (mgpu.state.direct_io.DirectFile)."""
         if self._writer is not None:
             self._writer(state, path)
             fsync_path(path)
             return digest_file(path, DIGEST)
-        direct = open_direct(path, DIGEST) if DIRECT_IO else None
+        direct = open_direct(path, DIGEST, in_place=in_place) if DIRECT_IO else None
         if direct is not None:
             _save_into(state, direct)
             fsync_path(path)
@@ -489,7 +492,7 @@ class CheckpointStore:
         return digesting.digest.entry()
 
     def _write_unchecked(self, state: dict[str, Any], step: int, is_best: bool, extra: dict[str, Any],
-                         started: float) -> SavedCheckpoint:
+                         started: float, in_place: bool = False) -> SavedCheckpoint:
         if not self.directory.is_dir():
             self.directory.mkdir(parents=True, exist_ok=True)
             fsync_path(self.directory.parent, directory=True)
@@ -498,7 +501,7 @@ class CheckpointStore:
         final = self.directory / name
         with claimed(self.directory / _tmp_name(name)) as tmp:
             tmp.mkdir()
-            checksum = self._write_state(state, tmp / STATE_FILE)
+            checksum = self._write_state(state, tmp / STATE_FILE, in_place)
             size = (tmp / STATE_FILE).stat().st_size
             meta = {"step": step, "checksum": checksum, "bytes": size, "created": time.time(), "format": FORMAT,
                     "extra": extra}

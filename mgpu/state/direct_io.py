@@ -43,6 +43,9 @@ BUFFER_BYTES = 16 << 20
 device, small enough that the buffers stay in the CPU's cache between the copy and the write."""
 DEPTH = 3
 """Buffers per file: one filling while the others are written."""
+IN_PLACE_BYTES = 1 << 20
+"""A file told its caller's memory stays put (`in_place`) writes a page-aligned piece of at least this many bytes
+that falls at an aligned file offset straight from that memory, not copied into a buffer first."""
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 HUGE_PAGES = True
 """Whether the buffers ask for transparent huge pages (`aligned_buffer`); off, they are 4 KiB pages (a bench's A/B)."""
@@ -117,8 +120,9 @@ def _give_back(views: list[memoryview]) -> None:
                 spare.append(view)
 
 
-def open_direct(path: Path, algorithm: str = "crc32") -> "DirectFile | None":
-    """A new file at `path` written with O_DIRECT, or None where this system or filesystem refuses it."""
+def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False) -> "DirectFile | None":
+    """A new file at `path` written with O_DIRECT, or None where this system or filesystem refuses it (`in_place`:
+    see DirectFile)."""
     if not _O_DIRECT:
         return None
     try:
@@ -127,27 +131,35 @@ def open_direct(path: Path, algorithm: str = "crc32") -> "DirectFile | None":
         if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # a filesystem without O_DIRECT (tmpfs before Linux 6.6)
             return None
         raise
-    return DirectFile(fd, algorithm)
+    return DirectFile(fd, algorithm, in_place=in_place)
 
 
 class DirectFile(io.RawIOBase):
     """A write-only O_DIRECT file (`fd`, which it owns and closes) that digests what it writes (`digest`:
     mgpu.state.digest's record, complete once closed). Each full buffer is digested in one thread and written
     in another while the caller fills the next. The first OSError of the writes below is kept (`error`) and
-    raised again by the next write or the close: torch's zip writer would swallow it."""
+    raised again by the next write or the close: torch's zip writer would swallow it.
 
-    def __init__(self, fd: int, algorithm: str = "crc32", buffer_bytes: int = BUFFER_BYTES, depth: int = DEPTH) -> None:
+    `in_place`: the caller promises that the memory of every piece it writes stays allocated and unchanged until
+    the close (a snapshot of its own, not torch.save's temporary copy of a GPU storage). Then a page-aligned piece
+    of IN_PLACE_BYTES or more at an aligned file offset (torch.save's storages, with mgpu.state.zip_options'
+    page_aligned_storages) is digested and written from there, in one request with the buffer before it: one
+    pass over memory fewer, a copy the size of the state."""
+
+    def __init__(self, fd: int, algorithm: str = "crc32", buffer_bytes: int = BUFFER_BYTES, depth: int = DEPTH,
+                 in_place: bool = False) -> None:
         super().__init__()
         if buffer_bytes % ALIGN:
             raise ValueError(f"buffer_bytes must be a multiple of {ALIGN}")
-        self.fd, self.digest = fd, ChunkDigest(algorithm)
+        self.fd, self.digest, self.in_place = fd, ChunkDigest(algorithm), in_place
         self.error: OSError | None = None
         self._size = 0  # bytes written by the caller
         self._offset = 0  # file offset of the current buffer's first byte (aligned)
         self._fill = 0  # bytes in the current buffer
         self._buffers = _take_buffers(buffer_bytes, depth)  # (each view keeps its mapping alive)
         self._free = list(self._buffers)
-        self._in_flight: collections.deque[tuple[memoryview, Future[None], Future[None]]] = collections.deque()
+        # (buffer or None where only the caller's memory went, digested, written), oldest first
+        self._in_flight: collections.deque[tuple[memoryview | None, Future[None], Future[None]]] = collections.deque()
         # One thread each, so the digest keeps the bytes' order and the file's writes stay sequential.
         self._digester = ThreadPoolExecutor(1, thread_name_prefix="mgpu-direct-digest")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mgpu-direct-write")
@@ -161,6 +173,11 @@ class DirectFile(io.RawIOBase):
         self._raise_error()
         view = memoryview(data).cast("B")
         source, left, capacity = _address(view) if view.nbytes else 0, view.nbytes, len(self._current)
+        if self.in_place and left >= IN_PLACE_BYTES and source % ALIGN == 0 and self._fill % ALIGN == 0:
+            whole = left - left % ALIGN
+            self._hand_over(self._fill, view[:whole])
+            source += whole
+            left -= whole
         while left:
             count = min(left, capacity - self._fill)
             ctypes.memmove(self._current_address + self._fill, source, count)  # outside the GIL
@@ -172,19 +189,27 @@ class DirectFile(io.RawIOBase):
         self._size += view.nbytes
         return view.nbytes
 
-    def _hand_over(self, length: int) -> None:
-        """Digest and write the current buffer (`length`: its bytes, padding included, a multiple of ALIGN) and
-        take a free one, waiting for the oldest in flight if none is free."""
-        buffer, data = self._current, self._current[:self._fill]
-        self._in_flight.append((buffer, self._digester.submit(self.digest.update, data),
-                                self._writer.submit(self._write_buffer, buffer, self._offset, length)))
-        self._offset += length
-        self._fill = 0
-        if not self._free:
-            self._settle_oldest()
-        self._current = self._free.pop()
-        self._current_address = _address(self._current)
+    def _hand_over(self, length: int, then: memoryview | None = None) -> None:
+        """Digest and write the current buffer (`length`: its bytes, padding included, a multiple of ALIGN), and
+        after it `then` (the caller's aligned memory, in place) in the same request; take a free buffer, waiting for
+        the oldest in flight if none is free. An empty buffer stays current."""
+        buffer = self._current if length else None
+        pieces = ([self._current[:length]] if length else []) + ([then] if then is not None else [])
+        digested = [self._current[:self._fill]] if length else []
+        self._in_flight.append((buffer, self._digester.submit(self._digest, digested + pieces[len(digested):]),
+                                self._writer.submit(self._write_pieces, pieces, self._offset)))
+        self._offset += sum(piece.nbytes for piece in pieces)
+        if buffer is not None:
+            self._fill = 0
+            if not self._free:
+                self._settle_oldest()
+            self._current = self._free.pop()
+            self._current_address = _address(self._current)
         self._raise_error()
+
+    def _digest(self, pieces: list[memoryview]) -> None:
+        for piece in pieces:
+            self.digest.update(piece)
 
     def _settle_oldest(self) -> None:
         buffer, digested, written = self._in_flight.popleft()
@@ -193,18 +218,27 @@ class DirectFile(io.RawIOBase):
             written.result()
         except OSError as error:
             self.error = self.error or error
-        self._free.append(buffer)
+        if buffer is not None:
+            self._free.append(buffer)
 
-    def _write_buffer(self, view: memoryview, offset: int, length: int) -> None:
+    def _write_pieces(self, pieces: list[memoryview], offset: int) -> None:
+        """`pieces` (each aligned) written one after the other from `offset`, in as few requests as the kernel
+        takes (a short write resumes where it stopped)."""
         if self.error is not None:
             return  # a failed write ends the file: nothing after it counts
-        done = 0
-        while done < length:
+        while pieces:
             try:
-                done += self._pwrite(view[done:length], offset + done)
+                done = self._pwrite(pieces, offset)
             except OSError as error:
                 if error.errno != errno.EINVAL or not self._drop_direct():
                     raise
+                continue
+            offset += done
+            while pieces and done >= pieces[0].nbytes:
+                done -= pieces[0].nbytes
+                pieces = pieces[1:]
+            if done:
+                pieces = [pieces[0][done:], *pieces[1:]]
 
     def _drop_direct(self) -> bool:
         """Whether O_DIRECT was still on and is now off: a filesystem that opened the file with it and then
@@ -216,8 +250,8 @@ class DirectFile(io.RawIOBase):
         fcntl.fcntl(self.fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
         return True
 
-    def _pwrite(self, data: memoryview, offset: int) -> int:
-        return os.pwrite(self.fd, data, offset)
+    def _pwrite(self, pieces: list[memoryview], offset: int) -> int:
+        return os.pwritev(self.fd, pieces, offset)
 
     def _raise_error(self) -> None:
         if self.error is not None:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from typing import Any, TypeVar
 
 import torch
+
+from mgpu.state.direct_io import ALIGN, IN_PLACE_BYTES, aligned_buffer
 
 __all__ = ["release_pinned_cache", "snapshot_to_cpu"]
 
@@ -33,6 +36,22 @@ def release_pinned_cache() -> None:
         log.warning("could not release the checkpoint's pinned host memory: %s", error)
 
 
+def _page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """An empty CPU tensor; of IN_PLACE_BYTES or more, in page-aligned memory on huge pages where granted
+    (mgpu.state.direct_io.aligned_buffer): an O_DIRECT checkpoint file writes it from there, without a copy, in the
+    device's largest requests. torch's own allocator aligns to 64 bytes."""
+    size = math.prod(shape) * dtype.itemsize
+    if size < IN_PLACE_BYTES:
+        return torch.empty(shape, dtype=dtype)
+    try:
+        _, view = aligned_buffer(-(-size // ALIGN) * ALIGN)
+    except OSError as error:  # out of mappings (vm.max_map_count) or memory: torch's allocator may still have some
+        log.debug("a snapshot buffer in torch's own memory: %s", error)
+        return torch.empty(shape, dtype=dtype)
+    # The tensor keeps `view`, and through it the mapping, alive; unmapped when the tensor is freed.
+    return torch.frombuffer(view, dtype=torch.uint8, count=size).view(dtype).view(shape)
+
+
 def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> T:
     """A copy of nested dicts, lists and tuples in which every tensor is a CPU copy.
 
@@ -52,8 +71,10 @@ def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None 
         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or tensor.layout != torch.strided:
             if tensor.layout != torch.strided:
                 return tensor.to("cpu", copy=True)
-            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below.
-            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below. (cudaHostAlloc
+            # returns page-aligned memory, which the O_DIRECT file writes in place; where not, it copies it.)
+            kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if tensor.is_cuda \
+                else _page_aligned_empty(tensor.shape, tensor.dtype)
             if staging is not None:
                 staging[path] = kept
         if tensor.is_cuda:

@@ -1,6 +1,6 @@
 """The checksums of a sharded save's files, computed while DCP writes them (mgpu.state.digest): a rank's manifest
 then needs no second read of its shard. Which stream wrote which file is recorded by name. DCP's torch.save of each
-tensor into such a stream writes no zip CRC32 (mgpu.state.zip_crc: this thread only, while the stream is open):
+tensor into such a stream writes no zip CRC32 (mgpu.state.zip_options: this thread only, while the stream is open):
 the stream's own checksum covers the same bytes. The files are written past the page cache where the filesystem
 takes it (mgpu.state.direct_io), as a single-file save's are."""
 
@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from mgpu.state.digest import DigestingFile
 from mgpu.state.direct_io import open_direct
 from mgpu.state.writeback import WritebackFile
-from mgpu.state.zip_crc import without_zip_crc32
+from mgpu.state.zip_options import without_zip_crc32
 
 __all__ = ["DigestingFileSystem"]
 

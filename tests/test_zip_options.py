@@ -1,4 +1,4 @@
-"""torch.save without its zip CRC32s in one thread only (mgpu.state.zip_crc): every other thread's torch.save,
+"""torch.save without its zip CRC32s in one thread only (mgpu.state.zip_options): every other thread's torch.save,
 and this thread's outside the block, keeps them; what is written so loads back the same."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import zlib
 
 import torch
 
-from mgpu.state.zip_crc import available, without_zip_crc32
+from mgpu.state.zip_options import PAGE, available, page_aligned_storages, without_zip_crc32
 
 
-def _saved(value: torch.Tensor) -> bytes:
+def _saved(value: object) -> bytes:
     buffer = io.BytesIO()
     torch.save(value, buffer)
     return buffer.getvalue()
@@ -60,3 +60,40 @@ def test_disabled_it_changes_nothing() -> None:
     with without_zip_crc32(enabled=False):
         data = _saved(torch.ones(10))
     assert _crcs(data) == _true_crcs(data) and any(_crcs(data).values())
+
+
+def _data_offsets(data: bytes) -> dict[str, int]:
+    """Where each storage record's bytes start in the archive (its local header: 30 bytes, name, extra field)."""
+    offsets = {}
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        for info in archive.infolist():
+            if "/data/" in info.filename:
+                start = info.header_offset
+                name_len, extra_len = int.from_bytes(data[start + 26:start + 28], "little"), int.from_bytes(
+                    data[start + 28:start + 30], "little")
+                offsets[info.filename] = start + 30 + name_len + extra_len
+    return offsets
+
+
+def test_only_the_blocks_own_thread_aligns_storages_to_a_page() -> None:
+    values = {"a": torch.arange(1001, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int8),
+              "c": torch.randn(4097)}
+    inside, entered, other_done = {}, threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        entered.wait(10)
+        inside["other"] = _saved(values)
+        other_done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    with page_aligned_storages():
+        entered.set()
+        assert other_done.wait(10)
+        inside["own"] = _saved(values)
+    thread.join()
+    own, other = _data_offsets(inside["own"]), _data_offsets(inside["other"])
+    assert len(own) == 3 and all(offset % PAGE == 0 for offset in own.values()), own
+    assert any(offset % PAGE for offset in other.values()), other  # torch's 64 bytes
+    loaded = torch.load(io.BytesIO(inside["own"]), weights_only=True, mmap=False)
+    assert all(torch.equal(loaded[key], value) for key, value in values.items())
