@@ -4,9 +4,12 @@ A buffered write costs the writing thread a copy into the page cache plus the ke
 (allocating it, dirtying it, writing it back, reclaiming it later): 1-2 GB/s of one core on the CI machine,
 under the write speed of an NVMe drive, and a stream of memory traffic that slows a training step which shares the
 memory bus (bench/periodic_saves.py). It also evicts what the page cache held, a dataset's files included. Written
-with O_DIRECT, the bytes go from a few small aligned buffers straight to the device: the writing thread copies
-each piece into a buffer (a memmove, outside the GIL), and of each full buffer one thread computes the digest
-while another writes it, as the next one fills (the way DeepNVMe and FastPersist write).
+with O_DIRECT, the bytes go from a few aligned buffers straight to the device: the writing thread copies each
+piece into a buffer (a memmove, outside the GIL), and of each full buffer one thread computes the digest while
+another writes it, as the next one fills (the way DeepNVMe and FastPersist write). The buffers are on huge pages
+(`aligned_buffer`): the device takes a request of physically contiguous pieces, and from scattered 4 KiB pages its
+requests were an eighth of the size. A caller whose memory stays put until the close (a background save's own
+snapshot) has its page-aligned pieces written from where they are, without the copy (`in_place`).
 
 O_DIRECT needs the buffer's address, the file offset and the length aligned to the device's block: every write
 here is a whole buffer at an aligned offset, except the last, which is padded with zeros and then cut back to the
@@ -39,8 +42,8 @@ ALIGN = 4096
 """The alignment of every O_DIRECT write's address, offset and length (a page: every Linux block device's
 logical block size divides it)."""
 BUFFER_BYTES = 16 << 20
-"""The size of each aligned buffer (a multiple of ALIGN): large enough that a write is a few deep requests to the
-device, small enough that the buffers stay in the CPU's cache between the copy and the write."""
+"""The size of each aligned buffer (a multiple of ALIGN): four of the CI disk's largest requests (4 MiB) in flight
+per write (8 MiB wrote a GiB in 0.51 s, 16 MiB in 0.475 s, 64 MiB in 0.47 s), three of them per open file."""
 DEPTH = 3
 """Buffers per file: one filling while the others are written."""
 IN_PLACE_BYTES = 1 << 20
