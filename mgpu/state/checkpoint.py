@@ -134,9 +134,8 @@ def _lower_writer_priority() -> None:
 
 
 def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
-    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there), every storage at a page-aligned
-    offset (an O_DIRECT file can write a snapshot's tensors from where they are; mgpu.state.zip_options)."""
-    with without_zip_crc32(not ZIP_CRC32), page_aligned_storages():
+    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.zip_options)."""
+    with without_zip_crc32(not ZIP_CRC32):
         torch.save(state, file)
     file.flush()
 
@@ -144,9 +143,11 @@ def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
 def _save_into(state: dict[str, Any], file: DirectFile | DigestingFile) -> None:
     """save_state_file into a digesting file (O_DIRECT or buffered), closed after (its last block written, its
     digest thread ended); a write's OSError is raised as itself, not as the RuntimeError torch's zip writer turns
-    it into."""
+    it into. Every storage at a page-aligned offset: an O_DIRECT file can write a snapshot's tensors from where they
+    are (a memory snapshot, which save_state_file also writes, keeps torch's 64 bytes: no padding per tensor)."""
     try:
-        save_state_file(state, file)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
+        with page_aligned_storages():
+            save_state_file(state, file)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
     except RuntimeError as error:
         if file.error is not None:
             raise file.error from error

@@ -197,9 +197,10 @@ class DirectFile(io.RawIOBase):
         after it `then` (the caller's aligned memory, in place) in the same request; take a free buffer, waiting for
         the oldest in flight if none is free. An empty buffer stays current."""
         buffer = self._current if length else None
-        pieces = ([self._current[:length]] if length else []) + ([then] if then is not None else [])
-        digested = [self._current[:self._fill]] if length else []
-        self._in_flight.append((buffer, self._digester.submit(self._digest, digested + pieces[len(digested):]),
+        borrowed = [then] if then is not None else []
+        pieces = ([self._current[:length]] if length else []) + borrowed  # written: the padding included
+        digested = ([self._current[:self._fill]] if length else []) + borrowed  # digested: the bytes written to it
+        self._in_flight.append((buffer, self._digester.submit(self._digest, digested),
                                 self._writer.submit(self._write_pieces, pieces, self._offset)))
         self._offset += sum(piece.nbytes for piece in pieces)
         if buffer is not None:
