@@ -27,7 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mgpu.parallel.fsdp import shard
 from mgpu.record.ledger import Ledger
-from mgpu.state.sharded import ShardedCheckpointer, restore_sharded
+from mgpu.state.sharded import ShardedCheckpointer
+from mgpu.state.sharded_format import restore_sharded
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -170,7 +170,7 @@ def test_a_prune_that_fails_leaves_the_durable_save_standing(tmp_path: Path, mon
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_saving_a_step_again_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
     if not exchange:  # as on a platform or filesystem without renameat2
-        monkeypatch.setattr("mgpu.state.checkpoint._exchange", lambda a, b: False)
+        monkeypatch.setattr("mgpu.state.checkpoint.exchange_paths", lambda a, b: False)
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 3)
     store.save(_state(2.0), 3, is_best=True)
@@ -722,7 +722,7 @@ def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp
 
 def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Re-reading a large state.pt for its hash would happen inside the stop's time window.
-    monkeypatch.setattr("mgpu.state.checkpoint.sha256_file", lambda path: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.state.checkpoint_format.sha256_file", lambda path: pytest.fail("state.pt read back to hash it"))
     monkeypatch.setattr("mgpu.state.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())

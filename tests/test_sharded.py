@@ -22,7 +22,8 @@ from mgpu.state.checkpoint import CheckpointError
 from mgpu.state.digest import digest_file
 from mgpu.record.ledger import Ledger
 from mgpu.state.dcp_safe import SafeReader
-from mgpu.state.sharded import ShardedCheckpointer, restore_sharded
+from mgpu.state.sharded import ShardedCheckpointer
+from mgpu.state.sharded_format import restore_sharded
 from mgpu.state.shard_arrivals import Arrivals, late_line
 from mgpu.state.sharded_export import consolidate
 
@@ -88,11 +89,16 @@ def test_a_save_is_one_verified_step_directory_that_loads_back(group: None, tmp_
 def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     import mgpu.state.sharded
+    import mgpu.state.sharded_format
 
     read_back: list[str] = []
-    real_sha, real_digest = mgpu.state.sharded.sha256_file, mgpu.state.sharded.digest_file
-    monkeypatch.setattr(mgpu.state.sharded, "sha256_file", lambda path: read_back.append(path.name) or real_sha(path))
-    monkeypatch.setattr(mgpu.state.sharded, "digest_file", lambda path, *a: read_back.append(path.name) or real_digest(path, *a))
+    real_sha, real_digest = mgpu.state.sharded_format.sha256_file, mgpu.state.sharded_format.digest_file
+    # Wherever the save looks them up: the checkpointer (the manifests' sha256) and the layout (each file's line).
+    for module in (mgpu.state.sharded, mgpu.state.sharded_format):
+        monkeypatch.setattr(module, "sha256_file", lambda path: read_back.append(path.name) or real_sha(path))
+        if hasattr(module, "digest_file"):
+            monkeypatch.setattr(module, "digest_file",
+                                lambda path, *a: read_back.append(path.name) or real_digest(path, *a))
     save_steps(tmp_path, [1])[0].close()
     assert not [name for name in read_back if name.endswith(".distcp")], read_back  # only small files: .metadata, manifests
     path = tmp_path / "checkpoints" / "step_00000001"

@@ -2,53 +2,45 @@
 
 `directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and checksum:
 mgpu.state.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
-and `latest` / `best`, one-line files naming a step directory. A save is built under a `.tmp-*` name and
-renamed into place, so a killed writer leaves the old checkpoint or the new one, never a torn one.
-Rank 0 only; call a store from one thread (its own background writer aside).
+and `latest` / `best`, one-line files naming a step directory (the format, its names and its verification:
+mgpu.state.checkpoint_format). A save is built under a `.tmp-*` name and renamed into place, so a killed writer
+leaves the old checkpoint or the new one, never a torn one. Rank 0 only; call a store from one thread (its own
+background writer aside).
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
-import secrets
-import shutil
 import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator
+from typing import Any, BinaryIO, Callable
 
 import torch
 
-from mgpu.state.digest import DigestingFile, digest_file, mismatch
+from mgpu.state.checkpoint_format import (BEST, FORMAT, LATEST, META_FILE, STATE_FILE, STEP_DIR, TMP_PREFIX,
+                                          CheckpointError, CheckpointSuperseded, CheckpointWriteError,
+                                          InvalidCheckpoint, LoadedCheckpoint, SavedCheckpoint, active_claims,
+                                          checked_extra, claimed, describe_os_error, exchange_paths, one_line,
+                                          remove_path, tmp_name, verify_and_load)
+from mgpu.state.digest import DigestingFile, digest_file
 from mgpu.state.direct_io import DirectFile, open_direct
 from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
 from mgpu.state.writeback import WritebackFile
 from mgpu.state.zip_options import page_aligned_storages, without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
-from mgpu.errors import MgpuError
 
-__all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint", "SavedCheckpoint",
-           "TMP_PREFIX", "describe_os_error", "one_line", "save_state_file"]
-
-FORMAT = 1
-STATE_FILE = "state.pt"
-META_FILE = "meta.json"
-LATEST = "latest"
-BEST = "best"
-_STEP_DIR = re.compile(r"step_(\d{8,})")
-TMP_PREFIX = ".tmp-"
-_CHUNK = 1 << 20
+# The format's names are re-exported: callers of the store take its errors and results from here.
+__all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint",
+           "META_FILE", "STATE_FILE", "SavedCheckpoint", "TMP_PREFIX", "describe_os_error", "one_line",
+           "save_state_file"]
 
 WRITER_NICE = 10
 """How much nicer than training the background writer thread runs (Linux, where niceness is per thread). Its
@@ -72,10 +64,6 @@ sharded save's files."""
 
 log = logging.getLogger("mgpu.state.checkpoint")
 
-# Temporary paths of this process's saves in flight: stale-file cleanup must leave them alone.
-_ACTIVE: set[Path] = set()
-_ACTIVE_LOCK = threading.Lock()
-
 Writer = Callable[[dict[str, Any], Path], None]
 OnDone = Callable[["SavedCheckpoint | BaseException"], None]
 
@@ -90,35 +78,6 @@ def _drop_locals(error: BaseException) -> None:
         seen.add(id(current))
         traceback.clear_frames(current.__traceback__)
         pending += [current.__cause__, current.__context__]  # type: ignore[list-item]  # None is skipped when popped
-
-
-class CheckpointError(MgpuError):
-    """No usable checkpoint, or a save that cannot be made."""
-
-
-class CheckpointSuperseded(CheckpointError):
-    """A background save dropped before its write began: a newer save came while it waited for the writer."""
-
-    def __init__(self, step: int, by: int) -> None:
-        super().__init__(f"checkpoint step {step} superseded by step {by} before its write began")
-        self.step, self.by = step, by
-
-
-class CheckpointWriteError(CheckpointError):
-    """The filesystem refused a save (disk full, quota, I/O error): the message names the errno and the path."""
-
-    def __init__(self, message: str, errno_code: int | None = None) -> None:
-        super().__init__(message)
-        self.errno = errno_code
-
-
-def describe_os_error(error: OSError, fallback: Path) -> str:
-    """What the filesystem refused, in words, with the errno's name and the path ("disk full (ENOSPC) at ...")."""
-    name = errno.errorcode.get(error.errno or 0, "")
-    what = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded", errno.EIO: "I/O error",
-            errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}.get(error.errno or 0,
-                                                                                        error.strerror or str(error))
-    return f"{what} ({name or 'no errno'}) at {error.filename or fallback}"
 
 
 def _lower_writer_priority() -> None:
@@ -156,15 +115,6 @@ def _save_into(state: dict[str, Any], file: DirectFile | DigestingFile) -> None:
         file.close()
 
 
-@dataclass(frozen=True)
-class SavedCheckpoint:
-    path: Path
-    step: int
-    bytes: int
-    seconds: float  # wall time of the whole write: snapshot, blocking and background parts (not the queue's wait)
-    queued_s: float = 0.0  # how long its snapshot waited for the writer (a save queued behind another)
-
-
 @dataclass
 class _Queued:
     """A background save: its snapshot (in a box the writer empties) and particulars."""
@@ -176,137 +126,6 @@ class _Queued:
     on_done: OnDone | None
     staging: dict[tuple[Any, ...], torch.Tensor]
     queued_at: float = 0.0  # when the snapshot was complete
-
-
-@dataclass(frozen=True)
-class LoadedCheckpoint:
-    path: Path
-    step: int
-    state: dict[str, Any]
-    meta: dict[str, Any]
-    skipped: tuple[tuple[Path, str], ...]  # checkpoints tried first and rejected: (path, reason)
-
-
-class _Invalid(Exception):
-    """A checkpoint directory that fails verification; the message names the bad file."""
-
-
-def one_line(text: object, limit: int = 500) -> str:
-    """`text` on one line (whitespace runs become one space), cut to `limit` characters."""
-    line = " ".join(str(text).split())
-    return line if len(line) <= limit else line[:limit] + "..."
-
-
-def _tmp_name(label: str) -> str:
-    return f"{TMP_PREFIX}{label}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def sha256_file(path: Path) -> str:
-    """The sha256 of a file's bytes, hex (checkpoints saved before the crc32 digest record it)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _mismatch(path: Path, meta: dict[str, Any]) -> str | None:
-    """Why `path` does not match the checksum `meta` records (None: it does): a checkpoint saved before
-    mgpu.state.digest records the sha256 of the whole file."""
-    if "checksum" in meta:
-        return mismatch(path, meta["checksum"])
-    sha = sha256_file(path)
-    if sha != meta["sha256"]:
-        return f"{path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... (corrupted)"
-    return None
-
-
-def _remove(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
-
-
-@contextmanager
-def claimed(path: Path) -> Iterator[Path]:
-    """Mark a temporary path as this process's while the block runs, and remove whatever is left at it."""
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(path)
-    try:
-        yield path
-    finally:
-        try:
-            _remove(path)
-        finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE.discard(path)
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError, TypeError):
-        return False
-    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    at_fdcwd, rename_exchange = -100, 2
-    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(err, os.strerror(err), str(b))
-
-
-def _verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), verify: bool = True) -> LoadedCheckpoint:
-    """Check size and checksum (`verify`), then load memory-mapped: ranks on one node then share the page
-    cache's one copy of the file instead of each reading its own."""
-    match = _STEP_DIR.fullmatch(path.name)
-    if match is None:
-        raise _Invalid(f"{path} is not a step_XXXXXXXX checkpoint directory")
-    step, meta_path, state_path = int(match[1]), path / META_FILE, path / STATE_FILE
-    try:
-        meta = json.loads(meta_path.read_text())
-    except FileNotFoundError:
-        raise _Invalid(f"{meta_path} is missing (incomplete save)") from None
-    except (OSError, ValueError) as e:
-        raise _Invalid(f"{meta_path} is unreadable: {e}") from None
-    if not (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("step") == step
-            and (isinstance(meta.get("sha256"), str) or isinstance(meta.get("checksum"), dict))
-            and isinstance(meta.get("bytes"), int)):
-        raise _Invalid(f"{meta_path} is not format-{FORMAT} metadata for step {step}")
-    try:
-        size = state_path.stat().st_size
-        if size != meta["bytes"]:
-            raise _Invalid(f"{state_path} is {size} bytes, {META_FILE} says {meta['bytes']} (truncated?)")
-        problem = _mismatch(state_path, meta) if verify else None
-    except OSError as e:
-        raise _Invalid(f"{state_path} is unreadable: {e.strerror}") from None
-    if problem is not None:
-        raise _Invalid(problem)
-    try:
-        state = torch.load(state_path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:
-        raise _Invalid(f"{state_path} does not load with weights_only=True: {e}") from None
-    if not isinstance(state, dict):
-        raise _Invalid(f"{state_path} holds a {type(state).__name__}, not a dict")
-    return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
-
-
-def _checked_extra(state: object, step: object, extra: dict[str, Any] | None) -> dict[str, Any]:
-    """Reject bad arguments before any work; returns a private copy of `extra`."""
-    if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint state must be a dict, got {type(state).__name__}")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
-    try:
-        return json.loads(json.dumps(extra or {}))
-    except (TypeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint extra metadata must be JSON-serialisable: {e}") from None
 
 
 class CheckpointStore:
@@ -336,7 +155,7 @@ class CheckpointStore:
         Always a fresh attempt: a background save that failed before was reported through its
         `on_done` and does not stop this one (the stop path must try, whatever happened earlier).
         A refusal of the filesystem raises CheckpointWriteError naming the errno and the path."""
-        extra = _checked_extra(state, step, extra)
+        extra = checked_extra(state, step, extra)
         self._supersede(step)
         self.settle()
         saved = self._write(state, step, is_best, extra, time.monotonic())
@@ -355,7 +174,7 @@ class CheckpointStore:
         is freed once its write ends. `on_done` is called from the writer thread with the result or the
         exception; a failed save is not raised again later.
         """
-        extra = _checked_extra(state, step, extra)
+        extra = checked_extra(state, step, extra)
         started = time.monotonic()
         staging = self._supersede(step)
         if staging is None:
@@ -500,7 +319,7 @@ class CheckpointStore:
         self.remove_stale_tmp()  # frees the space a killed writer held before this one needs it
         name = f"step_{step:08d}"
         final = self.directory / name
-        with claimed(self.directory / _tmp_name(name)) as tmp:
+        with claimed(self.directory / tmp_name(name)) as tmp:
             tmp.mkdir()
             checksum = self._write_state(state, tmp / STATE_FILE, in_place)
             size = (tmp / STATE_FILE).stat().st_size
@@ -526,7 +345,7 @@ class CheckpointStore:
                 raise
             # Swapped, so that some complete copy of the step sits at `final` at every moment; the old
             # one ends up at `tmp`, removed with it.
-            if not _exchange(tmp, final):
+            if not exchange_paths(tmp, final):
                 # A crash between these renames leaves the step at neither name: a resume then falls
                 # back to an older checkpoint (lost progress, never a torn state).
                 with claimed(tmp.with_name(tmp.name + "-old")) as aside:
@@ -540,7 +359,7 @@ class CheckpointStore:
 
     def point(self, pointer: str, name: str) -> None:
         """Make `pointer` (`latest`, `best`) name the step directory `name`, durably and atomically."""
-        with claimed(self.directory / _tmp_name(pointer)) as tmp:
+        with claimed(self.directory / tmp_name(pointer)) as tmp:
             write_durably(tmp, f"{name}\n".encode())
             os.replace(tmp, self.directory / pointer)
         fsync_path(self.directory, directory=True)
@@ -562,7 +381,7 @@ class CheckpointStore:
         for path in complete:
             if path.name not in keep:
                 # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir.
-                with claimed(self.directory / _tmp_name(path.name)) as trash:
+                with claimed(self.directory / tmp_name(path.name)) as trash:
                     os.rename(path, trash)
         self.remove_stale_tmp()
 
@@ -570,11 +389,10 @@ class CheckpointStore:
         """Remove the temporary paths no save of this process is writing (a killed save's leftovers)."""
         # List first, then read the claims: a live temporary path is claimed before it is created.
         entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(TMP_PREFIX)]
-        with _ACTIVE_LOCK:
-            active = set(_ACTIVE)
+        active = active_claims()
         for entry in entries:
             if entry not in active:
-                _remove(entry)
+                remove_path(entry)
 
     # ------------------------------------------------------------------ loading
     def latest(self) -> LoadedCheckpoint | None:
@@ -607,16 +425,16 @@ class CheckpointStore:
         """Load one checkpoint directory. `verify=False`: skip the checksum, for the ranks that load what rank 0
         has just verified (one verification per job, not one per rank)."""
         try:
-            return _verify_and_load(Path(path), verify=verify)
-        except _Invalid as e:
+            return verify_and_load(Path(path), verify=verify)
+        except InvalidCheckpoint as e:
             raise CheckpointError(f"checkpoint {path} is invalid: {one_line(e)}") from None
 
     def _first_valid(self, paths: list[Path]) -> LoadedCheckpoint:
         skipped: list[tuple[Path, str]] = []
         for path in paths:
             try:
-                return _verify_and_load(path, tuple(skipped))
-            except _Invalid as e:
+                return verify_and_load(path, tuple(skipped))
+            except InvalidCheckpoint as e:
                 reason = one_line(e)
                 log.warning("skipping checkpoint %s: %s", path, reason)
                 skipped.append((path, reason))
@@ -629,7 +447,7 @@ class CheckpointStore:
             return []
         found = []
         for entry in self.directory.iterdir():
-            match = _STEP_DIR.fullmatch(entry.name)
+            match = STEP_DIR.fullmatch(entry.name)
             if match and entry.is_dir():
                 found.append((int(match[1]), entry))
         return sorted(found, reverse=True)
@@ -642,7 +460,7 @@ class CheckpointStore:
             return None
         except (OSError, UnicodeDecodeError) as e:
             name = one_line(e)
-        if _STEP_DIR.fullmatch(name):
+        if STEP_DIR.fullmatch(name):
             return name
         log.warning("ignoring %s: not a step_XXXXXXXX name (%s)", self.directory / pointer, name)
         return None

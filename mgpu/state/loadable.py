@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from mgpu.state.checkpoint import CheckpointError, one_line
+from mgpu.state.checkpoint_format import CheckpointError, one_line
 
 __all__ = ["check_loadable"]
 

@@ -150,7 +150,7 @@ class Resumption:
         if loaded is None:
             return None
         if loaded.meta.get("kind") == "sharded":  # models and optimizers through DCP, resharded (mgpu.state.sharded)
-            from mgpu.state.sharded import restore_sharded
+            from mgpu.state.sharded_format import restore_sharded
 
             restore_sharded(loaded, state, self.rank, self.seed, missing_ok)
         else:

@@ -30,159 +30,39 @@ one per failure costs nothing while saves succeed.
 
 from __future__ import annotations
 
-import io
 import json
 import logging
-import os
-import secrets
 import threading
 import time
 from concurrent.futures import Future
 from datetime import timedelta
-from dataclasses import asdict, is_dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, MutableMapping
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from mgpu.errors import MgpuError
-from mgpu.state.checkpoint import (META_FILE, CheckpointError, CheckpointStore, LoadedCheckpoint,
-                             claimed, describe_os_error, one_line, sha256_file, TMP_PREFIX)
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.checkpoint_format import (META_FILE, CheckpointError, LoadedCheckpoint, claimed, describe_os_error,
+                                          one_line, sha256_file, tmp_name)
 from mgpu.state.loadable import check_loadable
 from mgpu.state import checkpoint as _checkpoint
-from mgpu.state.dcp_safe import SafeLoadPlanner, SafeReader
-from mgpu.state.digest import digest_bytes, digest_file, mismatch
+from mgpu.state.dcp_safe import SafeReader
 from mgpu.state.shard_digest import DigestingFileSystem
+from mgpu.state.sharded_format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
+                                       rank_file, read_meta, split_objects, sync_buffers, to_bytes, verify_rank)
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.record.ledger import Ledger
-from mgpu.state.rng import capture_rng_state, derived_seed, restore_rng_state, seed_everything
+from mgpu.state.rng import capture_rng_state
 from mgpu.state.shard_arrivals import Arrivals, MarkingWriter, late_line
-from mgpu.state.train_state import gather_rank_states, unwrapped
+from mgpu.state.train_state import gather_rank_states
 
-__all__ = ["KIND", "ShardedCheckpointer", "rank_file", "read_meta", "restore_sharded", "split_objects", "verify_rank"]
+# The layout's names are re-exported: mgpu.state.sharded is where callers take a sharded checkpoint's API.
+__all__ = ["KIND", "ShardedCheckpointer", "rank_file", "read_meta", "split_objects", "verify_rank"]
 
-KIND = "sharded"
-FORMAT = 1
-COMMON = "common.pt"
 log = logging.getLogger("mgpu.train")
-
-
-def rank_file(rank: int) -> str:
-    """The file of a rank's own entries (its RNG, its sampler's position) in a sharded checkpoint's directory."""
-    return f"rank_{rank}.pt"
-
-
-def _manifest(rank: int) -> str:
-    return f"manifest_{rank}.json"
-
-
-# ---------------------------------------------------------------------------------------------- state layout
-def split_objects(objects: Mapping[str, Any]) -> tuple[dict[str, nn.Module], dict[str, torch.optim.Optimizer],
-                                                        dict[str, Any]]:
-    """(modules, optimizers, the rest): the first two go through DCP (sharded), the rest into common.pt."""
-    modules, optimizers, rest = {}, {}, {}
-    for name, value in objects.items():
-        value = unwrapped(value)
-        if isinstance(value, nn.Module):
-            modules[name] = value
-        elif isinstance(value, torch.optim.Optimizer):
-            optimizers[name] = value
-        else:
-            rest[name] = value
-    return modules, optimizers, rest
-
-
-def _container(modules: dict[str, nn.Module]) -> nn.ModuleDict:
-    # A view of the modules under their state names (no copy): DCP's keys are then "<name>.<parameter>".
-    return nn.ModuleDict(modules)
-
-
-def _dcp_state(modules: dict[str, nn.Module], optimizers: dict[str, torch.optim.Optimizer]) -> dict[str, Any]:
-    model_sd, optim_sd = get_state_dict(_container(modules), list(optimizers.values()))
-    return {"model": model_sd, "optim": optim_sd} if optimizers else {"model": model_sd}
-
-
-def _common_state(rest: Mapping[str, Any], world: int, version: str | None) -> dict[str, Any]:
-    state: dict[str, Any] = {"format": FORMAT, "world_size": world, "code_version": version}
-    for name, value in rest.items():
-        if hasattr(value, "state_dict"):
-            state[name] = value.state_dict()
-        elif is_dataclass(value) and not isinstance(value, type):
-            state[name] = asdict(value)
-        else:
-            state[name] = value
-    return state
-
-
-def _to_bytes(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    return buffer.getvalue()
-
-
-def _sync_buffers(modules: Mapping[str, nn.Module]) -> None:
-    """Rank 0's buffers everywhere (BatchNorm statistics): DCP keeps one copy of a replicated tensor, from any
-    rank; the next forward (DDP's, or mgpu.parallel.fsdp's pre-hook) makes them rank 0's anyway."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        for module in modules.values():
-            for buffer in module.buffers():
-                dist.broadcast(buffer, src=0)
-
-
-# ---------------------------------------------------------------------------------------------- verification
-def _file_entry(path: Path, recorded: Mapping[str, dict[str, Any]], data: bytes | None = None) -> dict[str, Any]:
-    """A manifest's line for `path`: its size and checksum, as computed while writing (`recorded` by name, or
-    from its bytes `data`); read back only for a file neither covers (DCP's small `.metadata`)."""
-    if data is not None:
-        checksum = digest_bytes(data, _checkpoint.DIGEST)
-    else:
-        checksum = recorded.get(path.name) or digest_file(path, _checkpoint.DIGEST)
-    return {"bytes": path.stat().st_size, "checksum": checksum}
-
-
-def _entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
-    """Why `file` does not match its manifest line (a checksum, or the sha256 of a checkpoint saved before)."""
-    if "checksum" in entry:
-        return mismatch(file, entry["checksum"])
-    if sha256_file(file) != entry["sha256"]:
-        return f"{file} does not match the sha256 in its manifest (corrupted)"
-    return None
-
-
-def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | None:
-    """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact)."""
-    manifest_path = path / _manifest(saved_rank)
-    try:
-        sha = sha256_file(manifest_path)
-        if sha != meta["manifests"][str(saved_rank)]:
-            return f"{manifest_path} has sha256 {sha[:16]}..., {META_FILE} says another (corrupted)"
-        manifest = json.loads(manifest_path.read_text())
-        for name, entry in manifest["files"].items():
-            file = path / name
-            size = file.stat().st_size
-            if size != entry["bytes"]:
-                return f"{file} is {size} bytes, {manifest_path.name} says {entry['bytes']} (truncated?)"
-            problem = _entry_problem(file, entry)
-            if problem is not None:
-                return f"{problem} ({manifest_path.name})"
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"{path}: rank {saved_rank}'s files unreadable: {one_line(error, 200)}"
-    return None
-
-
-def read_meta(path: Path, step: int) -> dict[str, Any]:
-    """The meta.json of the sharded checkpoint of `step` in `path`; ValueError where it is not one."""
-    meta = json.loads((path / META_FILE).read_text())
-    if not (isinstance(meta, dict) and meta.get("kind") == KIND and meta.get("step") == step
-            and isinstance(meta.get("world_size"), int) and isinstance(meta.get("manifests"), dict)
-            and len(meta["manifests"]) == meta["world_size"]):
-        raise ValueError(f"{path / META_FILE} is not the metadata of a sharded checkpoint of step {step}")
-    return meta
 
 
 # ---------------------------------------------------------------------------------------------- the checkpointer
@@ -230,7 +110,7 @@ class ShardedCheckpointer:
         self.beat("checkpoint")
         modules, optimizers, rest = split_objects(objects)
         per_rank = gather_rank_states(rest)  # a stateful stream's loader: every rank's state, not rank 0's alone
-        common = _common_state(rest, self.world, self.version) if self.rank == 0 else None
+        common = common_state(rest, self.world, self.version) if self.rank == 0 else None
         if common is not None:
             common.update({name: {"per_rank": states} for name, states in per_rank.items()})
         if not self._checked_loadable:
@@ -244,13 +124,13 @@ class ShardedCheckpointer:
             problem = self._broadcast(problem)
             if problem is not None:
                 raise CheckpointError(problem)
-        _sync_buffers(modules)
-        state = _dcp_state(modules, optimizers)
+        sync_buffers(modules)
+        state = dcp_state(modules, optimizers)
         pieces = {"rng": capture_rng_state()}
         tmp = self._make_tmp(step)
         started = time.monotonic()
         job = _Job(step, reason, is_best, {**(extra or {}), "reason": reason}, tmp, started,
-                   _to_bytes(common) if common is not None else None, _to_bytes(pieces), called)
+                   to_bytes(common) if common is not None else None, to_bytes(pieces), called)
         self.beat("write")
         if wait or not self.async_save:
             failure = self._write_now(state, job)
@@ -285,7 +165,7 @@ class ShardedCheckpointer:
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
             self.store.remove_stale_tmp()  # a killed save's space back before this one needs it
-            name = f"{TMP_PREFIX}step_{step:08d}-{os.getpid()}-{secrets.token_hex(4)}"
+            name = tmp_name(f"step_{step:08d}")
             (self.directory / name).mkdir()
         views: list[Any] = [(name, self._group_failed)]
         if self.world > 1:
@@ -468,14 +348,14 @@ class ShardedCheckpointer:
                         and p.name.endswith(".distcp"))
         for name in names:
             fsync_path(tmp / name)  # the one fsync of each (DCP's writer is told not to: `_writer`)
-        files = {name: _file_entry(tmp / name, job.digests, from_bytes.get(name)) for name in names}
-        write_durably(tmp / _manifest(self.rank), (json.dumps({"rank": self.rank, "files": files}, indent=1)
+        files = {name: file_entry(tmp / name, job.digests, from_bytes.get(name)) for name in names}
+        write_durably(tmp / manifest_name(self.rank), (json.dumps({"rank": self.rank, "files": files}, indent=1)
                                                    + "\n").encode())
 
     def install(self, job: "_Job") -> int:
         """Rank 0: meta.json (binding every manifest), the atomic rename, `latest`, `best` (keep-K after, `_finish`)."""
         tmp = job.tmp
-        manifests = {str(r): sha256_file(tmp / _manifest(r)) for r in range(self.world)}
+        manifests = {str(r): sha256_file(tmp / manifest_name(r)) for r in range(self.world)}
         size = sum(p.stat().st_size for p in tmp.iterdir())
         meta = {"step": job.step, "kind": KIND, "format": FORMAT, "world_size": self.world, "bytes": size,
                 "manifests": manifests, "created": time.time(), "extra": job.extra}
@@ -593,39 +473,3 @@ def _describe(error: BaseException, where: Path) -> str:
     for failure in getattr(error, "failures", {}).values():  # DCP's: the last rank's failure inside
         cause = failure[0] if isinstance(failure, tuple) else failure
     return one_line(f"{type(cause).__name__}: {cause}", 300)
-
-
-# ---------------------------------------------------------------------------------------------- restore
-def restore_sharded(loaded: LoadedCheckpoint, objects: MutableMapping[str, Any], rank: int, seed: int,
-                    missing_ok: frozenset[str] | set[str] = frozenset()) -> None:
-    """*Collective.* Put a sharded checkpoint back: models and optimizers through DCP (resharded onto this world
-    size), the rest from its common state, this rank's RNG from its own file; a rank the saved run did not
-    have gets a derived stream no other rank or run uses. A name the checkpoint does not hold is an MgpuError
-    naming it, unless it is in `missing_ok` (as mgpu.state.train_state.restore_state)."""
-    modules, optimizers, rest = split_objects(objects)
-    missing = [name for name in rest if name not in loaded.state and name not in missing_ok]
-    if missing:
-        raise MgpuError(f"the checkpoint holds no {', '.join(map(repr, missing))}: a state key added since it was "
-                        f"saved starts fresh only when you say so: load(state, missing_ok={set(missing)!r})")
-    if modules:
-        state = _dcp_state(modules, optimizers)
-        dcp.load(state, storage_reader=SafeReader(loaded.path), planner=SafeLoadPlanner())
-        set_state_dict(_container(modules), list(optimizers.values()), model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
-    common = loaded.state
-    for name, value in rest.items():
-        if name not in common:
-            continue
-        if hasattr(value, "load_state_dict"):
-            value.load_state_dict(common[name])
-        elif is_dataclass(value) and not isinstance(value, type):
-            for key, item in common[name].items():
-                setattr(value, key, item)
-        else:
-            objects[name] = common[name]
-    pieces = common.get("rank_pieces")
-    if pieces is not None:
-        restore_rng_state(pieces["rng"])
-    else:  # the world grew: as mgpu.state.train_state does for a single-file checkpoint
-        step = int(common.get("progress", {}).get("step", loaded.step))
-        seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))

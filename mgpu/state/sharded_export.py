@@ -19,13 +19,15 @@ from typing import Any
 
 import torch
 
-from mgpu.state.checkpoint import (META_FILE, STATE_FILE, CheckpointError, CheckpointStore, describe_os_error,
-                             one_line, TMP_PREFIX)
+from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.checkpoint_format import (META_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, describe_os_error,
+                                          one_line)
 from mgpu.errors import MgpuError
 from mgpu.fsutil import fsync_path
 from mgpu.record.ledger import Ledger
 from mgpu.state.dcp_safe import SafeEmptyPlanner, SafeReader, module_of
-from mgpu.state.sharded import COMMON, KIND, ShardedCheckpointer, rank_file, read_meta, verify_rank
+from mgpu.state.sharded import ShardedCheckpointer
+from mgpu.state.sharded_format import COMMON, KIND, rank_file, read_meta, verify_rank
 
 __all__ = ["consolidate", "consolidated_model", "is_sharded_checkpoint", "main"]
 
