@@ -10,7 +10,8 @@ due while the last is being written is deferred to the first due save after the 
 (`deferred` with its files written through the page cache, mgpu.state.checkpoint.DIRECT_IO off: as mgpu wrote them
 before, and as it still does on a filesystem that refuses O_DIRECT); with `--ab-in-place`, also `copied` (`deferred`
 with the snapshot copied into the O_DIRECT writer's buffers, mgpu.state.direct_io.IN_PLACE_BYTES out of reach, not
-written from where it is: as before); with `--ab-plain`, also `plain` (a hand-written background writer at the
+written from where it is: as before); with `--ab-zlib`, also `zlib` (`deferred` with the digest's
+CRC-32 computed by zlib's own code, as before, not zlib-ng's; the same values); with `--ab-plain`, also `plain` (a hand-written background writer at the
 disk's speed, the peer: at each due save with its thread free, the same host copy into kept huge-page memory, then
 one thread writes the tensors' bytes with O_DIRECT from where they are, fsyncs and unlinks the file before: no
 torch.save, no digest, no ledger; what writing the state beside the step costs on this machine, whoever writes it).
@@ -32,6 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import median, report  # noqa: E402
 
 
-_IN_PLACE_DEFAULT: dict[str, int] = {}
+_DEFAULTS: dict[str, Any] = {}  # the settings a form changes, as they were: restored for the next form
 
 
 def build(mb: int) -> tuple[Any, Any, Any]:
@@ -77,12 +79,15 @@ def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: P
     state = {"model": model, "optimizer": optimizer, "progress": {"step": 0}}
     from mgpu.state import checkpoint as checkpoint_module
 
-    from mgpu.state import direct_io
+    from mgpu.state import digest, direct_io
 
     checkpoint_module.DIRECT_IO = form != "buffered"
     # `copied`: the snapshot copied into the writer's buffers, not written in place (as before)
-    _IN_PLACE_DEFAULT.setdefault("bytes", direct_io.IN_PLACE_BYTES)
-    direct_io.IN_PLACE_BYTES = 1 << 62 if form == "copied" else _IN_PLACE_DEFAULT["bytes"]
+    _DEFAULTS.setdefault("in_place_bytes", direct_io.IN_PLACE_BYTES)
+    direct_io.IN_PLACE_BYTES = 1 << 62 if form == "copied" else _DEFAULTS["in_place_bytes"]
+    # `zlib`: the digest's CRC-32 by zlib's own code (as before), not zlib-ng's (the same values)
+    _DEFAULTS.setdefault("crc32", digest.crc32)
+    digest.crc32 = zlib.crc32 if form == "zlib" else _DEFAULTS["crc32"]
     blocked = 0.0
     os.sync()  # the last run's checkpoints written back first: their writeback would otherwise load this run's CPUs
     step_times: list[tuple[float, bool]] = []  # each step's own time, and whether a host copy came just before it
@@ -216,6 +221,8 @@ def main() -> None:
     parser.add_argument("--ab-direct", action="store_true", help="also `buffered`: deferred, through the page cache")
     parser.add_argument("--ab-in-place", action="store_true",
                         help="also `copied`: deferred, the snapshot copied into the writer's buffers, not written in place")
+    parser.add_argument("--ab-zlib", action="store_true",
+                        help="also `zlib`: deferred, its digest's CRC-32 by zlib's code instead of zlib-ng's")
     parser.add_argument("--ab-plain", action="store_true",
                         help="also `plain`: the same saves written by a bare O_DIRECT background writer (the peer)")
     parser.add_argument("--no-blocking", action="store_true", help="leave out `blocking` (the slowest form)")
@@ -248,6 +255,7 @@ def main() -> None:
         every = max(1, int(0.5 * write_s / step_s))
         print(f"step {step_s * 1e3:.1f} ms, write {write_s:.2f} s: a save every {every} steps", flush=True)
         forms = ["none", "deferred", *(["copied"] if args.ab_in_place else []), *(["buffered"] if args.ab_direct else []),
+                 *(["zlib"] if args.ab_zlib else []),
                  *(["plain"] if args.ab_plain else []),
                  *([] if args.no_blocking else ["blocking"])]
         results: dict[str, list[dict[str, Any]]] = {form: [] for form in forms}

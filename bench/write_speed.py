@@ -19,6 +19,8 @@ checkpoints would be on). Per repeat, in this order, each from its call to durab
   writer's buffers (mgpu.state.direct_io.IN_PLACE_BYTES out of reach: the form before), not written in place;
 - with `--ab-huge-pages`, also `plain_direct_4k`, `single_4k` and `sharded_4k`: the O_DIRECT write and saves from
   4 KiB pages (mgpu.state.direct_io.HUGE_PAGES off: the form before), into stores of their own;
+- with `--ab-zlib`, also `single_zlib` and `sharded_zlib`: the saves with their digest's CRC-32 computed by zlib's
+  own code (the form before; mgpu.state.digest.crc32 is zlib-ng's, the same values), into stores of their own;
 - with `--ab-writeback`, also `plain_wb` (the plain write with its writeback started every 64 MiB), and
   `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off (`WRITEBACK_BYTES = 0`), into
   stores of their own, alternating with the others (that technique's share alone).
@@ -198,6 +200,8 @@ def main() -> None:
                         help="also the background save with its snapshot copied into the buffers (no in-place writes)")
     parser.add_argument("--ab-huge-pages", action="store_true",
                         help="also the O_DIRECT plain write and saves from 4 KiB pages (direct_io.HUGE_PAGES off)")
+    parser.add_argument("--ab-zlib", action="store_true",
+                        help="also the saves with the digest's CRC-32 by zlib's code instead of zlib-ng's")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
@@ -306,6 +310,21 @@ def main() -> None:
                 sharded_4k.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
             order = ["plain_direct", "plain_direct_4k", "single", "single_4k", "single_async", "sharded", "sharded_4k"]
             saves = {form: saves[form] for form in order}
+        if args.ab_zlib:
+            import zlib
+
+            from mgpu.state import digest
+
+            def zlib_crc(save: Callable[[int], float]) -> Callable[[int], float]:
+                return with_setting(digest, "crc32", zlib.crc32, save)
+
+            store_zlib = CheckpointStore(directory / "single_zlib", keep_last=1)
+            sharded_zlib = ShardedCheckpointer(directory / "sharded_zlib", 0, 1, Ledger(ledger_path, "", 0), keep_last=1)
+            saves["single_zlib"] = zlib_crc(lambda step: store_zlib.save(state, step).seconds)
+            saves["sharded_zlib"] = zlib_crc(lambda step: (
+                sharded_zlib.save_objects({"model": module}, step, "bench", wait=True), ledger_seconds())[1])
+            order = ["plain_direct", "single", "single_zlib", "single_async", "sharded", "sharded_zlib"]
+            saves = {form: saves[form] for form in order}
         times: dict[str, list[float]] = {"plain": [], **{form: [] for form in saves}}
         cpu: dict[str, list[float]] = {form: [] for form in times}
         ratios: dict[str, list[float]] = {form: [] for form in times}
@@ -345,6 +364,8 @@ def main() -> None:
             sharded_buffered.close()
         if args.ab_huge_pages:
             sharded_4k.close()
+        if args.ab_zlib:
+            sharded_zlib.close()
         async_store.close()
         if args.ab_in_place:
             async_copied.close()

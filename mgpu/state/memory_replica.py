@@ -27,12 +27,12 @@ import secrets
 import shutil
 import socket
 import threading
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, job_dir, safe_name
+from mgpu.state.digest import crc32
 
 __all__ = ["Directory", "Replication", "StoreDirectory", "partners", "replica_dir"]
 
@@ -97,7 +97,7 @@ def _recv_msg(conn: socket.socket) -> dict[str, Any]:
 
 
 def _crc(data: bytes) -> str:
-    return f"{zlib.crc32(data):08x}"
+    return f"{crc32(data):08x}"
 
 
 class ReplicaServer:
@@ -172,7 +172,7 @@ class ReplicaServer:
                     if not chunk:
                         raise ConnectionError(f"the sender closed the connection {left} of {size} bytes short")
                     file.write(chunk)
-                    mine, left = zlib.crc32(chunk, mine), left - len(chunk)
+                    mine, left = crc32(chunk, mine), left - len(chunk)
                 if f"{mine:08x}" != crc:
                     raise Refused("torn: the bytes received are not the sender's CRC-32")
 

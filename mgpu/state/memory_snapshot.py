@@ -18,10 +18,11 @@ import json
 import os
 import re
 import shutil
-import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO, Any, Callable
+
+from mgpu.state.digest import crc32
 
 __all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "remove_job", "safe_name"]
 
@@ -108,7 +109,7 @@ class _Checksumming:
 
     def write(self, data: Any) -> int:
         written = self.file.write(data)
-        self.crc = zlib.crc32(memoryview(data)[:written], self.crc)
+        self.crc = crc32(memoryview(data)[:written], self.crc)
         return written
 
     def flush(self) -> None:
@@ -123,7 +124,7 @@ def _crc32(path: Path) -> str:
     crc = 0
     with open(path, "rb") as file:
         while chunk := file.read(8 << 20):
-            crc = zlib.crc32(chunk, crc)
+            crc = crc32(chunk, crc)
     return f"{crc:08x}"
 
 
@@ -206,7 +207,7 @@ class SnapshotStore:
         for snapshot, refusal in self.committed():
             if snapshot.step == step and refusal is None:
                 content = snapshot.path.read_bytes()
-                if f"{zlib.crc32(content):08x}" != snapshot.digest:
+                if f"{crc32(content):08x}" != snapshot.digest:
                     continue  # changed since it was checked: the other slot, if it has this step
                 return load(io.BytesIO(content))
         raise FileNotFoundError(f"{self.directory}: no valid snapshot of step {step}")
