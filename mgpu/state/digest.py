@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 try:
-    # zlib-ng's CRC-32 (carry-less multiplication, PCLMULQDQ/VPCLMULQDQ): zlib's values at 3x its speed; the GIL
-    # released. The digest thread beside a CPU step took 3-5 % of the step's time with zlib's, ~0 with this one
-    # (docs/benchmarks.md). Without the wheel (a platform it lacks), zlib's: the same checksums, slower.
+    # zlib-ng's CRC-32 (carry-less multiplication, PCLMULQDQ/VPCLMULQDQ): zlib's values at 3x its speed, the GIL
+    # released. It halves the writer's CPU per byte, and at zlib's 6.8 GB/s the digest thread would cap a save on
+    # a faster disk (docs/benchmarks.md). Without the wheel (a platform it lacks), zlib's: the same checksums.
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # pragma: no cover  (the package is a dependency; this is the platform without its wheel)
     from zlib import crc32
