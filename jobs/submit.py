@@ -32,6 +32,7 @@ if __name__ == "__main__":  # find task modules as the job will, from the workin
     sys.path[0:1] = [os.getcwd()] + ([str(ROOT)] if str(ROOT) != os.getcwd() else [])
 
 from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
+from mgpu.cluster.kill_time import cluster_exports  # noqa: E402
 from mgpu.config.loading import Config  # noqa: E402
 from mgpu.record.exclusion import NodeMemory  # noqa: E402
 from mgpu.submit.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
@@ -128,7 +129,10 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
             raise MgpuError(f"--forget-node {node!r}: give one node's name (letters, digits, . _ -)")
     args.nodes_memory = NodeMemory.read([run_dir_for(cfg) for cfg in sub.configs], args.forget_node)
     if cluster == "slurm":
-        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude))
+        # Read here, outside the job: inside it, the stop that needs them is when Slurm may not answer.
+        times = cluster_exports(res.partition.split(",")[0] if res.partition else None)
+        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude),
+                                  kill_times=tuple(times.items()))
     if cluster in ("local", "debug") and res.nodes > 1:
         raise MgpuError(f"--nodes {res.nodes}: --cluster {cluster} runs on this machine only; use --nodes 1")
     if cluster == "slurm" and not args.dry_run and not (shutil.which("sbatch") and shutil.which("srun")):
