@@ -468,6 +468,54 @@ def test_a_job_whose_slurm_hangs_or_prints_latin1_still_ends_as_it_should(tmp_pa
     assert "Traceback" not in result.stderr, where
 
 
+@pytest.mark.multiprocess
+def test_rank_0_without_a_batch_script_stays_alive_until_slurm_answers(tmp_path: Path) -> None:
+    # jobs/train.py as the one task of an srun step with no recovery after it (MGPU_RECOVERY unset): the user signal,
+    # then Slurm hangs. Rank 0 saves, its session ends, and it waits, asking again, until Slurm answers (here, once
+    # the test sees the wait in the ledger): preempted, so it requeues the job then, and exits 0. Before, it exited
+    # 5 at once with "nothing asks Slurm again", and a preempted job with a grace never came back.
+    from tests.test_protocol import TRAIN, slurm_env
+
+    answer = tmp_path / "slurm-answers"
+    wait = f"while [ ! -e {shlex.quote(str(answer))} ]; do sleep 0.1; done\n"
+    bin_dir = stub_bin(tmp_path, squeue="hang", sacct="hang")
+    show = LATIN1_SHOW.decode("latin-1").replace("JobId=7", "JobId=$SLURM_JOB_ID").encode("latin-1")
+    (bin_dir / "scontrol-show").write_text(script("answer", tmp_path / "slurm-calls.log", show).replace(
+        "printf", wait + "printf", 1))
+    (bin_dir / "scontrol-requeue").write_text(script("answer", tmp_path / "slurm-calls.log").replace(
+        "printf", wait + "printf", 1))
+    run = tmp_path / "run"
+    environ = slurm_env(tmp_path, PATH=f"{bin_dir}:{Path(PYTHON).parent}:/usr/bin:/bin", MGPU_KILL_WAIT_S="2",
+                        MGPU_GRACE_S="10")
+    environ.pop("MGPU_RECOVERY", None)
+    proc = subprocess.Popen([PYTHON, TRAIN, f"run.dir={run}", "task.target=tests.tasks:SignalingBlobTask",
+                             "task.args.signals=USR2", "task.args.at=3", "task.args.step_s=0.05", "data.batch_size=8"],
+                            env=environ, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # the task signals its whole process group
+    try:
+        deadline = time.monotonic() + 120
+        while not any(e["event"] == "awaiting_slurm" for e in read_ledger(run / "events.jsonl")
+                      if (run / "events.jsonl").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=30)
+            time.sleep(0.2)
+        answer.touch()
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    events = read_ledger(run / "events.jsonl")
+    names = [e["event"] for e in events]
+    assert proc.returncode == 0, err[-3000:]
+    assert names[-5:] == ["stop_decision", "requeue_unknown", "awaiting_slurm", "stop_decision", "requeued"], names
+    waited, answered = events[-3], events[-2]
+    assert waited["by"] == answered["by"] == "rank 0" and waited["until"] > events[-4]["time"]
+    assert answered["reason"].startswith("Slurm answered after") and answered["what"] == "preempted", answered
+    assert "the job stays alive, idle, until Slurm ends it" in err and "Traceback" not in err, err[-3000:]
+    (stop,) = [e for e in events if e["event"] == "preempted"]
+    assert CheckpointStore(run / "checkpoints").latest().step == stop["step"]  # type: ignore[union-attr]
+
+
 # ------------------------------------------------------------------------------------------ status
 @pytest.mark.parametrize("kind", ["hang", "latin1"])
 def test_status_bounds_its_waits_and_says_what_it_could_not_ask(tmp_path: Path, kind: str) -> None:
