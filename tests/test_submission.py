@@ -175,6 +175,30 @@ def test_the_default_cluster_is_slurm_where_sbatch_is_on_path_else_local(tmp_pat
     assert (result.stdout + result.stderr).lstrip().startswith(first_line), result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("dry_run, nodes", [(True, "2"), (False, "2"), (True, "1")])
+def test_a_machine_without_sbatch_still_shows_the_slurm_script(tmp_path: Path, dry_run: bool, nodes: str) -> None:
+    """`jobs/submit.py --nodes 2 --gpus-per-node 4 --dry-run` on a laptop was refused with "--cluster local runs on
+    this machine only", a flag the user never gave: a dry run prints the Slurm script; a real run says why not."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    result = run_script([SUBMIT, "--nodes", nodes, "--gpus-per-node", "4", "--folder", str(tmp_path / "runs"),
+                         *(["--dry-run"] if dry_run else [])], PATH=str(bin_dir))
+    if not dry_run:
+        assert result.returncode == 2 and result.stdout == "", result.stdout
+        assert result.stderr == ("submit: error: --nodes 2: no sbatch on this machine, so --cluster auto would run "
+                                 "here, on one node; submit from a Slurm login node, or use --nodes 1 (--dry-run prints "
+                                 "the Slurm script)\n")
+        return
+    assert result.returncode == 0, result.stderr
+    if nodes == "2":
+        assert result.stdout.startswith("#!/bin/bash\n") and "#SBATCH --nodes=2\n" in result.stdout
+        assert "# no sbatch on this machine: the Slurm script it would submit from a login node" in result.stderr
+    else:
+        assert result.stdout.startswith("# local: 1 node, 4 process(es)")
+        assert "the Slurm script: --cluster slurm --dry-run" in result.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_dry_run_is_what_submitit_submits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SlurmExecutor given slurm_parameters() writes the same file (single job and array)."""
     from submitit.slurm.slurm import SlurmExecutor
