@@ -12,9 +12,9 @@ or in rank 0 itself after its session's teardown where no batch script does (MGP
   during its grace ends COMPLETED or FAILED and never comes back (measured on the test cluster, issue 42: FAILED
   9.5 s after the user signal, 6 s before the preemption's SIGTERM). So the job stays alive, saved and idle (one
   small process: no rank, no GPU memory), asking again every ASK_EVERY_S, until Slurm answers (it acts on the
-  answer), Slurm ends the job (a preemption requeues it, a scancel cancels it, the time limit ends it: its
-  SIGTERMs are ignored meanwhile, its SIGKILL is the end), or `KillTimes.wait_until` passes (it exits, saying
-  what to do). The `awaiting_slurm` event records the wait.
+  answer), Slurm ends the job (its SIGTERM: a preemption's grace is over and Slurm requeues the job, a scancel
+  cancels it, the time limit ends it; the wait ends there, what Slurm decided stands), or `KillTimes.wait_until`
+  passes (it exits, saying what to do). The `awaiting_slurm` event records the wait, a `stop_decision` its end.
 - A stop of another kind (the job's own deadline, a drain, a test stop, Ctrl-C) has no kill on its way, so
   waiting would only hold the allocation: it exits at once, saying what to do.
 """
@@ -93,7 +93,7 @@ class _Ask:
 def settle_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: Sequence[Mapping[str, Any]],
                 attempt: Sequence[Mapping[str, Any]], decided: Mapping[str, Any], *, by: str = "recovery",
                 prog: str = "mgpu.run.recovery", times: KillTimes | None = None, now: Callable[[], float] = time.time,
-                sleep: Callable[[float], None] = time.sleep) -> Settled:
+                sleep: Callable[[float], None] | None = None) -> Settled:
     """Close the stop rank 0 left open (`decided`: its stop decision) as the module's doc says; `by` names who did
     in the ledger, `prog` in the line that says the job waits. `times`, `now`, `sleep`: injected for tests.
     Raises nothing it can catch."""
@@ -109,37 +109,56 @@ def settle_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: 
     signalled = bool(reasons & set(SIGNALLED)) and "interrupt" not in reasons
     until = times.wait_until(signals) if signalled else None
     began = now()
-    with _slurm_signals_ignored():
+    with _slurm_ending() as ended:
+        pause = sleep or ended.wait
         for asks in range(1, sys.maxsize):
             waiting = asks > 1
-            # The first ask within the time before the kill. Once waiting, the kill is what the job waits for, and
-            # an ask it cuts short loses nothing: each gets the client's timeout, up to the end of the wait.
-            window = min(TIMEOUT_S, (until or 0.0) - now()) if waiting else times.window_s(signals, now())
+            # The first ask within the time before the kill. Once waiting, the kill is what the job waits for: an ask
+            # it cuts short loses nothing, and none outlasts a SIGTERM by more than KillWait.
+            window = min(TIMEOUT_S, times.kill_wait_s, (until or 0.0) - now()) if waiting else \
+                times.window_s(signals, now())
             with client().within(max(window, MIN_WINDOW_S)):
                 ask = _ask(reasons, job_id, restart, budget, ledger, step, progressed, attempt, by,
                            waited=now() - began if waiting else None)
             if ask.settled is not None:
                 return ask.settled
-            why = ask.why
+            why, unknown = ask.why, ask.unknown or "no answer"
             if until is None:
-                return Settled("unknown", f"{why}; Slurm gave no answer ({ask.unknown}) and no signal says a kill is "
-                                          f"on its way (a stop of the job's own): the job does not come back by itself; "
+                return Settled("unknown", f"{why}; Slurm gave no answer ({unknown}) and no signal says a kill is on "
+                                          f"its way (a stop of the job's own): the job does not come back by itself; "
                                           f"resume with: {resume_command()}")
+            if ended.is_set():
+                return _ended_by_slurm(ledger, step, progressed, by, why, unknown, now() - began)
             if now() >= until:
-                message = (f"{why}; Slurm did not answer ({ask.unknown}) nor end the job within {now() - began:.0f} s: "
-                           f"the job ends here and does not come back by itself; resume with: {resume_command()}")
+                message = (f"{why}; Slurm did not answer ({unknown}) nor end the job within {now() - began:.0f} s: the "
+                           f"job ends here and does not come back by itself; resume with: {resume_command()}")
                 ledger.write("stop_decision", step=step, what="unknown", requeue=False, reason=message,
-                             progressed=progressed, by=by, unknown=ask.unknown or "no answer")
+                             progressed=progressed, by=by, unknown=unknown)
                 return Settled("unknown", message)
             if not waiting:
-                ledger.write("awaiting_slurm", step=step, until=round(until, 3), unknown=ask.unknown, by=by,
+                ledger.write("awaiting_slurm", step=step, until=round(until, 3), unknown=unknown, by=by,
                              reason=f"{why}; {times.describe()}")
-                print(f"{prog}: stopped at step {step}, saved; Slurm gave no answer ({ask.unknown}): the job stays "
-                      f"alive, idle, until Slurm ends it (a preemption: Slurm requeues it) or answers, at most until "
+                print(f"{prog}: stopped at step {step}, saved; Slurm gave no answer ({unknown}): the job stays alive, "
+                      f"idle, until Slurm answers or ends it (a preemption: Slurm requeues it), at most until "
                       f"{time.strftime('%H:%M:%S', time.localtime(until))} ({times.describe()}); if it does not come "
                       f"back, resume with: {resume_command()}", file=sys.stderr, flush=True)
-            sleep(max(0.0, min(ASK_EVERY_S, until - now())))
+            pause(max(0.0, min(ASK_EVERY_S, until - now())))
+            if ended.is_set():  # no ask more: it would only hold the job
+                return _ended_by_slurm(ledger, step, progressed, by, why, unknown, now() - began)
     raise AssertionError("unreachable")
+
+
+def _ended_by_slurm(ledger: Ledger, step: Any, progressed: bool, by: str, why: str, unknown: str,
+                    waited: float) -> Settled:
+    """Slurm's SIGTERM came while the job waited: it ends the job now (a preemption's grace is over, and it requeues
+    the job; a scancel; the time limit), and what it decided stands, so the wait ends. Waiting for its SIGKILL
+    instead, the waiting process, orphaned when the TERM ended the batch shell, outlived the job on the test
+    cluster (proctrack/linuxproc no longer finds an orphan)."""
+    message = (f"{why}; while the job waited, Slurm ended it (SIGTERM after {waited:.0f} s): a preemption requeues "
+               f"it; if it does not come back, resume with: {resume_command()}")
+    ledger.write("stop_decision", step=step, what="unknown", requeue=False, reason=message, progressed=progressed,
+                 by=by, unknown=unknown, ended_by="SIGTERM")
+    return Settled("unknown", message)
 
 
 def _ask(reasons: set[str], job_id: str, restart: int, budget: Budget, ledger: Ledger, step: Any, progressed: bool,
@@ -192,17 +211,38 @@ def _ask(reasons: set[str], job_id: str, restart: int, budget: Budget, ledger: L
     return _Ask(decision, why, unknown, Settled("requeued", f"{why}: {outcome.message}"))
 
 
+class _Ended:
+    """Set by Slurm's SIGTERM (the handler only sets a flag: an Event's lock taken in a handler could deadlock the
+    main thread that holds it); `wait` sleeps in short slices, so the wait ends within a fifth of a second."""
+
+    def __init__(self) -> None:
+        self.flag = False
+
+    def set(self) -> None:
+        self.flag = True
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def wait(self, seconds: float) -> None:
+        until = time.monotonic() + seconds
+        while not self.flag and (left := until - time.monotonic()) > 0:
+            time.sleep(min(0.2, left))
+
+
 @contextlib.contextmanager
-def _slurm_signals_ignored() -> Iterator[None]:
-    """While a stopped job waits for Slurm: a SIGTERM (a preemption's grace ending, a scancel) or a user signal is
-    not the end (SIGKILL is) and must not cut the wait short. Only in the main thread (Python's rule)."""
+def _slurm_ending() -> Iterator[_Ended]:
+    """While a stopped job waits for Slurm: its SIGTERM (a preemption's grace over, a scancel, the time limit) ends
+    the wait; a user signal is ignored (it changes nothing now). Only in the main thread (Python's rule); elsewhere
+    nothing ends the wait before its bound."""
+    ended = _Ended()
     if threading.current_thread() is not threading.main_thread():
-        yield
+        yield ended
         return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGTERM, signal.SIGUSR1,
-                                                                               signal.SIGUSR2)}
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: ended.set()),
+                **{signum: signal.signal(signum, signal.SIG_IGN) for signum in (signal.SIGUSR1, signal.SIGUSR2)}}
     try:
-        yield
+        yield ended
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
