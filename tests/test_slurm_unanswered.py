@@ -507,7 +507,7 @@ def test_rank_0_without_a_batch_script_stays_alive_until_slurm_answers(tmp_path:
     waited, answered = events[-3], events[-2]
     assert waited["by"] == answered["by"] == "rank 0" and waited["until"] > events[-4]["time"]
     assert answered["reason"].startswith("Slurm answered after") and answered["what"] == "preempted", answered
-    assert "the job stays alive, idle, until Slurm ends it" in err and "Traceback" not in err, err[-3000:]
+    assert "the job stays alive, idle, until Slurm answers or ends it" in err and "Traceback" not in err, err[-3000:]
     (stop,) = [e for e in events if e["event"] == "preempted"]
     assert CheckpointStore(run / "checkpoints").latest().step == stop["step"]  # type: ignore[union-attr]
 
