@@ -87,6 +87,9 @@ def test_a_preempted_job_whose_slurm_does_not_answer_comes_back(slurm_cluster: S
             assert ended["event"] == "stop_decision" and ended["ended_by"] == "SIGTERM", ended
             assert ended["time"] - stop["signal_times"][0] < 10 + 30, ended  # the grace, slurmctld's period
             assert stop_step == stop["step"]
+            # rank 0's exit code reached srun as mgpu set it under submitit: 5, Slurm did not say (was: 1)
+            log = (tmp_path / name / "submitit" / f"{jobid}_0_log.err").read_text()
+            assert "task 0: Exited with exit code 5" in log, log[-3000:]
         calls = (tmp_path / "calls.log").read_text()
         assert "scontrol show job" in calls and "scontrol requeue" in calls, calls  # the shims did hang inside
     finally:
