@@ -19,9 +19,11 @@ step again in the same allocation (it prints `restart`: no requeue hold), or, wi
 rank requeueing (`mgpu.train.job`), deduplicated by the `.failure-<job>-<restart>` claim either way.
 
 A stop Slurm did not answer (rank 0's `stop_decision` carries `unknown`, or its requeue got no answer:
-`requeue_unknown`; the step's exit code is then mgpu.run.outcome.UNANSWERED_EXIT_CODE) is not a failure: this
-module asks Slurm again, within KillWait, and decides it as rank 0 would have (within the stop budget),
-on the stop's evidence when Slurm still does not answer.
+`requeue_unknown`; the step's exit code is then mgpu.run.outcome.UNANSWERED_EXIT_CODE) is not a failure: it is
+settled by `mgpu.run.unanswered` (asked again; after Slurm's signal, the job kept alive until Slurm answers or
+ends it). A failed step whose `scontrol show job` gets no answer starts again in place, which needs nothing from
+Slurm. This module exits with the code mgpu set for the step (mgpu.run.outcome.recorded_exit_code), which the
+batch scripts end with: a launcher's own code (torchrun's and submitit's 1) does not reach Slurm.
 """
 
 from __future__ import annotations
