@@ -406,16 +406,20 @@ def test_slurms_sigterm_ends_the_wait_and_the_handlers_are_given_back(tmp_path: 
     before = {signum: signal.signal(signum, lambda signum, frame: received.append(signum))
               for signum in (signal.SIGTERM, signal.SIGUSR2)}
     try:
-        monkeypatch.setattr("mgpu.run.unanswered.query_job", lambda job: (_ for _ in ()).throw(
-            SlurmUnanswered("scontrol show job -o 7: no answer")))
-        monkeypatch.setattr("mgpu.run.unanswered.ASK_EVERY_S", 0.5)
+        import threading
+
+        def query(job_id: str) -> JobView:
+            # Slurm's signals come while the job waits (the first ask is already inside the wait's handlers)
+            threading.Timer(0.3, lambda: (os.kill(os.getpid(), signal.SIGUSR2),
+                                          os.kill(os.getpid(), signal.SIGTERM))).start()
+            raise SlurmUnanswered("scontrol show job -o 7: no answer")
+
+        monkeypatch.setattr("mgpu.run.unanswered.query_job", query)
         run = RunDir(tmp_path / "run")
         Ledger(run.ledger, "7", 0).write("preempted", step=5, reasons=["sigterm"], signals=["SIGTERM"],
                                          signal_times=[time.time()])
         Ledger(run.ledger, "7", 0).write("stop_decision", step=5, what="unknown", requeue=False, unknown="x")
         events = read_ledger(run.ledger)
-        threading = __import__("threading")
-        threading.Timer(0.3, lambda: (os.kill(os.getpid(), signal.SIGUSR2), os.kill(os.getpid(), signal.SIGTERM))).start()
         started = time.monotonic()
         settled = settle_stop(run, "7", 0, Limits(), events, events, open_stop(events) or {}, times=KillTimes(5.0, 10.0))
         assert time.monotonic() - started < 3  # not the wait's 45 s: the TERM ended it (the real sleep, sliced)
