@@ -313,6 +313,8 @@ def settle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reasons: list[str], 
         view = views[min(len(asks), len(views)) - 1]
         if view == HANG:
             raise SlurmUnanswered("scontrol show job -o 7: no answer from Slurm within 1 s (1 try)")
+        if view == "refused":
+            raise SlurmError("scontrol show job 7 failed: slurm_load_jobs error: Invalid job id specified")
         return view  # type: ignore[return-value]
 
     def requeue(job_id: str) -> RequeueOutcome:
@@ -367,6 +369,9 @@ WAITS = {
                                ["stop_decision", "requeue_unknown"]),
     "a test stop": (["test"], [], [HANG], [], Limits(), "unknown", [1000], [], ["stop_decision"]),
     "Ctrl-C": (["interrupt"], [("SIGINT", 999.0)], [HANG], [], Limits(), "stays_down", [1000], [], ["stop_decision"]),
+    # Slurm answered, with a refusal (it does not know the job): no kill of its own is worth waiting for.
+    "SIGTERM alone, Slurm refuses": (["sigterm"], [("SIGTERM", 999.0)], ["refused"], [], Limits(), "unknown", [1000], [],
+                                     ["stop_decision"]),
     # The requeue budget is spent: the job was to stay down anyway.
     "user signal, budget spent": (["requeue_signal"], [("SIGUSR2", 999.0)], [HANG], [], Limits(max_requeues=0),
                                   "stays_down", [1000], [], ["stop_decision"]),

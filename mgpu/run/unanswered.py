@@ -88,6 +88,9 @@ class _Ask:
     why: str
     unknown: str | None
     settled: Settled | None
+    silent: bool = False
+    """Slurm gave no answer (hung, unreachable, missing): not a refusal such as `Invalid job id`, which says the
+    job is not Slurm's to end, so no kill is worth waiting for."""
 
 
 def settle_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: Sequence[Mapping[str, Any]],
@@ -123,10 +126,11 @@ def settle_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: 
             if ask.settled is not None:
                 return ask.settled
             why, unknown = ask.why, ask.unknown or "no answer"
-            if until is None:
-                return Settled("unknown", f"{why}; Slurm gave no answer ({unknown}) and no signal says a kill is on "
-                                          f"its way (a stop of the job's own): the job does not come back by itself; "
-                                          f"resume with: {resume_command()}")
+            if until is None or not ask.silent:  # no signal, or Slurm refused (e.g. a job id it does not know)
+                said = ("no signal says a kill is on its way (a stop of the job's own)" if until is None else
+                        "Slurm refused, so no kill of its own is worth waiting for")
+                return Settled("unknown", f"{why}; Slurm gave no answer ({unknown}) and {said}: the job does not come "
+                                          f"back by itself; resume with: {resume_command()}")
             if ended.is_set():
                 return _ended_by_slurm(ledger, step, progressed, by, why, unknown, now() - began)
             if now() >= until:
@@ -167,10 +171,14 @@ def _ask(reasons: set[str], job_id: str, restart: int, budget: Budget, ledger: L
     None) records its decision and what it did, as rank 0's did; a later one only what closes the stop."""
     first = waited is None
     unknown = None
+    silent = False
     try:
         decision = decide(reasons, query_job(job_id), restart, budget)
-    except SlurmError as error:
-        unknown = error.note if isinstance(error, SlurmUnanswered) else str(error)
+    except SlurmUnanswered as error:
+        silent, unknown = True, error.note
+        decision = decide_unanswered(reasons, budget, unknown)
+    except SlurmError as error:  # a refusal: Slurm does not know the job, or will not say
+        unknown = str(error)
         decision = decide_unanswered(reasons, budget, unknown)
     lead = ("asked again after the step: " if by == "recovery" else "asked again: ") if first else \
         f"{'no answer' if unknown else 'Slurm answered'} after {waited:.0f} s of waiting: "
@@ -181,7 +189,7 @@ def _ask(reasons: set[str], job_id: str, restart: int, budget: Budget, ledger: L
         ledger.write("stop_decision", **fields)
     if not decision.requeue:
         if decision.event == "unknown":
-            return _Ask(decision, why, unknown, None)
+            return _Ask(decision, why, unknown, None, silent)
         if not first:
             ledger.write("stop_decision", **fields)
         if decision.event == "requeued_by_slurm":
@@ -193,7 +201,7 @@ def _ask(reasons: set[str], job_id: str, restart: int, budget: Budget, ledger: L
     except SlurmUnanswered as error:
         if first:
             ledger.write("requeue_unknown", step=step, error=error.note, by=by)
-        return _Ask(decision, why, error.note, None)
+        return _Ask(decision, why, error.note, None, silent=True)
     except SlurmError as error:
         if not first:
             ledger.write("stop_decision", **fields)
