@@ -53,7 +53,11 @@ def host_store() -> Any:
 
 
 def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, port: int, parent: int,
-          launch: list[str]) -> None:
+          launch: list[str], start_method: str | None) -> None:
+    # A process started by `spawn` has its start method set to `spawn` too (multiprocessing's preparation): its
+    # DataLoader workers would start from new interpreters, seconds each, where under srun or torchrun they fork.
+    # The rank gets the spawning process's own choice instead (None: the platform's default).
+    multiprocessing.set_start_method(start_method, force=True)
     try:  # Linux: SIGTERM to this rank when the spawning process dies, whatever killed it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -96,7 +100,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
     port = int(store.port)
     context = multiprocessing.get_context("spawn")
     launch = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])  # this process's command line
-    procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid(), launch),
+    chosen = multiprocessing.get_start_method(allow_none=True)  # the loop's own set_start_method, if it made one
+    procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid(), launch, chosen),
                              name=f"rank{rank}") for rank in range(nprocs)]
 
     def send(signum: int) -> None:
