@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,35 +21,9 @@ from mgpu.state.digest import crc32
 from mgpu.state.memory_content import STEP, rank_state
 from mgpu.state.memory_snapshot import SnapshotStore
 from mgpu.state.memory_state import MemorySnapshots
+from tests.test_memory_snapshot import as_ranks
 
 WORLD = 2
-
-
-def as_ranks(work: list[Callable[[Callable[[int], int]], Any]]) -> list[Any]:
-    """`work[r](reduce_min)` on a thread per rank, the MIN all-reduce met at a barrier: each one's result, or the
-    exception it raised."""
-    barrier, values = threading.Barrier(len(work)), [0] * len(work)
-    results: list[Any] = [None] * len(work)
-
-    def reduce_min(rank: int, value: int) -> int:
-        values[rank] = value
-        barrier.wait(30)
-        least = min(values)
-        barrier.wait(30)
-        return least
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work[rank](lambda value: reduce_min(rank, value))
-        except Exception as error:  # noqa: BLE001  # the test looks at it
-            results[rank] = error
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(work))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return results
 
 
 class Rank:

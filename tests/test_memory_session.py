@@ -16,14 +16,11 @@ from mgpu.record.ledger import read_ledger
 from mgpu.run.session import Session
 from mgpu.state.memory_content import config_digest
 from mgpu.state.memory_snapshot import BASE_ENV
+from tests.test_session_api import world_of_one  # noqa: F401  # the fixture: no launcher, a world of one
 
 
 @pytest.fixture(autouse=True)
-def world_of_one(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    for name in ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_PROCID", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                 "MGPU_RESUME_COMMAND", "MGPU_RUN_DIR_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # torch's own side effect
+def snapshots_here(world_of_one: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     monkeypatch.setenv(BASE_ENV, str(tmp_path / "shm"))
     yield
 

@@ -134,27 +134,36 @@ def test_a_new_job_removes_this_runs_snapshots_of_another_job(tmp_path: Path) ->
     assert not old.directory.exists() and other_run.valid_steps() == [3] and mine.store.valid_steps() == [1]
 
 
-def agree_all(per_rank: list[list[int]]) -> list[int | None]:
-    """agree_on_step on every rank at once, the MIN all-reduce done by threads meeting at a barrier."""
-    barrier, values = threading.Barrier(len(per_rank)), [0] * len(per_rank)
-    results: list[int | None] = [None] * len(per_rank)
+def as_ranks(work: list[Callable[[Callable[[int], int]], Any]]) -> list[Any]:
+    """`work[r](reduce_min)` on a thread per rank, the MIN all-reduce met at a barrier: each one's result, or the
+    exception it raised."""
+    barrier, values = threading.Barrier(len(work)), [0] * len(work)
+    results: list[Any] = [None] * len(work)
 
     def reduce_min(rank: int, value: int) -> int:
         values[rank] = value
-        barrier.wait()
+        barrier.wait(30)
         least = min(values)
-        barrier.wait()
+        barrier.wait(30)
         return least
 
     def run(rank: int) -> None:
-        results[rank] = agree_on_step(per_rank[rank], lambda v: reduce_min(rank, v))
+        try:
+            results[rank] = work[rank](lambda value: reduce_min(rank, value))
+        except Exception as error:  # noqa: BLE001  # the test looks at it
+            results[rank] = error
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(per_rank))]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(work))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
+        thread.join(60)
     return results
+
+
+def agree_all(per_rank: list[list[int]]) -> list[int | None]:
+    """agree_on_step on every rank at once (threads as ranks)."""
+    return as_ranks([lambda reduce_min, own=own: agree_on_step(own, reduce_min) for own in per_rank])
 
 
 @pytest.mark.parametrize("per_rank, agreed", [
