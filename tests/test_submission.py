@@ -120,8 +120,8 @@ rc=$?
 while [ "$({q(PYTHON)} -m mgpu.run.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
   rc=0; srun "${{MGPU_SRUN_ARGS[@]}}" || rc=$?
 done
-[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory_snapshot \
---remove-this-job >/dev/null 2>&1 || true
+[ "$rc" = 0 ] || command srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+--kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory_snapshot --remove-this-job >/dev/null 2>&1 || true
 exit "$rc\""""
 
 

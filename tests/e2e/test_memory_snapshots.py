@@ -136,7 +136,8 @@ rc=0
 srun --kill-on-bad-exit=1 {python} jobs/train.py run.dir={run} {args} || rc=$?
 {python} -m mgpu.run.recovery --exit-code "$rc" --run-dir {run}
 if [[ $rc != 0 ]]; then
-  srun --ntasks-per-node=1 --kill-on-bad-exit=0 {python} -m mgpu.state.memory_snapshot --remove-this-job
+  srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0 \\
+    {python} -m mgpu.state.memory_snapshot --remove-this-job
 fi
 exit "$rc"
 """
@@ -145,8 +146,9 @@ exit "$rc"
 def test_nothing_of_a_run_is_left_in_shared_memory(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     """1. A run restarted with snapshots off after a crash left its snapshots (planted: an earlier job's), on a
     world of one (whose watchdog board is a directory in /dev/shm): both gone after it finishes. 2. A job whose
-    rank 1 kills itself at its 8th step every time, with snapshots on: recovery requeues it (held there: nothing
-    left, and the cleanup ran on both nodes), then the failure budget is spent and it fails: nothing left."""
+    rank 1 SIGKILLs itself at its 8th step in every run, with snapshots on: recovery requeues it (held there:
+    nothing left, and the cleanup ran on both nodes), then the failure budget is spent and it fails: nothing
+    left."""
     from mgpu.record.reporting import wandb_run_id
 
     single = tmp_path / "single"
