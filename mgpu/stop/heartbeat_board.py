@@ -97,6 +97,8 @@ class DirBoard:
 
     def close(self, rank: int) -> None:
         (self.path / f"heartbeat-rank{rank}.json").unlink(missing_ok=True)
+        if not self.path.name.startswith(("watchdog-", "mgpu-")):
+            return  # a directory mgpu did not name (node_local_dir): the caller's to keep
         try:
             if any(self.path.glob("heartbeat-rank*.json")):
                 return  # another rank's board still
