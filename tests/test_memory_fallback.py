@@ -93,7 +93,8 @@ def another_model(step: int) -> bytes:
 
 def lines(caplog: pytest.LogCaptureFixture, rank: int) -> list[str]:
     """The warnings rank `rank` gave."""
-    return [r.getMessage() for r in caplog.records if f"rank {rank}: " in r.getMessage() and r.levelno >= logging.WARNING]
+    return [r.getMessage() for r in caplog.records
+            if f"rank {rank}: " in r.getMessage() and r.levelno >= logging.WARNING]
 
 
 def test_unloadable_bytes_are_set_aside_and_the_ranks_go_back_to_the_next_snapshot_alike(

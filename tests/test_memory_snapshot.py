@@ -119,7 +119,8 @@ def test_the_batch_scripts_teardown_removes_this_nodes_snapshots_of_the_job(
                                        f"{tmp_path}/mgpu-123-run-abc, {tmp_path}/mgpu-123-watchdog-0123456789abcdef\n")
     assert main(["--remove-job", "77"]) == 0 and list(tmp_path.iterdir()) == []
     assert main(["--remove-job", "77"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == f"mgpu.state.memory_snapshot: n2: nothing of job 77 in {tmp_path}"
+    assert capsys.readouterr().out.splitlines()[-1] == (f"mgpu.state.memory_snapshot: n2: nothing of job 77 in "
+                                                        f"{tmp_path}")
 
 
 def test_a_new_job_removes_this_runs_snapshots_of_another_job(tmp_path: Path) -> None:

@@ -335,8 +335,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def before_requeue() -> None:
         print(f"mgpu.run.recovery: {remove_on_every_node(job_id)}", file=sys.stderr, flush=True)
 
-    action, outcome = handle_failure(run, job_id, restart, limits,
-                                     f"the training step exited with code {args.exit_code}", may_restart=args.may_restart,
+    message = f"the training step exited with code {args.exit_code}"
+    action, outcome = handle_failure(run, job_id, restart, limits, message, may_restart=args.may_restart,
                                      before_requeue=before_requeue)
     print(f"mgpu.run.recovery: job {job_id} run {restart}: {outcome}", file=sys.stderr, flush=True)
     if action == "restart":

@@ -100,12 +100,8 @@ def _crc(data: bytes) -> str:
     return f"{crc32(data):08x}"
 
 
-Budget = Callable[[int, int], Optional[str]]
-"""Why a replica of `size` bytes cannot go into a slot whose file is `reused` bytes now (None: it can)."""
-
-
-def _no_budget(size: int, reused: int) -> str | None:
-    return None
+Budget = Optional[Callable[[int, int], Optional[str]]]
+"""Why a replica of `size` bytes cannot go into a slot whose file is `reused` bytes now (None: it can); None: any."""
 
 
 class ReplicaServer:
@@ -115,7 +111,7 @@ class ReplicaServer:
     valid steps), `get` (one step's file)."""
 
     def __init__(self, store: SnapshotStore, host: str, token: str, timeout: float = TIMEOUT_S,
-                 budget: Budget = _no_budget) -> None:
+                 budget: Budget = None) -> None:
         self.store, self.token, self.timeout, self.budget = store, token, timeout, budget
         self.listener = socket.create_server((host, 0))
         self.listener.settimeout(0.2)  # the accept loop looks at `closing` this often
@@ -175,8 +171,8 @@ class ReplicaServer:
             size, crc, step = request.get("bytes"), request.get("crc32"), request.get("step")
             if not (type(size) is int and size >= 0 and type(step) is int and step >= 0 and isinstance(crc, str)):
                 return {"ok": False, "why": f"a put of step {step!r} announcing {size!r} bytes"}
-            refusal = self.budget(size, self.store.slot_bytes(self.store.next_slot()))
-            if refusal is not None:  # before the slot is touched: the replica it holds stays whole
+            reused = self.store.slot_bytes(self.store.next_slot())
+            if self.budget is not None and (refusal := self.budget(size, reused)) is not None:  # before the slot is touched: the replica it holds stays whole
                 log.warning("checkpoint.memory_every_steps: replica of rank %d: step %d refused: %s",
                             self.store.identity.rank, step, refusal)
                 return {"ok": False, "why": f"refused by its holder: {refusal}"}
@@ -369,7 +365,7 @@ class Replication:
     @classmethod
     def start(cls, identity: Identity, *, node: str, ranks_per_node: int, num_nodes: int, host: str,
               directory: Callable[[], Directory], base: Path | None = None,
-              timeout: float = TIMEOUT_S, budget: Budget = _no_budget) -> "Replication | None":
+              timeout: float = TIMEOUT_S, budget: Budget = None) -> "Replication | None":
         """Serve the replica this rank holds and publish where in `directory()` (called only where there are
         partners); None (and rank 0 says so) on one node. `budget`: what the replica held may take."""
         pair = partners(identity.rank, identity.world_size, ranks_per_node, num_nodes)

@@ -110,7 +110,8 @@ class Room:
                 return 0
         except OSError:
             pass  # no /dev/shm to compare with: the margin, to be safe
-        return max(int(self.margin_fraction * stats.f_blocks * stats.f_frsize), self.margin_per_rank * self.ranks_per_node)
+        size = stats.f_blocks * stats.f_frsize
+        return max(int(self.margin_fraction * size), self.margin_per_rank * self.ranks_per_node)
 
     def _limits(self, more: int, what: str) -> str | None:
         """Why `more` bytes more of this run's on this node would not fit (None: they would)."""

@@ -27,8 +27,8 @@ from typing import IO, Any, Callable
 
 from mgpu.state.digest import crc32
 
-__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "record_problem", "remove_job",
-           "remove_run", "safe_name"]
+__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "record_problem",
+           "remove_job", "remove_run", "safe_name"]
 
 BASE_ENV = "MGPU_SNAPSHOT_DIR"
 """Where the job directories go instead of /dev/shm (tests; a node whose /dev/shm is too small)."""

@@ -241,7 +241,8 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
     return lines
 
 
-_ONE_PER_NODE = '--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0'
+_ONE_PER_NODE = ('--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+                 '--kill-on-bad-exit=0')
 
 
 def teardown_lines() -> list[str]:

@@ -179,8 +179,8 @@ def test_nothing_of_a_run_is_left_in_shared_memory(slurm_cluster: SlurmCluster, 
     jobid = proc.stdout.strip().split(";")[0]
     output = tmp_path / f"{jobid}.out"
     try:
-        wait_until("the recovery's requeue", lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "requeued"),
-                   timeout=150, interval=0.2)
+        wait_until("the recovery's requeue",
+                   lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "requeued"), 150, interval=0.2)
         slurm_cluster.run("scontrol", "hold", jobid)
         assert left_of(jobid, run_dir / "logs") == [], "snapshots left after the recovery's requeue"
         cleaned = [line for line in output.read_text().splitlines() if "mgpu.state.memory_snapshot: n" in line]
