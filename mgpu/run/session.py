@@ -117,6 +117,7 @@ class Session(SessionBase):
         self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
         self._memory: Any = None  # this rank's snapshots in host memory, opened at first use (session_state.memory)
+        self._marks: Any = None  # the last step this rank completed, for a survivor's save (session_state.open_marks)
         self._durable_step = -1  # the durable checkpoint's step when the state was loaded (-1: none)
         self._durable: tuple[int, Path | None] = (-1, None)  # the last save() with wait: its step, its path (rank 0)
         self.step = 0
@@ -210,11 +211,18 @@ class Session(SessionBase):
         (default: one more than the last call)."""
         stopper = self._live("should_stop()")
         self.step = self.step + 1 if step is None else step
+        # Every generator re-seeded from (seed, rank, step): a rank's RNG at a step's end is derived, never kept, so
+        # a rank lost with its process resumes that step exactly from a survivor's save (mgpu.state.step_mark).
+        from mgpu.state.rng import seed_step
+
+        seed_step(self.cfg.train.seed, self.rank, self.step)
         if self.step == self.resume_step + 1:
             after_first_step(self)
             record_outside(self.rank, self._state, sys._getframe(1))  # check_resume only: what `state` lacks
         record_step(self.rank, self.step)  # check_resume only
         reasons = stopper.at_step(self.step)
+        if self._marks is not None and not reasons:
+            self._marks.mark(self.step)  # what a survivor saves if a peer fails in the next step
         if self.watchdog is not None:
             # The step's end; a loop whose forwards the watchdog does not see (no `wrap`) advances its step here.
             self.beat("agree", self.step if self.watchdog.step < self.step else None)
@@ -393,6 +401,7 @@ class Session(SessionBase):
         if self._finished:
             return
         self._finished = True
+        session_state.last_words(self, f"{type(error).__name__} in step {self.step + 1}")
         rank_failed(error, self.run, rank=self.rank, job_id=self.env.job_id, restart=self.env.restart_count,
                     slurm_job=self.slurm_job, limits=self.limits, by_batch=self._by_batch)
         self._cleanup.close()

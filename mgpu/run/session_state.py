@@ -21,7 +21,8 @@ from mgpu.run.session_base import SessionBase
 if TYPE_CHECKING:
     from mgpu.state.train_state import State
 
-__all__ = ["load", "memory", "open_checkpointer", "restore_from_memory", "resume_begins", "save", "snapshot"]
+__all__ = ["last_words", "load", "memory", "open_checkpointer", "open_marks", "restore_from_memory", "resume_begins",
+           "save", "snapshot"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -93,6 +94,7 @@ def load(session: SessionBase, state: MutableMapping[str, Any], missing_ok: set[
         for line in hparams.overridden_by_checkpoint(before, state, override or {}) if session.is_main else ():
             log.warning("%s (to change it on purpose: load(state, override={...}))", line)
     changes = hparams.apply(state, override or {})
+    open_marks(session, state)
     session.beat("start")  # resumed: the first step's allowance from here
     session._state = state
     session.begin()
@@ -141,14 +143,63 @@ def memory(session: SessionBase, objects: Mapping[str, Any]) -> Any:
     if session._memory is None:
         from mgpu.state.memory_state import MemorySnapshots
 
+        env = session.env
+        first = session.rank - env.local_rank  # the node's ranks are consecutive (Slurm's block distribution)
         session._memory = snapshots = MemorySnapshots.open(
             slurm_job=session.slurm_job, run_id=session.run_id, config=session.cfg, world_size=session.world_size,
             rank=session.rank, every=session.cfg.checkpoint.memory_every_steps, version=session.version,
-            restart=session.env.restart_count, objects=objects, ranks_per_node=session.env.local_world_size)
+            restart=env.restart_count, objects=objects, ranks_per_node=env.local_world_size,
+            node_ranks=tuple(range(first, first + env.local_world_size)))
         snapshots.remove_other_jobs()
         if session.cfg.checkpoint.memory_every_steps:
-            snapshots.replication = replication(session, snapshots.store.identity, snapshots.replica_refusal)
+            snapshots.replication = replication(session, snapshots.store.identity, snapshots.replica_refusal,
+                                                snapshots.store)
     return session._memory
+
+
+def open_marks(session: SessionBase, state: Mapping[str, Any]) -> None:
+    """The marks of every step's end (mgpu.state.step_mark) and the survivor's save they allow
+    (`last_words`), where one can help: snapshots in memory on, DDP (each rank holds the replicated state; under
+    FSDP2 a lost rank's shard comes only from its replica), more than one rank. The watchdog says them too: a peer
+    hung (its verdict), or a stop signal came and this rank's step does not end (srun ends a failed step's other
+    tasks so: SIGTERM, then SIGKILL after KillWait)."""
+    import threading
+
+    from mgpu.state.step_mark import StepMarks
+
+    if (session._marks is not None or not session.cfg.checkpoint.memory_every_steps or session.sharded
+            or session.world_size < 2 or session._ddps is None):
+        return
+    memory(session, state)
+
+    def objects() -> Mapping[str, Any]:  # what the session saves now (`save()` may be given another state)
+        current = session._state if session._state is not None else state
+        return current() if callable(current) else current
+
+    session._marks = marks = StepMarks(objects, session._ddps.live, session.rank, session.world_size,
+                                       session.cfg.train.seed, session.version)
+    marks.lock = threading.Lock()
+    if session.rank == 0:
+        marks.record = session._memory.buffer_record()
+    watchdog = session.watchdog
+    if watchdog is not None:
+        watchdog.last_words = lambda why: last_words(session, why)
+        stop = session.stop
+        watchdog.signalled = lambda: stop.received[0][1] if stop.received else None
+
+
+def last_words(session: SessionBase, why: str) -> None:
+    """A survivor's save, once: the last step this rank completed into its node's memory, so that the step started
+    again resumes there (mgpu.state.memory_state.MemorySnapshots.last_words); one line saying `why` and what was
+    saved. Not a collective: safe from the watchdog's thread while the training thread waits in a collective."""
+    marks, snapshots = session._marks, session._memory
+    if marks is None or snapshots is None:
+        return
+    with marks.lock:
+        if marks.said:
+            return
+        marks.said = True
+        log.warning("%s: %s", why, snapshots.last_words(marks))
 
 
 NODE_ENV = "MGPU_NODE_NAME"
@@ -156,7 +207,7 @@ NODE_ENV = "MGPU_NODE_NAME"
 one host)."""
 
 
-def replication(session: SessionBase, identity: Any, budget: Callable[[int, int], str | None]) -> Any:
+def replication(session: SessionBase, identity: Any, budget: Callable[[int, int], str | None], own: Any = None) -> Any:
     """This rank's side of the replicas on another node (mgpu.state.memory_replica), or None: one node, or the
     rendezvous store cannot be reached (said; the snapshots stay on their node). `budget`: what the replica it
     holds may take (mgpu.state.memory_state.MemorySnapshots.replica_refusal)."""
@@ -171,7 +222,7 @@ def replication(session: SessionBase, identity: Any, budget: Callable[[int, int]
     try:
         return Replication.start(identity, node=node, ranks_per_node=env.local_world_size, num_nodes=env.num_nodes,
                                  host=local_address(env.master_addr, env.master_port) if env.num_nodes > 1 else "",
-                                 directory=StoreDirectory.rendezvous, budget=budget)
+                                 directory=StoreDirectory.rendezvous, budget=budget, own=own)
     except (OSError, RuntimeError, ValueError) as error:
         log.warning("checkpoint.memory_every_steps: rank %d: no replica of its snapshots on another node: %s: %s",
                     session.rank, type(error).__name__, error)
