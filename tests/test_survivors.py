@@ -38,19 +38,33 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 # (the rank killed, in which step, nodes): rank 0 on one node with rank 1, killed in its loss before its forward (so
 # before DDP broadcast its batch-norm buffers, the ones a checkpoint holds): rank 1's save and rank 0's own record
 # of its buffers; rank 1's node lost with its memory: rank 0's save over the network.
-@pytest.mark.parametrize("killed, at, nodes", [(0, 13, 1), (1, 14, 2)], ids=["rank 0 killed", "a node lost"])
-def test_a_killed_rank_costs_at_most_its_step_and_resumes_bit_identically(
-        killed: int, at: int, nodes: int, reference: dict[str, Any], tmp_path: Path,
+# And rank 1 frozen (SIGSTOP) in its step 12: rank 0's watchdog finds the hang and saves before it ends the step;
+# the frozen rank is killed, as srun would (`--kill-on-bad-exit`).
+FROZEN = ["task.target=tests.tasks:HangingBlobTask", "task.args.mode=stop", "task.args.step_s=0.05",
+          "watchdog.floor_s=2", "watchdog.step_multiple=5", "watchdog.first_step_s=30", "watchdog.checkpoint_s=4"]
+
+
+@pytest.mark.parametrize("killed, at, nodes, how", [(0, 13, 1, "killed"), (1, 14, 2, "killed"), (1, 12, 1, "frozen")],
+                         ids=["rank 0 killed", "a node lost", "rank 1 frozen"])
+def test_a_lost_rank_costs_at_most_its_step_and_resumes_bit_identically(
+        killed: int, at: int, nodes: int, how: str, reference: dict[str, Any], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+
     from tests.test_trainer import assert_identical
 
     shm = tmp_path / "shm"
     monkeypatch.setenv(BASE_ENV, str(shm))  # the ranks' /dev/shm (base_env passes it on)
     run = tmp_path / "run"
-    killing = [TRAIN, f"run.dir={run}", *ARGS, f"task.args.at={at}", f"task.args.rank={killed}",
-               f"task.args.once_file={tmp_path / 'killed'}"]
-    crashed = wait_ranks(start_ranks(killing, 2, nodes=nodes), timeout=150)
+    killing = [TRAIN, f"run.dir={run}", *ARGS, *(FROZEN if how == "frozen" else []), f"task.args.at={at}",
+               f"task.args.rank={killed}", f"task.args.{'hang_file' if how == 'frozen' else 'once_file'}={tmp_path / 'lost'}"]
+    procs = start_ranks(killing, 2, nodes=nodes)
     survivor = 1 - killed
+    if how == "frozen":
+        procs[survivor].wait(timeout=120)  # its watchdog ends the step (exit 4) after the last words
+        os.kill(procs[killed].pid, signal.SIGKILL)
+    crashed = wait_ranks(procs, timeout=150)
     assert crashed[killed][0] == -9 and crashed[survivor][0] != 0, crashed[survivor][1][-3000:]
     durable = ([-1] + CheckpointStore(run / "checkpoints").list_steps())[-1]
     # Step 10's epoch-end save, unless the one before was still being written; none, where rank 0, the writer, died

@@ -151,15 +151,16 @@ class CheckpointConfig:
     """Keep the background save's host copy of the state between saves (one copy; pinned on GPUs) so the
     next snapshot skips allocating it; false frees it once each write ends, so host memory holds that copy
     only while a write is in flight. Freed at the end of training either way."""
-    memory_every_steps: int = 100
+    memory_every_steps: int | None = None
     """Every this many optimizer steps, each rank also copies what a checkpoint would hold for it into the
-    node's shared memory (/dev/shm, two slots, outliving the process; 0: never; 100: the most frequent of
-    1, 10, 100 whose cost is at most 1 % of a step: 0.50 %, 0.76 % with the replica on another node, expected
-    from the measured snapshot and send, bench/memory_snapshot.py): a step that fails and is
-    started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest step every
-    rank holds there, when it is newer than the durable checkpoint. Costs one state per rank in host memory
-    (twice: two slots; under FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not
-    with optim.zero (no snapshots, said once). See docs/memory-snapshots.md."""
+    node's shared memory (/dev/shm, two slots, outliving the process; 0: never; null: as often as a copy costs at
+    most 0.5 % of the steps' time, measured at step 5 and agreed by the ranks, mgpu.state.memory_cadence): a step
+    that fails and is started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest
+    step every rank holds there, when it is newer than the durable checkpoint. Under DDP, with snapshots on, the
+    ranks that survive a failure also save the last step they completed (mgpu.state.step_mark): a lost rank then
+    costs at most its step, whatever the cadence. Costs one state per rank in host memory (twice: two slots; under
+    FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not with optim.zero (no snapshots,
+    said once). See docs/memory-snapshots.md."""
 
 
 @dataclass

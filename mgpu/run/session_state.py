@@ -151,7 +151,7 @@ def memory(session: SessionBase, objects: Mapping[str, Any]) -> Any:
             restart=env.restart_count, objects=objects, ranks_per_node=env.local_world_size,
             node_ranks=tuple(range(first, first + env.local_world_size)))
         snapshots.remove_other_jobs()
-        if session.cfg.checkpoint.memory_every_steps:
+        if session.cfg.checkpoint.memory_every_steps != 0:
             snapshots.replication = replication(session, snapshots.store.identity, snapshots.replica_refusal,
                                                 snapshots.store)
     return session._memory
@@ -167,7 +167,7 @@ def open_marks(session: SessionBase, state: Mapping[str, Any]) -> None:
 
     from mgpu.state.step_mark import StepMarks
 
-    if (session._marks is not None or not session.cfg.checkpoint.memory_every_steps or session.sharded
+    if (session._marks is not None or session.cfg.checkpoint.memory_every_steps == 0 or session.sharded
             or session.world_size < 2 or session._ddps is None):
         return
     memory(session, state)
@@ -231,12 +231,16 @@ def replication(session: SessionBase, identity: Any, budget: Callable[[int, int]
 
 def snapshot(session: SessionBase) -> bool:
     """`Session.snapshot`: this step's state into the node's memory when `checkpoint.memory_every_steps` says so."""
-    if session._state is None or not session.cfg.checkpoint.memory_every_steps:
+    if session._state is None or session.cfg.checkpoint.memory_every_steps == 0:
         return False
     ddps = session._ddps
     assert ddps is not None
     objects = session._state() if callable(session._state) else session._state
-    return bool(memory(session, objects).take(session.step, objects, lambda: ddps.gather(dict) or {}))
+
+    def reduce_max(value: int) -> int:
+        return int(session.all_reduce(value, "max").item()) if session.world_size > 1 else value
+
+    return bool(memory(session, objects).take(session.step, objects, lambda: ddps.gather(dict) or {}, reduce_max))
 
 
 def restore_from_memory(session: SessionBase, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
@@ -245,7 +249,7 @@ def restore_from_memory(session: SessionBase, state: MutableMapping[str, Any], m
     With snapshots off (checkpoint.memory_every_steps: 0), this run's on this node are removed: none would go."""
     found = session.resumption.latest()
     session._durable_step = found.step if found is not None else -1
-    if not session.cfg.checkpoint.memory_every_steps:
+    if session.cfg.checkpoint.memory_every_steps == 0:
         from mgpu.state.memory_snapshot import remove_run
 
         remove_run(session.run_id)  # every rank of the node, alike: whichever comes first removes them

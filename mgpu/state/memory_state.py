@@ -27,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 from mgpu.state.memory_content import (STEP, check_content, config_digest, estimated_bytes, put_back, rank_state,
                                        structure_digest, unsupported)
+from mgpu.state.memory_cadence import BUDGET, Cadence
 from mgpu.state.memory_room import Room
 from mgpu.state.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id, safe_name
 
@@ -88,12 +89,15 @@ def _load(file: IO[bytes]) -> Any:
 
 
 class MemorySnapshots:
-    """One rank's snapshots for its session. `every`: steps between snapshots (0: none). `room`: its node's room
+    """One rank's snapshots for its session. `every`: steps between snapshots (0: none; None: the default cadence,
+    mgpu.state.memory_cadence). `room`: its node's room
     for them (default: the store's base directory, one rank per node)."""
 
-    def __init__(self, store: SnapshotStore, every: int, version: str | None, room: Room | None = None,
+    def __init__(self, store: SnapshotStore, every: int | None, version: str | None, room: Room | None = None,
                  node_peers: tuple[int, ...] = ()) -> None:
-        self.store, self.every, self.version = store, every, version
+        self.store, self.version = store, version
+        self.cadence = Cadence(every)
+        """When one is due: every `every` steps (0: never), or None: as often as costs at most BUDGET of a step."""
         self.node_peers = node_peers
         """The other ranks on this node: their shareable snapshots are read from their files here."""
         self._record: BufferRecord | None = None
@@ -107,7 +111,7 @@ class MemorySnapshots:
         """The replica of these snapshots on a partner of another node, and the one this rank holds (None: none)."""
 
     @classmethod
-    def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
+    def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int | None,
              version: str | None, restart: int = 0, base: Path | None = None,
              objects: Mapping[str, Any] | None = None, ranks_per_node: int = 1,
              node_ranks: tuple[int, ...] = ()) -> "MemorySnapshots":
@@ -121,14 +125,30 @@ class MemorySnapshots:
         return cls(store, every, version, Room(store.directory.parent.parent, store.directory.parent, ranks_per_node),
                    tuple(r for r in node_ranks if r != rank))
 
-    def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
+    def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]],
+             reduce_max: Callable[[int], int] = lambda k: k) -> bool:
         """*Collective only where `layouts` is* (a DDP comm hook's state: called on every rank at every due step,
-        even where this rank takes no snapshot). This rank's state at `step`, written now (the loop waits for this
-        copy alone). Whether one was taken. Before each, the node's room for the run's snapshots is checked
-        (mgpu.state.memory_room, from the files' sizes); a rank without room, or whose write fails, takes none
-        from then on and says so in one line; the run goes on."""
-        if not (self.every > 0 and step > 0 and step % self.every == 0):
+        even where this rank takes no snapshot), and at the default cadence's first snapshot (`reduce_max`: the
+        steps between snapshots agreed, the most any rank needs, so that every rank takes them at the same steps).
+        Called at every step (the cadence measures the steps' time). This rank's state at `step`, written now (the
+        loop waits for this copy alone) when due (mgpu.state.memory_cadence). Whether one was taken. Before each,
+        the node's room for the run's snapshots is checked (mgpu.state.memory_room, from the files' sizes); a rank
+        without room, or whose write fails, takes none from then on and says so in one line; the run goes on."""
+        if not self.cadence.due(step):
             return False
+        deriving = self.cadence.current is None
+        taken = self._take(step, objects, layouts)
+        if deriving and not self._unsupported_here:  # alike on every rank: the same steps from here on
+            self.cadence.agree(reduce_max(self.cadence.needs(self.last_seconds if taken else None)))
+            if self.store.identity.rank == 0:
+                log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s, at most %.1f %% of the "
+                         "steps' time (%s)", self.cadence.current, self.last_bytes / 1e6, self.last_seconds,
+                         100 * BUDGET, self.store.directory)
+        elif taken:
+            self.cadence.taken(step)
+        return taken
+
+    def _take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
         if self.disabled is None and (why := unsupported(objects)) is not None:
             self.disabled = why  # alike on every rank: no rank calls `layouts` from here on
             if self.store.identity.rank == 0:
@@ -153,8 +173,8 @@ class MemorySnapshots:
         self.last_seconds, self.last_bytes = time.perf_counter() - started, snapshot.path.stat().st_size
         if self.replication is not None:
             self.replication.offer(snapshot)  # sent in the background: the loop does not wait for it
-        if self.taken == 0 and self.store.identity.rank == 0:
-            log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.every,
+        if self.taken == 0 and self.store.identity.rank == 0 and self.cadence.every:
+            log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.cadence.every,
                      self.last_bytes / 1e6, self.last_seconds, self.store.directory)
         self.taken += 1
         return True
