@@ -5,6 +5,9 @@ WORLD_SIZE, ... or torchrun):
 
     python tests/own_loop.py RUN_DIR [--epochs 2] [--workers 0] [--save-every 4] [--ballast-mb 0]
         [--signal-at K] [--agree-every N] [--stop-at-step K] [--step-s S] [--deadline-margin S]
+        [--parallel ddp|fsdp] [--ema DECAY]
+
+--ema DECAY: an mgpu.EMA of the weights in the state, updated every step, evaluated (`ema.applied()`).
 
 --signal-at K: right after optimizer step K (before the loop asks `should_stop`), the last rank sends
 SIGTERM to its whole process group, as slurmstepd signals every process of a step: every rank and
@@ -14,6 +17,7 @@ DataLoader worker the test started in that group gets it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -59,6 +63,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep after each optimizer step (pacing)")
     parser.add_argument("--deadline-margin", type=float, default=60.0)
     parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--ema", type=float, help="keep an mgpu.EMA with this decay (in the state, evaluated)")
     args = parser.parse_args()
     config = mgpu.Config()
     config.preemption.check_every_steps = args.agree_every
@@ -74,8 +79,12 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
         loader = session.loader(Noisy(96, seed=0), batch_size=4, num_workers=args.workers)
         evaluation = session.eval_loader(Noisy(30, seed=1), batch_size=8)
-        state = session.load({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
-                              "best": None, "bad_evals": 0, "ballast": torch.zeros(args.ballast_mb << 18)})
+        kept = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+                "best": None, "bad_evals": 0, "ballast": torch.zeros(args.ballast_mb << 18)}
+        ema = mgpu.EMA(model, args.ema) if args.ema is not None else None
+        if ema is not None:
+            kept["ema"] = ema
+        state = session.load(kept)
         accumulate = 2
         for epoch in loader.epochs(args.epochs):
             model.train()
@@ -88,6 +97,8 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
+                if ema is not None:
+                    ema.update()
                 time.sleep(args.step_s)
                 if session.step + 1 == args.signal_at and session.rank == session.world_size - 1:
                     os.killpg(os.getpgid(0), signal.SIGTERM)
@@ -100,7 +111,7 @@ def main() -> None:
                 break
             model.eval()
             sums = torch.zeros(2, dtype=torch.float64, device=session.device)
-            with torch.no_grad():
+            with torch.no_grad(), ema.applied() if ema is not None else contextlib.nullcontext():
                 for x, y in evaluation:
                     sums += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
             correct, total = session.all_reduce(sums).tolist()

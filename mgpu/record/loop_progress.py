@@ -9,7 +9,8 @@ metrics and loss curve, and `jobs/status.py --verify` compares two of its runs s
   tensors; anything else is refused in one line, at every call, due or not.
 - The epoch is that of the state's `session.loader` (its `epoch`), when the state given to `load()` has one.
 - The fingerprint covers every module in that state, in its order (`mgpu.parallel.fsdp.weights_fingerprint`, the
-  trainer's): an FSDP2 model's is a collective, which is why `log` is called on every rank, as `should_stop`.
+  trainer's): an FSDP2 model's (and an EMA sharded like it) is a collective, which is why `log` is called on every
+  rank, as `should_stop`.
 """
 
 from __future__ import annotations
@@ -66,10 +67,10 @@ def fingerprint(objects: Mapping[str, Any], is_main: bool) -> str | None:
     in their order (one module: the trainer's form); None on ranks other than 0, or with no module."""
     from torch import nn
 
-    from mgpu.parallel.fsdp import is_sharded, weights_fingerprint
+    from mgpu.parallel.fsdp import has_shards, weights_fingerprint
 
     modules = [value for value in objects.values() if isinstance(value, nn.Module)]
-    prints = [weights_fingerprint(module) for module in modules if is_main or is_sharded(module)]
+    prints = [weights_fingerprint(module) for module in modules if is_main or has_shards(module)]
     return ",".join(prints) if is_main and prints else None
 
 

@@ -21,7 +21,8 @@ from mgpu.run.session_base import SessionBase
 if TYPE_CHECKING:
     from mgpu.state.train_state import State
 
-__all__ = ["load", "memory", "open_checkpointer", "restore_from_memory", "resume_begins", "save", "snapshot"]
+__all__ = ["load", "memory", "open_checkpointer", "refuse_diverged", "restore_from_memory", "resume_begins", "save",
+           "snapshot"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -42,12 +43,17 @@ def open_checkpointer(session: SessionBase) -> Any:
 
 
 def check_state(objects: Mapping[str, Any], sharded: bool) -> None:
-    """Refuse, before any training, a state a checkpoint cannot save (mgpu.state.train_state.check_checkpointable)
-    and, when the checkpoints are `sharded`, an optimizer over parameters that are not its models'."""
+    """Refuse, before any training, a state a checkpoint cannot save (mgpu.state.train_state.check_checkpointable),
+    an EMA made of parameters its model no longer has, and, when the checkpoints are `sharded`, an optimizer over
+    parameters that are not its models'."""
+    from mgpu.parallel.ema import EMA
     from mgpu.parallel.fsdp import refuse_stale_optimizers
     from mgpu.state.train_state import check_checkpointable
 
     check_checkpointable(objects)
+    for value in objects.values():
+        if isinstance(value, EMA):
+            value.check_source()
     if sharded:
         refuse_stale_optimizers(objects)
 
@@ -121,6 +127,7 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     session._state = state
     session.begin()
     objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
+    refuse_diverged(objects)
     extra = session.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
     checkpointer, step = session.checkpointer, session.step
     if session.sharded:  # [fsdp hook] every rank contributes its shard
@@ -133,6 +140,22 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     if wait:  # durable now: end() does not save this step again
         session._durable = (step, path)
     return path
+
+
+def refuse_diverged(objects: Mapping[str, Any]) -> None:
+    """*Collective.* A checkpoint keeps one copy of a module that is not sharded (rank 0's in a single file, any
+    rank's through DCP): refused in one line, on every rank alike, when its copies differ between ranks
+    (mgpu.parallel.fsdp.diverged_replicas: one all-gather of a number per module), never saved as one rank's."""
+    from torch import nn
+
+    from mgpu.parallel.fsdp import diverged_replicas
+    from mgpu.state.checkpoint_format import CheckpointError
+    from mgpu.state.train_state import unwrapped
+
+    modules = {name: unwrapped(value) for name, value in objects.items() if isinstance(unwrapped(value), nn.Module)}
+    problem = diverged_replicas(modules)
+    if problem is not None:
+        raise CheckpointError(f"not saved: {problem}")
 
 
 def memory(session: SessionBase) -> Any:
