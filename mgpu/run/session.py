@@ -52,7 +52,7 @@ from mgpu.run.runner import no_beat, process_start
 from mgpu.run.session_base import SessionBase
 from mgpu.run.session_end import conclude, discard_if_unused
 from mgpu.run.session_start import after_first_step, record_start, start
-from mgpu.run.uncaught import record_uncaught
+from mgpu.run.uncaught import record_uncaught, refusals_in_one_line
 
 if TYPE_CHECKING:
     import torch
@@ -124,8 +124,10 @@ class Session(SessionBase):
         self.resume_step = 0
         """The step this process started from (0 for a new run)."""
         self._by_batch = recovery_by_batch_script
+        refusals_in_one_line()  # an MgpuError nobody catches: one line on rank 0, exit 2 (mgpu.run.uncaught)
         try:
             start(self, env)  # mgpu.run.session_start: who am I, the run, the group, the watchdog
+            refusals_in_one_line(self.rank)
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
