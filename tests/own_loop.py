@@ -113,7 +113,9 @@ def main() -> None:
             sums = torch.zeros(2, dtype=torch.float64, device=session.device)
             with torch.no_grad(), ema.applied() if ema is not None else contextlib.nullcontext():
                 for x, y in evaluation:
-                    sums += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+                    x, y = x.to(session.device), y.to(session.device)  # (on a GPU, the model's device)
+                    sums += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64,
+                                         device=session.device)
             correct, total = session.all_reduce(sums).tolist()
             accuracy = correct / total
             if state.best is None or accuracy > state.best:  # plain values live in the state: restored
