@@ -32,6 +32,7 @@ if __name__ == "__main__":  # find task modules as the job will, from the workin
     sys.path[0:1] = [os.getcwd()] + ([str(ROOT)] if str(ROOT) != os.getcwd() else [])
 
 from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere on this path)
+from mgpu.cluster.kill_time import cluster_exports  # noqa: E402
 from mgpu.config.loading import Config  # noqa: E402
 from mgpu.record.exclusion import NodeMemory  # noqa: E402
 from mgpu.submit.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
@@ -109,8 +110,21 @@ def _new_run_name(cfg: Config) -> str:
 
 def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
     cluster = args.cluster
-    if cluster == "auto":
-        cluster = "slurm" if shutil.which("sbatch") else "local"
+    args.auto_note = None
+    if cluster == "auto" and not shutil.which("sbatch"):
+        # No Slurm here (a laptop, where a user reads the script first): a run here is one node; a dry run of a
+        # several-node job prints the script a login node would submit.
+        if args.nodes > 1 and args.dry_run:
+            args.auto_note = ("# no sbatch on this machine: the Slurm script it would submit from a login node "
+                              "(--cluster slurm)")
+        elif args.nodes > 1:
+            raise MgpuError(f"--nodes {args.nodes}: no sbatch on this machine, so --cluster auto would run here, on one "
+                            "node; submit from a Slurm login node, or use --nodes 1 (--dry-run prints the Slurm script)")
+        elif args.dry_run:
+            args.auto_note = "# no sbatch on this machine: this runs here; the Slurm script: --cluster slurm --dry-run"
+        cluster = "slurm" if args.nodes > 1 else "local"
+    elif cluster == "auto":
+        cluster = "slurm"
     if args.max_parallel < 1:
         raise MgpuError(f"--max-parallel {args.max_parallel}: must be >= 1")
     if not (math.isfinite(args.poll_interval) and args.poll_interval > 0):
@@ -128,7 +142,10 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
             raise MgpuError(f"--forget-node {node!r}: give one node's name (letters, digits, . _ -)")
     args.nodes_memory = NodeMemory.read([run_dir_for(cfg) for cfg in sub.configs], args.forget_node)
     if cluster == "slurm":
-        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude))
+        # Read here, outside the job: inside it, the stop that needs them is when Slurm may not answer.
+        times = cluster_exports(res.partition.split(",")[0] if res.partition else None)
+        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude),
+                                  kill_times=tuple(times.items()))
     if cluster in ("local", "debug") and res.nodes > 1:
         raise MgpuError(f"--nodes {res.nodes}: --cluster {cluster} runs on this machine only; use --nodes 1")
     if cluster == "slurm" and not args.dry_run and not (shutil.which("sbatch") and shutil.which("srun")):
@@ -333,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory: NodeMemory = args.nodes_memory
     if args.dry_run:
         dry_run(cluster, sub, res, args.max_parallel, resume, args.resume_steps)
+        if args.auto_note:
+            print(args.auto_note, file=sys.stderr)
         for line in memory.lines() if cluster == "slurm" else []:
             print(f"# {line} (dry run: not recorded)", file=sys.stderr)
         return 0

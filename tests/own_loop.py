@@ -5,9 +5,11 @@ WORLD_SIZE, ... or torchrun):
 
     python tests/own_loop.py RUN_DIR [--epochs 2] [--workers 0] [--save-every 4] [--ballast-mb 0]
         [--signal-at K] [--agree-every N] [--stop-at-step K] [--step-s S] [--deadline-margin S]
-        [--parallel ddp|fsdp] [--ema DECAY]
+        [--parallel ddp|fsdp] [--ema DECAY] [--start-method spawn|forkserver|fork]
 
 --ema DECAY: an mgpu.EMA of the weights in the state, updated every step, evaluated (`ema.applied()`).
+--start-method: the loop sets multiprocessing's start method first thing, as CUDA code often does
+(`torch.multiprocessing.set_start_method("spawn")`): its DataLoader workers start that way.
 
 --signal-at K: right after optimizer step K (before the loop asks `should_stop`), the last rank sends
 SIGTERM to its whole process group, as slurmstepd signals every process of a step: every rank and
@@ -64,7 +66,10 @@ def main() -> None:
     parser.add_argument("--deadline-margin", type=float, default=60.0)
     parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
     parser.add_argument("--ema", type=float, help="keep an mgpu.EMA with this decay (in the state, evaluated)")
+    parser.add_argument("--start-method", choices=["fork", "spawn", "forkserver"])
     args = parser.parse_args()
+    if args.start_method:
+        torch.multiprocessing.set_start_method(args.start_method)
     config = mgpu.Config()
     config.preemption.check_every_steps = args.agree_every
     config.preemption.deadline_margin_s = args.deadline_margin

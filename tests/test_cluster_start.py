@@ -34,7 +34,12 @@ def _earlier_sessions_state(state_dir: Path) -> None:
     (state_dir / "etc" / "fingerprint").write_text("same\n")
 
 
-def _start(tmp_path: Path, running: bool) -> list[str]:
+ALL = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2")
+
+
+def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0) -> list[str]:
+    """start.sh's steps; `running`: the earlier start's daemons alive (all, none, or these); `ping_fails`: how many
+    times the controller does not answer before it does."""
     # Without its guard, sourcing start.sh would start a real cluster in tmp_path and point /etc/slurm at it.
     assert '[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0' in START.read_text().splitlines()
     state_dir, log = tmp_path / "slurm", tmp_path / "steps.log"
@@ -42,16 +47,18 @@ def _start(tmp_path: Path, running: bool) -> list[str]:
     stop = tmp_path / "stop.sh"
     stop.write_text(f"#!/bin/sh\necho stop.sh >>{log}\n")
     stop.chmod(0o755)
-    bin_dir = tmp_path / "bin"  # `timeout 10 scontrol ping` runs a program: the controller answers
+    bin_dir = tmp_path / "bin"  # `timeout 10 scontrol ping` runs a program: the controller answers, at last
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text("#!/bin/sh\nexit 0\n")
+    pings = tmp_path / "pings"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho x >> {pings}\n[ "$(wc -l < {pings})" -gt {ping_fails} ]\n')
     (bin_dir / "scontrol").chmod(0o755)
+    alive = ALL if running is True else () if running is False else running
     stubs = "\n".join(f'{name}() {{ echo {name} >>"{log}"; }}' for name in STUBBED)
     script = f"""
 source {START}
 {stubs}
 HERE={tmp_path}
-all_alive() {{ {'true' if running else 'false'}; }}
+alive() {{ case " {' '.join(alive)} " in *" $1 "*) return 0;; esac; return 1; }}
 fingerprint() {{ echo same; }}
 start_slurm() {{  # what the controller would recover when it starts
   if [[ -e $DIR/state/job_state || -e $DIR/spool/n1/cred_state ]]; then echo start_slurm-with-old-jobs; else echo start_slurm; fi >>"{log}"
@@ -79,3 +86,22 @@ def test_a_start_that_finds_the_cluster_running_keeps_its_jobs(tmp_path: Path) -
     assert steps == ["install_packages", "ensure_hosts", "link_etc", "wait_nodes", "summary"]
     assert (tmp_path / "slurm" / "state" / "job_state").read_bytes() == b"617"
     assert (tmp_path / "slurm" / "spool" / "n1" / "cred_state").exists()
+
+
+@pytest.mark.parametrize("alive", [("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1"), ("slurmctld",)])
+def test_a_start_that_finds_a_daemon_missing_restarts_and_keeps_the_jobs(tmp_path: Path,
+                                                                         alive: tuple[str, ...]) -> None:
+    # Another session's jobs were running: a daemon missing (one slurmd died) restarted the cluster and wiped them.
+    # Only a start that finds none of the earlier daemons alive is a fresh one.
+    steps = _start(tmp_path, alive)
+    assert steps == ["install_packages", "ensure_hosts", "stop.sh", "write_config", "link_etc", "start_munge",
+                     "start_mariadb", "start_slurm-with-old-jobs", "wait_nodes", "summary"]
+    assert (tmp_path / "slurm" / "state" / "job_state").read_bytes() == b"617"
+
+
+def test_a_slow_controller_is_waited_for_not_restarted(tmp_path: Path) -> None:
+    # `scontrol ping` within 10 s or a fresh start: a controller busy with another session's jobs lost them.
+    steps = _start(tmp_path, running=True, ping_fails=3)
+    assert steps == ["install_packages", "ensure_hosts", "link_etc", "wait_nodes", "summary"]
+    assert (tmp_path / "pings").read_text().count("x") == 4
+    assert (tmp_path / "slurm" / "state" / "job_state").read_bytes() == b"617"

@@ -271,3 +271,26 @@ def test_a_background_save_writes_its_snapshots_big_tensors_in_place(tmp_path: P
     store.save(state, 2)  # the caller's own tensors: copied, never written from where they are
     assert big.data_ptr() % ALIGN == 0 and addresses and big.data_ptr() not in addresses
     store.close()
+
+
+def test_a_save_that_cannot_map_its_buffers_leaks_no_descriptor_and_goes_through_the_page_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each save whose O_DIRECT buffers could not be mapped (ENOMEM) left its file's descriptor open (issue 42):
+    a long run out of memory ran out of descriptors. Faked: the mapping fails."""
+    _direct(tmp_path / "probe").close()  # this filesystem takes O_DIRECT
+
+    def no_memory(size: int) -> tuple[mmap.mmap, memoryview]:
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr("mgpu.state.direct_io.aligned_buffer", no_memory)
+    monkeypatch.setattr("mgpu.state.direct_io._spare", {})  # no buffer left by an earlier file: each must be mapped
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        assert open_direct(tmp_path / "state.pt") is None  # the caller writes through the page cache
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        DirectFile(os.open(tmp_path / "state.pt", os.O_WRONLY))  # the file owns its descriptor: closed on failure
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"w": torch.ones(1000)}, 1)
+    assert len(os.listdir("/proc/self/fd")) == before
+    loaded = store.latest()
+    assert loaded is not None and torch.equal(loaded.state["w"], torch.ones(1000))

@@ -44,7 +44,7 @@ def stop(proc: subprocess.Popen[str], how: str) -> str:
     if how == "ctrl-c":
         os.killpg(proc.pid, signal.SIGINT)
     else:
-        proc.send_signal(signal.SIGTERM)  # to the launcher alone
+        proc.send_signal(signal.SIGUSR1 if how == "sigusr1" else signal.SIGTERM)  # to the launcher alone
     try:
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -99,10 +99,17 @@ def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:
     assert len(lines) == 1 and "is in use by process" in lines[0], second.stderr
 
 
-def test_mgpu_spawn_runs_a_script_on_local_ranks_and_a_stop_exits_3(tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", ["ctrl-c", "sigusr1"])
+def test_mgpu_spawn_runs_a_script_on_local_ranks_and_a_stop_exits_3(how: str, tmp_path: Path) -> None:
+    # SIGUSR1 to the launcher alone killed it (its default action); its ranks, orphaned, stopped on SIGTERM with 12
+    # C++ stack dumps. Now passed on to them as a stop like SIGTERM.
     run_dir = tmp_path / "run"
     proc = launch(["-m", "mgpu.run.spawn", "-n", "2", str(ROOT / "jobs" / "train.py"), f"run.dir={run_dir}", *SLOW])
     wait_for_steps(run_dir, proc)
-    out = stop(proc, "ctrl-c")
-    assert proc.returncode == 3 and "Traceback" not in out, out[-3000:]
+    ranks = ranks_of(proc)
+    out = stop(proc, how)
+    assert proc.returncode == 3 and "Traceback" not in out and "C++" not in out, out[-3000:]
     assert "to resume:" in out
+    (preempted,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "preempted"]
+    assert preempted["reasons"] == (["interrupt"] if how == "ctrl-c" else ["sigterm"]), preempted
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived the launcher"

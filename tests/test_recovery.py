@@ -346,3 +346,85 @@ def test_the_ledger_records_the_failing_ranks_own_error(tmp_path: Path) -> None:
     assert all(e["rank"] == 0 for e in failed if e.get("consequence")), failed
     assert not peer_consequence(ValueError("rank 1's own bug")) and peer_consequence(RuntimeError(
         "[pair.cc:553] Connection closed by peer [127.0.0.1]:38817"))
+
+
+# ------------------------------------------------------------- Slurm gives no answer after a failed step
+@pytest.mark.parametrize("hang_on, limits, may_restart, action", [
+    (None, Limits(), True, "restart"),            # a crash: the allocation is here, the budget in the ledger
+    ("n2", Limits(), True, "restart"),            # a hang on n2: no exclusion without Slurm, a restart in place
+    (None, Limits(max_failures=0), True, "none"),  # the budget is spent: stays down, saying how to resume
+    (None, Limits(), False, "none"),              # a script that cannot start the step again: nothing needs no Slurm
+])
+def test_a_failed_step_restarts_in_place_when_slurm_does_not_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hang_on: str | None, limits: Limits, may_restart: bool,
+        action: str) -> None:
+    # Was: `scontrol show job` without an answer raised out of the decision, and the job stayed down ("could not
+    # requeue after the failure"), although a restart in place asks Slurm nothing.
+    from mgpu.cluster.slurm import SlurmUnanswered
+
+    def unanswered(job_id: str) -> None:
+        raise SlurmUnanswered("scontrol show job -o 7: no answer from Slurm within 20 s (2 tries)")
+
+    monkeypatch.setattr("mgpu.run.recovery.query_job", unanswered)
+    monkeypatch.setattr("mgpu.run.recovery.requeue", lambda job_id: pytest.fail(f"job {job_id} requeued"))
+    monkeypatch.setenv("MGPU_RESUME_COMMAND", RESUME)
+    run = RunDir(tmp_path)
+    if hang_on:
+        Ledger(run.ledger, "7", 0).write("hang", ranks=[1], hosts=[hang_on])
+    got, outcome = handle_failure(run, "7", 0, limits, "the training step exited with code 1", may_restart=may_restart)
+    assert got == action, outcome
+    (decision,) = [e for e in ledger_events(run) if e["event"] == "stop_decision"]
+    assert "scontrol show job -o 7: no answer" in decision["unknown"] and decision["action"] == action
+    restarted = [e["after"] for e in ledger_events(run) if e["event"] == "restarted"]
+    if action == "restart":
+        assert restarted == ["hang" if hang_on else "failure"]
+        assert "a restart in place needs nothing from Slurm" in outcome
+        assert ("pinned on n2" in outcome) is bool(hang_on)
+    else:
+        assert restarted == [] and outcome.endswith(f"resume with: {RESUME}"), outcome
+
+
+@pytest.mark.parametrize("attempt, code", [
+    ([], None),                                                                    # nothing decided: srun's code
+    ([{"event": "stop_decision", "what": "cancelled", "requeue": False}], 3),      # stays down
+    ([{"event": "stop_decision", "what": "preempted", "requeue": True}, {"event": "requeued"}], 0),
+    ([{"event": "stop_decision", "what": "requeued_by_slurm", "requeue": False}], 0),
+    ([{"event": "stop_decision", "what": "unknown", "requeue": False, "unknown": "x"}], 5),
+    ([{"event": "stop_decision", "requeue": True}, {"event": "requeue_unknown"}], 5),
+    ([{"event": "stop_decision", "requeue": True}, {"event": "requeue_unknown"}, {"event": "awaiting_slurm"}], 5),
+    ([{"event": "stop_decision", "requeue": True}, {"event": "requeue_refused"}], 3),
+    ([{"event": "failed", "retry": False}], 2),                                     # bad input, a full disk
+    ([{"event": "failed", "retry": True}], None),                                   # a crash: its own code
+    ([{"event": "stop_decision", "requeue": True, "error": "exit 1"}, {"event": "requeued", "after": "failure"}], None),
+    ([{"event": "stop_decision", "requeue": False, "error": "exit 1"}], None),       # a failure that stays down
+    ([{"event": "stop_decision", "requeue": True}, {"event": "requeued", "after": "no_progress"}], 0),
+])
+def test_the_exit_code_mgpu_set_is_read_back_from_the_ledger(attempt: list[dict], code: int | None) -> None:
+    from mgpu.run.outcome import recorded_exit_code
+
+    assert recorded_exit_code(attempt) == code
+
+
+def run_recovery(tmp_path: Path, exit_code: int, **environ: str) -> "subprocess.CompletedProcess[str]":
+    import os
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT, base_env
+
+    env = base_env(SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()), MGPU_RESUME_COMMAND=RESUME, **environ)
+    return subprocess.run([PYTHON, "-m", "mgpu.run.recovery", "--exit-code", str(exit_code), "--run-dir", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_a_launchers_exit_1_reaches_slurm_as_the_code_mgpu_set(tmp_path: Path) -> None:
+    # torchrun (and submitit before TrainJob exited with it) report rank 0's exit 3 or 5 as their own failure, 1;
+    # the batch script ends with what recovery returns: mgpu's code, read back from the ledger.
+    Ledger(RunDir(tmp_path).ledger, "7", 0).write("stop_decision", what="cancelled", requeue=False, reason="cancelled")
+    result = run_recovery(tmp_path, 1)
+    assert result.returncode == 3, result.stderr
+
+
+def test_a_non_integer_restart_count_is_one_line_in_recovery(tmp_path: Path) -> None:
+    result = run_recovery(tmp_path, 1, SLURM_RESTART_COUNT="two")
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr == "mgpu.run.recovery: error: SLURM_RESTART_COUNT='two' is not an integer: unset it\n"

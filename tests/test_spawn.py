@@ -98,3 +98,33 @@ def test_under_spawn_the_resume_command_restarts_the_same_world_and_a_crash_with
     failed = sorted((e["rank"], e["error"]) for e in events if e["event"] == "failed")
     assert failed == [(0, "ValueError: rank 0's bug"), (1, "ValueError: rank 1's bug")], failed
     assert summarize(events)["state"].startswith("failed"), summarize(events)
+
+
+START_METHODS = r"""
+import multiprocessing, sys
+
+def main(rank, out):
+    # What a rank's DataLoader workers would start with: the spawning process's own choice, else the platform's.
+    with open(f"{out}.{rank}", "w") as file:
+        file.write(str(multiprocessing.get_start_method(allow_none=True)))
+
+if __name__ == "__main__":
+    import mgpu
+    if sys.argv[2] != "none":
+        multiprocessing.set_start_method(sys.argv[2])
+    mgpu.spawn(main, (sys.argv[1],), nprocs=2)
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("chosen", ["none", "forkserver"])
+def test_ranks_start_their_workers_as_the_spawning_process_chose_not_by_spawn(tmp_path, chosen: str) -> None:
+    # torch's mp.spawn leaves its ranks' start method at `spawn`, so their DataLoader workers would each start a new
+    # interpreter; under srun or torchrun they fork. mgpu.spawn's ranks get the spawning process's choice.
+    script = tmp_path / "methods.py"
+    script.write_text(START_METHODS)
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "method"), chosen], env=base_env(), cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    want = "None" if chosen == "none" else chosen
+    assert [(tmp_path / f"method.{rank}").read_text() for rank in (0, 1)] == [want, want]

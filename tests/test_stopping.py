@@ -139,3 +139,22 @@ def test_a_draining_node_stops_the_run_at_the_next_step_before_any_signal() -> N
                              margin_s=10.0, longest_write_s=lambda: 5.0, monotonic=Ticks(2.0), now=lambda: 1000.0)
     stopper.at_step(1)
     assert flags.requested == ["drain"]
+
+
+def test_a_reduction_a_dead_peer_left_unfinished_does_not_raise_from_the_cleanup() -> None:
+    # Seen after a killed node: rank 0's cleanup (the session's, after its own failure was recorded) waited for the
+    # agreement's reduction in flight and re-raised gloo's `Connection closed by peer` as a second traceback.
+    import torch
+
+    from mgpu.stop.preemption import StopAgreement, StopRequest
+
+    class Broken:
+        def wait(self) -> None:
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                               "[127.0.0.1]:45123")
+
+    agreement = StopAgreement(StopRequest())  # no process group here: the reduction in flight is the fake
+    agreement._pending = (Broken(), torch.zeros(1))
+    agreement.drain()
+    assert agreement._pending is None
+    agreement.drain()  # nothing in flight: nothing to wait for

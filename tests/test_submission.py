@@ -103,6 +103,9 @@ def expected_script(folder: Path, argv: list[str], **lines: str) -> str:
 export MGPU_MAX_FAILURES=3
 export MGPU_MAX_REQUEUES=5
 export SUBMITIT_PREEMPT_SIGNAL={lines.get('signal', 'USR2')}
+# the cluster's KillWait and GraceTime, read at submission (mgpu.cluster.kill_time)
+export MGPU_KILL_WAIT_S=45
+export MGPU_GRACE_S=120
 export MGPU_RESUME_COMMAND={q(resume)}
 export MGPU_RUN_DIR={q(str(run_dir))}
 export MGPU_RECOVERY=batch  # a failed step is requeued by the teardown, not by a rank
@@ -117,12 +120,14 @@ srun --unbuffered --output {q(f + '/%j_%t_log.out')} --error {q(f + '/%j_%t_log.
 
 # teardown
 rc=$?
-while [ "$({q(PYTHON)} -m mgpu.run.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR")" = restart ]; do
+while :; do
+  action=$({q(PYTHON)} -m mgpu.run.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR") && code=0 || code=$?
+  [ "$action" = restart ] || break
   rc=0; srun "${{MGPU_SRUN_ARGS[@]}}" || rc=$?
 done
-[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory_snapshot \
---remove-this-job >/dev/null 2>&1 || true
-exit "$rc\""""
+[ "$rc" = 0 ] || command srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 \
+--kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory_snapshot --remove-this-job >/dev/null 2>&1 || true
+exit "$code\""""
 
 
 RESOURCE_FLAGS = ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "8", "--mem", "64G", "--time", "04:00:00",
@@ -130,10 +135,17 @@ RESOURCE_FLAGS = ["--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "8"
                   "--exclude", "n[3-4]", "--job-name", "exp", "--signal-lead", "180", "--max-requeues", "5"]
 
 
+# What `scontrol show config` and `scontrol show partition -o` say on the submitting machine (its KillWait, and the
+# GraceTime of --partition gpu): the script exports them for the job's stops (mgpu.cluster.kill_time).
+SCONTROL = ('case "$*" in "show config") echo "KillWait                = 45 sec";; '
+            '"show partition -o gpu") echo "PartitionName=gpu Default=NO GraceTime=120 State=UP";; *) exit 1;; esac')
+
+
 def test_dry_run_prints_the_whole_sbatch_script(tmp_path: Path, config: Path) -> None:
     runs = tmp_path / "runs"
     argv = ["--cluster", "slurm", "--config", str(config), "--folder", str(runs), *RESOURCE_FLAGS, "train.epochs=2"]
-    result = run_script([SUBMIT, "--dry-run", *argv])
+    path = fake_bin(tmp_path, scontrol=SCONTROL)
+    result = run_script([SUBMIT, "--dry-run", *argv], PATH=path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == expected_script(runs / "submitit", argv)
     assert "nothing submitted" in result.stderr
@@ -142,7 +154,7 @@ def test_dry_run_prints_the_whole_sbatch_script(tmp_path: Path, config: Path) ->
     # preemption.signal from the config becomes sbatch's --signal and submitit's signal alike
     argv = ["--cluster", "slurm", "--config", str(config), "--folder", str(runs), *RESOURCE_FLAGS,
             "preemption.signal=SIGXCPU"]
-    result = run_script([SUBMIT, "--dry-run", *argv])
+    result = run_script([SUBMIT, "--dry-run", *argv], PATH=path)
     assert result.stdout == expected_script(runs / "submitit", argv, signal="XCPU"), result.stderr
 
 
@@ -161,6 +173,30 @@ def test_the_default_cluster_is_slurm_where_sbatch_is_on_path_else_local(tmp_pat
                         PATH=str(bin_dir))
     assert result.returncode == 0, result.stderr
     assert (result.stdout + result.stderr).lstrip().startswith(first_line), result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dry_run, nodes", [(True, "2"), (False, "2"), (True, "1")])
+def test_a_machine_without_sbatch_still_shows_the_slurm_script(tmp_path: Path, dry_run: bool, nodes: str) -> None:
+    """`jobs/submit.py --nodes 2 --gpus-per-node 4 --dry-run` on a laptop was refused with "--cluster local runs on
+    this machine only", a flag the user never gave: a dry run prints the Slurm script; a real run says why not."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    result = run_script([SUBMIT, "--nodes", nodes, "--gpus-per-node", "4", "--folder", str(tmp_path / "runs"),
+                         *(["--dry-run"] if dry_run else [])], PATH=str(bin_dir))
+    if not dry_run:
+        assert result.returncode == 2 and result.stdout == "", result.stdout
+        assert result.stderr == ("submit: error: --nodes 2: no sbatch on this machine, so --cluster auto would run "
+                                 "here, on one node; submit from a Slurm login node, or use --nodes 1 (--dry-run prints "
+                                 "the Slurm script)\n")
+        return
+    assert result.returncode == 0, result.stderr
+    if nodes == "2":
+        assert result.stdout.startswith("#!/bin/bash\n") and "#SBATCH --nodes=2\n" in result.stdout
+        assert "# no sbatch on this machine: the Slurm script it would submit from a login node" in result.stderr
+    else:
+        assert result.stdout.startswith("# local: 1 node, 4 process(es)")
+        assert "the Slurm script: --cluster slurm --dry-run" in result.stderr
+    assert not (tmp_path / "runs").exists()
 
 
 def test_dry_run_is_what_submitit_submits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -605,6 +641,30 @@ def test_the_teardown_restarts_srun_with_the_steps_own_arguments(tmp_path: Path,
     assert [e["event"] for e in ledger][-1] == "restarted"
 
 
+@pytest.mark.parametrize("script", ["submit.py", "train.sbatch", "train_torchrun.sbatch"])
+def test_the_job_ends_with_the_exit_code_mgpu_set(tmp_path: Path, config: Path, script: str) -> None:
+    """submitit's process and torchrun exit 1 when rank 0 exits 3 (stopped, stays down) or 5 (Slurm did not
+    answer): the batch script ends with recovery's code instead, read back from the ledger (was: 1)."""
+    runs = tmp_path / "runs"
+    path = fake_bin(tmp_path, srun="exit 1", scontrol="exit 1")  # the step as submitit and torchrun end it
+    env = base_env(PATH=path, SLURM_JOB_ID="7", SLURM_TASK_PID=str(os.getpid()), SLURM_SUBMIT_DIR=str(ROOT),
+                   SLURM_JOB_NODELIST="n1", PYTHON=PYTHON)
+    if script == "submit.py":
+        result = run_script([SUBMIT, "--cluster", "slurm", "--dry-run", "--config", str(config), "--folder", str(runs)],
+                            PATH=path)
+        assert result.returncode == 0, result.stderr
+        (tmp_path / "job.sh").write_text(result.stdout)
+        command = ["bash", str(tmp_path / "job.sh")]
+    else:
+        command = ["bash", str(ROOT / "slurm" / script), str(config), f"run.root={runs}"]
+    from mgpu.record.ledger import Ledger
+
+    Ledger(runs / "blob" / "events.jsonl", "7", 0).write("stop_decision", step=4, what="cancelled", requeue=False,
+                                                         reason="the job was cancelled; it stays down")
+    ran = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 3, ran.stdout + ran.stderr
+
+
 @pytest.mark.parametrize("environ, stale, kept", [
     ({"SLURM_JOB_ID": "7"}, ["7_0_result.pkl.save_tmp", "7_1_result.pkl.save_tmp"],
      ["8_0_result.pkl.save_tmp", "7_0_result.pkl", "70_0_result.pkl.save_tmp"]),
@@ -771,3 +831,30 @@ def test_status_survives_a_malformed_ledger(tmp_path: Path) -> None:
     assert "state       failed: {'x': 1}" in result.stdout and "progress    step 10, epoch [1]" in result.stdout
     assert result.stderr.splitlines() == [f"status: note: {run_dir / 'events.jsonl'}: skipped "
                                           f"{len(MALFORMED_LEDGER_LINES)} malformed line(s) (line 1, 2, 3, 4, 5, ...)"]
+
+
+@pytest.mark.parametrize("code", [3, 5])
+def test_a_stop_under_submitit_exits_with_the_code_mgpu_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            code: int) -> None:
+    """submitit's process exits 1 for any exception: rank 0's JobStopped (3 stays down, 5 Slurm did not answer)
+    reached srun as 1. Now TrainJob writes submitit's error result itself and exits with the code."""
+    import pickle
+
+    from mgpu.config.loading import config_to_dict, load_config
+    from mgpu.run.outcome import JobStopped
+    from mgpu.train.job import TrainJob
+
+    for name, value in {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": str(tmp_path), "SLURM_JOB_ID": "7",
+                        "SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():
+        monkeypatch.setenv(name, value)
+
+    def stopped(cfg: object, config_path: object) -> None:
+        raise JobStopped("stopped at step 4: Slurm gave no answer (x); resume with: y", code)
+
+    monkeypatch.setattr("mgpu.train.job.run_job", stopped)
+    with pytest.raises(SystemExit) as ended:
+        TrainJob(config_to_dict(load_config(None, [])))()
+    assert ended.value.code == code
+    with open(tmp_path / "7_0_result.pkl", "rb") as file:
+        outcome, trace = pickle.load(file)
+    assert outcome == "error" and trace == "JobStopped: stopped at step 4: Slurm gave no answer (x); resume with: y"

@@ -109,3 +109,86 @@ def test_a_persistent_loaders_second_epoch_forks_nothing_and_waits_for_nothing()
     started = time.monotonic()
     second = list(start(loader, "USR2"))
     assert time.monotonic() - started < worker_start.STARTED_WITHIN_S / 3 and first == second
+
+
+@pytest.mark.parametrize("version, implementation, affected", [
+    ((3, 10, 0), "CPython", True), ((3, 10, 16), "CPython", True),  # 3.10: taken as affected (backport unconfirmed)
+    ((3, 11, 0), "CPython", True), ((3, 11, 7), "CPython", True),
+    ((3, 11, 8), "CPython", False), ((3, 11, 13), "CPython", False),  # the 3.11 backport of the fix
+    ((3, 12, 0), "CPython", False), ((3, 13, 1), "CPython", False), ((3, 14, 0), "CPython", False),
+    ((3, 11, 7), "PyPy", False),
+])
+def test_the_cpythons_with_the_after_fork_hang(version: tuple[int, int, int], implementation: str,
+                                               affected: bool) -> None:
+    assert worker_start.affected(version, implementation) is affected
+
+
+@pytest.mark.parametrize("context, default, method", [
+    (None, None, "fork"),  # nothing set: the platform's default (Linux, Python < 3.14), and it stays unset
+    (None, "spawn", "spawn"),  # the loop's set_start_method (or a process started by spawn) decides
+    ("forkserver", None, "forkserver"),  # the loader's own multiprocessing_context wins
+    ("fork", "spawn", "fork"),
+])
+def test_a_loaders_start_method_is_read_without_fixing_the_default(
+        monkeypatch: pytest.MonkeyPatch, context: str | None, default: str | None, method: str) -> None:
+    import multiprocessing
+
+    from mgpu.data.loader import make_loader
+
+    monkeypatch.setattr(multiprocessing.context._default_context, "_actual_context",
+                        None if default is None else multiprocessing.get_context(default))
+    loader = make_loader(Noisy(), [[0, 1]], num_workers=2, seed=0, epoch=0, rank=0, requeue_signal="USR2",
+                         collate_fn=list, **({} if context is None else {"multiprocessing_context": context}))
+    assert worker_start.start_method(loader) == method
+    assert worker_start.guarded(loader) is (worker_start.AFFECTED and method == "fork")
+    assert multiprocessing.get_start_method(allow_none=True) == default  # still free to be set by the loop
+
+
+SPAWNED = """
+import sys
+from mgpu.data import worker_start
+from mgpu.data.loader import ResumableLoader
+from tests.test_worker_start import Noisy
+
+worker_start.STARTED_WITHIN_S = 0.001
+worker_start.kill_workers = lambda iterator: sys.exit("a healthy spawned worker was killed")
+loader = ResumableLoader(Noisy(), 3, rank=0, world_size=1, seed=5, shuffle=True, num_workers=2, collate_fn=list,
+                         multiprocessing_context=sys.argv[1], timeout=120)
+print(list(loader))
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_worker_that_starts_slowly_by_spawn_or_forkserver_is_never_killed(method: str) -> None:
+    # A spawned worker imports torch and unpickles the dataset before its first line: seconds. It has no after-fork
+    # hazard, so nothing waits for it: with a bound of 1 ms it still delivers every batch, and no worker is killed.
+    # (In a process of its own: spawn's resource tracker outlives the loader.)
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, base_env
+
+    result = subprocess.run([sys.executable, "-c", SPAWNED, method], cwd=ROOT, env=base_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == str(_batches())
+
+
+def test_an_eval_loader_iterated_directly_is_guarded_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    # session.eval_loader hands out a DataLoader the loop iterates itself (`for x, y in evaluation`): its workers
+    # start through the same guard as the training loader's.
+    from mgpu.data.loader import eval_loader
+
+    monkeypatch.setattr(worker_start, "AFFECTED", True)
+    expected = list(eval_loader(Noisy(), 3, rank=0, world_size=1, seed=5, requeue_signal="USR2", num_workers=2,
+                                collate_fn=list, timeout=60))
+    flag, pids = tmp_path / "stall", tmp_path / "stalled.pids"
+    flag.touch()
+    _stall_workers(monkeypatch, flag, pids, once=True)
+    with caplog.at_level(logging.WARNING, logger="mgpu.train"):
+        batches = [batch for batch in eval_loader(Noisy(), 3, rank=0, world_size=1, seed=5, requeue_signal="USR2",
+                                                  num_workers=2, collate_fn=list, timeout=60)]
+    assert batches == expected and "forking the workers again (2 of 3)" in caplog.text
+    assert "gh-112275" in caplog.text  # rank 0 says once what causes it and how to rule it out

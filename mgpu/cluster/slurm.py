@@ -14,8 +14,8 @@ a queued or running state" in another. Here:
 - output is decoded tolerantly (a Latin-1 job name or working directory in `scontrol show job` is not UTF-8:
   it must not raise at a job's start or stop), and `unanswered` says which calls gave no answer, and why;
 - `within(seconds)` bounds every call and retry inside it by one deadline: at a stop, the time left before
-  Slurm's SIGKILL (`stop_window_s`: KillWait after the first SIGTERM), so a hanging scontrol cannot outlast
-  the job (it used to cost 2 tries x 20 s per call, twice, 84 s, past most KillWaits).
+  Slurm's SIGKILL (`mgpu.cluster.kill_time`: from the signals' times and KillWait), so a hanging scontrol cannot
+  outlast the job (it used to cost 2 tries x 20 s per call, twice, 84 s, past most KillWaits).
 
 Tests inject `run` (argv, timeout -> CompletedProcess) and `which` instead of the real commands.
 """
@@ -33,8 +33,8 @@ from typing import Callable, Iterator, Literal, Mapping, Sequence
 
 from mgpu.errors import MgpuError
 
-__all__ = ["ALIVE_STATES", "DEFAULT_KILL_WAIT_S", "JobView", "RequeueOutcome", "SlurmClient", "SlurmError",
-           "SlurmUnanswered", "client", "is_alive", "parse_job_view", "set_client", "stop_window_s"]
+__all__ = ["ALIVE_STATES", "JobView", "RequeueOutcome", "SlurmClient", "SlurmError", "SlurmUnanswered", "client",
+           "is_alive", "parse_job_view", "set_client"]
 
 Runner = Callable[[list[str], float], "subprocess.CompletedProcess[str]"]
 TIMEOUT_S = 20.0
@@ -61,32 +61,6 @@ class SlurmUnanswered(SlurmError):
         super().__init__(message)
         self.note = note or message
         """The call and why it gave no answer, in a few words (what a ledger's `unknown` records)."""
-
-
-DEFAULT_KILL_WAIT_S = 30.0
-"""Slurm's default KillWait (SIGTERM to SIGKILL); MGPU_KILL_WAIT_S gives the cluster's (jobs/doctor.py measures it)."""
-EXIT_RESERVE_S = 3.0
-"""Of the time before SIGKILL, what the exit after the stop's Slurm calls keeps (at most a fifth of KillWait)."""
-MIN_WINDOW_S = 1.0
-"""A stop's Slurm calls get at least this: one short try even when the kill is due (it costs nothing then)."""
-
-
-def stop_window_s(signals: Sequence[tuple[str, float]], now: float | None = None,
-                  environ: Mapping[str, str] | None = None) -> float:
-    """Seconds a stop's Slurm calls may take: SIGKILL comes KillWait after the first SIGTERM (`signals`: the
-    (name, Unix time) seen), or at least KillWait from now when no SIGTERM came yet (the user signal, the
-    job's own deadline), less a reserve for the exit. KillWait: MGPU_KILL_WAIT_S, else DEFAULT_KILL_WAIT_S."""
-    environ = os.environ if environ is None else environ
-    now = time.time() if now is None else now
-    try:
-        kill_wait = float(environ.get("MGPU_KILL_WAIT_S", "") or DEFAULT_KILL_WAIT_S)
-    except ValueError:
-        kill_wait = DEFAULT_KILL_WAIT_S
-    kill_wait = kill_wait if kill_wait > 0 else DEFAULT_KILL_WAIT_S
-    terms = [when for name, when in signals if name == "SIGTERM"]
-    start = min(terms) if terms else now
-    left = start + kill_wait - now - min(EXIT_RESERVE_S, kill_wait / 5)
-    return max(MIN_WINDOW_S, left)
 
 
 def is_alive(state: str | None) -> bool:
@@ -320,7 +294,13 @@ class SlurmClient:
         return proc.stdout if proc.returncode == 0 else ""
 
     def show_partition(self, partition: str) -> str:
-        proc = self._required("scontrol", "show", "partition", "-o", partition)
+        """`scontrol show partition -o` of `partition` ("": every partition), "" when Slurm refuses."""
+        proc = self._required("scontrol", "show", "partition", "-o", *([partition] if partition else []))
+        return proc.stdout if proc.returncode == 0 else ""
+
+    def show_config(self) -> str:
+        """`scontrol show config` ("" when Slurm refuses)."""
+        proc = self._required("scontrol", "show", "config")
         return proc.stdout if proc.returncode == 0 else ""
 
 

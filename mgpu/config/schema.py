@@ -43,6 +43,11 @@ class DataConfig:
     """Samples per rank per evaluation step (null: batch_size)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (0: load in the training process)."""
+    worker_start_method: Literal["default", "fork", "spawn", "forkserver"] = "default"
+    """How the workers start: `default` is Python's (fork on Linux before Python 3.14, or what the process set with
+    multiprocessing.set_start_method); `forkserver` forks them from a clean server process, which rules out CPython
+    gh-112275's hang of a forked worker (CPython 3.10 and 3.11 before 3.11.8) at the cost of a slower first start
+    (docs/data.md); `spawn` starts each from a new interpreter (slowest). The dataset must be picklable for both."""
     shuffle: bool = True
     """Reshuffle the training set every epoch (the same order on every rank count for a given seed)."""
 
@@ -282,7 +287,7 @@ SAFE_TO_CHANGE: frozenset[str] = frozenset({
     "train.epochs", "train.max_steps", "eval.every_steps", "eval.early_stopping_patience",
     "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.keep_snapshot_buffers",
     "checkpoint.memory_every_steps",
-    "data.num_workers", "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
+    "data.num_workers", "data.worker_start_method", "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
     "optim.lr", "optim.weight_decay",  # applied to every parameter group after the restore (mgpu.state.hparams)
 })
 """Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""

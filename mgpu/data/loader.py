@@ -43,12 +43,15 @@ from mgpu.record.check_hooks import record_batch
 from mgpu.stop.preemption import signal_number
 from mgpu.state.rng import derived_seed, seed_everything
 
-__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "eval_loader", "is_worker_death", "loader_seed", "make_loader",
+__all__ = ["Batches", "ResumableLoader", "SampleSeeded", "WorkerSafeLoader", "eval_loader", "is_worker_death", "loader_seed", "make_loader",
            "sample_seed", "start"]
 
 log = logging.getLogger("mgpu.train")
 _torch_sigchld_removed = False
 _reaper_installed = False
+_hazard_said = False
+_WORKER_ONLY = ("multiprocessing_context", "prefetch_factor", "persistent_workers", "worker_init_fn")
+"""DataLoader options it refuses without workers."""
 
 
 def sample_seed(seed: int, epoch: int, index: int) -> int:
@@ -118,6 +121,9 @@ def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]] | None, *, nu
     # shift dropout's stream differently in a resumed run than in an unbroken one.
     generator = torch.Generator().manual_seed(loader_seed(seed, epoch, rank))
     extra: dict[str, Any] = dict(options)
+    if num_workers == 0:  # in-process (asked for, or the fallback after a worker died): the workers' options refused
+        for option in _WORKER_ONLY:
+            extra.pop(option, None)
     if num_workers > 0:
         extra["worker_init_fn"] = functools.partial(_quiet_worker, _stop_signals(requeue_signal),
                                                     extra.get("worker_init_fn"))
@@ -127,8 +133,10 @@ def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]] | None, *, nu
             atexit.register(_reap_workers)
             _reaper_installed = True
     batching: dict[str, Any] = {"batch_sampler": batches} if batches is not None else {"batch_size": None}
-    return DataLoader(dataset, num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
-                      generator=generator, **batching, **extra)
+    loader = WorkerSafeLoader(dataset, num_workers=num_workers, collate_fn=collate_fn, pin_memory=pin_memory,
+                              generator=generator, **batching, **extra)
+    loader.requeue_signal, loader.rank = requeue_signal, rank
+    return loader
 
 
 def is_worker_death(error: BaseException) -> bool:
@@ -137,12 +145,29 @@ def is_worker_death(error: BaseException) -> bool:
         "exited unexpectedly" in str(error) or "killed by signal" in str(error))
 
 
+class WorkerSafeLoader(DataLoader):
+    """The DataLoader mgpu hands out (`make_loader`: the trainer's, `session.loader`'s, `session.eval_loader`'s):
+    every iterator's workers start through `start`, however it is iterated (a `for` over it, `iter()`)."""
+
+    requeue_signal = "USR2"
+    rank = 0
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # torch declares _BaseDataLoaderIter
+        if not self.num_workers:
+            return super().__iter__()
+        return start(self, self.requeue_signal)
+
+
 def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
-    """`iter(loader)`, its workers forked with the stop signals blocked (see `_quiet_worker`), and forked again
-    if one never reached Python (mgpu.data.worker_start)."""
+    """`iter(loader)`, its workers started with the stop signals blocked (see `_quiet_worker`), whatever the start
+    method; forked workers on a CPython with gh-112275 watched, and forked again if one never reached Python
+    (mgpu.data.worker_start)."""
     if not loader.num_workers:
-        return iter(loader)
+        return DataLoader.__iter__(loader)
     ours = isinstance(loader.worker_init_fn, functools.partial) and loader.worker_init_fn.func is _quiet_worker
+    if not (ours and worker_start.guarded(loader)):
+        return _fork(loader, requeue_signal)
+    _say_the_hazard_once(getattr(loader, "rank", 0))
     kept = getattr(loader, "_iterator", None) if loader.persistent_workers else None  # reused: nothing forks
     rewind = loader.generator.get_state() if loader.generator is not None else None
     for attempt in range(1, worker_start.FORK_ATTEMPTS + 1):
@@ -150,7 +175,7 @@ def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
         try:
             with marks:
                 iterator = _fork(loader, requeue_signal)
-            if not ours or (kept is not None and iterator is kept):
+            if kept is not None and iterator is kept:
                 return iterator
             late = marks.wait(getattr(iterator, "_workers", []))
             if not late:
@@ -158,14 +183,22 @@ def start(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
             pids = worker_start.kill_workers(iterator)
         finally:
             marks.close()
-        log.warning("DataLoader worker(s) %s (pids %s) had not reached Python %.0f s after their fork (CPython's "
-                    "after-fork code waits forever on a lock another thread held at the fork): killed%s", late, pids,
-                    worker_start.STARTED_WITHIN_S, f", forking the workers again ({attempt + 1} of "
-                    f"{worker_start.FORK_ATTEMPTS})" if attempt < worker_start.FORK_ATTEMPTS else "")
+        log.warning("DataLoader worker(s) %s (pids %s) had not reached Python %.0f s after their fork (CPython "
+                    "gh-112275: the after-fork code waits forever on a lock another thread held at the fork): "
+                    "killed%s", late, pids, worker_start.STARTED_WITHIN_S,
+                    f", forking the workers again ({attempt + 1} of {worker_start.FORK_ATTEMPTS})"
+                    if attempt < worker_start.FORK_ATTEMPTS else "")
         if rewind is not None:  # the same base seed as the first try drew
             loader.generator.set_state(rewind)
     raise RuntimeError(f"DataLoader workers did not start: {worker_start.FORK_ATTEMPTS} forks in a row left a worker "
                        f"that had not reached Python after {worker_start.STARTED_WITHIN_S:.0f} s")
+
+
+def _say_the_hazard_once(rank: int) -> None:
+    global _hazard_said
+    if not _hazard_said and rank == 0:
+        log.warning(worker_start.hazard_line())
+    _hazard_said = True
 
 
 def _fork(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
@@ -174,7 +207,7 @@ def _fork(loader: DataLoader, requeue_signal: str) -> Iterator[Any]:
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
     try:
         with _parents_objects_frozen():
-            iterator = iter(loader)
+            iterator = DataLoader.__iter__(loader)
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
     _drop_torch_sigchld()
@@ -213,14 +246,13 @@ class Batches:
     """
 
     def __init__(self, build: Callable[[int, int], DataLoader], count: int, workers: int,
-                 stopping: Callable[[], bool], requeue_signal: str) -> None:
+                 stopping: Callable[[], bool]) -> None:
         self.build, self.count, self.workers, self.stopping = build, count, workers, stopping
-        self.requeue_signal = requeue_signal
 
     def __iter__(self) -> Iterator[Any]:
         index, workers = 0, self.workers
         while index < self.count:
-            iterator = start(self.build(index, workers), self.requeue_signal)
+            iterator = iter(self.build(index, workers))
             try:
                 for batch in iterator:
                     index += 1
@@ -322,7 +354,7 @@ class ResumableLoader:
                                collate_fn=self.collate_fn, **self.options)
 
         count = self._batches_from(position)
-        batches = Batches(build, count, self.num_workers, self.stopping, self.requeue_signal)
+        batches = Batches(build, count, self.num_workers, self.stopping)
         for mb, batch in zip(self._micro_batches(position), batches):
             self.last, self.position = mb, mb.end_position
             record_batch(self.plan.rank, self.epoch, mb.end_position, batch, mb.indices, self.num_workers)  # check_resume only

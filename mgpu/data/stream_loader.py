@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from mgpu.record.check_hooks import record_batch
-from mgpu.data.loader import ResumableLoader, make_loader, start
+from mgpu.data.loader import ResumableLoader, make_loader
 
 __all__ = ["StatefulStreamLoader", "is_stateful", "open_loader", "shuffle_buffer"]
 
@@ -208,7 +208,7 @@ class StatefulStreamLoader:
                                             first),
                              None, num_workers=self.num_workers, seed=self.seed, epoch=self.epoch, rank=self.rank,
                              requeue_signal=self.requeue_signal, collate_fn=_first, **self.options)
-        yield from start(loader, self.requeue_signal)
+        yield from loader
 
     def __iter__(self) -> Iterator[Any]:
         self.start_position = self.position

@@ -31,9 +31,13 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
                      hang's node that cannot be excluded keeps the job down), requeue, reason, action ("restart" |
                      "requeued" | "none"), error, rank (mgpu.run.recovery, after a failed step); progressed; unknown
                      (what Slurm did not answer: the decision is the stop's evidence, or "unknown" and the batch
-                     script's mgpu.run.recovery asks again: its own has by "recovery")
+                     script's mgpu.run.recovery, or rank 0 after its session, asks again: its own has by "recovery"
+                     or "rank 0"; after a failed step: the step restarts in place, which needs no answer)
     requeue_unknown  step, error, by: the requeue got no answer (mgpu.run.recovery asks again)
     requeue_refused  step, error, by: Slurm refused the requeue (e.g. a job submitted with --no-requeue)
+    awaiting_slurm   step, until (Unix time), unknown, reason, by ("recovery" | "rank 0"): Slurm did not answer a
+                     stop that came with its signal, so the job stays alive, idle, until Slurm answers (a
+                     `stop_decision` follows) or ends it (a preemption requeues it; mgpu.run.unanswered)
     requeued         step, how ("self" | "slurm"), message, after (a failure's kind: "failure" | "no_progress" |
                      "hang"; absent after a stop)
     restarted        after ("failure" | "hang"), message: the step starts again in the same allocation (counted
@@ -68,7 +72,7 @@ from mgpu.record.save_record import note_event
 __all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
 
 EVENTS = ("started", "resumed", "fresh_start", "hyperparameters", "first_step", "progress", "checkpoint_saved", "checkpoint_failed", "preempted",
-          "stop_decision", "requeue_unknown", "requeue_refused", "requeued", "restarted", "node_excluded", "node_decision", "hang", "evaluated", "early_stopped", "finished",
+          "stop_decision", "requeue_unknown", "requeue_refused", "awaiting_slurm", "requeued", "restarted", "node_excluded", "node_decision", "hang", "evaluated", "early_stopped", "finished",
           "failed")
 """Every event mgpu writes (tests/test_goodput.py checks it against the code's writes and this docstring)."""
 

@@ -111,6 +111,7 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
     state = "running"
     down: dict[str, Any] | None = None  # a stop's decision that the job stays down (not requeued)
     unanswered: dict[str, Any] | None = None  # a stop's requeue that Slurm did not answer (or refused)
+    awaiting: dict[str, Any] | None = None  # the job waits, alive, for Slurm to answer or end it (mgpu.run.unanswered)
     decided = False  # the newest stop decision seen (mgpu.run.recovery's, asked again, supersedes rank 0's)
     for event in reversed(events):
         name = event["event"]
@@ -122,6 +123,9 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         if name in ("requeue_unknown", "requeue_refused"):
             unanswered = unanswered or (None if decided else event)
             continue
+        if name == "awaiting_slurm":
+            awaiting = awaiting or (None if decided else event)
+            continue
         if name == "finished":
             status = event.get("status")
             state = "finished" if status in (None, "finished") else f"finished ({status})"
@@ -130,7 +134,13 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
             rank = f" (rank {cause['rank']})" if isinstance(cause.get("rank"), int) and cause.get("rank") else ""
             state = f"failed{rank}: {cause.get('error', '?')}"
         elif name == "preempted":
-            if down is not None and down.get("unknown"):
+            if awaiting is not None:
+                try:
+                    when = time.strftime("%H:%M:%S", time.localtime(float(awaiting.get("until"))))  # type: ignore[arg-type]
+                except (TypeError, ValueError, OverflowError, OSError):
+                    when = "?"
+                state = f"stopped, waiting for Slurm to answer or end the job (until {when}): {awaiting.get('unknown')}"
+            elif down is not None and down.get("unknown"):
                 state = f"stopped, Slurm gave no answer: {down.get('reason') or '?'}"
             elif down is not None:
                 state = f"stopped, stays down: {down.get('reason') or down.get('what') or '?'}"

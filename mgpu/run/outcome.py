@@ -7,10 +7,12 @@ no limit; see `mgpu.record.budgets.Limits`). A run that made no progress at all 
 budget instead, so a job whose time limit leaves no time to train does not requeue forever. Slurm is
 asked about a job only when it is this process's own (`mgpu.cluster.slurm_job.owns_slurm_job`).
 
-Every Slurm call here ends before Slurm's SIGKILL (`mgpu.cluster.slurm.stop_window_s`). Where Slurm gives no answer,
-rank 0 decides on the stop's evidence (`mgpu.cluster.requeue.decide_unanswered`); what stays unknown (no decision,
-or a requeue without an answer) is the `unknown` outcome: exit UNANSWERED_EXIT_CODE, the ledger's
-`stop_decision` carries `unknown`, and the batch script's `mgpu.run.recovery` asks Slurm again after srun.
+Every Slurm call here ends before Slurm's SIGKILL (`mgpu.cluster.kill_time`: the signals' times and KillWait). Where
+Slurm gives no answer, rank 0 decides on the stop's evidence (`mgpu.cluster.requeue.decide_unanswered`); what stays
+unknown (no decision, or a requeue without an answer) is the `unknown` outcome: exit UNANSWERED_EXIT_CODE, the
+ledger's `stop_decision` carries `unknown` (or a `requeue_unknown` follows it), and `mgpu.run.unanswered` settles it:
+in the batch script's `mgpu.run.recovery` after srun, else in rank 0 once its session has ended; a stop that came
+with Slurm's signal keeps the job alive until Slurm answers or ends it (a preemption then requeues it).
 """
 
 from __future__ import annotations
@@ -22,18 +24,19 @@ import os
 import shlex
 import sys
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 from mgpu.cluster.environment import ProcessEnv
 from mgpu.record.ledger import Ledger, read_ledger
+from mgpu.errors import USAGE_EXIT_CODE
 from mgpu.record.budgets import Limits, failure_requeues, stop_requeues
 from mgpu.cluster.requeue import Budget, Decision, decide, decide_unanswered, query_job, requeue
 from mgpu.record.rundir import RunDir
-from mgpu.cluster.slurm import SlurmError, SlurmUnanswered, client, stop_window_s
+from mgpu.cluster.kill_time import KillTimes
+from mgpu.cluster.slurm import SlurmError, SlurmUnanswered, client
 
 __all__ = ["SPAWN_ARGV", "STOPPED_EXIT_CODE", "UNANSWERED_EXIT_CODE", "USER_VARIABLES", "JobStopped", "Outcome",
-           "StopBudgets", "decide_after_stop",
-           "exit_code", "resume_command"]
+           "StopBudgets", "decide_after_stop", "exit_code", "recorded_exit_code", "resume_command"]
 
 log = logging.getLogger("mgpu.train.job")
 STOPPED_EXIT_CODE = 3
@@ -126,6 +129,30 @@ def exit_code(outcome: "Outcome") -> int:
     return {"stays_down": STOPPED_EXIT_CODE, "unknown": UNANSWERED_EXIT_CODE}.get(outcome.kind, 0)
 
 
+def recorded_exit_code(attempt: Sequence[Mapping[str, Any]]) -> int | None:
+    """The exit code mgpu set for an attempt, read back from its ledger events (`exit_code` of what rank 0, or the
+    batch script's mgpu.run.recovery, decided last): a launcher that reports any rank's non-zero exit as its own
+    failure (torchrun, submitit: exit 1) loses it, and the batch script ends with this instead. None: nothing
+    decided a stop (a failure keeps the step's own code)."""
+    for event in reversed(attempt):
+        name = event.get("event")
+        if name == "requeued":
+            return None if event.get("after") in ("failure", "hang") else 0
+        if name in ("requeue_unknown", "awaiting_slurm"):
+            return UNANSWERED_EXIT_CODE
+        if name == "requeue_refused":
+            return STOPPED_EXIT_CODE
+        if name == "failed":
+            return USAGE_EXIT_CODE if event.get("retry") is False else None
+        if name == "stop_decision":
+            if "error" in event:  # the recovery's decision after a failed step: the failure's own code stands
+                return None
+            if event.get("requeue") or event.get("what") == "requeued_by_slurm":
+                return 0
+            return UNANSWERED_EXIT_CODE if event.get("unknown") else STOPPED_EXIT_CODE
+    return None
+
+
 @dataclass(frozen=True)
 class StopBudgets:
     """This job's budgets, read when the run starts: requeues after stops, and after failures."""
@@ -178,7 +205,7 @@ def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoin
         return Outcome("other_rank")  # a non-zero exit here would make srun kill rank 0 before it acts
     progressed = step > resumed_step
     budget = budgets.stops if progressed else Budget(budgets.failures_used, budgets.limits.max_failures, "failure")
-    with client().within(stop_window_s(signals)):
+    with client().within(KillTimes.from_environ().window_s(signals)):
         decision, unknown = _decision(reasons, budgets.job_id, env.restart_count, budget)
         why = decision.why if progressed else f"{decision.why} (this run made no progress)"
         ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why,
@@ -222,4 +249,4 @@ def _decision(reasons: set[str], job_id: str | None, restarts: int, budget: Budg
 def _asked_again(env: ProcessEnv) -> str:
     if os.environ.get("MGPU_RECOVERY") == "batch":
         return "the batch script's mgpu.run.recovery asks Slurm again after srun"
-    return f"nothing asks Slurm again: if the job does not come back, resume with: {resume_command(env)}"
+    return "rank 0 asks Slurm again once its session has ended (mgpu.run.unanswered)"

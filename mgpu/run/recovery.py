@@ -19,9 +19,11 @@ step again in the same allocation (it prints `restart`: no requeue hold), or, wi
 rank requeueing (`mgpu.train.job`), deduplicated by the `.failure-<job>-<restart>` claim either way.
 
 A stop Slurm did not answer (rank 0's `stop_decision` carries `unknown`, or its requeue got no answer:
-`requeue_unknown`; the step's exit code is then mgpu.run.outcome.UNANSWERED_EXIT_CODE) is not a failure: this
-module asks Slurm again, within KillWait, and decides it as rank 0 would have (within the stop budget),
-on the stop's evidence when Slurm still does not answer.
+`requeue_unknown`; the step's exit code is then mgpu.run.outcome.UNANSWERED_EXIT_CODE) is not a failure: it is
+settled by `mgpu.run.unanswered` (asked again; after Slurm's signal, the job kept alive until Slurm answers or
+ends it). A failed step whose `scontrol show job` gets no answer starts again in place, which needs nothing from
+Slurm. This module exits with the code mgpu set for the step (mgpu.run.outcome.recorded_exit_code), which the
+batch scripts end with: a launcher's own code (torchrun's and submitit's 1) does not reach Slurm.
 """
 
 from __future__ import annotations
@@ -32,24 +34,27 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
-from mgpu.record.budgets import FAILURE_KINDS, Limits, failure_requeues, stop_requeues
+from mgpu.record.budgets import FAILURE_KINDS, Limits, failure_requeues
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.record.failures import record_failure
 from mgpu.record.ledger import Ledger, read_ledger
 from mgpu.record.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
 from mgpu.cluster.hostlist import expand_hostlist
-from mgpu.cluster.requeue import Budget, JobView, decide, decide_unanswered, query_job, requeue, resume_command
+from mgpu.cluster.requeue import Budget, JobView, decide, query_job, requeue, resume_command
 from mgpu.record.rundir import RunDir
-from mgpu.cluster.slurm import RequeueOutcome, SlurmError, SlurmUnanswered, client, stop_window_s
+from mgpu.cluster.slurm import SlurmUnanswered
+from mgpu.run.outcome import recorded_exit_code
+from mgpu.run.unanswered import open_stop, settle_stop, this_attempt
 from mgpu.cluster.slurm_job import owns_slurm_job
 
-__all__ = ["finish_stop", "handle_failure", "main", "peer_consequence", "rank_failed"]
+__all__ = ["handle_failure", "main", "peer_consequence", "rank_failed"]
 
 log = logging.getLogger("mgpu.train.job")
 
@@ -67,13 +72,6 @@ def peer_consequence(error: BaseException) -> bool:
     return type(error).__name__ in _CONSEQUENCE_TYPES or _CONSEQUENCE.search(str(error)) is not None
 
 
-def _this_attempt(events: Sequence[Mapping[str, Any]], job_id: str, restart: int) -> list[Mapping[str, Any]]:
-    """The events of the latest attempt of run `restart`: after its last in-allocation restart."""
-    mine = [e for e in events if e.get("job_id") == job_id and e.get("restart") == restart]
-    starts = [i for i, e in enumerate(mine) if e.get("event") == "restarted"]
-    return mine[starts[-1] + 1:] if starts else mine
-
-
 def _handled(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     """This attempt's own stop decision, or its non-retryable failure, if it recorded one."""
     for event in reversed(attempt):
@@ -82,76 +80,23 @@ def _handled(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
     return None
 
 
-def _open_stop(attempt: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
-    """This attempt's stop decision that Slurm left open (no answer to the question or to the requeue)."""
-    for event in reversed(attempt):
-        if event.get("event") == "requeue_unknown":
-            return next((e for e in reversed(attempt) if e.get("event") == "stop_decision"), event)
-        if event.get("event") in ("requeued", "requeue_refused"):
-            return None
-        if event.get("event") == "stop_decision":
-            return event if event.get("unknown") else None
-    return None
-
-
-def finish_stop(run: RunDir, job_id: str, restart: int, limits: Limits, events: Sequence[Mapping[str, Any]],
-                attempt: Sequence[Mapping[str, Any]], decided: Mapping[str, Any]) -> tuple[Action, str]:
-    """Decide a stop rank 0 could not (Slurm did not answer it): as rank 0 would have, asking Slurm again
-    within KillWait, on the stop's evidence if it still does not answer. Raises nothing it can catch."""
-    ledger = Ledger(run.ledger, job_id, restart)
-    stop: Mapping[str, Any] = next((e for e in reversed(attempt) if e.get("event") == "preempted"), {})
-    reasons = {str(r) for r in stop.get("reasons") or []}
-    step = decided.get("step")
-    progressed = decided.get("progressed") is not False
-    budget = (Budget(stop_requeues(events, job_id, restart), limits.max_requeues) if progressed
-              else Budget(failure_requeues(events, job_id), limits.max_failures, "failure"))
-    with client().within(stop_window_s([])):  # a SIGTERM may come now: KillWait from here at least
-        unknown = None
-        try:
-            decision = decide(reasons, query_job(job_id), restart, budget)
-        except SlurmError as error:
-            unknown = error.note if isinstance(error, SlurmUnanswered) else str(error)
-            decision = decide_unanswered(reasons, budget, unknown)
-        why = f"asked again after the step: {decision.why}" + ("" if progressed else " (this run made no progress)")
-        ledger.write("stop_decision", step=step, what=decision.event, requeue=decision.requeue, reason=why,
-                     progressed=progressed, by="recovery", **({"unknown": unknown} if unknown else {}))
-        if decision.requeue:
-            try:
-                outcome = requeue(job_id)
-            except SlurmUnanswered as error:
-                ledger.write("requeue_unknown", step=step, error=error.note, by="recovery")
-                return "none", (f"{why}; but the requeue got no answer ({error.note}); if the job does not come back, "
-                                f"resume with: {resume_command()}")
-            except SlurmError as error:
-                ledger.write("requeue_refused", step=step, error=str(error), by="recovery")
-                return "none", f"{why}; but Slurm refused the requeue ({error}); to resume: {resume_command()}"
-            if outcome.how == "slurm" and any(e.get("event") == "requeue_unknown" for e in attempt):
-                # Rank 0's requeue got no answer in time yet took effect (the job is pending now): it was ours.
-                outcome = RequeueOutcome("self", f"requeued job {job_id} by rank 0's earlier try, which got no "
-                                                 f"answer in time ({outcome.message})")
-            ledger.write("requeued", step=step, how=outcome.how, message=outcome.message, by="recovery",
-                         **({} if progressed else {"after": "no_progress"}))
-            return "requeued", f"{why}: {outcome.message}"
-        if decision.event == "requeued_by_slurm":
-            return "none", why
-        return "none", f"{why}; the job stays down; to resume: {resume_command()}"
-
-
 Action = Literal["restart", "requeued", "none"]
 
 
 def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, message: str,
-                   rank: int | None = None, may_restart: bool = False) -> tuple[Action, str]:
+                   rank: int | None = None, may_restart: bool = False,
+                   before_requeue: Callable[[], object] | None = None) -> tuple[Action, str]:
     """After run `restart` of job `job_id` failed with `message`: what to do, done. Never raises.
 
     A hang the watchdog pinned on one node: exclude that node and requeue (a new allocation without it).
     Otherwise, with `may_restart` (the batch script can start srun again), restart in this allocation:
     no requeue hold, which is minutes on production clusters. Else requeue. All within the failure budget;
-    exactly one caller acts (the first to create the attempt's failure claim)."""
+    exactly one caller acts (the first to create the attempt's failure claim). `before_requeue`: called just
+    before a requeue (the batch script's: the snapshots in memory removed on every node)."""
     try:
         run.path.mkdir(parents=True, exist_ok=True)
         events = read_ledger(run.ledger)
-        attempt = _this_attempt(events, job_id, restart)
+        attempt = this_attempt(events, job_id, restart)
         restarts_here = sum(1 for e in events if e.get("event") == "restarted" and e.get("job_id") == job_id
                             and e.get("restart") == restart)
         claim = run.failure_claim(job_id, restart).with_name(
@@ -162,9 +107,10 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             return "none", "another process handles this failure"
         with os.fdopen(fd, "w") as file:
             file.write(f"{message}\n")
-        undecided = _open_stop(attempt)
+        undecided = open_stop(attempt)
         if undecided is not None:
-            return finish_stop(run, job_id, restart, limits, events, attempt, undecided)
+            settled = settle_stop(run, job_id, restart, limits, events, attempt, undecided)
+            return ("requeued" if settled.kind == "requeued" else "none"), settled.message
         handled = _handled(attempt)
         if handled is not None:
             return "none", (f"nothing to do: the run recorded {handled['event']} "
@@ -174,9 +120,12 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         hang = next((e for e in reversed(attempt) if e.get("event") == "hang"), None)
         kind = "hang" if hang else "failure"
         budget = Budget(failure_requeues(events, job_id), limits.max_failures, "failure")
-        view = query_job(job_id)
-        decision = decide(set(), view, restart, budget)
         bad = hang["hosts"][0] if hang and hang.get("ranks") and len(hang.get("hosts") or []) == 1 else None
+        try:
+            view = query_job(job_id)
+        except SlurmUnanswered as error:
+            return _restart_unanswered(ledger, kind, budget, error.note, message, who, may_restart, bad)
+        decision = decide(set(), view, restart, budget)
         plan = None
         if bad and decision.requeue:
             nodes = partition_nodes(view.partition)
@@ -212,6 +161,8 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             return action, "restarting the step in this allocation (no requeue hold)"
         if action == "none":
             return action, decision.why
+        if before_requeue is not None:
+            before_requeue()
         outcome = requeue(job_id)
         ledger.write("requeued", how=outcome.how, message=outcome.message, after=kind)
         if plan is not None and plan.nodes:
@@ -221,6 +172,27 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
         return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
                         f"{resume_command(ask=False)}")
+
+
+def _restart_unanswered(ledger: Ledger, kind: str, budget: Budget, unknown: str, message: str, who: dict[str, int],
+                        may_restart: bool, bad: str | None) -> tuple[Action, str]:
+    """After a failed step, Slurm gave no answer about the job: a restart in place needs nothing from Slurm (the
+    allocation is there, the budget is in the ledger), so it is the way back; a requeue or an exclusion is not."""
+    said = f"Slurm gave no answer ({unknown})"
+    if budget.spent or not may_restart:
+        why = (f"after a {kind}: {said}; " + (f"the {budget.kind} budget is spent ({budget.used} of {budget.limit} "
+               f"{budget.noun} used)" if budget.spent else "the batch script cannot start the step again here") +
+               f"; the job stays down; fix what failed, then resume with: {resume_command()}")
+        ledger.write("stop_decision", what="unknown", requeue=False, action="none", reason=why, error=message,
+                     unknown=unknown, **who)
+        return "none", why
+    node = f"; the hang was pinned on {bad}, which cannot be excluded without Slurm: check it" if bad else ""
+    why = (f"after a {kind}: {said}; a restart in place needs nothing from Slurm: restarting the step in this "
+           f"allocation ({budget.describe()}){node}")
+    ledger.write("stop_decision", what="unknown", requeue=True, action="restart", reason=why, error=message,
+                 unknown=unknown, **who)
+    ledger.write("restarted", after=kind, message="the step starts again in this allocation")
+    return "restart", f"{why} (no requeue hold)"
 
 
 def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, restart: int, slurm_job: str | None,
@@ -251,6 +223,32 @@ def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, re
         logging.getLogger("mgpu.train").error("rank %d failed: %s: %s; %s", rank, type(error).__name__, error, what)
 
 
+CLEANUP_S = 30.0
+"""The bound on removing a failed job's snapshots from every node before it is requeued."""
+
+
+def remove_on_every_node(job_id: str, environ: Mapping[str, str] | None = None,
+                         run: Callable[..., Any] | None = None) -> str:
+    """Before a requeue: the job's snapshots in memory (and its watchdog board) removed on every node of the
+    allocation, one srun task per node (`python -m mgpu.state.memory_snapshot --remove-this-job`). The batch
+    script's own teardown never runs once the job is requeued (Slurm ends it), and the requeued job may start on
+    other nodes. Bounded by CLEANUP_S; never raises; what it did, one line per node."""
+    environ = os.environ if environ is None else environ
+    nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
+    command = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap",
+               "--kill-on-bad-exit=0", sys.executable, "-m", "mgpu.state.memory_snapshot", "--remove-this-job"]
+    try:
+        proc = (run or subprocess.run)(command, capture_output=True, text=True, timeout=CLEANUP_S,
+                                       start_new_session=True)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the snapshots in memory of job {job_id} on its other nodes were not removed: {error}"
+    said = [line for line in proc.stdout.splitlines() if line.startswith("mgpu.state.memory_snapshot:")]
+    if proc.returncode != 0 or not said:
+        return (f"the snapshots in memory of job {job_id} on its other nodes were not removed: srun exited "
+                f"{proc.returncode}: {' '.join(proc.stderr.split())[:300]}")
+    return "; ".join(sorted(said))
+
+
 def _run_dir(args: argparse.Namespace) -> RunDir | None:
     if args.run_dir:
         return RunDir(args.run_dir)
@@ -265,7 +263,9 @@ def _run_dir(args: argparse.Namespace) -> RunDir | None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The batch script's line after srun. Exits with the step's own code, so the job's state stays true."""
+    """The batch script's line after srun. Exits with the code mgpu set for the step (`recorded_exit_code`: what
+    rank 0 or this module decided, as it would have exited under srun), else the step's own code, so the job's
+    state stays true under every launcher; the batch script ends with it."""
     parser = argparse.ArgumentParser(prog="python -m mgpu.run.recovery", description=__doc__.splitlines()[0])
     parser.add_argument("--exit-code", type=int, required=True, help="srun's exit code ($?)")
     parser.add_argument("--run-dir", help="the run directory")
@@ -286,9 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mgpu.run.recovery: the step exited {USAGE_EXIT_CODE} (bad input or a full disk, see its one-line "
               f"error): not requeued; fix it, then resume with: {resume_command()}", file=sys.stderr, flush=True)
         return args.exit_code
+    from mgpu.cluster.environment import SlurmEnvironment
+
     try:
         run = _run_dir(args)
         limits = Limits.from_environ()
+        restart = SlurmEnvironment._restarts(os.environ)  # a non-integer one is one line, as in the ranks
     except MgpuError as error:
         print(f"mgpu.run.recovery: error: {error}", file=sys.stderr, flush=True)
         return args.exit_code
@@ -297,12 +300,13 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({args.run_dir_file}): not requeued; fix it, then resume with: {resume_command()}",
               file=sys.stderr, flush=True)
         return args.exit_code
-    from mgpu.cluster.environment import SlurmEnvironment
-
     job_id = SlurmEnvironment.job_id(os.environ)
-    restart = int(os.environ.get("SLURM_RESTART_COUNT") or 0)
-    action, outcome = handle_failure(run, job_id, restart, limits,
-                                     f"the training step exited with code {args.exit_code}", may_restart=args.may_restart)
+    def before_requeue() -> None:
+        print(f"mgpu.run.recovery: {remove_on_every_node(job_id)}", file=sys.stderr, flush=True)
+
+    message = f"the training step exited with code {args.exit_code}"
+    action, outcome = handle_failure(run, job_id, restart, limits, message, may_restart=args.may_restart,
+                                     before_requeue=before_requeue)
     print(f"mgpu.run.recovery: job {job_id} run {restart}: {outcome}", file=sys.stderr, flush=True)
     if action == "restart":
         print("restart", flush=True)
@@ -310,7 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from mgpu.state.memory_snapshot import remove_job  # [memory snapshots hook] no restart in place: none is needed
 
     remove_job(job_id)
-    return args.exit_code
+    # The code mgpu set, whatever the launcher made of it (torchrun and submitit exit 1 for any rank's failure).
+    recorded = recorded_exit_code(this_attempt(read_ledger(run.ledger), job_id, restart))
+    return args.exit_code if recorded is None else recorded
 
 
 if __name__ == "__main__":

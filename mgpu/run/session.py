@@ -50,7 +50,7 @@ from mgpu.state.resumption import Resumption
 from mgpu.record.rundir import RunDir
 from mgpu.run.runner import no_beat, process_start
 from mgpu.run.session_base import SessionBase
-from mgpu.run.session_end import conclude, discard_if_unused
+from mgpu.run.session_end import conclude, discard_if_unused, settle_open_stop
 from mgpu.run.session_start import after_first_step, record_start, start
 from mgpu.run.uncaught import record_uncaught, refusals_in_one_line
 
@@ -388,6 +388,7 @@ class Session(SessionBase):
         if self._memory is not None:  # the run ended with a durable checkpoint: its snapshots go
             self._memory.remove()
         self._cleanup.close()
+        outcome = settle_open_stop(self, outcome)  # where no batch script will (mgpu.run.session_end)
         from mgpu.stop.process_exit import skip_collection_at_exit
 
         skip_collection_at_exit()  # the run is over: the process's exit need not collect its heap (~1 s of CPU)

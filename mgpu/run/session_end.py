@@ -1,7 +1,8 @@
 """A Session's end: the stop's last save (unless the loop made it durably at this step), the ledger's
 `finished` or `preempted` event, the requeue decision (mgpu.run.outcome.decide_after_stop) and the run directory's
-release; the watchdog's bound on the process group's teardown; and removing what an attempt that failed on bad
-input before it began created. `mgpu.run.session.Session` calls these; nothing else should. No torch at import.
+release; a stop Slurm left open, settled by rank 0 once the session is over where no batch script does; the
+watchdog's bound on the process group's teardown; and removing what an attempt that failed on bad input before it
+began created. `mgpu.run.session.Session` calls these; nothing else should. No torch at import.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from mgpu.run.runner import discard
 from mgpu.run.session_base import SessionBase
 
 
-__all__ = ["arm_teardown", "conclude", "discard_if_unused"]
+__all__ = ["arm_teardown", "conclude", "discard_if_unused", "settle_open_stop"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -45,6 +46,31 @@ def conclude(session: SessionBase, status: str | None, fields: dict[str, Any]) -
     if outcome.kind == "stays_down":
         session.run.release(session.env.job_id)
     return outcome
+
+
+def settle_open_stop(session: SessionBase, outcome: Outcome) -> Outcome:
+    """Rank 0, once its session has ended (no group, no watchdog), where no batch script settles a stop Slurm left
+    open (MGPU_RECOVERY unset): `mgpu.run.unanswered.settle_stop`, which may keep this process alive, idle, until
+    Slurm answers or ends the job. Any other outcome, rank or launcher: `outcome` as it is."""
+    import os
+
+    by_batch = session._by_batch if session._by_batch is not None else os.environ.get("MGPU_RECOVERY") == "batch"
+    job_id = session.budgets.job_id
+    if outcome.kind != "unknown" or not session.is_main or by_batch or job_id is None:
+        return outcome
+    from mgpu.record.ledger import read_ledger
+    from mgpu.run.unanswered import open_stop, settle_stop, this_attempt
+
+    events = read_ledger(session.run.ledger)
+    attempt = this_attempt(events, job_id, session.env.restart_count)
+    decided = open_stop(attempt)
+    if decided is None:
+        return outcome
+    settled = settle_stop(session.run, job_id, session.env.restart_count, session.limits, events, attempt, decided,
+                          by="rank 0", prog="mgpu")
+    if settled.kind == "stays_down":
+        session.run.release(session.env.job_id)
+    return Outcome(settled.kind, settled.message)
 
 
 def arm_teardown(session: SessionBase) -> None:

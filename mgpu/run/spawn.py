@@ -6,7 +6,8 @@ the environment a Session reads (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MAST
 
 Unlike mp.spawn, a stop reaches every rank and nothing is left behind: the ranks share this process's
 process group, so a terminal's Ctrl-C reaches each of them (each treats it as a stop: save, then exit);
-this process ignores it and waits for them; a SIGTERM sent to this process alone is passed on to them;
+this process ignores it and waits for them; a SIGTERM (or SIGHUP, SIGUSR1, SIGUSR2) sent to this process alone
+is passed on to them as a stop;
 a rank whose parent dies gets SIGTERM (PR_SET_PDEATHSIG), so no rank is orphaned. A time limit, when
 given, is kept as Slurm keeps one: the requeue signal some seconds before it, SIGTERM at it, SIGKILL
 after a grace period. The exit code is the ranks': 0 when all finished, 3 when they stopped and saved,
@@ -33,6 +34,9 @@ from mgpu.run.outcome import SPAWN_ARGV, STOPPED_EXIT_CODE
 __all__ = ["host_store", "spawn"]
 
 _PR_SET_PDEATHSIG = 1
+FORWARDED = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+"""Signals that stop the local ranks when sent to the spawning process alone (passed on as SIGTERM, the requeue
+signal as itself)."""
 KILL_AFTER_S = 30.0
 """After the time limit's SIGTERM, the ranks' grace period before SIGKILL (Slurm's KillWait)."""
 
@@ -49,7 +53,11 @@ def host_store() -> Any:
 
 
 def _rank(fn: Callable[..., Any], args: tuple[Any, ...], rank: int, world: int, port: int, parent: int,
-          launch: list[str]) -> None:
+          launch: list[str], start_method: str | None) -> None:
+    # A process started by `spawn` has its start method set to `spawn` too (multiprocessing's preparation): its
+    # DataLoader workers would start from new interpreters, seconds each, where under srun or torchrun they fork.
+    # The rank gets the spawning process's own choice instead (None: the platform's default).
+    multiprocessing.set_start_method(start_method, force=True)
     try:  # Linux: SIGTERM to this rank when the spawning process dies, whatever killed it
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
@@ -92,7 +100,8 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
     port = int(store.port)
     context = multiprocessing.get_context("spawn")
     launch = list(getattr(sys, "orig_argv", None) or [sys.executable, *sys.argv])  # this process's command line
-    procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid(), launch),
+    chosen = multiprocessing.get_start_method(allow_none=True)  # the loop's own set_start_method, if it made one
+    procs = [context.Process(target=_rank, args=(fn, args, rank, nprocs, port, os.getpid(), launch, chosen),
                              name=f"rank{rank}") for rank in range(nprocs)]
 
     def send(signum: int) -> None:
@@ -100,10 +109,18 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
             if proc.pid is not None and proc.is_alive():
                 os.kill(proc.pid, signum)
 
-    # The ranks start with the stop signals as this process has them; this process then only waits.
-    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    # The ranks start with the stop signals as this process has them; this process then only waits. A stop signal
+    # sent to it alone is passed on (SIGUSR1, say, killed it by its default action: its ranks, orphaned, stopped
+    # on SIGTERM with a dozen C++ stack dumps): the requeue signal as itself, any other as SIGTERM (a rank does not
+    # catch SIGUSR1, which NCCL uses, nor SIGHUP: their default action would end it without a save).
+    from mgpu.stop.preemption import signal_number
+
+    requeue = signal_number(requeue_signal)
+    passed = {signum: signal.SIGTERM for signum in FORWARDED} | {requeue: requeue}
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, *passed)}
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the terminal sends Ctrl-C to the ranks too
-    signal.signal(signal.SIGTERM, lambda signum, frame: send(signum))
+    for signum, as_signal in passed.items():
+        signal.signal(signum, _passing_on(send, as_signal))
     try:
         for proc in procs:
             proc.start()
@@ -119,6 +136,10 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int | None
         raise SystemExit(failed[0] if failed[0] and failed[0] > 0 else 1)
     if STOPPED_EXIT_CODE in codes:
         raise SystemExit(STOPPED_EXIT_CODE)
+
+
+def _passing_on(send: Callable[[int], None], as_signal: int) -> Callable[[int, Any], None]:
+    return lambda signum, frame: send(as_signal)
 
 
 def _wait(procs: list[Any], send: Callable[[int], None], time_limit_s: float | None, lead_s: float,

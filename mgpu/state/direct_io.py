@@ -27,6 +27,7 @@ import ctypes
 import errno
 import fcntl
 import io
+import logging
 import mmap
 import os
 import threading
@@ -37,6 +38,8 @@ from typing import Any
 from mgpu.state.digest import ChunkDigest
 
 __all__ = ["ALIGN", "BUFFER_BYTES", "DirectFile", "aligned_buffer", "open_direct"]
+
+_log = logging.getLogger("mgpu.state.direct_io")
 
 ALIGN = 4096
 """The alignment of every O_DIRECT write's address, offset and length (a page: every Linux block device's
@@ -112,7 +115,11 @@ def _take_buffers(size: int, count: int) -> list[memoryview]:
     with _spare_lock:
         spare = _spare.get((size, HUGE_PAGES), [])
         taken = [spare.pop() for _ in range(min(count, len(spare)))]
-    return taken + [aligned_buffer(size)[1] for _ in range(count - len(taken))]
+    try:
+        return taken + [aligned_buffer(size)[1] for _ in range(count - len(taken))]
+    except BaseException:
+        _give_back(taken)  # a mapping that failed (ENOMEM) leaves the spares for the next file
+        raise
 
 
 def _give_back(views: list[memoryview]) -> None:
@@ -134,7 +141,12 @@ def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False) ->
         if error.errno in (errno.EINVAL, errno.EOPNOTSUPP):  # a filesystem without O_DIRECT (tmpfs before Linux 6.6)
             return None
         raise
-    return DirectFile(fd, algorithm, in_place=in_place)
+    try:
+        return DirectFile(fd, algorithm, in_place=in_place)  # it owns `fd` now, and closed it if it raised
+    except OSError as error:  # its buffers could not be mapped (ENOMEM): the page cache needs none of them
+        _log.warning("%s: no memory for the O_DIRECT write buffers (%s): written through the page cache", path,
+                     error.strerror or error)
+        return None
 
 
 class DirectFile(io.RawIOBase):
@@ -152,14 +164,21 @@ class DirectFile(io.RawIOBase):
     def __init__(self, fd: int, algorithm: str = "crc32", buffer_bytes: int = BUFFER_BYTES, depth: int = DEPTH,
                  in_place: bool = False) -> None:
         super().__init__()
-        if buffer_bytes % ALIGN:
-            raise ValueError(f"buffer_bytes must be a multiple of {ALIGN}")
-        self.fd, self.digest, self.in_place = fd, ChunkDigest(algorithm), in_place
         self.error: OSError | None = None
+        try:
+            if buffer_bytes % ALIGN:
+                raise ValueError(f"buffer_bytes must be a multiple of {ALIGN}")
+            self._buffers = _take_buffers(buffer_bytes, depth)  # (each view keeps its mapping alive)
+        except BaseException:
+            # It owns `fd`: closed here, not leaked (one per save that cannot map its buffers); marked closed, so
+            # that the collector's close() finds nothing to do.
+            os.close(fd)
+            io.RawIOBase.close(self)
+            raise
+        self.fd, self.digest, self.in_place = fd, ChunkDigest(algorithm), in_place
         self._size = 0  # bytes written by the caller
         self._offset = 0  # file offset of the current buffer's first byte (aligned)
         self._fill = 0  # bytes in the current buffer
-        self._buffers = _take_buffers(buffer_bytes, depth)  # (each view keeps its mapping alive)
         self._free = list(self._buffers)
         # (buffer or None where only the caller's memory went, digested, written), oldest first
         self._in_flight: collections.deque[tuple[memoryview | None, Future[None], Future[None]]] = collections.deque()

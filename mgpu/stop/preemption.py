@@ -9,6 +9,7 @@ see the same answer at the same step, stop together and write one checkpoint. Wh
 
 from __future__ import annotations
 
+import logging
 import math
 import signal
 import time
@@ -216,7 +217,15 @@ class StopAgreement:
         return _decode_list([int(v) for v in values[:-1]])
 
     def drain(self) -> None:
-        """Wait for the reduction in flight (before the group is destroyed)."""
-        if self._pending is not None:
-            self._pending[0].wait()
-            self._pending = None
+        """Wait for the reduction in flight (before the group is destroyed). Its answer is not needed any more: a
+        wait that fails (a peer gone, gloo's `Connection closed by peer` after a killed node) is said in one line and
+        left there: re-raised from the session's cleanup, it was a second traceback over the failure that the
+        rank's own error, or another rank's, already records."""
+        if self._pending is None:
+            return
+        work, self._pending = self._pending[0], None
+        try:
+            work.wait()
+        except Exception as error:  # noqa: BLE001  (the run is ending either way)
+            logging.getLogger("mgpu.train").info("the last stop agreement did not complete (%s: %s)",
+                                                 type(error).__name__, " ".join(str(error).split())[:200])

@@ -24,6 +24,7 @@ from typing import Any, Sequence
 from mgpu.config.loading import Config, ConfigError, check_resume_compatible, config_to_dict, control_problem, load_config
 from mgpu.errors import MgpuError
 from mgpu.cluster.hostlist import MAX_HOSTS, HostlistError, expand_hostlist
+from mgpu.cluster.kill_time import GRACE_VARIABLE, KILL_WAIT_VARIABLE
 from mgpu.record.rundir import RunDir
 
 __all__ = [
@@ -122,6 +123,9 @@ class Resources:
     max_failures: int = 3
     """Requeues after a failure, per job."""
     requeue_signal: str = "USR2"
+    kill_times: tuple[tuple[str, str], ...] = ()
+    """The cluster's KillWait and GraceTime for the job's stops, as read at submission (variable, seconds:
+    mgpu.cluster.kill_time.cluster_exports); () where Slurm did not say."""
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -220,6 +224,10 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
              *([f"export MGPU_MAX_REQUEUES={res.max_requeues}"] if res.max_requeues is not None else []),
              # submitit's own handler in the job listens to this signal (its default, USR2, otherwise)
              f"export SUBMITIT_PREEMPT_SIGNAL={res.requeue_signal}"]
+    times = [f"export {name}={int(value)}" for name, value in res.kill_times if name in (KILL_WAIT_VARIABLE,
+                                                                                          GRACE_VARIABLE)]
+    if times:  # read from Slurm at submission: inside the job, at the stop that needs them, Slurm may not answer
+        lines += ["# the cluster's KillWait and GraceTime, read at submission (mgpu.cluster.kill_time)", *times]
     if resume:
         lines.append(f"export MGPU_RESUME_COMMAND={shlex.quote(resume)}")
     if len(run_dirs) == 1:
@@ -241,19 +249,28 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
     return lines
 
 
+_ONE_PER_NODE = ('--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+                 '--kill-on-bad-exit=0')
+
+
 def teardown_lines() -> list[str]:
     """After srun (mgpu.run.recovery): start the step again in this allocation while recovery says `restart`
-    (with the arguments the script's srun ran with, see `setup_lines`), else end with srun's exit code. A step
+    (with the arguments the script's srun ran with, see `setup_lines`), else end with recovery's exit code (the
+    code mgpu set for the step, whatever the launcher made of it). A step
     that failed for good leaves snapshots in memory on every node: removed, one task per node (mgpu.state.memory_snapshot)."""
     python = shlex.quote(sys.executable)
     recovery = f'{python} -m mgpu.run.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR"'
+    # The job ends with recovery's code: the one mgpu set (submitit's process exits 1 for any rank's error).
     return ["rc=$?",
-            f'while [ "$({recovery})" = restart ]; do',
+            "while :; do",
+            f'  action=$({recovery}) && code=0 || code=$?',
+            '  [ "$action" = restart ] || break',
             '  rc=0; srun "${MGPU_SRUN_ARGS[@]}" || rc=$?',
             "done",
-            f'[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {python} -m mgpu.state.memory_snapshot '
-            '--remove-this-job >/dev/null 2>&1 || true',
-            'exit "$rc"']
+            # One task per node: the batch environment's SLURM_NTASKS would otherwise make it one per rank.
+            f'[ "$rc" = 0 ] || command srun {_ONE_PER_NODE} {python} -m '
+            'mgpu.state.memory_snapshot --remove-this-job >/dev/null 2>&1 || true',
+            'exit "$code"']
 
 
 def slurm_parameters(res: Resources, max_parallel: int = 4, run_dirs: Sequence[Path] = (),

@@ -192,8 +192,29 @@ class TrainJob:
         cfg = config_from_dict(self.config)
         try:
             return run_job(cfg, self.config_path)
-        except (MgpuError, JobStopped, SystemExit):
+        except JobStopped as stopped:
+            if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+                raise  # --cluster debug: the submitting process itself, where job.result() raises it
+            # submitit's process exits 1 for any exception: the code mgpu set (3 stays down, 5 Slurm did not answer)
+            # would not reach srun. Its result is written as submitit would (job.result() raises with the reason),
+            # then the process exits with the code.
+            _submitit_error(f"{type(stopped).__name__}: {stopped}")
+            print(f"mgpu: {stopped}", file=sys.stderr, flush=True)
+            raise SystemExit(stopped.code) from None
+        except (MgpuError, SystemExit):
             raise
         except Exception as error:
             print(f"mgpu: {failure_note(error, cfg)}", file=sys.stderr, flush=True)
             raise
+
+
+def _submitit_error(message: str) -> None:
+    """The result submitit writes for a callable that raised (`job.result()` raises FailedJobError with it)."""
+    try:
+        from submitit import JobEnvironment
+        from submitit.core import utils
+
+        with utils.temporary_save_path(JobEnvironment().paths.result_pickle) as path:
+            utils.cloudpickle_dump(("error", message), path)
+    except Exception as error:  # noqa: BLE001  (the exit code still says it; the submitter then sees no result)
+        log.warning("could not write submitit's result: %s: %s", type(error).__name__, error)

@@ -273,17 +273,24 @@ class Trainer:
         return StatefulStreamLoader(dataset, cfg.data.batch_size, rank=self.rank, world_size=self.world,
                                     seed=cfg.train.seed, num_workers=cfg.data.num_workers,
                                     collate_fn=self.task.collate_fn(), requeue_signal=cfg.preemption.signal,
-                                    pin_memory=self.device.type == "cuda")
+                                    **self._loader_options())
 
     def _loader(self, dataset: Dataset, batches: list[list[int]], workers: int | None = None) -> DataLoader:
         return make_loader(dataset, batches, num_workers=self.cfg.data.num_workers if workers is None else workers,
                            seed=self.cfg.train.seed, epoch=self.progress.epoch, rank=self.rank,
                            requeue_signal=self.cfg.preemption.signal, collate_fn=self.task.collate_fn(),
-                           pin_memory=self.device.type == "cuda")
+                           **self._loader_options())
+
+    def _loader_options(self) -> dict[str, Any]:
+        """The DataLoader options of the config: pinned memory on a GPU, the workers' start method."""
+        options: dict[str, Any] = {"pin_memory": self.device.type == "cuda"}
+        if self.cfg.data.worker_start_method != "default":
+            options["multiprocessing_context"] = self.cfg.data.worker_start_method
+        return options
 
     def _batches(self, dataset: Dataset, indices: list[list[int]]) -> Batches:
         return Batches(lambda start, workers: self._loader(dataset, indices[start:], workers), len(indices),
-                       self.cfg.data.num_workers, lambda: self.session.stop_requested, self.cfg.preemption.signal)
+                       self.cfg.data.num_workers, lambda: self.session.stop_requested)
 
     def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
         """Groups of `accum` micro-batches, epoch after epoch, from the current position."""

@@ -7,9 +7,9 @@
 # `-N n2`), each slurmd in its own UTS namespace so `hostname` in a job prints n1/n2.
 # Everything lives under $MGPU_SLURM_DIR (default /var/tmp/mgpu-slurm); /etc/slurm/slurm.conf is a
 # symlink to the generated config so plain sbatch/srun/sacct (and submitit) need no SLURM_CONF.
-# Second run: if every recorded daemon is alive and the config is unchanged, it does nothing;
-# otherwise it stops what it started before (stop.sh) and starts afresh, with no job of the earlier
-# daemons (forget_jobs). `source start.sh` defines the functions and starts nothing (tests use that).
+# Second run: if every recorded daemon is alive, answers and the config is unchanged, it does nothing;
+# otherwise it stops what it started before (stop.sh) and starts again: with no job of the earlier daemons
+# (forget_jobs) only when none of them was alive (a fresh machine), else keeping them. `source start.sh` defines the functions and starts nothing (tests use that).
 set -euo pipefail
 
 DIR=${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}
@@ -276,9 +276,23 @@ summary() {
   echo "export SLURM_CONF=$CONF"
 }
 
+DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd-n1 slurmd-n2)
 all_alive() {
   local n
-  for n in munged mariadbd slurmdbd slurmctld slurmd-n1 slurmd-n2; do alive "$n" || return 1; done
+  for n in "${DAEMONS[@]}"; do alive "$n" || return 1; done
+}
+any_alive() {
+  local n
+  for n in "${DAEMONS[@]}"; do alive "$n" && return 0; done
+  return 1
+}
+answers_within() {  # answers_within SECONDS CMD...: CMD succeeds within SECONDS (polled every 0.5 s); no exit
+  local limit=$1 t0=$SECONDS
+  shift
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS - t0 < limit)) || return 1
+    sleep 0.5
+  done
 }
 
 forget_jobs() {
@@ -302,17 +316,24 @@ main() {
   install_packages
   ensure_hosts
   export SLURM_CONF=$CONF
+  # A controller busy with another session's jobs may take more than a few seconds to answer: it gets the time
+  # the nodes get, not 10 s (a slow answer restarted the cluster, and its jobs were lost).
   if all_alive && [[ -s $DIR/etc/fingerprint && $(<"$DIR/etc/fingerprint") == "$(fingerprint)" ]] &&
-    timeout 10 scontrol ping >/dev/null 2>&1; then
+    answers_within "$WAIT_S" timeout 10 scontrol ping; then
     echo "slurm cluster already running (state dir $DIR):"
     link_etc
     wait_nodes
     summary
     exit 0
   fi
-  # Anything left from an earlier start (partial, or an older config): stop it cleanly first.
+  # Anything left from an earlier start (partial, or an older config): stop it cleanly first. Its jobs are
+  # forgotten only on a truly fresh start, when no daemon of it is alive (a machine booted from an image taken while
+  # tests ran); with one alive (a daemon missing, a controller that does not answer, a changed config), they may be
+  # another test session's, running now: the restarted controller recovers them.
+  local fresh=1
+  any_alive && fresh=0
   "$HERE/stop.sh" >/dev/null || fail "could not stop the previous daemons"
-  forget_jobs
+  ((fresh)) && forget_jobs
   write_config
   link_etc
   start_munge

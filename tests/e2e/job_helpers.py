@@ -53,11 +53,12 @@ KILL_WAIT_S = 5
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def submit(folder: Path, *args: str) -> tuple[list[str], list[Path]]:
-    """`jobs/submit.py --cluster slurm` into `folder`; the job ids and run directories it printed."""
+def submit(folder: Path, *args: str, environ: dict[str, str] | None = None) -> tuple[list[str], list[Path]]:
+    """`jobs/submit.py --cluster slurm` into `folder` (`environ`: added to its environment, which the job gets);
+    the job ids and run directories it printed."""
     cmd = [PYTHON, SUBMIT, "--cluster", "slurm", "--partition", "main", "--time", "10", "--folder", str(folder),
            *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(cmd, cwd=ROOT, env=base_env(**(environ or {})), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
     ids = re.findall(r"^slurm job (\S+)$", proc.stdout, re.M)
     dirs = [Path(p) for p in re.findall(r"^\s+run directory\s+(\S+)$", proc.stdout, re.M)]
@@ -65,8 +66,8 @@ def submit(folder: Path, *args: str) -> tuple[list[str], list[Path]]:
     return ids, dirs
 
 
-def submit_one(folder: Path, *args: str) -> tuple[str, Path]:
-    ids, dirs = submit(folder, *args)
+def submit_one(folder: Path, *args: str, environ: dict[str, str] | None = None) -> tuple[str, Path]:
+    ids, dirs = submit(folder, *args, environ=environ)
     assert len(ids) == 1
     return ids[0], dirs[0]
 
