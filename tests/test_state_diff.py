@@ -306,6 +306,8 @@ Thread 0x00007f00 (most recent call first):
   File "/work/loops/train.py", line 88 in main
   File "/work/loops/train.py", line 120 in <module>
 """
+    again = log + "12:00:02 [rank 1] ERROR another rank found a hang: dumping every thread's stack\n"  # said twice
+    assert innermost(again, Path("loops/train.py")) == innermost(log, Path("loops/train.py"))
     assert innermost(log, Path("loops/train.py")) == ("/x/torch/nn/modules/module.py line 1500 (in _call_impl), from "
                                                       "/work/loops/train.py line 88 (in main)")
     assert innermost(log.replace("module.py", "train.py").replace("/x/torch/nn/modules/", "/work/loops/"),

@@ -38,8 +38,16 @@ def last_lines(check_dir: Path, codes: list[int], count: int = 6, rank: int | No
 def innermost(log: str, script: Path | None) -> str | None:
     """Where the loop stood in the last stacks dumped into a rank's log (faulthandler's format): the innermost frame
     of the thread that runs `script` (the main thread), with the script's own line when that is another file."""
-    start = log.rfind("dumping every thread's stack")
-    lines = log[start:].splitlines() if start >= 0 else []
+    marker = "dumping every thread's stack"
+    pieces = log.split(marker)[1:]  # each dump's message, then its stacks (a later message may have none: said once)
+    for piece in reversed(pieces):
+        found = _main_frame(piece.splitlines(), script)
+        if found is not None:
+            return found
+    return None
+
+
+def _main_frame(lines: list[str], script: Path | None) -> str | None:
     blocks: list[list[tuple[str, str, str]]] = []
     for text in lines:
         if text.startswith(("Thread 0x", "Current thread 0x")):
