@@ -249,7 +249,7 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
     return lines
 
 
-_ONE_PER_NODE = ('--nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 '
+_ONE_PER_NODE = ('--nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" --ntasks-per-node=1 '
                  '--kill-on-bad-exit=0')
 
 
