@@ -220,7 +220,10 @@ def compare_runs(unbroken: Run, run: Run, reference: dict[int, list[Batch]], sto
                        outside=_outside(run), end_a=max(steps_a), end_b=max(steps_b),
                        reference_batches=sum(len(r) for r in reference.values()))
     skip = ("rng", "loader.per_rank", "ddp") if changed else ()
-    for step in sorted(set(steps_a) & set(steps_b)):
+    # A stop's own checkpoint is taken where the loop stopped (right after should_stop), the unbroken run's of that
+    # step wherever the loop saves (after an epoch's end code: its loader in the next epoch, its evaluation done):
+    # the same moment of training, two moments of the loop. Compared everywhere else.
+    for step in sorted(set(steps_a) & set(steps_b) - {s.step for s in stops}):
         a, b = flatten(_load(steps_a[step])), flatten(_load(steps_b[step]))
         found.common.append(step)
         found.has_scheduler = found.has_scheduler or any(p.startswith("scheduler.") for p in a)

@@ -68,7 +68,9 @@ def _named(names: list[str], outside: dict[str, str]) -> str:
 
 def _after(c: Comparison) -> str:
     """"after the stop at step K (where): " for the stop just before the first step where a difference shows."""
-    seen = [s for s in (c.batches.first_step, c.first[0] if c.first else None, c.first_logged) if s is not None]
+    # A batch or a logged weight of step k follows a stop before k; a checkpoint of step k may be the stop's at k.
+    seen = [s for s in (c.batches.first_step, c.first_logged) if s is not None]
+    seen += [c.first[0] + 1] if c.first else []
     if len(c.stops) < 2 or not seen:
         return ""
     before = [s for s in c.stops if s.step < min(seen)]

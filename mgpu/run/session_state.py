@@ -127,7 +127,7 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     session._state = state
     session.begin()
     objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
-    refuse_diverged(objects)
+    refuse_diverged(objects, replicated_by_ddp(session))
     extra = session.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
     checkpointer, step = session.checkpointer, session.step
     if session.sharded:  # [fsdp hook] every rank contributes its shard
@@ -142,17 +142,24 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     return path
 
 
-def refuse_diverged(objects: Mapping[str, Any]) -> None:
+def replicated_by_ddp(session: SessionBase) -> set[int]:
+    """The ids of the modules the session's DDPs hold: the same on every rank by DDP's own contract."""
+    return {id(inner) for wrapped in session._wrapped if (inner := getattr(wrapped, "module", None)) is not None}
+
+
+def refuse_diverged(objects: Mapping[str, Any], skip: set[int] | frozenset[int] = frozenset()) -> None:
     """*Collective.* A checkpoint keeps one copy of a module that is not sharded (rank 0's in a single file, any
     rank's through DCP): refused in one line, on every rank alike, when its copies differ between ranks
-    (mgpu.parallel.fsdp.diverged_replicas: one all-gather of a number per module), never saved as one rank's."""
+    (mgpu.parallel.fsdp.diverged_replicas: one all-gather of a number per module), never saved as one rank's.
+    `skip`: the ids of modules that cannot differ (DDP's: it broadcasts and reduces them)."""
     from torch import nn
 
     from mgpu.parallel.fsdp import diverged_replicas
     from mgpu.state.checkpoint_format import CheckpointError
     from mgpu.state.train_state import unwrapped
 
-    modules = {name: unwrapped(value) for name, value in objects.items() if isinstance(unwrapped(value), nn.Module)}
+    modules = {name: unwrapped(value) for name, value in objects.items()
+               if isinstance(unwrapped(value), nn.Module) and id(unwrapped(value)) not in skip}
     problem = diverged_replicas(modules)
     if problem is not None:
         raise CheckpointError(f"not saved: {problem}")
