@@ -1,6 +1,6 @@
 """A rank SIGKILLed mid-run, the step started again in place (the same command, as mgpu.run.recovery's `restart`
 does under Slurm): with checkpoint.memory_every_steps=1 it resumes from the snapshots in memory, one step
-back, not from the durable checkpoint, and ends bit-identical to an unbroken run; the snapshots are gone once
+back, not from the durable checkpoint, and ends bit-identical to an unbroken run (its EMA too); the snapshots are gone once
 the run finishes. Real processes: 2 gloo ranks of jobs/train.py, under DDP and FSDP2; and on 2 "nodes" of one
 rank each whose second loses its memory: its rank restores from the replica on the first."""
 
@@ -47,7 +47,7 @@ def test_a_killed_rank_restarted_in_place_resumes_from_memory_bit_identically(
     shm = tmp_path / "shm"
     monkeypatch.setenv(BASE_ENV, str(shm))  # the ranks' /dev/shm (base_env passes it on)
     args = [*[a for a in ARGS if parallel == "ddp" or not a.startswith("checkpoint.memory_every_steps")],
-            f"train.parallel={parallel}"]
+            f"train.parallel={parallel}", "train.ema_decay=0.9"]  # an EMA in the snapshots too
     reference = tmp_path / "reference"
     done = finish_step(start_step(reference, 2, *args), timeout=150)
     assert [rc for rc, _ in done] == [0, 0], done[0][1][-3000:]
@@ -74,6 +74,7 @@ def test_a_killed_rank_restarted_in_place_resumes_from_memory_bit_identically(
     assert final["progress"]["step"] == expected["progress"]["step"] == 20
     assert_identical(final["model"], expected["model"], "model")
     assert_identical(final["optimizer"], expected["optimizer"], "optimizer")
+    assert_identical(final["ema"], expected["ema"], "ema")  # under FSDP2 each rank's shard, put back in place
     assert list(shm.iterdir()) == [], "snapshots left after the run finished"
 
 

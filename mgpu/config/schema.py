@@ -109,6 +109,12 @@ class TrainConfig:
     (FSDP2's fully_shard: parameters, gradients and optimizer state sharded; each top-level child block, then
     the root, which keeps tied and small children, unless the task's `shard` says otherwise). fsdp checkpoints
     are sharded (checkpoint.format)."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights (mgpu.EMA: average = decay x average + (1 - decay) x
+    weights after every optimizer step, floating buffers averaged too, as timm's ModelEmaV3), e.g. 0.999; null:
+    none. Evaluations (so the best checkpoint and early stopping) use the average, as timm's train script does;
+    it is saved in every checkpoint as `ema` (under fsdp sharded like the model), resumes bit-identically, and
+    `mgpu.load_model(run, model, ema=True)` loads it."""
     deterministic: bool = False
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN deterministic and no autotuning,
     CUBLAS_WORKSPACE_CONFIG=:4096:8): what a bit-identical resume needs on GPUs; slower. CPU runs are

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 from mgpu.run import session_state, session_wrap
-from mgpu.record.check_hooks import record_outside, record_step
+from mgpu.record.check_hooks import record_outside, record_outside_end, record_step
 from mgpu.config.loading import Config
 from mgpu.cluster.environment import ProcessEnv
 from mgpu.errors import MgpuError
@@ -52,7 +52,7 @@ from mgpu.run.runner import no_beat, process_start
 from mgpu.run.session_base import SessionBase
 from mgpu.run.session_end import conclude, discard_if_unused, settle_open_stop
 from mgpu.run.session_start import after_first_step, record_start, start
-from mgpu.run.uncaught import record_uncaught
+from mgpu.run.uncaught import record_uncaught, refusals_in_one_line
 
 if TYPE_CHECKING:
     import torch
@@ -124,9 +124,14 @@ class Session(SessionBase):
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
         self.resume_step = 0
         """The step this process started from (0 for a new run)."""
+        self.total_steps: int | None = None
+        """The run's optimizer steps, when the loop knows them (set it): `log()`'s progress line then has an ETA."""
+        self._log_clock: Any = None  # the pace of log()'s lines (mgpu.record.loop_progress.Clock)
         self._by_batch = recovery_by_batch_script
+        refusals_in_one_line()  # an MgpuError nobody catches: one line on rank 0, exit 2 (mgpu.run.uncaught)
         try:
             start(self, env)  # mgpu.run.session_start: who am I, the run, the group, the watchdog
+            refusals_in_one_line(self.rank)
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
@@ -332,16 +337,18 @@ class Session(SessionBase):
         """*Collective* (every rank, once per optimizer step, after `should_stop()`): every `log.every_steps`
         steps, the loop's `progress` in the run's ledger, as the trainer's: the step, the epoch of the state's
         `session.loader`, the metrics (`log(loss=loss)` or `log({...})`: numbers or one-element tensors,
-        rank 0's, read only when due) and a fingerprint of the state's models. `jobs/status.py` shows them
+        rank 0's, read only when due) and a fingerprint of the state's models; rank 0 prints the trainer's line
+        (step, epoch, metrics, steps a second, an ETA once `total_steps` is set). `jobs/status.py` shows them
         (epoch, metrics, `--plot`'s loss curve); `--verify` compares two runs by them. Returns whether it
         was due. See mgpu.record.loop_progress."""
-        from mgpu.record.loop_progress import log_progress
+        from mgpu.record.loop_progress import Clock, log_progress
 
         self._live("log()")
         if metrics is not None and not isinstance(metrics, Mapping):
             raise MgpuError(f"Session.log() takes a dict of metrics or name=value, got a {type(metrics).__name__}")
+        self._log_clock = self._log_clock or Clock()
         return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
-                            {**(metrics or {}), **named})
+                            {**(metrics or {}), **named}, self._log_clock, self.total_steps)
 
     @functools.cached_property
     def version(self) -> str | None:
@@ -378,6 +385,7 @@ class Session(SessionBase):
         collecting it (mgpu.stop.process_exit.skip_collection_at_exit)."""
         if self._finished:
             raise MgpuError("the session has ended already (finish() or end() was called)")
+        record_outside_end(self.rank)  # check_resume only: where the objects `state` lacks ended
         try:
             outcome = conclude(self, status, fields)  # mgpu.run.session_end
         except BaseException as error:  # the stop's save failed: recorded like any failure, then raised

@@ -21,8 +21,8 @@ from mgpu.run.session_base import SessionBase
 if TYPE_CHECKING:
     from mgpu.state.train_state import State
 
-__all__ = ["last_words", "load", "memory", "open_checkpointer", "open_marks", "restore_from_memory", "resume_begins",
-           "save", "snapshot"]
+__all__ = ["last_words", "load", "memory", "open_checkpointer", "open_marks", "refuse_diverged", "restore_from_memory",
+           "resume_begins", "save", "snapshot"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -43,12 +43,17 @@ def open_checkpointer(session: SessionBase) -> Any:
 
 
 def check_state(objects: Mapping[str, Any], sharded: bool) -> None:
-    """Refuse, before any training, a state a checkpoint cannot save (mgpu.state.train_state.check_checkpointable)
-    and, when the checkpoints are `sharded`, an optimizer over parameters that are not its models'."""
+    """Refuse, before any training, a state a checkpoint cannot save (mgpu.state.train_state.check_checkpointable),
+    an EMA made of parameters its model no longer has, and, when the checkpoints are `sharded`, an optimizer over
+    parameters that are not its models'."""
+    from mgpu.parallel.ema import EMA
     from mgpu.parallel.fsdp import refuse_stale_optimizers
     from mgpu.state.train_state import check_checkpointable
 
     check_checkpointable(objects)
+    for value in objects.values():
+        if isinstance(value, EMA):
+            value.check_source()
     if sharded:
         refuse_stale_optimizers(objects)
 
@@ -123,6 +128,7 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     session._state = state
     session.begin()
     objects, reason = state() if callable(state) else state, reason or ("best" if best else "periodic")
+    refuse_diverged(objects, replicated_by_ddp(session))
     extra = session.resumption.save_meta(meta)  # with the run's global batch, for a resume's line
     checkpointer, step = session.checkpointer, session.step
     if session.sharded:  # [fsdp hook] every rank contributes its shard
@@ -135,6 +141,29 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     if wait:  # durable now: end() does not save this step again
         session._durable = (step, path)
     return path
+
+
+def replicated_by_ddp(session: SessionBase) -> set[int]:
+    """The ids of the modules the session's DDPs hold: the same on every rank by DDP's own contract."""
+    return {id(inner) for wrapped in session._wrapped if (inner := getattr(wrapped, "module", None)) is not None}
+
+
+def refuse_diverged(objects: Mapping[str, Any], skip: set[int] | frozenset[int] = frozenset()) -> None:
+    """*Collective.* A checkpoint keeps one copy of a module that is not sharded (rank 0's in a single file, any
+    rank's through DCP): refused in one line, on every rank alike, when its copies differ between ranks
+    (mgpu.parallel.fsdp.diverged_replicas: one all-gather of a number per module), never saved as one rank's.
+    `skip`: the ids of modules that cannot differ (DDP's: it broadcasts and reduces them)."""
+    from torch import nn
+
+    from mgpu.parallel.fsdp import diverged_replicas
+    from mgpu.state.checkpoint_format import CheckpointError
+    from mgpu.state.train_state import unwrapped
+
+    modules = {name: unwrapped(value) for name, value in objects.items()
+               if isinstance(unwrapped(value), nn.Module) and id(unwrapped(value)) not in skip}
+    problem = diverged_replicas(modules)
+    if problem is not None:
+        raise CheckpointError(f"not saved: {problem}")
 
 
 def memory(session: SessionBase, objects: Mapping[str, Any]) -> Any:

@@ -136,6 +136,8 @@ class StepMarks:
         ddps = self.ddps()
         if any(getattr(ddp, "_comm_hooks", None) for ddp in ddps):
             return None, None, "a DDP comm hook's state is per rank (gathering it is a collective)"
+        if any(getattr(value, "_applied", False) is True for value in self.objects().values()):
+            return None, None, "an EMA's weights are in the model for an evaluation (mgpu.EMA.applied)"
         rng: list[Any] = [None] * self.world_size
         rng[self.rank] = step_rng_state(self.seed, self.rank, self.step)
         state: dict[str, Any] = {"format": FORMAT, "rng": rng, "world_size": self.world_size,
