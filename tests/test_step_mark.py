@@ -158,3 +158,19 @@ def test_the_watchdog_says_the_last_words_when_a_stop_signals_step_does_not_end(
     assert len(heard) == (1 if said else 0), heard
     if said:
         assert "step 5 has not ended" in heard[0]
+
+
+def test_no_survivors_save_while_an_ema_is_in_the_model_for_an_evaluation() -> None:
+    # `with ema.applied():` swaps the average into the model: its parameters are not the step's then.
+    import mgpu
+
+    state, model, optimizer = loop()
+    state["ema"] = ema = mgpu.EMA(model, decay=0.9)
+    marks = marks_of(state)
+    step(state, optimizer)
+    ema.update()
+    marks.mark(1)
+    with ema.applied():
+        assert marks.state()[0] is None and "EMA" in marks.state()[2]
+    assert marks.state()[0] is not None
+    marks.close()
