@@ -449,3 +449,20 @@ def test_an_lr_override_scales_the_whole_cycle_of_a_cyclic_schedule(kind: str) -
     reference_opt, reference_schedule = built(0.02)  # the run at twice the rate from the start
     expected = run(reference_opt, reference_schedule, 40)[12:]
     assert run(resumed_opt, resumed_schedule, 28) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_sessions_seed_and_config_are_checked_as_a_yamls_before_anything(tmp_path: Path) -> None:
+    # Issue 46: Session(seed=2**64) was torch's "Overflow when unpacking long long" from inside the start, and a
+    # Config edited in Python (batch_size 10**30) reached the run unchecked.
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.config.loading import ConfigError
+
+    edited = Config()
+    edited.data.batch_size = 10**30
+    for options, expected in [({"seed": 2**64}, "train.seed: must fit in 64 bits"),
+                              ({"seed": -1}, "train.seed: must be in [0, 4294967296), got -1"),
+                              ({"config": edited}, "data.batch_size: must fit in 64 bits")]:
+        with pytest.raises(ConfigError) as refused:
+            Session(tmp_path / "run", env=detect_environment({}), **options)
+        assert expected in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
