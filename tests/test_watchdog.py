@@ -452,6 +452,25 @@ def test_a_hung_rank_is_found_named_and_ended(mode: str, rank: int, culprit_phas
 
 
 @pytest.mark.multiprocess
+def test_a_peer_frozen_before_the_first_step_ends_in_the_start_allowance(tmp_path: Path) -> None:
+    # Issue 46: rank 1 frozen in the run directory's claim, the first collective after the rendezvous: rank 0 waited
+    # there for distributed.init_timeout_s (its watchdog started after the claim), here 600 s; now watchdog.first_step_s.
+    procs = start_step(tmp_path, 2, "task.target=tests.frozen_claim:FrozenClaimTask", "train.epochs=1",
+                       "data.batch_size=4", "watchdog.first_step_s=5", "distributed.init_timeout_s=600",
+                       "log.tensorboard=false")
+    started = time.monotonic()
+    try:
+        code = procs[0].wait(timeout=120)
+    finally:
+        os.kill(procs[1].pid, signal.SIGKILL)  # frozen: the others' exit ends the step (srun does it on a cluster)
+    results = finish_step(procs, timeout=60)
+    assert code == HANG_EXIT_CODE, results[0][1][-3000:]
+    assert time.monotonic() - started < 90
+    (hang,) = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    assert hang["ranks"] == [1] and hang["frozen"] == [1] and hang["phases"]["0"] == "start", hang
+
+
+@pytest.mark.multiprocess
 def test_a_slow_but_healthy_rank_is_not_hung(tmp_path: Path) -> None:
     # The issue's case: rank 1's loss takes 3x as long (3 s) as rank 0's (1 s), so rank 0 waits ~2 s for it
     # in every step (DDP's forward broadcasts the batch-norm buffers), and once, at step 6, 1.5 s more.

@@ -68,7 +68,6 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
     session.timings["group"] = time.time()
     session.device = ctx.device
     session.backend = ctx.backend
-    join_run(session.run, session.env, str(session.device), session.backend)
     # The saves and resumes so far, earlier runs' included (the side record: the same on every rank): how long
     # the next save should take sizes the watchdog's allowance, the collective timeout and the deadline stop;
     # the checkpoint's size and the read rate, the resume's allowance.
@@ -85,6 +84,9 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
                                           checkpoint_s=session.save_allowance_s, resume_s=budget.resume_allowance_s)
         cleanup.callback(lambda: arm_teardown(session))
         session.beat = session.watchdog.beat
+    # Only with the watchdog running: the claim's broadcast is the first collective after the rendezvous, and a rank
+    # whose peer froze there (SIGSTOP, a lost node) waited distributed.init_timeout_s, not watchdog.first_step_s.
+    join_run(session.run, session.env, str(session.device), session.backend)
     session.stopper = StopController.for_rank(
         session.stop, cfg.preemption, cleanup, slurm_job=session.slurm_job if session.is_main else None,
         longest_write_s=lambda: longest_write_s(session), nodes=session.env.nodes)
