@@ -466,3 +466,22 @@ def test_a_sessions_seed_and_config_are_checked_as_a_yamls_before_anything(tmp_p
             Session(tmp_path / "run", env=detect_environment({}), **options)
         assert expected in str(refused.value) and "\n" not in str(refused.value)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_loop_that_never_asks_should_stop_is_told_at_its_end(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 46: such a loop trains, ends at step 0 and is never stopped together nor saved at a stop: say so.
+    from torch.utils.data import TensorDataset
+
+    with session(tmp_path / "run") as s:
+        loader = s.loader(TensorDataset(torch.zeros(12, 4)), batch_size=3)
+        state = s.load({**parts(), "loader": loader})
+        for (x,) in loader:
+            state.model(x).sum().backward()
+            state.optimizer.step()
+    assert ("the loop ended at step 0 after its loader read 12 samples: it never asked session.should_stop()"
+            in said(capsys))
+    with session(tmp_path / "asked") as s:
+        state = s.load({**parts(), "loader": s.loader(TensorDataset(torch.zeros(12, 4)), batch_size=3)})
+        train(state, s, 2)
+    assert "never asked" not in said(capsys)
