@@ -626,3 +626,64 @@ def test_each_shard_file_is_fsynced_once_after_it_is_closed(group: None, tmp_pat
     monkeypatch.setattr(mgpu.state.direct_io.DirectFile, "close", close)
     save_steps(tmp_path, [1])[0].close()
     assert synced.count("__0_0.distcp") == 1 and synced.count(".metadata") == 1, synced
+
+
+def _resumption(tmp_path: Path, store: ShardedCheckpointer) -> Any:
+    from mgpu.record.rundir import RunDir
+    from mgpu.state.resumption import Resumption
+
+    return Resumption(RunDir(tmp_path), 0, 1, 0, Ledger(None, None, 0), lambda: store)
+
+
+def test_a_sessions_resume_reads_each_shard_file_once(group: None, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 46: a sharded resume hashed every shard file in a pass of its own, then DCP read it again. The session's
+    # resume (mgpu.state.resumption) now checks each chunk as the load reads it: no file-level pass, one digest each.
+    import mgpu.state.digest
+    import mgpu.state.sharded_format
+
+    store, state = save_steps(tmp_path, [1, 2])
+    store.close()
+    whole_file: list[str] = []
+    real_digest_file = mgpu.state.sharded_format.digest_file
+    monkeypatch.setattr(mgpu.state.digest, "digest_file",
+                        lambda path, *a, **k: whole_file.append(Path(path).name) or real_digest_file(path, *a, **k))
+    digested: dict[int, int] = {}
+    real_update = mgpu.state.digest.ChunkDigest.update
+
+    def counting_update(self: Any, data: Any) -> None:
+        digested[id(self)] = digested.get(id(self), 0) + memoryview(data).nbytes
+        real_update(self, data)
+
+    monkeypatch.setattr(mgpu.state.digest.ChunkDigest, "update", counting_update)
+    fresh = objects(seed=1)
+    loaded = _resumption(tmp_path, checkpointer(tmp_path)).restore(fresh, set(), None)
+    assert loaded.step == 2 and loaded.skipped == ()
+    for (name, a), b in zip(state["model"].state_dict().items(), fresh["model"].state_dict().values()):
+        assert torch.equal(a, b), name
+    shard = tmp_path / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    assert not [name for name in whole_file if name.endswith(".distcp")], whole_file
+    assert sum(digested.values()) - sum(n for n in digested.values() if n != shard.stat().st_size) \
+        == shard.stat().st_size  # the shard's one chunk, digested once, from the pages the load read
+
+
+def test_a_shard_damaged_under_the_load_falls_back_to_the_previous_checkpoint(group: None, tmp_path: Path) -> None:
+    # The sizes and the small files verify up front; a flipped byte inside a tensor of the shard (which torch.load
+    # would read without complaint) is found by the load's chunk checks, and the previous checkpoint restored.
+    store, state = save_steps(tmp_path, [1])
+    first = {key: value.clone() for key, value in state["model"].state_dict().items()}
+    step(state)
+    state["progress"] = {"step": 2}
+    store.save_objects(state, 2, "periodic", wait=True)
+    store.close()
+    shard = tmp_path / "checkpoints" / "step_00000002" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    fresh = objects(seed=1)
+    loaded = _resumption(tmp_path, checkpointer(tmp_path)).restore(fresh, set(), None)
+    assert loaded.step == 1 and fresh["progress"] == {"step": 1}
+    assert [path.name for path, _ in loaded.skipped] == ["step_00000002"]
+    assert "__0_0.distcp does not match its crc32 checksum from byte 0 on" in loaded.skipped[0][1]
+    for key, value in first.items():
+        assert torch.equal(fresh["model"].state_dict()[key], value), key

@@ -73,7 +73,8 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
     # the checkpoint's size and the read rate, the resume's allowance.
     from mgpu.state.save_budget import allowances
 
-    budget = allowances(session.run.ledger, session.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s)
+    budget = allowances(session.run.ledger, session.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s,
+                        session.run.checkpoints)
     session.expected_save_s, session.save_allowance_s = budget.expected_save_s, budget.save_allowance_s
     if session.is_main and session.save_allowance_s > cfg.watchdog.checkpoint_s:
         log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "

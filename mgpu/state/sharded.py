@@ -52,7 +52,8 @@ from mgpu.state import checkpoint as _checkpoint
 from mgpu.state.dcp_safe import SafeReader
 from mgpu.state.shard_digest import DigestingFileSystem
 from mgpu.state.sharded_format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
-                                       rank_file, read_meta, split_objects, sync_buffers, to_bytes, verify_rank)
+                                       rank_file, read_meta, shard_entries, split_objects, sync_buffers, to_bytes,
+                                       verify_rank)
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.record.ledger import Ledger
 from mgpu.state.rng import capture_rng_state
@@ -70,7 +71,10 @@ class ShardedCheckpointer:
     """The run's sharded checkpoints, seen from one rank: every rank writes, rank 0 installs.
 
     The same interface as mgpu.state.checkpointer.Checkpointer, except that a save takes the objects themselves
-    (`save_objects`): each rank contributes its shard."""
+    (`save_objects`): each rank contributes its shard; and `find_latest` can leave the shard files' checksums to
+    the load that reads them (`defers_shards`)."""
+
+    defers_shards = True
 
     def __init__(self, directory: Path, rank: int, world: int, ledger: Ledger, *, keep_last: int = 2,
                  async_save: bool = True, beat: Callable[..., None] | None = None,
@@ -385,9 +389,12 @@ class ShardedCheckpointer:
             self._stager = None
 
     # ------------------------------------------------------------------ resume
-    def find_latest(self) -> LoadedCheckpoint | None:
+    def find_latest(self, defer_shards: bool = False, rejected: tuple[tuple[Path, str], ...] = ()
+                    ) -> LoadedCheckpoint | None:
         """*Collective.* The newest sharded checkpoint whose every file verifies (each rank hashes a share),
-        its common state and this rank's own pieces loaded; None for a new run."""
+        its common state and this rank's own pieces loaded; None for a new run. `defer_shards`: the shard files'
+        checksums are checked by the load as it reads them (`LoadedCheckpoint.unverified`; restore_sharded), their
+        sizes here: a resume reads them once. `rejected`: checkpoints found damaged since (skipped, and said)."""
         candidates = None
         if self.rank == 0:
             pointed = self.store.pointer("latest")
@@ -397,13 +404,16 @@ class ShardedCheckpointer:
             holder = [candidates]
             dist.broadcast_object_list(holder, src=0)
             candidates = holder[0]
-        skipped: list[tuple[Path, str]] = []
+        skipped: list[tuple[Path, str]] = list(rejected)
         for step, where in candidates or []:
             path = Path(where)
-            reason, meta = self._verify(path, step)
+            if any(path == bad for bad, _ in rejected):
+                continue
+            unverified: dict[str, Any] | None = {} if defer_shards else None
+            reason, meta = self._verify(path, step, unverified)
             if reason is None:
                 try:
-                    return self._load(path, step, meta, tuple(skipped))
+                    return self._load(path, step, meta, tuple(skipped), unverified)
                 except Exception as error:  # noqa: BLE001  (alike on every rank: the files verified)
                     reason = f"does not load safely: {one_line(error, 200)}"
             if self.rank == 0:
@@ -414,18 +424,23 @@ class ShardedCheckpointer:
                                   f"because {skipped[0][1]}")
         return None
 
-    def _verify(self, path: Path, step: int) -> tuple[str | None, dict[str, Any]]:
-        """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W."""
+    def _verify(self, path: Path, step: int, unverified: dict[str, Any] | None = None
+                ) -> tuple[str | None, dict[str, Any]]:
+        """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W.
+        `unverified`: filled with the shard files left to the load (`files`: every saved rank's, `own`: this rank's)."""
         try:
             meta: dict[str, Any] | None = read_meta(path, step)
             problem = None
         except (OSError, ValueError) as error:
             meta, problem = None, one_line(error, 300)
         if problem is None and meta is not None:
+            own: dict[str, Any] | None = {} if unverified is not None else None
             for saved in range(self.rank, meta["world_size"], self.world):
-                problem = verify_rank(path, saved, meta)
+                problem = verify_rank(path, saved, meta, own)
                 if problem is not None:
                     break
+            if unverified is not None and own is not None and problem is None:
+                unverified.update(files=shard_entries(path, meta, range(meta["world_size"])), own=set(own))
         problems: list[Any] = [problem]
         if self.world > 1:
             problems = [None] * self.world
@@ -433,14 +448,15 @@ class ShardedCheckpointer:
         first = next((p for p in problems if p is not None), None)
         return first, meta or {}
 
-    def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...]
-              ) -> LoadedCheckpoint:
+    def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...],
+              unverified: dict[str, Any] | None = None) -> LoadedCheckpoint:
         SafeReader(path).read_metadata()  # DCP's pickle read through the allow-list now: a refusal falls back
         state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
         own = path / rank_file(self.rank)
         state["rank_pieces"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
         self.last_saved_step = step
-        return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
+        return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped,
+                                unverified=unverified or {})
 
 
 class _Job:
