@@ -626,6 +626,32 @@ def test_each_shard_file_is_fsynced_once_after_it_is_closed(group: None, tmp_pat
     monkeypatch.setattr(mgpu.state.direct_io.DirectFile, "close", close)
     save_steps(tmp_path, [1])[0].close()
     assert synced.count("__0_0.distcp") == 1 and synced.count(".metadata") == 1, synced
+    # Issue 46: the rank's own files were fsync'd twice each (written durably, then again with the shards).
+    assert synced.count("rank_0.pt") == 1 and synced.count("common.pt") == 1, synced
+
+
+def test_a_ranks_files_are_fsynced_at_once_not_one_after_another(group: None, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 46: each fsync waited for a journal commit of its own, one file after another (10-60 ms of a 1 GiB
+    # save); all at once, the filesystem commits them together. Each fsync here takes 0.2 s: in turn, 0.8 s.
+    import threading
+
+    active, most, lock, real_fsync = [0], [0], threading.Lock(), os.fsync
+
+    def slow_fsync(fd: int) -> None:
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        if name.endswith((".distcp", ".pt", ".metadata")):
+            with lock:
+                active[0] += 1
+                most[0] = max(most[0], active[0])
+            time.sleep(0.2)
+            with lock:
+                active[0] -= 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", slow_fsync)
+    save_steps(tmp_path, [1])[0].close()
+    assert most[0] == 4, most  # rank_0.pt, common.pt, .metadata and the shard, together
 
 
 def _resumption(tmp_path: Path, store: ShardedCheckpointer) -> Any:
@@ -687,3 +713,30 @@ def test_a_shard_damaged_under_the_load_falls_back_to_the_previous_checkpoint(gr
     assert "__0_0.distcp does not match its crc32 checksum from byte 0 on" in loaded.skipped[0][1]
     for key, value in first.items():
         assert torch.equal(fresh["model"].state_dict()[key], value), key
+
+
+FIRST_SAVE = """
+import sys, tempfile, torch, torch.distributed as dist
+from pathlib import Path
+from torch import nn
+from mgpu.record.ledger import Ledger
+from mgpu.state.sharded import ShardedCheckpointer
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+saver = ShardedCheckpointer(Path(tempfile.mkdtemp()) / "checkpoints", 0, 1, Ledger(None, None, 0))
+before = set(sys.modules)
+saver.save_objects({"model": nn.Linear(4, 2)}, 1, "stop", wait=True)
+print(sorted(name for name in set(sys.modules) - before if name.startswith("torch._dynamo")))
+saver.close()
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_processs_first_sharded_save_imports_nothing_heavy(tmp_path: Path) -> None:
+    # Issue 46: DCP's get_state_dict touches torch._dynamo, whose import (0.4-0.6 s here) fell inside the first save of
+    # a process (the stop's, in a job that had saved nothing yet): half the sharded save's rate in a fresh Session.
+    from tests.conftest import PYTHON, ROOT, base_env
+
+    result = subprocess.run([PYTHON, "-c", FIRST_SAVE], cwd=ROOT, env=base_env(), capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-1] == "[]", result.stdout[-2000:]
