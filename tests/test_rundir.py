@@ -89,16 +89,23 @@ def test_an_unreadable_claim_is_no_claim(tmp_path: Path) -> None:
 def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
     # Both find the same stale claim (job 0, gone) and ask Slurm about it at the same moment (a barrier): the
     # claim is one step under a lock (O_EXCL), so the second sees the first's claim, alive, and is refused.
-    import threading
-
     run = RunDir(tmp_path)
     run.claim("0", slurm=True, squeue_state=queue())
+    one_winner(run, wait_s=2)  # the old check-then-write let both through
+    assert not run.claim_lock.exists()
+
+
+def one_winner(run: RunDir, wait_s: float) -> None:
+    """Starts "1" and "2" claim `run` at once, both finding its claim (job 0) gone; Slurm's answer about job 0 waits
+    up to `wait_s` for the other start to ask too (two starts inside the lock at once meet there). One must win."""
+    import threading
+
     barrier = threading.Barrier(2)
 
     def slurm(job_id: str) -> str | None:
         if job_id == "0":
             with contextlib.suppress(threading.BrokenBarrierError):
-                barrier.wait(timeout=2)  # the old check-then-write let both through here
+                barrier.wait(timeout=wait_s)
             return None
         return "RUNNING"
 
@@ -111,7 +118,7 @@ def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
         except RunInUse as refused:
             outcomes[job_id] = str(refused)
 
-    threads = [threading.Thread(target=start, args=(job,)) for job in ("1", "2")]
+    threads = [threading.Thread(target=start, args=(job,), name=job) for job in ("1", "2")]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -119,7 +126,6 @@ def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
     assert sorted(outcomes.values()).count("won") == 1, outcomes
     (winner,) = [job for job, outcome in outcomes.items() if outcome == "won"]
     assert run.owner() is not None and run.owner().job_id == winner
-    assert not run.claim_lock.exists()
 
 
 def test_two_starts_that_find_a_stale_lock_cannot_both_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -151,32 +157,7 @@ def test_two_starts_that_find_a_stale_lock_cannot_both_win(tmp_path: Path, monke
 
     local = threading.local()
     monkeypatch.setattr(PathType, "stat", stat)
-    inside = threading.Barrier(2)
-
-    def slurm(job_id: str) -> str | None:
-        if job_id == "0":
-            with contextlib.suppress(threading.BrokenBarrierError):
-                inside.wait(timeout=3)  # two starts inside the lock at once meet here
-            return None
-        return "RUNNING"
-
-    outcomes: dict[str, str] = {}
-
-    def start(job_id: str) -> None:
-        try:
-            run.claim(job_id, slurm=True, squeue_state=slurm)
-            outcomes[job_id] = "won"
-        except RunInUse as refused:
-            outcomes[job_id] = str(refused)
-
-    threads = [threading.Thread(target=start, args=(job,), name=job) for job in ("1", "2")]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert sorted(outcomes.values()).count("won") == 1, outcomes
-    (winner,) = [job for job, outcome in outcomes.items() if outcome == "won"]
-    assert run.owner() is not None and run.owner().job_id == winner
+    one_winner(run, wait_s=3)
 
 
 def fake_squeue(directory: Path, stderr: str, code: int) -> str:
