@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -80,10 +82,7 @@ class ShardedCheckpointer:
                  async_save: bool = True, beat: Callable[..., None] | None = None,
                  version: str | None = None, wait_s: float | None = None) -> None:
         self.directory, self.rank, self.world, self.ledger = Path(directory), rank, world, ledger
-        # DCP's get_state_dict asks torch._dynamo whether a module is compiled, and that import (0.4-0.6 s on the CI
-        # machine) fell on the first save's time: the stop's, in a process that had saved nothing yet. Here, at the
-        # start (the checkpointer is made at the resume's first look).
-        import torch._dynamo  # noqa: F401
+        _import_dynamo()
         self.async_save, self.beat, self.version = async_save, beat or (lambda *a, **k: None), version
         # The store's pointers, pruning and stale-file removal; its single-file writer is not used.
         self.store = CheckpointStore(self.directory, keep_last=keep_last)
@@ -462,6 +461,20 @@ class ShardedCheckpointer:
         self.last_saved_step = step
         return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped,
                                 unverified=unverified or {})
+
+
+def _import_dynamo() -> None:
+    """DCP's get_state_dict asks torch._dynamo whether a module is compiled, and that import (0.4-0.6 s on the CI
+    machine) fell on the first save's time: the stop's, in a process that had saved nothing yet. Imported when the
+    checkpointer is made (at the resume's first look), leaving the environment as it was (the import sets
+    TORCHINDUCTOR_CACHE_DIR, which DataLoader workers and every child would inherit)."""
+    if "torch._dynamo" in sys.modules:
+        return
+    before = set(os.environ)
+    import torch._dynamo  # noqa: F401
+
+    for key in set(os.environ) - before:
+        del os.environ[key]
 
 
 class _Job:
