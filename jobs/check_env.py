@@ -22,12 +22,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 from mgpu.cluster.environment import detect_environment  # noqa: E402
 from mgpu.errors import MgpuError, exit_with  # noqa: E402
 
+MAX_TIMEOUT_S = 7 * 24 * 3600  # as distributed.init_timeout_s
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, help="directory for one rank<N>.json per rank")
     parser.add_argument("--timeout-s", type=float, default=1800.0, help="rendezvous timeout in seconds")
     args = parser.parse_args(argv)
+    if not 0 < args.timeout_s <= MAX_TIMEOUT_S:  # (NaN fails too) timedelta overflows near 1e14 s
+        exit_with(MgpuError(f"--timeout-s {args.timeout_s}: must be in (0, {MAX_TIMEOUT_S}] seconds"), "check_env")
     try:
         env = detect_environment()
     except MgpuError as error:
@@ -37,8 +41,15 @@ def main(argv: list[str] | None = None) -> int:
 
     from mgpu.parallel.distributed import all_reduce, process_group  # torch only after validation
 
-    with process_group(env, timeout=timedelta(seconds=args.timeout_s)) as ctx:
-        total = int(all_reduce(float(env.rank + 1)).item())
+    try:
+        with process_group(env, timeout=timedelta(seconds=args.timeout_s), wait_setting="--timeout-s") as ctx:
+            try:
+                total = int(all_reduce(float(env.rank + 1)).item())
+            except RuntimeError as error:  # a rank that left after the rendezvous (gloo: connection closed)
+                raise MgpuError(f"the all-reduce failed on rank {env.rank}: {' '.join(str(error).split())[:200]}; "
+                                f"check the other ranks' output") from None
+    except MgpuError as error:  # a rendezvous that did not complete, or the all-reduce after it
+        exit_with(error, "check_env")
     expected = env.world_size * (env.world_size + 1) // 2
     record = {**env.__dict__, "nodes": list(env.nodes), "backend": ctx.backend, "device": str(ctx.device),
               "allreduce_sum": total, "expected_sum": expected, "hostname": socket.gethostname(),

@@ -244,6 +244,25 @@ def submit(cluster: str, sub: Submission, res: Resources, max_parallel: int, res
     return [debug.submit(fn) for fn in fns]
 
 
+def local_devices(res: Resources, gpus: int | None = None) -> str | None:
+    """What `--cluster local` runs the ranks on, when it is not what --gpus-per-node asked: a note for CPU ranks on
+    a machine without a GPU (the README's first command on a laptop trains there, on gloo); MgpuError for fewer
+    GPUs than ranks (two ranks cannot share one under NCCL). `gpus`: this machine's count (None: torch's)."""
+    if not res.gpus_per_node:
+        return None
+    if gpus is None:
+        import torch  # a local run imports it anyway; the dry run does not come here
+
+        gpus = torch.cuda.device_count()
+    if gpus == 0:
+        return (f"this machine has no GPU: --gpus-per-node {res.gpus_per_node} runs {res.ntasks_per_node} CPU "
+                f"rank{'s' if res.ntasks_per_node != 1 else ''} here (gloo); --gpus-per-node 0 says so")
+    if gpus < res.gpus_per_node:
+        raise MgpuError(f"--gpus-per-node {res.gpus_per_node}: this machine has {gpus} GPU{'s' if gpus != 1 else ''}; "
+                        f"use --gpus-per-node {gpus} (or 0 and --tasks-per-node for CPU ranks)")
+    return None
+
+
 def run_local(sub: Submission, res: Resources, resume: str) -> int:
     """--cluster local: each config's ranks as processes here (mgpu.spawn), one run after another. Ctrl-C
     (or SIGTERM to this process) stops them at the same step; they save, and this exits 3 with the
@@ -360,6 +379,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         for line in memory.lines():
             print(line, flush=True)
         memory.record()
+    if cluster == "local":
+        try:
+            note = local_devices(res)
+        except MgpuError as error:
+            exit_with(error, PROG)
+        if note:
+            print(f"submit: note: {note}", file=sys.stderr, flush=True)
     for line in _resume_note(sub, args.resume_steps):
         print(line.lstrip("# "), flush=True)
     if cluster == "debug" and res.ntasks_per_node > 1:

@@ -21,6 +21,20 @@ def fsync_path(path: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
+def fsync_all(paths: list[Path]) -> None:
+    """fsync every file of `paths` at once (a thread each): a journaling filesystem commits them together, where
+    one after the other each waits for a commit of its own. Raises the first OSError (after every fsync ended)."""
+    if len(paths) <= 1:
+        for path in paths:
+            fsync_path(path)
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(paths), thread_name_prefix="mgpu-fsync") as pool:
+        for future in [pool.submit(fsync_path, path) for path in paths]:
+            future.result()
+
+
 def write_durably(path: Path, data: bytes) -> None:
     """Write `data` to `path` and fsync it (no rename: the caller names a temporary path)."""
     with open(path, "wb") as file:

@@ -89,6 +89,18 @@ class SlowBlobTask(BlobTask):
         return super().loss(model, batch)
 
 
+class ThrottledBlobTask(SlowBlobTask):
+    """SlowBlobTask whose process joins the cgroup $MGPU_TEST_READ_CGROUP names (its `cgroup.procs`; tests/throttle.py:
+    the kernel throttles its reads) when the task is built: after the imports, before the resume reads the
+    checkpoint. Not a task argument (a resume refuses to change those); unset, nothing."""
+
+    def __init__(self, **kwargs) -> None:
+        import os
+
+        super().__init__(**kwargs)
+        procs = os.environ.get("MGPU_TEST_READ_CGROUP")
+        if procs:
+            Path(procs).write_text(f"{os.getpid()}\n")
 
 
 class DiskFillingBlobTask(BlobTask):

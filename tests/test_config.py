@@ -207,6 +207,9 @@ BAD_OVERRIDES = [
     ("run.name=2024-13-01", "run.name", "invalid YAML value: month must be in 1..12"),
     ("data.batch_size=1e999", "data.batch_size", "expected int, got inf"),
     ("optim.lr=1e999", "optim.lr", "expected float"),
+    # issue 46: 100000 (or 2**63 - 1) DataLoader workers forked until the machine ran out of memory and processes
+    ("data.num_workers=100000", "data.num_workers", "must be at most 1024 (DataLoader workers per rank)"),
+    ("data.num_workers=9223372036854775807", "data.num_workers", "must be at most 1024"),
 ]
 
 

@@ -335,3 +335,36 @@ def test_a_rank_the_saved_run_did_not_have_gets_a_seed_at_any_config_seed(monkey
                    "progress": Progress()}
         restore_state(state, objects, rank, 2**32 - 1)
         assert objects["progress"].step == 10**12
+
+
+def test_a_loader_refuses_a_batch_size_a_worker_count_or_an_empty_dataset_in_one_line() -> None:
+    # Issue 46: Session.loader(batch_size=0) was a ZeroDivisionError at its first epoch, an empty dataset trained
+    # 0 steps without a word, and num_workers=100000 forked until the machine ran out of processes.
+    import torch
+    from torch.utils.data import TensorDataset
+
+    from mgpu.data.loader import ResumableLoader, eval_loader, make_loader, worker_cap
+    from mgpu.data.stream_loader import StatefulStreamLoader
+    from mgpu.errors import MgpuError
+
+    data, cap = TensorDataset(torch.zeros(10, 2)), worker_cap()
+    refused = [
+        (lambda: ResumableLoader(data, 0, rank=0, world_size=1), "Session.loader(batch_size=0): a batch holds"),
+        (lambda: ResumableLoader(data, 2.5, rank=0, world_size=1), "batch_size=2.5"),  # type: ignore[arg-type]
+        (lambda: ResumableLoader(data, True, rank=0, world_size=1), "batch_size=True"),
+        (lambda: ResumableLoader(TensorDataset(torch.zeros(0, 2)), 2, rank=0, world_size=2),
+         "Session.loader(): the dataset is empty (TensorDataset of length 0)"),
+        (lambda: ResumableLoader(data, 2, rank=0, world_size=1, num_workers=-1), "num_workers=-1"),
+        (lambda: ResumableLoader(data, 2, rank=0, world_size=1, num_workers=cap + 1),
+         f"num_workers={cap + 1}): more DataLoader worker processes per rank than this machine can run ({cap}"),
+        (lambda: StatefulStreamLoader(data, 0, rank=0, world_size=1), "Session.loader(batch_size=0)"),
+        (lambda: eval_loader(data, 0, rank=0, world_size=1, seed=0, requeue_signal="USR2"),
+         "Session.eval_loader(batch_size=0)"),
+        (lambda: make_loader(data, [[0, 1]], num_workers=100_000, seed=0, epoch=0, rank=0, requeue_signal="USR2",
+                             collate_fn=None), "data.num_workers: DataLoader(num_workers=100000)"),
+    ]
+    for build, expected in refused:
+        with pytest.raises(MgpuError) as error:
+            build()
+        assert expected in str(error.value) and "\n" not in str(error.value), str(error.value)
+    assert len(ResumableLoader(data, 3, rank=0, world_size=1, num_workers=cap)) == 4  # the cap itself is fine

@@ -137,6 +137,22 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
+def test_check_env_says_a_rendezvous_that_did_not_complete_in_one_line(tmp_path: Path) -> None:
+    # Issue 46: rank 0 of a world of two whose other rank never came printed the MgpuError's traceback.
+    port = str(random.SystemRandom().randint(20000, 32000))
+    env = base_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK="0", WORLD_SIZE="2", LOCAL_RANK="0",
+                   LOCAL_WORLD_SIZE="2")
+    results = run_processes([([PYTHON, CHECK, "--out", str(tmp_path), "--timeout-s", "2"], env),
+                             ([PYTHON, CHECK, "--timeout-s", "nan"], env)], timeout=90)
+    for result, said in zip(results, ["rank 0 waited 2 s at 127.0.0.1:" + port + " for all 2 ranks",
+                                      "--timeout-s nan: must be in (0, 604800] seconds"]):
+        lines = result.stdout.strip().splitlines()
+        assert result.returncode == 2 and len(lines) == 1 and said in lines[0], result.stdout
+    assert "--timeout-s sets the wait" in results[0].stdout and "Traceback" not in results[0].stdout
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.multiprocess
 def test_inconsistent_environment_fails_fast_with_one_line(tmp_path: Path) -> None:
     # Rank 0 of a step that claims 4 tasks on 2 nodes but whose task layout says 1 per node: without
     # validation it would wait 30 minutes for peers that never come.

@@ -86,3 +86,57 @@ def test_status_shows_the_ranks_still_in_a_long_phase(tmp_path: Path) -> None:
     os.utime(logs / "rank2.log", (now - 600, now - 600))  # written long ago: the run has moved on (or died)
     lines = describe(tmp_path, now=now)
     assert [line for line in lines if line.startswith("long phase")] == [f"long phase  {said}"], lines
+
+
+MAPPED_READER = """
+import json, mmap, os, sys, threading, time
+from mgpu.stop.phase_progress import thread_progress
+tid, samples, done = threading.get_native_id(), [], threading.Event()
+
+def rchar():
+    with open(f"/proc/self/task/{tid}/io") as file:
+        return next(int(line.split()[1]) for line in file if line.startswith("rchar:"))
+
+def sample():
+    while not done.wait(0.1):
+        samples.append((time.monotonic(), thread_progress(tid), rchar()))
+
+sys.stdin.readline()  # the parent has put this process in the throttled cgroup
+with open(sys.argv[1], "rb") as file:
+    mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)
+threading.Thread(target=sample, daemon=True).start()
+started = time.monotonic()
+total = sum(mapping[i] for i in range(0, len(mapping), mmap.PAGESIZE))  # a page fault per page, no read()
+done.set()
+print(json.dumps({"seconds": time.monotonic() - started, "samples": samples}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_mapped_reads_page_faults_are_its_progress(tmp_path: Path) -> None:
+    # Issue 46: torch.load(mmap=True) and the copies out of it into the model call no read(): a big single-file
+    # load from a slow filesystem showed no progress at all. Here a real slow read: the kernel throttles this
+    # child's reads to 4 MB/s (tests/throttle.py), and it faults an 8 MB file in page by page through a mapping.
+    import json
+    import os
+    import subprocess
+
+    from tests.conftest import PYTHON, ROOT, base_env
+    from tests.throttle import evict, throttled_reads
+
+    data = tmp_path / "checkpoint.bin"
+    data.write_bytes(os.urandom(8 << 20))
+    evict(data)
+    with throttled_reads(tmp_path, 4 << 20) as procs:
+        child = subprocess.Popen([PYTHON, "-c", MAPPED_READER, str(data)], cwd=ROOT, env=base_env(),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        procs.write_text(f"{child.pid}\n")
+        out, _ = child.communicate("go\n", timeout=120)
+    assert child.returncode == 0, out
+    result = json.loads(out.splitlines()[-1])
+    samples = result["samples"]
+    assert result["seconds"] > 1.5, result["seconds"]  # throttled: ~2 s, not milliseconds
+    assert samples[-1][2] - samples[0][2] < 1 << 16  # no read() to speak of: rchar alone saw nothing
+    grew = [later[0] for earlier, later in zip(samples, samples[1:]) if later[1] > earlier[1]]
+    gaps = [b - a for a, b in zip([samples[0][0], *grew], [*grew, samples[-1][0]])]
+    assert max(gaps) < 1.0, gaps  # its faults counted as it went: never a second without progress

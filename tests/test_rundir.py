@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,16 +89,23 @@ def test_an_unreadable_claim_is_no_claim(tmp_path: Path) -> None:
 def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
     # Both find the same stale claim (job 0, gone) and ask Slurm about it at the same moment (a barrier): the
     # claim is one step under a lock (O_EXCL), so the second sees the first's claim, alive, and is refused.
-    import threading
-
     run = RunDir(tmp_path)
     run.claim("0", slurm=True, squeue_state=queue())
+    one_winner(run, wait_s=2)  # the old check-then-write let both through
+    assert not run.claim_lock.exists()
+
+
+def one_winner(run: RunDir, wait_s: float) -> None:
+    """Starts "1" and "2" claim `run` at once, both finding its claim (job 0) gone; Slurm's answer about job 0 waits
+    up to `wait_s` for the other start to ask too (two starts inside the lock at once meet there). One must win."""
+    import threading
+
     barrier = threading.Barrier(2)
 
     def slurm(job_id: str) -> str | None:
         if job_id == "0":
             with contextlib.suppress(threading.BrokenBarrierError):
-                barrier.wait(timeout=2)  # the old check-then-write let both through here
+                barrier.wait(timeout=wait_s)
             return None
         return "RUNNING"
 
@@ -110,7 +118,7 @@ def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
         except RunInUse as refused:
             outcomes[job_id] = str(refused)
 
-    threads = [threading.Thread(target=start, args=(job,)) for job in ("1", "2")]
+    threads = [threading.Thread(target=start, args=(job,), name=job) for job in ("1", "2")]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -118,7 +126,38 @@ def test_two_starts_cannot_both_win(tmp_path: Path) -> None:
     assert sorted(outcomes.values()).count("won") == 1, outcomes
     (winner,) = [job for job, outcome in outcomes.items() if outcome == "won"]
     assert run.owner() is not None and run.owner().job_id == winner
-    assert not run.claim_lock.exists()
+
+
+def test_two_starts_that_find_a_stale_lock_cannot_both_win(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 46: a claim lock left by a start that died mid-claim is stale after LOCK_STALE_S. Both starts saw it
+    # stale; one broke it and took the lock; the other, acting on its older look, removed that fresh lock and took
+    # one too: both were inside, both found the old owner gone, both won. Start "2" here acts 0.5 s after its look.
+    import threading
+    from pathlib import Path as PathType
+
+    run = RunDir(tmp_path)
+    run.claim("0", slurm=True, squeue_state=queue())
+    run.claim_lock.write_text("a start that died mid-claim\n")
+    os.utime(run.claim_lock, (time.time() - 3600, time.time() - 3600))
+    looked = threading.Barrier(2)
+    real_stat = PathType.stat
+
+    def stat(self: PathType, *args: Any, **kwargs: Any) -> os.stat_result:
+        if self.name != run.claim_lock.name:
+            return real_stat(self, *args, **kwargs)
+        first = not getattr(local, "looked", False)
+        local.looked = True
+        if first:
+            with contextlib.suppress(threading.BrokenBarrierError):
+                looked.wait(timeout=2)  # both take their first look at the stale lock together
+        result = real_stat(self, *args, **kwargs)
+        if first and threading.current_thread().name == "2":
+            time.sleep(0.5)  # ... and "2" acts on what it saw a moment later
+        return result
+
+    local = threading.local()
+    monkeypatch.setattr(PathType, "stat", stat)
+    one_winner(run, wait_s=3)
 
 
 def fake_squeue(directory: Path, stderr: str, code: int) -> str:

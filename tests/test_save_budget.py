@@ -113,8 +113,8 @@ def test_a_session_sizes_its_save_allowance_from_earlier_runs(tmp_path: Path) ->
 
 
 # ------------------------------------------------------------------ issue 30: allowances from everything known
-from mgpu.state.save_budget import (MAX_ALLOWANCE_S, OUTLIER, READ_PASSES, expected_resume_s,  # noqa: E402
-                              lower_bounds)
+from mgpu.state.save_budget import (MAX_ALLOWANCE_S, OUTLIER, READ_PASSES, SLOWEST_READ_BYTES_S,  # noqa: E402
+                                    expected_resume_s, lower_bounds, newest_checkpoint)
 from mgpu.record.save_record import Attempt, read_attempts, record_path  # noqa: E402
 
 
@@ -154,7 +154,9 @@ def test_lower_bounds(attempts: list[Attempt], world: int, alive: float | None, 
 
 @pytest.mark.parametrize("resumes, saves, at_least, expected", [
     ([], [], 0.0, None),  # nothing known
-    ([], [S(588.0, 50 * GB)], 0.0, READ_PASSES * 588.0),  # before any resume: read twice at the write rate
+    # Before any resume: read twice, at the slower of the write rate and SLOWEST_READ_BYTES_S (issue 46: 50 MB/s)
+    ([], [S(588.0, 50 * GB)], 0.0, READ_PASSES * 50 * GB / SLOWEST_READ_BYTES_S),
+    ([], [S(1800.0, 50 * GB)], 0.0, READ_PASSES * 1800.0),  # a write slower than that: its rate
     ([S(100.0, 50 * GB)], [S(588.0, 50 * GB)], 0.0, 100.0),  # a resume measured: its read rate
     ([S(100.0, 50 * GB)], [S(588.0, 100 * GB)], 0.0, 200.0),  # the checkpoint grew since
     ([S(100.0, 50 * GB)] * 2 + [S(1e9, 50 * GB)], [S(588.0, 50 * GB)], 0.0, 100.0),  # an absurd one left out
@@ -163,6 +165,33 @@ def test_lower_bounds(attempts: list[Attempt], world: int, alive: float | None, 
 ])
 def test_expected_resume_s(resumes: list[Save], saves: list[Save], at_least: float, expected: float | None) -> None:
     assert expected_resume_s(resumes, saves, 1, at_least) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("checkpoint, world, saves, expected", [
+    # Issue 46: a first resume with nothing measured got watchdog.first_step_s whatever the checkpoint's size.
+    (Save(0.0, 50 * GB, 1, False), 1, [], READ_PASSES * 1000.0),  # a single file: hashed, then loaded
+    (Save(0.0, 50 * GB, 4, True), 4, [], 250.0),  # sharded: each rank reads its quarter once
+    (Save(0.0, 50 * GB, 4, True), 2, [], 500.0),  # ... on 2 ranks, half each
+    (Save(0.0, 50 * GB, 1, False), 1, [S(5.0, 50 * GB)], READ_PASSES * 1000.0),  # a fast save: the slowest read
+    (Save(0.0, 100 * GB, 1, False), 1, [S(588.0, 50 * GB)], READ_PASSES * 2000.0),  # the checkpoint on disk: bigger
+])
+def test_a_first_resume_is_sized_from_the_checkpoints_bytes(checkpoint: Save, world: int, saves: list[Save],
+                                                           expected: float) -> None:
+    assert expected_resume_s([], saves, world, 0.0, checkpoint) == pytest.approx(expected)
+
+
+def test_the_newest_checkpoint_is_read_from_its_meta(tmp_path: Path) -> None:
+    assert newest_checkpoint(tmp_path) is None and newest_checkpoint(None) is None
+    (tmp_path / "step_00000003").mkdir()
+    (tmp_path / "latest").write_text("step_00000003\n")
+    assert newest_checkpoint(tmp_path) is None  # no meta.json: none
+    (tmp_path / "step_00000003" / "meta.json").write_text(json.dumps({"bytes": 5 * GB, "kind": "sharded",
+                                                                        "world_size": 4}))
+    assert newest_checkpoint(tmp_path) == Save(0.0, 5 * GB, 4, True)
+    (tmp_path / "step_00000003" / "meta.json").write_text(json.dumps({"bytes": 7 * GB}))
+    assert newest_checkpoint(tmp_path) == Save(0.0, 7 * GB, 1, False)
+    (tmp_path / "step_00000003" / "meta.json").write_text("{torn")
+    assert newest_checkpoint(tmp_path) is None
 
 
 @pytest.mark.parametrize("expected_s, configured_s, allowance", [
@@ -320,4 +349,5 @@ def test_allowances_from_the_record_or_the_ledger(tmp_path: Path) -> None:
     legacy = tmp_path / "legacy" / "events.jsonl"  # a ledger from before the side record
     legacy.parent.mkdir()
     legacy.write_text(json.dumps(saved(588.0, 50 * GB, step=3)) + "\n")
-    assert allowances(legacy, 1, 600.0, 600.0) == Allowances(588.0, SAFETY * 588.0, SAFETY * 2 * 588.0)
+    assert allowances(legacy, 1, 600.0, 600.0) == Allowances(588.0, SAFETY * 588.0,
+                                                             SAFETY * 2 * 50 * GB / SLOWEST_READ_BYTES_S)

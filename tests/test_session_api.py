@@ -416,3 +416,72 @@ def test_an_uncaught_exception_in_a_loop_without_with_is_recorded(tmp_path: Path
     assert [(e["error"], e["retry"]) for e in failed] == [("ValueError: the loop's bug", True)], failed
     assert summarize(events)["state"] == "failed: ValueError: the loop's bug"
     assert sys.excepthook is not installed  # the ended session's hook is uninstalled
+
+
+@pytest.mark.parametrize("kind", ["one_cycle", "cyclic"])
+def test_an_lr_override_scales_the_whole_cycle_of_a_cyclic_schedule(kind: str) -> None:
+    # Issue 46: OneCycleLR keeps its peak and floor (max_lr, min_lr) in the param group and follows them at every
+    # step; an `lr` override changed only its base, so after the warmup the schedule went back to the old peak.
+    from mgpu.state import hparams
+
+    def built(peak: float) -> tuple[torch.optim.Optimizer, Any]:
+        torch.manual_seed(0)
+        optimizer = torch.optim.SGD(nn.Linear(2, 1).parameters(), lr=peak, momentum=0.9)
+        if kind == "one_cycle":
+            return optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=peak, total_steps=40)
+        return optimizer, torch.optim.lr_scheduler.CyclicLR(optimizer, base_lr=peak / 10, max_lr=peak, step_size_up=7)
+
+    def run(optimizer: torch.optim.Optimizer, scheduler: Any, steps: int) -> list[float]:
+        lrs = []
+        for _ in range(steps):
+            optimizer.step()
+            scheduler.step()
+            lrs.append(optimizer.param_groups[0]["lr"])
+        return lrs
+
+    saved_opt, saved_schedule = built(0.01)
+    run(saved_opt, saved_schedule, 12)  # into the cycle: the stop's checkpoint
+    resumed_opt, resumed_schedule = built(0.02)
+    resumed_opt.load_state_dict(saved_opt.state_dict())
+    resumed_schedule.load_state_dict(saved_schedule.state_dict())
+    base = resumed_opt.param_groups[0]["initial_lr"]
+    hparams.apply({"optimizer": resumed_opt, "scheduler": resumed_schedule}, {"lr": 2 * base})
+    reference_opt, reference_schedule = built(0.02)  # the run at twice the rate from the start
+    expected = run(reference_opt, reference_schedule, 40)[12:]
+    assert run(resumed_opt, resumed_schedule, 28) == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_sessions_seed_and_config_are_checked_as_a_yamls_before_anything(tmp_path: Path) -> None:
+    # Issue 46: Session(seed=2**64) was torch's "Overflow when unpacking long long" from inside the start, and a
+    # Config edited in Python (batch_size 10**30) reached the run unchecked.
+    from mgpu.cluster.environment import detect_environment
+    from mgpu.config.loading import ConfigError
+
+    edited = Config()
+    edited.data.batch_size = 10**30
+    for options, expected in [({"seed": 2**64}, "train.seed: must fit in 64 bits"),
+                              ({"seed": -1}, "train.seed: must be in [0, 4294967296), got -1"),
+                              ({"config": edited}, "data.batch_size: must fit in 64 bits")]:
+        with pytest.raises(ConfigError) as refused:
+            Session(tmp_path / "run", env=detect_environment({}), **options)
+        assert expected in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_loop_that_never_asks_should_stop_is_told_at_its_end(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    # Issue 46: such a loop trains, ends at step 0 and is never stopped together nor saved at a stop: say so.
+    from torch.utils.data import TensorDataset
+
+    with session(tmp_path / "run") as s:
+        loader = s.loader(TensorDataset(torch.zeros(12, 4)), batch_size=3)
+        state = s.load({**parts(), "loader": loader})
+        for (x,) in loader:
+            state.model(x).sum().backward()
+            state.optimizer.step()
+    assert ("the loop ended at step 0 after its loader read 12 samples: it never asked session.should_stop()"
+            in said(capsys))
+    with session(tmp_path / "asked") as s:
+        state = s.load({**parts(), "loader": s.loader(TensorDataset(torch.zeros(12, 4)), batch_size=3)})
+        train(state, s, 2)
+    assert "never asked" not in said(capsys)

@@ -163,6 +163,71 @@ def test_a_stream_refuses_what_it_cannot_read_in_one_line(tmp_path: Path) -> Non
         ShardedStream([tmp_path / "e.jsonl"], JsonLines())
 
 
+def _bad_inputs(d: Path) -> list[tuple[str, Any, Any, dict[str, Any], str]]:
+    """(case, files, reader, keywords, expected line) for inputs numpy or Python would answer with a traceback."""
+    np.arange(100, dtype=np.uint16).tofile(d / "ok.bin")
+    (d / "odd.bin").write_bytes(b"\x01" * 101)
+    (d / "notnpy.npy").write_bytes(b"hello world")
+    np.save(d / "f32.npy", np.arange(100, dtype=np.float32))
+    np.save(d / "obj.npy", np.array([1, "a"], dtype=object), allow_pickle=True)
+    (d / "adir.bin").mkdir()
+    (d / "side.bin").write_bytes(b"\0" * 200)
+    (d / "side.json").write_text('{"dtype": "uint17"}')
+    (d / "bad.jsonl").write_text('{"a": 1}\n{bad\n')
+    ok = [str(d / "ok.bin")]
+    return [
+        ("a size not a whole number of tokens", [d / "odd.bin"], TokenWindows(4, "uint16"), {},
+         "is 101 bytes, not a whole number of uint16 tokens (2 bytes each)"),
+        ("not a dtype", ok, lambda: TokenWindows(4, "uint17"), {}, "'uint17' is not a numpy dtype"),
+        ("a float dtype", ok, lambda: TokenWindows(4, "float16"), {}, "float16 is not an integer dtype"),
+        ("not a .npy", [d / "notnpy.npy"], TokenWindows(4), {}, "notnpy.npy is not a .npy file numpy can read"),
+        ("a float .npy", [d / "f32.npy"], TokenWindows(4), {}, "f32.npy: token ids are integers"),
+        ("an object .npy", [d / "obj.npy"], TokenWindows(4), {}, "object is not an integer dtype"),
+        ("a directory", [d / "adir.bin"], TokenWindows(4, "uint16"), {}, "adir.bin is a directory, not a file"),
+        ("a sidecar's bad dtype", [d / "side.bin"], TokenWindows(4), {}, "sidecar side.json: 'uint17' is not a numpy"),
+        ("a line that is not JSON", [d / "bad.jsonl"], JsonLines(), {}, "bad.jsonl, record 1 (bytes 9-13): not valid JSON"),
+        ("block_size a string", ok, lambda: TokenWindows("4", "uint16"), {}, "block_size='4': give a whole number"),
+        ("files None", None, TokenWindows(4, "uint16"), {}, "files are a glob or a list of paths, got None"),
+        ("files an int", 5, TokenWindows(4, "uint16"), {}, "files are a glob or a list of paths, got 5"),
+        ("no reader", ok, None, {}, "reader has count(path) and read(path, index)"),
+        ("shuffle_buffer a string", ok, TokenWindows(4, "uint16"), {"shuffle_buffer": "10"},
+         "shuffle_buffer='10': give a whole number"),
+        ("interleave 0", ok, TokenWindows(4, "uint16"), {"interleave": 0}, "interleave=0: read at least one lane"),
+    ]
+
+
+def test_each_bad_stream_input_is_one_line_naming_it(tmp_path: Path) -> None:
+    # st06/st08 of issue 46: a shard cut short and a wrong dtype gave numpy's tracebacks (ValueError, TypeError).
+    for case, files, reader, keywords, expected in _bad_inputs(tmp_path):
+        with pytest.raises(StreamError) as refused:
+            stream = ShardedStream(files, reader() if callable(reader) else reader, **keywords)
+            list(stream)  # a record that cannot be decoded is found when it is read
+        line = str(refused.value)
+        assert expected in line and "\n" not in line, (case, line)
+
+
+def test_a_stream_over_more_shards_than_file_handles_builds_and_reads_an_epoch(tmp_path: Path) -> None:
+    # Issue 46: every token shard stayed memory-mapped from the count on (a descriptor each): 1,200 shards under
+    # `ulimit -n 1024` failed with EMFILE while the stream was built.
+    import resource
+
+    paths = []
+    for k in range(1200):
+        path = tmp_path / f"s{k:05d}.bin"
+        np.full(17, k, dtype=np.uint16).tofile(path)
+        paths.append(str(path))
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+    try:
+        stream = ShardedStream(paths, TokenWindows(8, "uint16"), shuffle_buffer=100)
+        loader = ResumableLoader(stream, 16, rank=0, world_size=1, seed=0)
+        seen = Counter(int(window[0]) for batch in loader for window in batch)
+        stream.manifest()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert seen == Counter({k: 2 for k in range(1200)})  # 17 tokens: two windows of 8 (+1) per shard
+
+
 def mixed_stream(tmp_path: Path, shuffle_buffer: int = 8) -> ShardedStream:
     """Two token shards and a jsonl file: every sample becomes its id (an int) through `id_of`."""
     paths = token_shards(tmp_path, [8 * 9 + 1, 8 * 5 + 1])

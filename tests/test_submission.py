@@ -517,6 +517,25 @@ def test_sbatch_templates_record_the_exact_resume_command(tmp_path: Path, config
                                                   "--time=1:00:00", f"slurm/{name}", *args]
 
 
+@pytest.mark.parametrize("gpus_per_node, gpus, expected", [
+    (2, 0, "this machine has no GPU: --gpus-per-node 2 runs 2 CPU ranks here (gloo)"),
+    (1, 0, "this machine has no GPU: --gpus-per-node 1 runs 1 CPU rank here (gloo)"),
+    (2, 1, MgpuError("--gpus-per-node 2: this machine has 1 GPU; use --gpus-per-node 1")),
+    (4, 2, MgpuError("--gpus-per-node 4: this machine has 2 GPUs; use --gpus-per-node 2")),
+    (2, 2, None), (2, 8, None), (0, 0, None), (0, 4, None),
+])
+def test_a_local_run_says_what_it_runs_the_ranks_on(gpus_per_node: int, gpus: int, expected: Any) -> None:
+    # The GPU count is given (no GPU here): the one fake. Issue 46: 2 CPU ranks ran silently for --gpus-per-node 2.
+    from jobs.submit import local_devices
+
+    res = Resources(gpus_per_node=gpus_per_node)
+    if isinstance(expected, MgpuError):
+        with pytest.raises(MgpuError, match=re.escape(str(expected))):
+            local_devices(res, gpus)
+    else:
+        assert local_devices(res, gpus) == (expected and f"{expected}; --gpus-per-node 0 says so")
+
+
 @pytest.mark.multiprocess
 def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     if importlib.util.find_spec("mgpu.train.job") is None or importlib.util.find_spec("mgpu.cluster.requeue") is None:
@@ -533,6 +552,10 @@ def test_local_cluster_two_processes(tmp_path: Path, config: Path) -> None:
     assert events[0]["event"] == "started" and events[0]["world_size"] == 2
     assert events[-1]["event"] == "finished"
     assert "done" in result.stdout
+    import torch  # issue 46: the README's command on a machine without a GPU says it trains CPU ranks
+
+    if torch.cuda.device_count() == 0:
+        assert "submit: note: this machine has no GPU: --gpus-per-node 2 runs 2 CPU ranks here (gloo)" in result.stderr
     again = run_script([SUBMIT, "--cluster", "local", "--gpus-per-node", "2", "--config", str(config),
                         "--folder", str(runs), "--time", "10"], timeout=600)
     assert again.returncode == 0, again.stdout + again.stderr

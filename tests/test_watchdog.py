@@ -452,6 +452,25 @@ def test_a_hung_rank_is_found_named_and_ended(mode: str, rank: int, culprit_phas
 
 
 @pytest.mark.multiprocess
+def test_a_peer_frozen_before_the_first_step_ends_in_the_start_allowance(tmp_path: Path) -> None:
+    # Issue 46: rank 1 frozen in the run directory's claim, the first collective after the rendezvous: rank 0 waited
+    # there for distributed.init_timeout_s (its watchdog started after the claim), here 600 s; now watchdog.first_step_s.
+    procs = start_step(tmp_path, 2, "task.target=tests.frozen_claim:FrozenClaimTask", "train.epochs=1",
+                       "data.batch_size=4", "watchdog.first_step_s=5", "distributed.init_timeout_s=600",
+                       "log.tensorboard=false")
+    started = time.monotonic()
+    try:
+        code = procs[0].wait(timeout=120)
+    finally:
+        os.kill(procs[1].pid, signal.SIGKILL)  # frozen: the others' exit ends the step (srun does it on a cluster)
+    results = finish_step(procs, timeout=60)
+    assert code == HANG_EXIT_CODE, results[0][1][-3000:]
+    assert time.monotonic() - started < 90
+    (hang,) = [e for e in read_ledger(tmp_path / "events.jsonl") if e["event"] == "hang"]
+    assert hang["ranks"] == [1] and hang["frozen"] == [1] and hang["phases"]["0"] == "start", hang
+
+
+@pytest.mark.multiprocess
 def test_a_slow_but_healthy_rank_is_not_hung(tmp_path: Path) -> None:
     # The issue's case: rank 1's loss takes 3x as long (3 s) as rank 0's (1 s), so rank 0 waits ~2 s for it
     # in every step (DDP's forward broadcasts the batch-norm buffers), and once, at step 6, 1.5 s more.
@@ -527,7 +546,7 @@ def test_a_resume_has_its_own_allowance_and_reading_is_progress() -> None:
     clock, read = Clock(), {"bytes": 0}
     watchdog = Watchdog(0, 1, None, step_multiple=3, floor_s=10, first_step_s=600, checkpoint_s=60,  # type: ignore[arg-type]
                         resume_s=3528, on_hang=lambda *a: None, clock=clock,
-                        bytes_read=lambda tid: read["bytes"])
+                        progress=lambda tid: read["bytes"], threads=lambda: [1])
     assert watchdog.allowance() == 600
     watchdog.beat("resume")
     assert watchdog.allowance() == 3528
@@ -559,25 +578,58 @@ def test_a_resume_has_its_own_allowance_and_reading_is_progress() -> None:
 
 
 def test_a_sessions_resume_is_allowed_as_long_as_its_checkpoint_takes_to_read(tmp_path: Path) -> None:
-    """Issue 30: a run whose saves took 588 s for 50 GB resumes under 2 x 3 x 588 s (the checkpoint read twice at
-    that rate, with the save's margin), not the first step's fixed 600 s, until load() has restored it."""
+    """Issue 30: a run whose saves took 1800 s for 50 GB resumes under 2 x 3 x 1800 s (the checkpoint read twice at
+    that rate, with the save's margin), not the first step's fixed 600 s, until load() has restored it. (A save
+    faster than save_budget.SLOWEST_READ_BYTES_S gets that rate instead: test_save_budget.)"""
     from mgpu.config.loading import Config
     from mgpu.cluster.environment import detect_environment
     from mgpu.record.ledger import Ledger
     from mgpu.state.save_budget import SAFETY
     from mgpu.run.session import Session
 
-    Ledger(tmp_path / "events.jsonl", "1", 0).write("checkpoint_saved", step=3, seconds=588.0, bytes=50 * 10**9,
+    Ledger(tmp_path / "events.jsonl", "1", 0).write("checkpoint_saved", step=3, seconds=1800.0, bytes=50 * 10**9,
                                                     path="p", reason="periodic")
     session = Session(tmp_path, seed=0, config=Config(), env=detect_environment({}))
     try:
         assert session.watchdog is not None
         assert session.latest() is None  # (no checkpoint on disk here: the allowance is the point)
-        assert session.watchdog.allowance() == pytest.approx(2 * SAFETY * 588.0)  # save_budget.READ_PASSES
+        assert session.watchdog.allowance() == pytest.approx(2 * SAFETY * 1800.0)  # save_budget.READ_PASSES
         session.load({"progress": {"step": 0}})
         assert session.watchdog.allowance() == Config().watchdog.first_step_s
     finally:
         session.finish()
+
+
+@pytest.mark.multiprocess
+def test_a_first_resume_slower_than_the_first_step_allowance_finishes_and_trains(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 46: a first resume with nothing measured had watchdog.first_step_s, and a read that returned after
+    it was past (the hash's 8 MiB reads: 8 s each at 1 MB/s) was a hang. The kernel throttles the resuming
+    process's reads to 1 MB/s (tests/throttle.py: a cgroup, nothing in mgpu hooked), its 13 MB checkpoint out of
+    the page cache: the resume reads for ~13 s, past watchdog.first_step_s=6, and the run trains on."""
+    from tests.throttle import evict, throttled_reads
+
+    args = ["task.target=tests.tasks:ThrottledBlobTask", "task.args.step_s=0", "task.args.ballast_mb=12",
+            "data.batch_size=8", "log.tensorboard=false"]
+    ((code, output),) = finish_step(start_step(tmp_path, 1, *args, "train.epochs=1"), timeout=120)
+    assert code == 0, output[-3000:]
+    (tmp_path / "saves.json").unlink()  # nothing measured: as a run directory copied, or a record lost
+    ledger = tmp_path / "events.jsonl"
+    ledger.write_text("".join(line + "\n" for line in ledger.read_text().splitlines()
+                              if '"checkpoint_saved"' not in line))
+    evict(tmp_path / "checkpoints")
+    with throttled_reads(tmp_path, 1 << 20) as procs:
+        monkeypatch.setenv("MGPU_TEST_READ_CGROUP", str(procs))
+        ((code, output),) = finish_step(start_step(tmp_path, 1, *args, "train.epochs=2", "watchdog.first_step_s=6"),
+                                        timeout=240)
+    events = read_ledger(ledger)
+    assert code == 0, output[-3000:]
+    assert not [e for e in events if e["event"] == "hang"]
+    (resumed,) = [e for e in events if e["event"] == "resumed"]
+    first = [e for e in events if e["event"] == "first_step"][-1]
+    assert first["timings"]["loaded"] - first["timings"]["find"] > 10  # read slowly, well past first_step_s
+    finished = [e for e in events if e["event"] == "finished"]
+    assert finished[-1]["step"] > resumed["step"]  # and it trained on
 
 
 @pytest.mark.multiprocess

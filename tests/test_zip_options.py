@@ -4,6 +4,7 @@ and this thread's outside the block, keeps them; what is written so loads back t
 from __future__ import annotations
 
 import io
+from pathlib import Path
 import threading
 import zipfile
 import zlib
@@ -97,3 +98,31 @@ def test_only_the_blocks_own_thread_aligns_storages_to_a_page() -> None:
     assert any(offset % PAGE for offset in other.values()), other  # torch's 64 bytes
     loaded = torch.load(io.BytesIO(inside["own"]), weights_only=True, mmap=False)
     assert all(torch.equal(loaded[key], value) for key, value in values.items())
+
+
+def test_a_checkpoint_pads_its_storages_to_pages_only_when_it_holds_a_tensor_written_in_place(tmp_path: Path) -> None:
+    # Issue 46: every record of every state.pt was padded to 4 KiB (a test task's checkpoint: 17.7 kB -> 162 kB),
+    # though only a tensor of IN_PLACE_BYTES or more is ever written from where it is.
+    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.direct_io import IN_PLACE_BYTES
+
+    small = {f"layer{i}": {"weight": torch.randn(16, 8), "bias": torch.randn(16)} for i in range(20)}
+    big = {**small, "embedding": torch.randn(IN_PLACE_BYTES // 4)}
+    store = CheckpointStore(tmp_path / "checkpoints")
+    sizes = {}
+    for step, state in ((1, small), (2, big)):
+        saved = store.save(state, step)
+        data = (saved.path / "state.pt").read_bytes()
+        offsets = _data_offsets(data)
+        sizes[step] = len(data)
+        assert len(offsets) == len(state) * 2 - (step == 2)
+        if step == 1:
+            assert any(offset % PAGE for offset in offsets.values()), offsets  # torch's 64 bytes
+        else:
+            assert all(offset % PAGE == 0 for offset in offsets.values()), offsets
+        loaded = torch.load(saved.path / "state.pt", weights_only=True)
+        assert torch.equal(loaded["layer3"]["weight"], state["layer3"]["weight"])
+    store.close()
+    payload = sum(t.numel() * 4 for layer in small.values() for t in layer.values())
+    # Each of the 40 records: its headers (local and central, ~150 bytes) and up to 64 bytes of padding, not 4 KiB.
+    assert sizes[1] < payload + 40 * 256 + 4096 < 40 * PAGE, sizes

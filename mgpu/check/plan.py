@@ -20,7 +20,7 @@ from mgpu.check.runs import Run, Runner, Target, failed
 from mgpu.check.state_diff import differences, flatten, hint, parameter_names
 from mgpu.errors import MgpuError
 
-__all__ = ["Stop", "check", "choose_stop", "choose_stops"]
+__all__ = ["Stop", "check", "choose_stop", "choose_stops", "too_short"]
 
 
 @dataclass
@@ -50,7 +50,7 @@ def check(target: Target, args: argparse.Namespace, runner: Runner, scratch: Pat
     reference = {r: read_batches(unbroken.segments[0] / f"batches.rank{r}.jsonl") for r in range(world)}
     total = _last_step(unbroken, reference[0])
     if total < 2:
-        raise MgpuError(f"the loop ran {total} step(s): a resume check needs at least 2 (more data, or --steps)")
+        raise MgpuError(too_short(total, *_recorded(unbroken.segments[0] / "batches.rank0.jsonl")))
     if args.stop_at is not None and args.stop_at >= total:
         raise MgpuError(f"--stop-at {args.stop_at}: the loop ran {total} steps; stop before its last")
     workers = _workers(unbroken.segments[0])
@@ -148,6 +148,33 @@ def choose_stops(batches: list[Batch], total: int) -> list[Stop]:
         k2 = min(later, key=lambda k: (abs(k - two_thirds), k))
         stops.append(Stop(k2, _where(batches, k2)))
     return stops
+
+
+def too_short(total: int, batches: int, steps: int) -> str:
+    """Why an unbroken run of `total` steps cannot be checked: rank 0 recorded `batches` batches read from the
+    session's loaders and `steps` step ends (`should_stop()` calls). A loop that never asks `should_stop()` runs 0
+    steps however much it trains: mgpu counts a step there (and agrees and saves a stop there)."""
+    if steps == 0:
+        read = f" (it read {batches} batch{'es' if batches != 1 else ''} from session.loader)" if batches else ""
+        return (f"the loop ran 0 steps: it never asked session.should_stop(){read}; call it once per optimizer step, "
+                f"after optimizer.step(): mgpu counts a step there, and a stop is agreed and saved there")
+    return f"the loop ran {total} step(s): a resume check needs at least 2 (more data, or --steps)"
+
+
+def _recorded(path: Path) -> tuple[int, int]:
+    """(batches, step ends) a rank recorded (mgpu.record.check_hooks), counted from its file."""
+    batches = steps = 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if "step" in record:
+                steps += 1
+            elif "samples" in record:
+                batches += 1
+    return batches, steps
 
 
 def _last_step(run: Run, batches: list[Batch]) -> int:

@@ -110,6 +110,7 @@ CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
 # A directory name: not '.', '..' or hidden, no option-like leading '-', no separator, whitespace or control.
 _RUN_NAME = re.compile(r"(?![.-])[^\s/\\\x00-\x1f\x7f-\x9f\ud800-\udfff]{1,200}")
 MAX_INIT_TIMEOUT_S = 7 * 24 * 3600
+MAX_WORKERS = 1024  # DataLoader workers per rank: no machine runs more (a rank's own cap: mgpu.data.loader.worker_cap)
 MAX_CONFIG_BYTES = 1 << 20
 MAX_CONFIG_VALUES = 100_000
 _INT64 = 1 << 63
@@ -134,7 +135,8 @@ def _path_rule(v: str) -> str | None:
 _RULES: dict[str, Callable[[Any], str | None]] = {
     "task.target": lambda v: None if _TARGET.fullmatch(v) else "must look like 'package.module:ClassName'",
     "data.batch_size": _ge(1), "data.global_batch_size": _ge(1), "data.eval_batch_size": _ge(1),
-    "data.num_workers": _ge(0),
+    "data.num_workers": lambda v: _ge(0)(v) or (None if v <= MAX_WORKERS else
+                                                f"must be at most {MAX_WORKERS} (DataLoader workers per rank)"),
     "optim.lr": _gt(0), "optim.weight_decay": _ge(0), "optim.momentum": _ge(0),
     "optim.betas": lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v) else "must be 2 numbers in [0, 1)",
     "schedule.warmup_steps": _ge(0), "schedule.min_lr_ratio": _between(0, 1, True),

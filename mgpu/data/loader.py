@@ -32,6 +32,7 @@ import gc
 import itertools
 import logging
 import multiprocessing
+import os
 import signal
 from typing import Any, Callable, Iterator, Sequence
 
@@ -111,12 +112,46 @@ def _drop_torch_sigchld() -> None:
         _torch_sigchld_removed = True
 
 
+WORKERS_PER_CPU = 4
+"""The most DataLoader workers a rank may ask for, per CPU this process may run on (at least MIN_WORKER_CAP): more
+only queue for the same cores, and a typo (100000) forked until the machine ran out of memory and processes."""
+MIN_WORKER_CAP = 8
+
+
+def check_loader_args(batch_size: Any, num_workers: Any, where: str = "Session.loader") -> None:
+    """MgpuError in one line for a batch size that is not a whole number >= 1, or a worker count that is not a whole
+    number from 0 to this machine's cap (WORKERS_PER_CPU per usable CPU)."""
+    from mgpu.errors import MgpuError
+
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise MgpuError(f"{where}(batch_size={batch_size!r}): a batch holds a whole number of samples, at least 1 "
+                        f"(per rank per step)")
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+        raise MgpuError(f"{where}(num_workers={num_workers!r}): give a whole number of DataLoader workers, 0 or more "
+                        f"(0: load in the training process)")
+    cap = worker_cap()
+    if num_workers > cap:
+        raise MgpuError(f"{where}(num_workers={num_workers}): more DataLoader worker processes per rank than this "
+                        f"machine can run ({cap}: {WORKERS_PER_CPU} per usable CPU); use at most {cap}")
+
+
+def worker_cap() -> int:
+    """The most DataLoader workers one rank may start here (see WORKERS_PER_CPU)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(MIN_WORKER_CAP, WORKERS_PER_CPU * cpus)
+
+
 def make_loader(dataset: Dataset, batches: Sequence[Sequence[int]] | None, *, num_workers: int, seed: int, epoch: int,
                 rank: int, requeue_signal: str, collate_fn: Callable[[list[Any]], Any] | None,
                 pin_memory: bool = False, **options: Any) -> DataLoader:
     """A loader over the given index `batches` (already this rank's share of the epoch); `batches` None: an
     iterable `dataset` that yields whole batches itself."""
     global _reaper_installed
+    if num_workers > worker_cap():  # the trainer's data.num_workers (a loop's was checked by its loader)
+        check_loader_args(1, num_workers, "data.num_workers: DataLoader")
     # An own generator: creating an iterator draws a base seed, and from the global RNG that draw would
     # shift dropout's stream differently in a resumed run than in an unbroken one.
     generator = torch.Generator().manual_seed(loader_seed(seed, epoch, rank))
@@ -298,9 +333,15 @@ class ResumableLoader:
         for option in ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last", "generator"):
             if option in dataloader_options:
                 raise ValueError(f"ResumableLoader owns the sample order: {option}= is not an option here")
+        check_loader_args(batch_size, num_workers)
         self.stream_fingerprint = dataset.fingerprint() if isinstance(dataset, ShardedStream) else None
         self.stream = dataset if isinstance(dataset, ShardedStream) else None
         self.dataset, self.plan = plan_for(dataset, batch_size, rank, world_size, seed, shuffle)
+        if not self.plan.num_samples:
+            from mgpu.errors import MgpuError
+
+            raise MgpuError(f"Session.loader(): the dataset is empty ({type(dataset).__name__} of length 0): an epoch "
+                            f"would train no step; check the data it reads")
         self.num_workers, self.collate_fn = num_workers, collate_fn
         self.drop_last, self.requeue_signal, self.stopping, self.agreed = drop_last, requeue_signal, stopping, agreed
         self.options = dataloader_options
@@ -412,6 +453,7 @@ def eval_loader(dataset: Dataset, batch_size: int, *, rank: int, world_size: int
     """This rank's share of an evaluation set (mgpu.data.sampling.eval_shard: samples rank, rank + W, ...), in batches."""
     from mgpu.data.sampling import eval_shard
 
+    check_loader_args(batch_size, num_workers, "Session.eval_loader")
     indices = eval_shard(len(dataset), rank, world_size)  # type: ignore[arg-type]  # torch's Dataset declares no __len__
     batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
     return make_loader(dataset, batches, num_workers=num_workers, seed=seed, epoch=0, rank=rank,

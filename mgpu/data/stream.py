@@ -34,112 +34,18 @@ import bisect
 import glob
 import hashlib
 import json
-import mmap
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, IterableDataset, get_worker_info
 
-from mgpu.errors import MgpuError
+from mgpu.data.shard_readers import JsonLines, ShardReader, StreamError, TokenWindows, unreadable
 from mgpu.state.rng import stream_seed
 
 __all__ = ["EpochOrder", "JsonLines", "ShardReader", "ShardedStream", "StreamError", "StreamFiles", "TokenWindows",
            "check_files"]
-
-
-class StreamError(MgpuError):
-    """A stream cannot be built or resumed as asked: the message is one line that says why."""
-
-
-class ShardReader(Protocol):
-    """How to read one kind of file: its number of samples, and sample `index` of it (random access)."""
-
-    def count(self, path: str) -> int: ...
-
-    def read(self, path: str, index: int) -> Any: ...
-
-
-class TokenWindows:
-    """A flat token file (.bin raw with `dtype`, or .npy) as windows of `block_size + 1` tokens: window i
-    starts at token i * block_size, so consecutive windows share one token and every token but a file's
-    first is a target once. `dtype` None: read from jobs/make_tokens.py's sidecar (FILE.json)."""
-
-    def __init__(self, block_size: int, dtype: str | None = None) -> None:
-        if block_size < 1:
-            raise StreamError(f"block_size={block_size}: a window needs at least one token")
-        self.block_size, self.dtype = block_size, dtype
-        self._open: dict[str, np.ndarray] = {}
-
-    def _tokens(self, path: str) -> np.ndarray:
-        tokens = self._open.get(path)
-        if tokens is None:
-            if path.endswith(".npy"):
-                tokens = np.load(path, mmap_mode="r")
-            else:
-                dtype = self.dtype or self._sidecar_dtype(path)
-                tokens = np.memmap(path, dtype=dtype, mode="r") if Path(path).stat().st_size else np.zeros(0)
-            tokens = tokens.view(np.ndarray)  # the same mapped pages, without np.memmap's per-slice bookkeeping
-            if tokens.ndim != 1:
-                raise StreamError(f"{path}: a token shard is one flat array, this one has shape {tokens.shape}")
-            self._open[path] = tokens
-        return tokens
-
-    @staticmethod
-    def _sidecar_dtype(path: str) -> str:
-        sidecar = Path(path).with_suffix(".json")
-        try:
-            return str(json.loads(sidecar.read_text())["dtype"])
-        except (OSError, ValueError, KeyError):
-            raise StreamError(f"{path}: no dtype given and no readable sidecar {sidecar.name} with one "
-                              "(TokenWindows(block_size, dtype='uint16'))") from None
-
-    def count(self, path: str) -> int:
-        return max(len(self._tokens(path)) - 1, 0) // self.block_size
-
-    def read(self, path: str, index: int) -> torch.Tensor:
-        start = index * self.block_size
-        return torch.from_numpy(self._tokens(path)[start:start + self.block_size + 1].astype(np.int64))
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_open": {}}  # memory maps are reopened in each worker
-
-
-class JsonLines:
-    """A .jsonl file: one JSON value per non-empty line, found by a line-offset index (one scan per file
-    when the stream opens, kept in memory), so sample i is read without reading lines 0..i-1."""
-
-    def __init__(self, decode: Callable[[bytes], Any] = json.loads) -> None:
-        self.decode = decode
-        self._offsets: dict[str, np.ndarray] = {}
-
-    def offsets(self, path: str) -> np.ndarray:
-        """Start and end byte of every non-empty line: shape [lines, 2]."""
-        found = self._offsets.get(path)
-        if found is None:
-            with open(path, "rb") as handle:
-                size = Path(path).stat().st_size
-                data = np.frombuffer(mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ), np.uint8) if size \
-                    else np.zeros(0, np.uint8)
-                ends = np.flatnonzero(data == ord("\n"))
-                if size and (not len(ends) or ends[-1] != size - 1):
-                    ends = np.append(ends, size)  # a last line without its newline
-                starts = np.concatenate([[0], ends[:-1] + 1]) if len(ends) else np.zeros(0, np.int64)
-                keep = ends > starts
-                found = np.stack([starts[keep], ends[keep]], axis=1).astype(np.int64)
-                del data
-            self._offsets[path] = found
-        return found
-
-    def count(self, path: str) -> int:
-        return len(self.offsets(path))
-
-    def read(self, path: str, index: int) -> Any:
-        start, end = self.offsets(path)[index]
-        with open(path, "rb") as handle:
-            handle.seek(int(start))
-            return self.decode(handle.read(int(end - start)))
 
 
 class EpochOrder(Sequence[int]):
@@ -247,7 +153,24 @@ def _expand(files: str | Sequence[str | Path]) -> list[str]:
         if not found:
             raise StreamError(f"no file matches {str(files)!r}")
         return found
+    if not isinstance(files, Sequence) or any(not isinstance(f, (str, Path)) for f in files):
+        raise StreamError(f"a ShardedStream's files are a glob or a list of paths, got {_shown(files)}")
     return [str(f) for f in files]
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _whole(name: str, value: Any, least: int) -> int:
+    """`value` as an int of at least `least`; StreamError naming the argument otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise StreamError(f"{name}={_shown(value)}: give a whole number")
+    if value < least:
+        what = {"shuffle_buffer": "it holds at least one sample", "interleave": "read at least one lane"}
+        raise StreamError(f"{name}={value}: {what.get(name, f'at least {least}')}")
+    return int(value)
 
 
 class ShardedStream(IterableDataset):
@@ -262,20 +185,18 @@ class ShardedStream(IterableDataset):
         self.files = _expand(files)
         if not self.files:
             raise StreamError("a ShardedStream needs at least one file")
+        shuffle_buffer, interleave = _whole("shuffle_buffer", shuffle_buffer, 1), _whole("interleave", interleave, 1)
+        seed = _whole("seed", seed, 0)
         self.readers = [self._reader_for(path, reader) for path in self.files]
         counts = []
         for path, shard_reader in zip(self.files, self.readers):
             try:
                 counts.append(int(shard_reader.count(path)))
-            except FileNotFoundError:
-                raise StreamError(f"shard {path} not found") from None
+            except OSError as error:  # a reader of one's own that lets the system's error through
+                raise unreadable(path, error) from None
         self.counts: list[int] = counts
         if not sum(counts):
             raise StreamError(f"the {len(self.files)} shard(s) hold no sample (first: {self.files[0]})")
-        if shuffle_buffer < 1:
-            raise StreamError(f"shuffle_buffer={shuffle_buffer}: it holds at least one sample")
-        if interleave < 1:
-            raise StreamError(f"interleave={interleave}: read at least one lane")
         self.shuffle_buffer, self.interleave, self.seed, self.epoch = shuffle_buffer, interleave, seed, 0
         self.bases = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         self._manifest: dict[str, Any] | None = None
@@ -283,10 +204,13 @@ class ShardedStream(IterableDataset):
     @staticmethod
     def _reader_for(path: str, reader: ShardReader | Mapping[str, ShardReader]) -> ShardReader:
         if not isinstance(reader, Mapping):
+            if not (callable(getattr(reader, "count", None)) and callable(getattr(reader, "read", None))):
+                raise StreamError(f"a ShardedStream's reader has count(path) and read(path, index) (TokenWindows, "
+                                  f"JsonLines, or a mapping from suffix to one), got {_shown(reader)}")
             return reader
         for suffix, found in reader.items():
             if path.endswith(suffix):
-                return found
+                return ShardedStream._reader_for(path, found)
         raise StreamError(f"no reader for {path}: readers are given for {sorted(reader)}")
 
     @property

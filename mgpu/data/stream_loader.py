@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from mgpu.record.check_hooks import record_batch
-from mgpu.data.loader import ResumableLoader, make_loader
+from mgpu.data.loader import ResumableLoader, check_loader_args, make_loader
 
 __all__ = ["StatefulStreamLoader", "is_stateful", "open_loader", "shuffle_buffer"]
 
@@ -127,6 +127,7 @@ class StatefulStreamLoader:
         for option in ("sampler", "batch_sampler", "shuffle", "batch_size", "drop_last", "generator"):
             if option in dataloader_options:
                 raise ValueError(f"the stream's loader batches it itself: {option}= is not an option here")
+        check_loader_args(batch_size, num_workers)
         self.dataset, self.batch_size, self.rank, self.world_size, self.seed = dataset, batch_size, rank, world_size, seed
         self.drop_last, self.num_workers = drop_last, num_workers
         self.collate_fn = collate_fn or default_collate

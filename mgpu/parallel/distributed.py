@@ -164,13 +164,15 @@ def _init_method(env: ProcessEnv) -> str:
 
 @contextlib.contextmanager
 def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_INIT_TIMEOUT,
-                  backend: str | None = None, trace_dir: Path | None = None) -> Iterator[DistContext]:
+                  backend: str | None = None, trace_dir: Path | None = None,
+                  wait_setting: str = "distributed.init_timeout_s") -> Iterator[DistContext]:
     """Form the default process group for this rank and destroy it however the block exits.
 
     NCCL when this rank has a GPU, gloo otherwise. `timeout` bounds the rendezvous and every
     collective; with NCCL, async error handling makes a stuck collective end the process
     instead of hanging it, and the flight recorder is on (see `nccl_environment`; `trace_dir`:
-    where NCCL's watchdog writes it on a timeout).
+    where NCCL's watchdog writes it on a timeout). A rendezvous that does not complete in `timeout` is an
+    MgpuError in one line, which names `wait_setting` as what sets the wait.
     """
     env = detect_environment() if env is None else env
     threads = cpu_threads_per_rank(env.local_world_size)
@@ -196,7 +198,7 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
     try:
         dist.init_process_group(**kwargs)
     except (dist.DistStoreError, dist.DistNetworkError) as error:
-        raise MgpuError(_rendezvous_failure(env, timeout, error)) from None
+        raise MgpuError(_rendezvous_failure(env, timeout, error, wait_setting)) from None
     try:
         yield DistContext(env=env, device=device, backend=backend)
     finally:
@@ -204,7 +206,8 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
             dist.destroy_process_group()
 
 
-def _rendezvous_failure(env: ProcessEnv, timeout: timedelta, error: Exception) -> str:
+def _rendezvous_failure(env: ProcessEnv, timeout: timedelta, error: Exception,
+                        wait_setting: str = "distributed.init_timeout_s") -> str:
     """One line for a rendezvous that did not complete: who waited for whom, and where to look."""
     where = f"{env.master_addr}:{env.master_port}"
     seen = " ".join(str(error).split())[:160]
@@ -214,7 +217,7 @@ def _rendezvous_failure(env: ProcessEnv, timeout: timedelta, error: Exception) -
         what = f"rank {env.rank} could not reach rank 0 at {where} within {timeout.total_seconds():.0f} s ({seen})"
     return (f"rendezvous failed: {what}: check that every task started (squeue, sacct), that "
             f"{env.master_addr} resolves on every node and port {env.master_port} is free; "
-            f"distributed.init_timeout_s sets the wait")
+            f"{wait_setting} sets the wait")
 
 
 def set_collective_timeout(timeout: timedelta, *groups: Any) -> None:

@@ -11,6 +11,7 @@ continues the same run. A new run takes a new `run.name`.
     <run dir>/logs/rank<N>.log   every rank's log; rank<N>.json: its view of the launcher
     <run dir>/.owner             which job is using the run now (see `RunDir.claim`)
     <run dir>/.owner.lock        held for the moment of a claim: two starts take turns (O_EXCL)
+    <run dir>/.owner.lock.break  held while a stale .owner.lock is looked at again and removed (O_EXCL)
     <run dir>/.failure-<job>-<restart>  who handles a failed run (see mgpu.train.job)
 """
 
@@ -209,7 +210,7 @@ class RunDir:
                 except FileNotFoundError:
                     continue  # released just now
                 if age > LOCK_STALE_S:
-                    self.claim_lock.unlink(missing_ok=True)  # its start died in the middle of the claim
+                    self._break_if_stale()  # its start died in the middle of the claim
                     continue
                 if time.monotonic() > deadline:
                     raise RunInUse(f"run {self.path}: another start is claiming it ({self.claim_lock} exists, "
@@ -221,6 +222,31 @@ class RunDir:
             yield
         finally:
             self.claim_lock.unlink(missing_ok=True)
+
+    @property
+    def claim_breaker(self) -> Path:
+        return self.path / ".owner.lock.break"
+
+    def _break_if_stale(self) -> None:
+        """Remove the claim lock if it is still stale, deciding under `.owner.lock.break` (O_EXCL). Two starts that
+        both saw the lock stale once both removed it: the later one, acting on its older look, removed the lock the
+        first had just taken, and both claimed. Under the breaker the look and the removal are one step, and a lock
+        taken since is fresh. A breaker lives for microseconds; one older than LOCK_STALE_S (its start died between
+        the two) is removed as such."""
+        try:
+            fd = os.open(self.claim_breaker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - self.claim_breaker.stat().st_mtime > LOCK_STALE_S:
+                    self.claim_breaker.unlink(missing_ok=True)
+            return
+        os.close(fd)
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - self.claim_lock.stat().st_mtime > LOCK_STALE_S:
+                    self.claim_lock.unlink(missing_ok=True)
+        finally:
+            self.claim_breaker.unlink(missing_ok=True)
 
     def release(self, job_id: str) -> None:
         """Drop this process's claim once the run is over (a requeued job keeps it: it comes back)."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 from mgpu.run import session_state, session_wrap
 from mgpu.record.check_hooks import record_outside, record_outside_end, record_step
-from mgpu.config.loading import Config
+from mgpu.config.loading import Config, config_from_dict, config_to_dict
 from mgpu.cluster.environment import ProcessEnv
 from mgpu.errors import MgpuError
 from mgpu.record.ledger import Ledger
@@ -96,6 +96,9 @@ class Session(SessionBase):
             cfg.run.dir = str(run_dir)
         if seed is not None:
             cfg.train.seed = seed
+        # Every value checked as a YAML's is (one line naming the key): Session(seed=2**64) was a ValueError deep in
+        # torch's seeding, and a Config edited in Python never met the rules.
+        cfg = config_from_dict(config_to_dict(cfg))
         self.cfg, self.config_path = cfg, config_path
         # First of all, before anything slow: from here on a signal is a stop request, never the default
         # action or submitit's handler (which would checkpoint inside the handler and requeue a second time).

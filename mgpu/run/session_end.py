@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from mgpu.errors import MgpuError
 from mgpu.run.outcome import Outcome, decide_after_stop
@@ -17,7 +17,7 @@ from mgpu.run.runner import discard
 from mgpu.run.session_base import SessionBase
 
 
-__all__ = ["arm_teardown", "conclude", "discard_if_unused", "settle_open_stop"]
+__all__ = ["arm_teardown", "conclude", "discard_if_unused", "never_asked", "settle_open_stop"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -31,6 +31,8 @@ def conclude(session: SessionBase, status: str | None, fields: dict[str, Any]) -
     if session._state is not None and saved_at != session.step:
         path = session.save(reason="preemption" if stopped else "final", wait=True)
     if not stopped:
+        if session.is_main and (line := never_asked(session)) is not None:
+            log.warning("%s", line)
         session.ledger.write("finished", step=session.step, status=status or "finished",
                              seconds=round(time.time() - session.started, 3), **fields)
         if session.is_main:
@@ -71,6 +73,20 @@ def settle_open_stop(session: SessionBase, outcome: Outcome) -> Outcome:
     if settled.kind == "stays_down":
         session.run.release(session.env.job_id)
     return Outcome(settled.kind, settled.message)
+
+
+def never_asked(session: SessionBase) -> str | None:
+    """The warning for a loop that trained without ever asking `should_stop()`: it ends at step 0 although a loader
+    of its state read batches (None otherwise). Such a loop is never stopped together nor saved at a stop."""
+    state = session._state
+    read = [value.epoch * value.samples_per_epoch + value.position for value in state.values()
+            if hasattr(value, "plan") and isinstance(getattr(value, "position", None), int)] \
+        if isinstance(state, Mapping) else []
+    if session.step or session.resume_step or not any(read):
+        return None
+    return (f"the loop ended at step 0 after its loader read {max(read)} samples: it never asked "
+            f"session.should_stop(); call it once per optimizer step, after optimizer.step(): mgpu counts a step "
+            f"there, and a stop is agreed and saved there (without it a preemption loses the run's work)")
 
 
 def arm_teardown(session: SessionBase) -> None:

@@ -68,13 +68,13 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
     session.timings["group"] = time.time()
     session.device = ctx.device
     session.backend = ctx.backend
-    join_run(session.run, session.env, str(session.device), session.backend)
     # The saves and resumes so far, earlier runs' included (the side record: the same on every rank): how long
     # the next save should take sizes the watchdog's allowance, the collective timeout and the deadline stop;
     # the checkpoint's size and the read rate, the resume's allowance.
     from mgpu.state.save_budget import allowances
 
-    budget = allowances(session.run.ledger, session.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s)
+    budget = allowances(session.run.ledger, session.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s,
+                        session.run.checkpoints)
     session.expected_save_s, session.save_allowance_s = budget.expected_save_s, budget.save_allowance_s
     if session.is_main and session.save_allowance_s > cfg.watchdog.checkpoint_s:
         log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
@@ -85,6 +85,9 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
                                           checkpoint_s=session.save_allowance_s, resume_s=budget.resume_allowance_s)
         cleanup.callback(lambda: arm_teardown(session))
         session.beat = session.watchdog.beat
+    # Only with the watchdog running: the claim's broadcast is the first collective after the rendezvous, and a rank
+    # whose peer froze there (SIGSTOP, a lost node) waited distributed.init_timeout_s, not watchdog.first_step_s.
+    join_run(session.run, session.env, str(session.device), session.backend)
     session.stopper = StopController.for_rank(
         session.stop, cfg.preemption, cleanup, slurm_job=session.slurm_job if session.is_main else None,
         longest_write_s=lambda: longest_write_s(session), nodes=session.env.nodes)

@@ -34,7 +34,7 @@ from mgpu.state.digest import DigestingFile, digest_file
 from mgpu.state.direct_io import DirectFile, open_direct
 from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
 from mgpu.state.writeback import WritebackFile
-from mgpu.state.zip_options import page_aligned_storages, without_zip_crc32
+from mgpu.state.zip_options import holds_storage_of, page_aligned_storages, without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
 
 # The format's names are re-exported: callers of the store take its errors and results from here.
@@ -102,10 +102,12 @@ def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
 def _save_into(state: dict[str, Any], file: DirectFile | DigestingFile) -> None:
     """save_state_file into a digesting file (O_DIRECT or buffered), closed after (its last block written, its
     digest thread ended); a write's OSError is raised as itself, not as the RuntimeError torch's zip writer turns
-    it into. Every storage at a page-aligned offset: an O_DIRECT file can write a snapshot's tensors from where they
-    are (a memory snapshot, which save_state_file also writes, keeps torch's 64 bytes: no padding per tensor)."""
+    it into. Every storage at a page-aligned offset where the state holds a tensor big enough to be written in place
+    (mgpu.state.direct_io.IN_PLACE_BYTES): an O_DIRECT file can write a snapshot's tensors from where they are;
+    a state without one keeps torch's 64 bytes (no 4 KiB of padding per record), as a memory snapshot, which
+    save_state_file also writes, always does."""
     try:
-        with page_aligned_storages():
+        with page_aligned_storages(holds_storage_of(state)):
             save_state_file(state, file)  # type: ignore[arg-type]  # write-only RawIOBase: all torch.save needs
     except RuntimeError as error:
         if file.error is not None:

@@ -19,9 +19,9 @@ import secrets
 import shutil
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -94,6 +94,9 @@ class LoadedCheckpoint:
     state: dict[str, Any]
     meta: dict[str, Any]
     skipped: tuple[tuple[Path, str], ...]  # checkpoints tried first and rejected: (path, reason)
+    unverified: Mapping[str, Any] = field(default_factory=dict)
+    """Sharded: the shard files whose checksums the load checks as it reads them (name -> manifest line; mgpu.state.
+    shard_verify), and `own`: those this rank answers for. Empty: every file verified already."""
 
 
 class InvalidCheckpoint(Exception):

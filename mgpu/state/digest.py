@@ -34,7 +34,10 @@ __all__ = ["ALGORITHMS", "CHUNK_BYTES", "ChunkDigest", "DigestingFile", "crc32",
 ALGORITHMS = ("crc32", "sha256")
 CHUNK_BYTES = 64 << 20
 _THREADED = 1 << 20  # writes from this size on are digested in a second thread while they are written
-_READ = 8 << 20
+_READ = 1 << 20
+"""A verification's read: its bytes count as the resume's progress when the read returns (mgpu.stop.phase_progress),
+so it returns often on a slow filesystem (8 MiB took 4 s at 2 MB/s, past a 2 s allowance); the kernel's readahead
+keeps the device's requests large."""
 
 
 class ChunkDigest:

@@ -5,7 +5,9 @@ loop passes to the optimizer's constructor is silently replaced. `constructed()`
 `overridden_by_checkpoint()` says what the restore replaced (a warning each), and `apply()` is the one
 explicit way to change a hyperparameter of a running run: every parameter group of every optimizer in the
 state gets the value; for `lr` under an LR scheduler the schedule's base LR changes and the schedule's
-current factor is kept (a warmup or a decay goes on from where it stands, at the new scale).
+current factor is kept (a warmup or a decay goes on from where it stands, at the new scale), and with it every
+other learning rate the schedule follows (OneCycleLR's `max_lr` and `min_lr`, CyclicLR's `max_lrs`): the whole
+schedule at the new scale. A OneCycleLR's base is its `initial_lr`, `max_lr / div_factor`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,9 @@ __all__ = ["HYPERPARAMETERS", "apply", "constructed", "overridden_by_checkpoint"
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "betas", "eps", "dampening")
 """The param-group keys compared on a resume (any key of a param group may be overridden)."""
+_SCHEDULE_LRS = ("max_lr", "min_lr")
+"""Learning rates a schedule keeps in the param group besides its base (`initial_lr`) and follows at every step
+(OneCycleLR's): an `lr` override scales them with the base, or the schedule would go back to the old ones."""
 
 
 def _optimizers(objects: Mapping[str, Any]) -> dict[str, Any]:
@@ -83,13 +88,19 @@ def apply(objects: Mapping[str, Any], override: Mapping[str, Any]) -> list[str]:
             for key, value in override.items():
                 old = _base(group, key)
                 if key == "lr" and "initial_lr" in group:
+                    scale = value / group["initial_lr"] if group["initial_lr"] else None
                     factor = group["lr"] / group["initial_lr"] if group["initial_lr"] else 1.0
                     group["initial_lr"], group["lr"] = value, value * factor
+                    for bound in _SCHEDULE_LRS:  # OneCycleLR's peak and floor: the whole cycle at the new scale
+                        if bound in group and scale is not None:
+                            group[bound] = group[bound] * scale
                     for scheduler in schedulers:
                         if scheduler.optimizer is opt:
                             scheduler.base_lrs[index] = value
                             if hasattr(scheduler, "_last_lr"):
                                 scheduler._last_lr[index] = group["lr"]
+                            if scale is not None and isinstance(getattr(scheduler, "max_lrs", None), list):
+                                scheduler.max_lrs[index] *= scale  # CyclicLR's upper bound
                 else:
                     group[key] = value
                 if not _same(old, value):

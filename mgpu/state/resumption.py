@@ -133,10 +133,14 @@ class Resumption:
     def looked(self) -> bool:
         return self.found is not UNSEEN
 
-    def latest(self) -> Any:
-        """*Collective.* The newest valid checkpoint (a LoadedCheckpoint), or None; found once."""
-        if self.found is UNSEEN:
-            self.found = self.checkpointer().find_latest()
+    def latest(self, rejected: tuple[tuple[Path, str], ...] = ()) -> Any:
+        """*Collective.* The newest valid checkpoint (a LoadedCheckpoint), or None; found once. A sharded one's
+        shard files are checked as `restore` reads them (mgpu.state.shard_verify: read once); `rejected`: those
+        found damaged there, looked past."""
+        if self.found is UNSEEN or rejected:
+            checkpointer = self.checkpointer()
+            sharded = getattr(checkpointer, "defers_shards", False)
+            self.found = checkpointer.find_latest(**({"defer_shards": True, "rejected": rejected} if sharded else {}))
         return self.found
 
     def restore(self, state: MutableMapping[str, Any], missing_ok: set[str], batch_size: int | None,
@@ -150,9 +154,18 @@ class Resumption:
         if loaded is None:
             return None
         if loaded.meta.get("kind") == "sharded":  # models and optimizers through DCP, resharded (mgpu.state.sharded)
-            from mgpu.state.sharded_format import restore_sharded
+            from mgpu.state.sharded_format import DamagedCheckpoint, restore_sharded
 
-            restore_sharded(loaded, state, self.rank, self.seed, missing_ok)
+            while True:
+                try:
+                    restore_sharded(loaded, state, self.rank, self.seed, missing_ok)
+                    break
+                except DamagedCheckpoint as damaged:  # every rank alike: the previous checkpoint, loaded anew
+                    if self.rank == 0:
+                        log.warning("skipping checkpoint %s: %s", damaged.path, damaged.reason)
+                    loaded = self.latest(rejected=(*loaded.skipped, (damaged.path, damaged.reason)))
+                    if loaded is None:
+                        raise
         else:
             restore_state(loaded.state, state, self.rank, self.seed, missing_ok)
         self.step, self.path = loaded.step, loaded.path

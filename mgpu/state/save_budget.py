@@ -17,8 +17,9 @@ the ledger is; the ledger's tail for a run from before it) are read back at a ru
   `watchdog.checkpoint_s`; the collective timeout follows from it (mgpu.stop.watchdog.collective_timeout);
 - `resume_allowance_s`: the watchdog's allowance for finding, hashing and loading a checkpoint, SAFETY x the
   expected resume, never below `watchdog.first_step_s`: the newest checkpoint's size at the read rate of the
-  last resumes, or, before any was measured, READ_PASSES x the expected save (read once to hash, once to load);
-  at least as long as a resume killed since the last one that succeeded ran;
+  last resumes, or, before any was measured, its bytes per rank read READ_PASSES times (a single file: hashed,
+  then loaded; a sharded one once) at the slower of the saves' write rate and SLOWEST_READ_BYTES_S; at least as
+  long as a resume killed since the last one that succeeded ran;
 - `peer_wait_s`: how long the ranks of a sharded save wait for each other (its own group's timeout): a share
   of that allowance, so that a late rank ends the save, named (mgpu.state.shard_arrivals), before the watchdog.
 
@@ -38,9 +39,9 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from mgpu.record.save_record import Attempt, read_attempts, record_path
 
-__all__ = ["MAX_ALLOWANCE_S", "OUTLIER", "PEER_WAIT_SHARE", "READ_PASSES", "RECENT", "SAFETY", "TAIL_BYTES",
-           "Allowances", "Save", "allowances", "expected_resume_s", "expected_save_s", "last_sign_of_life",
-           "lower_bounds", "measured",
+__all__ = ["MAX_ALLOWANCE_S", "OUTLIER", "PEER_WAIT_SHARE", "READ_PASSES", "RECENT", "SAFETY", "SLOWEST_READ_BYTES_S",
+           "TAIL_BYTES", "Allowances", "Save", "allowances", "expected_resume_s", "expected_save_s", "last_sign_of_life",
+           "lower_bounds", "measured", "newest_checkpoint",
            "parse_saves", "peer_wait_s", "save_allowance_s", "saves_in_ledger"]
 
 RECENT = 5
@@ -58,8 +59,14 @@ suspended job, a stalled mount): one such figure would otherwise set every allow
 MAX_ALLOWANCE_S = 86_400.0
 """The cap on every expected time and allowance (a day): far past any real save, far below any overflow."""
 READ_PASSES = 2
-"""Reads of a checkpoint per resume, for its first allowance (hashed, then loaded): the same bytes at the
-write rate of its saves, until a resume's read rate is measured."""
+"""Reads of a single-file checkpoint per resume, for its first allowance (hashed, then loaded): the same bytes at
+the write rate of its saves, until a resume's read rate is measured. A sharded one is read once (its chunks checked
+as the load reads them: mgpu.state.shard_verify)."""
+SLOWEST_READ_BYTES_S = 50e6
+"""The slowest read rate a first resume is allowed for (50 MB/s: a loaded network filesystem's share per client,
+below the 85 MB/s of a loaded filesystem's writes above): before any resume was measured, the checkpoint's bytes
+per rank at this rate, per read pass, whatever the saves' write rate (a save measured on a quiet filesystem, or
+none measured at all: a run directory copied, a record lost), never only `watchdog.first_step_s`."""
 
 
 @dataclass(frozen=True)
@@ -144,20 +151,41 @@ def expected_save_s(saves: Sequence[Save], world: int, at_least: float = 0.0) ->
     return min(max(expected, at_least), MAX_ALLOWANCE_S)
 
 
-def expected_resume_s(resumes: Sequence[Save], saves: Sequence[Save], world: int,
-                      at_least: float = 0.0) -> float | None:
-    """Seconds a resume on `world` ranks should take to find, hash and load the newest checkpoint (the newest of
-    `saves`): its size at the slowest read rate of the last RECENT `resumes` (the outliers left out), or before
-    any, READ_PASSES x the expected save; at least `at_least`; capped (None: nothing known)."""
-    recent, newest = resumes[-RECENT:], saves[-1] if saves else None
+def expected_resume_s(resumes: Sequence[Save], saves: Sequence[Save], world: int, at_least: float = 0.0,
+                      checkpoint: Save | None = None) -> float | None:
+    """Seconds a resume on `world` ranks should take to find, hash and load the newest checkpoint (`checkpoint`, as
+    found on disk: its bytes, format and writers; else the newest of `saves`): its size at the slowest read rate of
+    the last RECENT `resumes` (the outliers left out), or before any, its read passes (READ_PASSES, a sharded one's
+    1) at the slower of the saves' write rate and SLOWEST_READ_BYTES_S, per rank; at least `at_least`; capped
+    (None: nothing known)."""
+    recent = resumes[-RECENT:]
+    newest = checkpoint or (saves[-1] if saves else None)
     expected: float | None = None
     if recent and newest is not None:
         expected = _rate_bound(recent, newest.bytes, lambda resume: world if resume.sharded else 1)
     elif newest is not None:
-        expected = READ_PASSES * (expected_save_s(saves, world) or 0.0)
+        passes = 1 if newest.sharded else READ_PASSES
+        per_rank = newest.bytes / (min(world, newest.writers) if newest.sharded else 1)
+        expected = passes * max(expected_save_s(saves, world) or 0.0, per_rank / SLOWEST_READ_BYTES_S)
     if expected is None and at_least <= 0:
         return None
     return min(max(expected or 0.0, at_least), MAX_ALLOWANCE_S)
+
+
+def newest_checkpoint(checkpoints: Path | None) -> Save | None:
+    """The checkpoint a resume would read first, as its `meta.json` describes it (the `latest` pointer's: its bytes,
+    whether sharded, its writers; `seconds` 0), or None where there is none or it cannot be read. Never raises."""
+    if checkpoints is None:
+        return None
+    try:
+        name = (checkpoints / "latest").read_text().strip()
+        meta = json.loads((checkpoints / name / "meta.json").read_text())
+        size, sharded = _number(meta.get("bytes")), meta.get("kind") == "sharded"
+        world = meta.get("world_size")
+        writers = world if sharded and isinstance(world, int) and not isinstance(world, bool) and world > 0 else 1
+        return Save(0.0, int(size), writers, sharded) if size is not None and "/" not in name else None
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
 
 
 def save_allowance_s(expected_s: float | None, configured_s: float) -> float:
@@ -245,9 +273,11 @@ class Allowances:
     resume_allowance_s: float
 
 
-def allowances(ledger: Path, world: int, checkpoint_s: float, first_step_s: float) -> Allowances:
+def allowances(ledger: Path, world: int, checkpoint_s: float, first_step_s: float,
+               checkpoints: Path | None = None) -> Allowances:
     """The allowances of a run starting on `world` ranks, from the side record beside `ledger` (or, for a run
-    from before it, the saves in the ledger's tail); `checkpoint_s`, `first_step_s`: the configured floors."""
+    from before it, the saves in the ledger's tail) and the newest checkpoint in `checkpoints` (its size, for a
+    first resume); `checkpoint_s`, `first_step_s`: the configured floors."""
     attempts = read_attempts(record_path(ledger))
     if attempts is None:
         saves, resumes, save_floor, resume_floor = saves_in_ledger(ledger), [], 0.0, 0.0
@@ -257,6 +287,6 @@ def allowances(ledger: Path, world: int, checkpoint_s: float, first_step_s: floa
         save_floor = lower_bounds(attempts, "save", world, alive)
         resume_floor = lower_bounds(attempts, "resume", world, alive)
     expected_save = expected_save_s(saves, world, save_floor)
-    resume = expected_resume_s(resumes, saves, world, resume_floor)
+    resume = expected_resume_s(resumes, saves, world, resume_floor, newest_checkpoint(checkpoints))
     return Allowances(expected_save, save_allowance_s(expected_save, checkpoint_s),
                       save_allowance_s(resume, first_step_s))

@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -52,8 +54,9 @@ from mgpu.state import checkpoint as _checkpoint
 from mgpu.state.dcp_safe import SafeReader
 from mgpu.state.shard_digest import DigestingFileSystem
 from mgpu.state.sharded_format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
-                                       rank_file, read_meta, split_objects, sync_buffers, to_bytes, verify_rank)
-from mgpu.fsutil import fsync_path, write_durably
+                                       rank_file, read_meta, shard_entries, split_objects, sync_buffers, to_bytes,
+                                       verify_rank)
+from mgpu.fsutil import fsync_all, fsync_path, write_durably
 from mgpu.record.ledger import Ledger
 from mgpu.state.rng import capture_rng_state
 from mgpu.state.shard_arrivals import Arrivals, MarkingWriter, late_line
@@ -70,12 +73,16 @@ class ShardedCheckpointer:
     """The run's sharded checkpoints, seen from one rank: every rank writes, rank 0 installs.
 
     The same interface as mgpu.state.checkpointer.Checkpointer, except that a save takes the objects themselves
-    (`save_objects`): each rank contributes its shard."""
+    (`save_objects`): each rank contributes its shard; and `find_latest` can leave the shard files' checksums to
+    the load that reads them (`defers_shards`)."""
+
+    defers_shards = True
 
     def __init__(self, directory: Path, rank: int, world: int, ledger: Ledger, *, keep_last: int = 2,
                  async_save: bool = True, beat: Callable[..., None] | None = None,
                  version: str | None = None, wait_s: float | None = None) -> None:
         self.directory, self.rank, self.world, self.ledger = Path(directory), rank, world, ledger
+        _import_dynamo()
         self.async_save, self.beat, self.version = async_save, beat or (lambda *a, **k: None), version
         # The store's pointers, pruning and stale-file removal; its single-file writer is not used.
         self.store = CheckpointStore(self.directory, keep_last=keep_last)
@@ -337,17 +344,18 @@ class ShardedCheckpointer:
 
     def _write_manifest(self, job: "_Job") -> None:
         tmp = job.tmp
-        write_durably(tmp / rank_file(self.rank), job.pieces)
+        (tmp / rank_file(self.rank)).write_bytes(job.pieces)
         names = [rank_file(self.rank)]
         from_bytes = {rank_file(self.rank): job.pieces}
         if job.common is not None:
-            write_durably(tmp / COMMON, job.common)
+            (tmp / COMMON).write_bytes(job.common)
             names += [COMMON, ".metadata"]
             from_bytes[COMMON] = job.common
         names += sorted(p.name for p in tmp.iterdir() if p.name.startswith(f"__{self.rank}_")
                         and p.name.endswith(".distcp"))
-        for name in names:
-            fsync_path(tmp / name)  # the one fsync of each (DCP's writer is told not to: `_writer`)
+        # The one fsync of each (DCP's writer is told not to: `_writer`), all at once: the filesystem commits them
+        # together (one journal commit, not one per file in turn: 4-6 of them were 10-60 ms of a 1 GiB save).
+        fsync_all([tmp / name for name in names])
         files = {name: file_entry(tmp / name, job.digests, from_bytes.get(name)) for name in names}
         write_durably(tmp / manifest_name(self.rank), (json.dumps({"rank": self.rank, "files": files}, indent=1)
                                                    + "\n").encode())
@@ -385,9 +393,12 @@ class ShardedCheckpointer:
             self._stager = None
 
     # ------------------------------------------------------------------ resume
-    def find_latest(self) -> LoadedCheckpoint | None:
+    def find_latest(self, defer_shards: bool = False, rejected: tuple[tuple[Path, str], ...] = ()
+                    ) -> LoadedCheckpoint | None:
         """*Collective.* The newest sharded checkpoint whose every file verifies (each rank hashes a share),
-        its common state and this rank's own pieces loaded; None for a new run."""
+        its common state and this rank's own pieces loaded; None for a new run. `defer_shards`: the shard files'
+        checksums are checked by the load as it reads them (`LoadedCheckpoint.unverified`; restore_sharded), their
+        sizes here: a resume reads them once. `rejected`: checkpoints found damaged since (skipped, and said)."""
         candidates, refusal = None, None
         if self.rank == 0:
             pointed = self.store.pointer("latest")
@@ -403,13 +414,16 @@ class ShardedCheckpointer:
             candidates, refusal = holder[0]
         if refusal is not None:
             raise CheckpointError(refusal)  # on every rank alike
-        skipped: list[tuple[Path, str]] = []
+        skipped: list[tuple[Path, str]] = list(rejected)
         for step, where in candidates or []:
             path = Path(where)
-            reason, meta = self._verify(path, step)
+            if any(path == bad for bad, _ in rejected):
+                continue
+            unverified: dict[str, Any] | None = {} if defer_shards else None
+            reason, meta = self._verify(path, step, unverified)
             if reason is None:
                 try:
-                    return self._load(path, step, meta, tuple(skipped))
+                    return self._load(path, step, meta, tuple(skipped), unverified)
                 except Exception as error:  # noqa: BLE001  (alike on every rank: the files verified)
                     reason = f"does not load safely: {one_line(error, 200)}"
             if self.rank == 0:
@@ -420,18 +434,23 @@ class ShardedCheckpointer:
                                   f"because {skipped[0][1]}")
         return None
 
-    def _verify(self, path: Path, step: int) -> tuple[str | None, dict[str, Any]]:
-        """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W."""
+    def _verify(self, path: Path, step: int, unverified: dict[str, Any] | None = None
+                ) -> tuple[str | None, dict[str, Any]]:
+        """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W.
+        `unverified`: filled with the shard files left to the load (`files`: every saved rank's, `own`: this rank's)."""
         try:
             meta: dict[str, Any] | None = read_meta(path, step)
             problem = None
         except (OSError, ValueError) as error:
             meta, problem = None, one_line(error, 300)
         if problem is None and meta is not None:
+            own: dict[str, Any] | None = {} if unverified is not None else None
             for saved in range(self.rank, meta["world_size"], self.world):
-                problem = verify_rank(path, saved, meta)
+                problem = verify_rank(path, saved, meta, own)
                 if problem is not None:
                     break
+            if unverified is not None and own is not None and problem is None:
+                unverified.update(files=shard_entries(path, meta, range(meta["world_size"])), own=set(own))
         problems: list[Any] = [problem]
         if self.world > 1:
             problems = [None] * self.world
@@ -439,14 +458,29 @@ class ShardedCheckpointer:
         first = next((p for p in problems if p is not None), None)
         return first, meta or {}
 
-    def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...]
-              ) -> LoadedCheckpoint:
+    def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...],
+              unverified: dict[str, Any] | None = None) -> LoadedCheckpoint:
         SafeReader(path).read_metadata()  # DCP's pickle read through the allow-list now: a refusal falls back
         state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
         own = path / rank_file(self.rank)
         state["rank_pieces"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
         self.last_saved_step = step
-        return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped)
+        return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped,
+                                unverified=unverified or {})
+
+
+def _import_dynamo() -> None:
+    """DCP's get_state_dict asks torch._dynamo whether a module is compiled, and that import (0.4-0.6 s on the CI
+    machine) fell on the first save's time: the stop's, in a process that had saved nothing yet. Imported when the
+    checkpointer is made (at the resume's first look), leaving the environment as it was (the import sets
+    TORCHINDUCTOR_CACHE_DIR, which DataLoader workers and every child would inherit)."""
+    if "torch._dynamo" in sys.modules:
+        return
+    before = set(os.environ)
+    import torch._dynamo  # noqa: F401
+
+    for key in set(os.environ) - before:
+        del os.environ[key]
 
 
 class _Job:

@@ -15,18 +15,20 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mgpu.errors import MgpuError
 from mgpu.state import checkpoint as checkpoint_settings
-from mgpu.state.checkpoint_format import META_FILE, LoadedCheckpoint, newer_format, one_line, sha256_file
+from mgpu.state.checkpoint_format import META_FILE, CheckpointError, LoadedCheckpoint, newer_format, one_line, sha256_file
 from mgpu.state.dcp_safe import SafeLoadPlanner, SafeReader
+from mgpu.state.shard_verify import ChunkChecks, VerifyingReader, deferrable
 from mgpu.state.digest import digest_bytes, digest_file, mismatch
 from mgpu.state.rng import derived_seed, restore_rng_state, seed_everything
 from mgpu.state.train_state import unwrapped
 
-__all__ = ["COMMON", "FORMAT", "KIND", "common_state", "dcp_container", "dcp_state", "entry_problem", "file_entry",
-           "manifest_name", "rank_file", "read_meta", "restore_sharded", "split_objects", "sync_buffers", "to_bytes",
+__all__ = ["COMMON", "FORMAT", "KIND", "DamagedCheckpoint", "common_state", "dcp_container", "dcp_state", "entry_problem", "file_entry",
+           "manifest_name", "rank_file", "read_meta", "restore_sharded", "shard_entries", "split_objects", "sync_buffers", "to_bytes",
            "verify_rank"]
 
 KIND = "sharded"
@@ -117,8 +119,11 @@ def entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
     return None
 
 
-def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | None:
-    """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact)."""
+def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any],
+                deferred: dict[str, Any] | None = None) -> str | None:
+    """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact). `deferred`: its shard files'
+    checksums are left to the load, which checks them as it reads them (mgpu.state.shard_verify): their manifest
+    lines go into `deferred` by name, their sizes are checked here, every other file is verified whole."""
     manifest_path = path / manifest_name(saved_rank)
     try:
         sha = sha256_file(manifest_path)
@@ -130,12 +135,29 @@ def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | N
             size = file.stat().st_size
             if size != entry["bytes"]:
                 return f"{file} is {size} bytes, {manifest_path.name} says {entry['bytes']} (truncated?)"
+            if deferred is not None and name.endswith(".distcp") and deferrable(entry):
+                deferred[name] = entry
+                continue
             problem = entry_problem(file, entry)
             if problem is not None:
                 return f"{problem} ({manifest_path.name})"
     except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{path}: rank {saved_rank}'s files unreadable: {one_line(error, 200)}"
     return None
+
+
+def shard_entries(path: Path, meta: Mapping[str, Any], ranks: Any) -> dict[str, Any]:
+    """The deferrable shard files' manifest lines of saved ranks `ranks` (the manifests verified by whoever answers
+    for them: a line that is wrong here fails the load's checks, and is named there)."""
+    found: dict[str, Any] = {}
+    for saved in ranks:
+        try:
+            manifest = json.loads((path / manifest_name(saved)).read_text())
+            found.update({name: entry for name, entry in manifest["files"].items()
+                          if name.endswith(".distcp") and deferrable(entry)})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # the rank answering for it names the damage
+    return found
 
 
 def read_meta(path: Path, step: int) -> dict[str, Any]:
@@ -165,9 +187,11 @@ def restore_sharded(loaded: LoadedCheckpoint, objects: MutableMapping[str, Any],
                         f"saved starts fresh only when you say so: load(state, missing_ok={set(missing)!r})")
     if modules:
         state = dcp_state(modules, optimizers)
-        dcp.load(state, storage_reader=SafeReader(loaded.path), planner=SafeLoadPlanner())
+        _load_verified(loaded, state)
         set_state_dict(dcp_container(modules), list(optimizers.values()), model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
+    elif loaded.unverified:
+        _agree_intact(loaded, ChunkChecks(loaded.path, loaded.unverified["files"]), None)
     common = loaded.state
     for name, value in rest.items():
         if name not in common:
@@ -185,3 +209,42 @@ def restore_sharded(loaded: LoadedCheckpoint, objects: MutableMapping[str, Any],
     else:  # the world grew: as mgpu.state.train_state does for a single-file checkpoint
         step = int(common.get("progress", {}).get("step", loaded.step))
         seed_everything(derived_seed(seed + rank + 100_003 * (step + 1), 0 <= rank < 100_003, "grew", seed, rank, step))
+
+
+class DamagedCheckpoint(CheckpointError):
+    """A sharded checkpoint whose shard file did not match its checksum while it was loaded: the same on every
+    rank (the message names the file); the objects hold a partial load, and the previous checkpoint goes next."""
+
+    def __init__(self, path: Path, reason: str) -> None:
+        super().__init__(f"checkpoint {path}: {reason}")
+        self.path, self.reason = path, reason
+
+
+def _load_verified(loaded: LoadedCheckpoint, state: dict[str, Any]) -> None:
+    """*Collective.* DCP's load of `state`; where the shard files' checksums were left to it (`loaded.unverified`),
+    each chunk checked as the load reaches it, then the rest of this rank's files (mgpu.state.shard_verify)."""
+    if not loaded.unverified:
+        dcp.load(state, storage_reader=SafeReader(loaded.path), planner=SafeLoadPlanner())
+        return
+    checks = ChunkChecks(loaded.path, loaded.unverified["files"])
+    failure: BaseException | None = None
+    try:
+        dcp.load(state, storage_reader=VerifyingReader(loaded.path, checks), planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as error:  # noqa: BLE001  (every rank: DCP gathers its ranks' failures)
+        failure = error  # (DCP's CheckpointException is a BaseException)
+    _agree_intact(loaded, checks, failure)
+
+
+def _agree_intact(loaded: LoadedCheckpoint, checks: ChunkChecks, failure: BaseException | None) -> None:
+    """*Collective.* DamagedCheckpoint on every rank when any rank's checks found a mismatch; else the load's own
+    failure, if any, raised as it was."""
+    problem = checks.finish(sorted(loaded.unverified["own"]))
+    problems: list[Any] = [problem]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise DamagedCheckpoint(loaded.path, first)
+    if failure is not None:
+        raise failure

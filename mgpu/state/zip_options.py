@@ -17,9 +17,10 @@ import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.serialization
 
-__all__ = ["PAGE", "available", "page_aligned_storages", "without_zip_crc32"]
+__all__ = ["PAGE", "available", "holds_storage_of", "page_aligned_storages", "without_zip_crc32"]
 
 PAGE = 4096
 """The storage alignment inside `page_aligned_storages()`: O_DIRECT's (mgpu.state.direct_io.ALIGN)."""
@@ -80,3 +81,25 @@ def page_aligned_storages(enabled: bool = True) -> Iterator[None]:
     the file's start (torch's default: 64); a no-op with a torch that has no such setting, or `enabled=False`."""
     with _scoped("_get_storage_alignment", PAGE, enabled):
         yield
+
+
+def holds_storage_of(state: Any, nbytes: int | None = None) -> bool:
+    """Whether `state` (nested dicts, lists and tuples) holds a tensor whose storage has at least `nbytes` bytes
+    (None: what an O_DIRECT file writes in place, mgpu.state.direct_io.IN_PLACE_BYTES). Whether to page-align a
+    state's storages: torch's writer has one alignment per archive and pads every record to it, so a state without
+    such a tensor (a test task's: 17.7 kB) grew to 162 kB, with nothing written in place to gain from it."""
+    if nbytes is None:
+        from mgpu.state import direct_io
+
+        nbytes = direct_io.IN_PLACE_BYTES
+    stack = [state]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.untyped_storage().nbytes() >= nbytes:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return False

@@ -10,9 +10,13 @@ The watchdog's publisher thread calls `LongPhases.poll` once a heartbeat; the li
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Callable, Iterable, Mapping
 
-__all__ = ["LONG_PHASES", "PROGRESS_EVERY_S", "LongPhases", "process_io"]
+__all__ = ["LONG_PHASES", "PAGE", "PROGRESS_EVERY_S", "LongPhases", "ThreadsProgress", "process_io", "process_threads",
+           "thread_progress"]
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 PROGRESS_EVERY_S = 30.0
 LONG_PHASES = {"start": "the rendezvous and setup before the first step", "resume": "the resume",
@@ -59,3 +63,51 @@ class LongPhases:
             moved = f"; this process read {read:.2f} GB and wrote {written:.2f} GB meanwhile"
         return (f"rank {self.rank}: in {LONG_PHASES[phase]} of step {step} for {now - since:.0f} s (the watchdog "
                 f"allows {allowance_s:.0f} s){moved}")
+
+
+def thread_progress(tid: int) -> int | None:
+    """Bytes thread `tid` of this process moved so far, as the kernel counts them: what it passed through read()
+    (/proc `rchar`) plus a page for every page fault it took, minor or major. A read of a memory-mapped file
+    (torch.load(mmap=True) and the copies out of it into the model, a shard's chunk checked from its mapping) calls
+    no read() at all: its page faults are its progress, and so are those of a read() into fresh memory, which show
+    while one long read() has not returned yet. None where the counters cannot be read (not Linux)."""
+    try:
+        with open(f"/proc/self/task/{tid}/io", "rb") as file:
+            rchar = next(int(line.split()[1]) for line in file.read().splitlines() if line.startswith(b"rchar:"))
+        with open(f"/proc/self/task/{tid}/stat", "rb") as file:
+            fields = file.read().rsplit(b")", 1)[1].split()
+        return rchar + PAGE * (int(fields[7]) + int(fields[9]))  # minflt, majflt (stat fields 10 and 12)
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def process_threads() -> list[int]:
+    """The kernel's ids of this process's threads (those of C libraries, OpenMP's and gloo's, included)."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except (OSError, ValueError):
+        return []
+
+
+class ThreadsProgress:
+    """Whether a process moved data since the last look: any of its threads (but `ignored()`: the watchdog's own) whose
+    `progress` counter grew. The resume's work is not the training thread's alone: a checkpoint's copies run in
+    OpenMP's threads, a shard's chunks may be checked in a thread of their own."""
+
+    def __init__(self, progress: Callable[[int], int | None] = thread_progress,
+                 threads: Callable[[], Iterable[int]] = process_threads,
+                 ignored: Callable[[], Iterable[int]] = tuple) -> None:
+        self.progress, self.threads, self.ignored = progress, threads, ignored
+        self._last: Mapping[int, int] | None = None
+
+    def reset(self) -> None:
+        """Forget the counters: the next look is a new baseline."""
+        self._last = None
+
+    def grew(self) -> bool:
+        """True if a thread's counter grew since the last look (False at the first: its baseline)."""
+        skip = set(self.ignored())
+        now = {tid: count for tid in self.threads() if tid not in skip
+               and (count := self.progress(tid)) is not None}
+        last, self._last = self._last, now
+        return last is not None and any(count > last.get(tid, count) for tid, count in now.items())

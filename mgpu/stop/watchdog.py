@@ -9,8 +9,9 @@ with nothing but clocks, how long ago the last beat was against an allowance lea
 step); `step_multiple` times the median evaluation batch time with the floor `eval_s` (`eval_s` for a run's
 first evaluation batch); `checkpoint_s` while a checkpoint is gathered or written, `resume_s` while a checkpoint
 is found, hashed and loaded (both sized by the saves and resumes measured so far: mgpu.state.save_budget); and while
-a resume reads, each read counts as progress (the training thread's bytes read, from /proc, sampled by the
-publisher thread): a big checkpoint on a slow filesystem is read, not hung. A step's time runs from its first beat to the end of its optimizer phase: the
+a resume reads, each read counts as progress (any thread's bytes read and page faults but the watchdog's, from
+/proc, sampled by the publisher thread: mgpu.stop.phase_progress): a big checkpoint on a slow filesystem, read or
+memory-mapped, is read, not hung. A step's time runs from its first beat to the end of its optimizer phase: the
 evaluation or checkpoint that may follow it has its own allowance and is not part of it.
 
 Heartbeats go on a board (mgpu.stop.heartbeat_board), never on the run's shared filesystem (one stalled
@@ -61,10 +62,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from mgpu.stop.heartbeat_board import STORE_TIMEOUT_S, Board, DirBoard, StoreBoard, default_board
-from mgpu.stop.phase_progress import LongPhases
+from mgpu.stop.phase_progress import LongPhases, ThreadsProgress, process_threads, thread_progress
 
 if TYPE_CHECKING:
     from mgpu.config.schema import WatchdogConfig
@@ -104,19 +105,6 @@ CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 MAX_ALLOWANCE_S = 86_400.0
 """No allowance, and no collective timeout derived from one, is longer (mgpu.state.save_budget.MAX_ALLOWANCE_S): a
 step or save timed across a suspended job must not make a timeout overflow."""
-
-
-def thread_bytes_read(tid: int) -> int | None:
-    """Bytes the thread `tid` of this process passed through read() so far (Linux's /proc `rchar`; None
-    elsewhere or when unreadable). procfs answers from the kernel's counters: it never waits on a disk."""
-    try:
-        with open(f"/proc/self/task/{tid}/io", "rb") as file:
-            for line in file.read().splitlines():
-                if line.startswith(b"rchar:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 @dataclass(frozen=True)
@@ -224,7 +212,8 @@ class Watchdog:
                  on_hang: Callable[[list[Heartbeat], list[int], float, float], None],
                  log_file: Callable[[], Any] | None = None, exit: Callable[[int], None] = os._exit,
                  clock: Callable[[], float] = time.time,
-                 bytes_read: Callable[[int], int | None] = thread_bytes_read) -> None:
+                 progress: Callable[[int], int | None] = thread_progress,
+                 threads: Callable[[], Iterable[int]] = process_threads) -> None:
         self.rank, self.world = rank, world
         # A path: heartbeat files there (a test's directory, or a node-local one); else the board given.
         self._board: Board | None = DirBoard(board) if isinstance(board, Path) else board
@@ -235,9 +224,9 @@ class Watchdog:
         self.eval_s = first_step_s if eval_s is None else eval_s
         # A resume: at least the first step's allowance (None: that alone, as before it had its own).
         self.resume_s = first_step_s if resume_s is None else max(first_step_s, resume_s)
-        self.bytes_read = bytes_read
-        self._reader: int | None = None  # the training thread's id, for its bytes read during a resume
-        self._read_mark: tuple[int, float] | None = None  # (bytes read, when they last grew) in this resume
+        # During a resume: the process's threads' reads and page faults (not the watchdog's own), and when they last grew.
+        self._moved = ThreadsProgress(progress, threads, self._own_threads)
+        self._read_mark: float | None = None
         self.on_hang, self.log_file, self.exit, self.clock = on_hang, log_file, exit, clock
         self.step, self.phase, self.since = 0, "start", clock()
         self._step_started: float | None = None  # the current step's first beat
@@ -306,7 +295,8 @@ class Watchdog:
             self._step_started = now
             self._step_timed = False
         if phase == "resume" and self.phase != "resume":
-            self._reader, self._read_mark = threading.get_native_id(), None
+            self._read_mark = None
+            self._moved.reset()
         self.phase, self.since = phase, now
 
     def allowance(self) -> float:
@@ -386,27 +376,26 @@ class Watchdog:
             pass  # the others then see this rank as frozen, which is what they can know
 
     def note_reads(self) -> None:
-        """During a resume, the time the training thread's bytes read last grew (the publisher's, once a poll):
-        a resume that keeps reading is making progress, whatever its allowance."""
-        reader = self._reader
-        if self.phase != "resume" or reader is None:
+        """During a resume, the time the process last moved data (the publisher's, once a poll): any thread's bytes
+        read or page faults (mgpu.stop.phase_progress.ThreadsProgress; the watchdog's own threads left out). A
+        resume that keeps reading, or faulting a mapped checkpoint in, is making progress, whatever its allowance."""
+        if self.phase != "resume":
             return
-        count = self.bytes_read(reader)
-        if count is None:
-            return
-        mark = self._read_mark
-        if mark is None:  # what it had read when the resume began: growth from here on is progress
-            self._read_mark = (count, self.since)
-        elif count > mark[0]:
-            self._read_mark = (count, self.clock())
+        if self._moved.grew():
+            self._read_mark = self.clock()
+
+    def _own_threads(self) -> list[int]:
+        """The kernel ids of the watchdog's threads (the watch, the publisher, their bounded helpers)."""
+        return [thread.native_id for thread in threading.enumerate()
+                if thread.name.startswith("mgpu-watchdog") and thread.native_id is not None]
 
     def waited(self) -> float:
         """Seconds since this rank's last progress: its last beat, or during a resume its last read, but
         never past MAX_ALLOWANCE_S since the beat."""
         now = self.clock()
         mark = self._read_mark
-        if self.phase == "resume" and mark is not None and mark[1] > self.since:
-            return max(now - mark[1], now - self.since - MAX_ALLOWANCE_S)
+        if self.phase == "resume" and mark is not None and mark > self.since:
+            return max(now - mark, now - self.since - MAX_ALLOWANCE_S)
         return now - self.since
 
     def _publish_loop(self) -> None:
