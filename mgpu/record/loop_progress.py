@@ -74,9 +74,10 @@ def fingerprint(objects: Mapping[str, Any], is_main: bool) -> str | None:
 
 
 def log_progress(ledger: Ledger, step: int, every: int, state: State, is_main: bool,
-                 metrics: Mapping[str, Any]) -> bool:
+                 metrics: Mapping[str, Any], ranks: Mapping[str, Any] | None = None) -> bool:
     """*Collective* when due and a module is sharded. Write the `progress` event at `step` if it is due (every
-    `every` steps; 0: always); returns whether it was due."""
+    `every` steps; 0: always), with `ranks` (every rank's step times: mgpu.record.stragglers) when known; returns
+    whether it was due."""
     check_metrics(metrics)
     if every and step % every:
         return False
@@ -85,5 +86,5 @@ def log_progress(ledger: Ledger, step: int, every: int, state: State, is_main: b
     if is_main:
         epoch = epoch_of(objects)
         ledger.write("progress", step=step, **({} if epoch is None else {"epoch": epoch}),
-                     metrics=read_metrics(metrics), fingerprint=weights)
+                     metrics=read_metrics(metrics), fingerprint=weights, **({"ranks": ranks} if ranks else {}))
     return True

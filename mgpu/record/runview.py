@@ -21,6 +21,7 @@ from mgpu.record.goodput import SACCT_FIELDS, SacctRun, duration, goodput, goodp
 from mgpu.record.ledger import read_ledger
 from mgpu.record.budgets import Limits, failure_requeues
 from mgpu.record.rundir import RunDir
+from mgpu.record.stragglers import straggler_line, summary_line
 from mgpu.cluster.slurm import client, is_alive
 
 __all__ = ["LIVE_S", "RunView", "budgets", "describe", "failure_cause", "hang_line", "is_run_dir", "job_limits",
@@ -198,6 +199,16 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         best = [e for e in evals if e.get("best") is True]
         if best:
             summary["best_eval"] = {"step": best[-1].get("step"), "metrics": best[-1]["metrics"]}
+    ranks = next((e["ranks"] for e in reversed(events[begin:]) if e["event"] == "progress"
+                  and isinstance(e.get("ranks"), dict)), None)
+    if ranks is not None:
+        summary["ranks"] = ranks
+    named: dict[Any, dict[str, Any]] = {}  # rank -> its newest straggler event in this attempt
+    for event in events[begin:]:
+        if event["event"] in ("straggler", "straggler_cleared"):
+            named[event.get("rank")] = event
+    if named:
+        summary["stragglers"] = sorted(named.values(), key=lambda e: str(e.get("rank")))
     hangs = [e for e in events if e["event"] == "hang"]
     if hangs:
         summary["hangs"] = {"count": len(hangs), "last": hangs[-1]}
@@ -403,6 +414,10 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
             script = client().batch_script(str(job_id)) if is_alive(sched) else None
             limits = job_limits(script) if script else None
         lines.append(f"budgets     {budgets(events, str(job_id), summary['restart'], limits)}")
+    if "ranks" in summary and (timing := summary_line(summary["ranks"])) is not None:
+        lines.append(f"ranks       {timing}")
+    for event in summary.get("stragglers", []):
+        lines.append(f"straggler   {straggler_line(event)}")
     if "hangs" in summary:
         lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")
     if "excluded" in summary:

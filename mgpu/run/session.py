@@ -124,6 +124,9 @@ class Session(SessionBase):
         self.resume_step = 0
         """The step this process started from (0 for a new run)."""
         self._by_batch = recovery_by_batch_script
+        self.timer = None  # this rank's compute and wait per step (mgpu.stop.rank_timing), set by start()
+        self._sync_wait = None
+        self.stragglers = None  # rank 0's watch of every rank's step times (mgpu.record.stragglers)
         try:
             start(self, env)  # mgpu.run.session_start: who am I, the run, the group, the watchdog
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
@@ -231,6 +234,18 @@ class Session(SessionBase):
         self.beat("agree")
         return bool(stopper.poll())
 
+    def outside_step(self) -> contextlib.AbstractContextManager[None]:
+        """`with session.outside_step(): ...` around work between steps that is not training (an evaluation,
+        a log line): left out of this rank's step time, which names a slow rank (stragglers; `save()` and `log()`
+        leave themselves out)."""
+        return self.timer.outside() if self.timer is not None else contextlib.nullcontext()
+
+    def rank_times(self) -> dict[str, Any] | None:
+        """Rank 0: every rank's compute and wait per step so far (EWMAs: min, median, max), the slowest rank, its
+        node and its factor over the others, the stragglers named (mgpu.record.stragglers); None elsewhere, before
+        the first agreement, or in a world of one. The trainer logs it with each log line."""
+        return self.stragglers.summary() if self.stragglers is not None else None
+
     @property
     def stopping(self) -> bool:
         """The ranks agreed to stop (after `should_stop()` or `poll_stop()` said so)."""
@@ -309,7 +324,8 @@ class Session(SessionBase):
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
         again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
         run whose checkpoint this session did not `load()`."""
-        return session_state.save(self, state, best, wait, reason, meta)
+        with self.outside_step():
+            return session_state.save(self, state, best, wait, reason, meta)
 
     @property
     def run_id(self) -> str:
@@ -332,8 +348,9 @@ class Session(SessionBase):
         self._live("log()")
         if metrics is not None and not isinstance(metrics, Mapping):
             raise MgpuError(f"Session.log() takes a dict of metrics or name=value, got a {type(metrics).__name__}")
-        return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
-                            {**(metrics or {}), **named})
+        with self.outside_step():
+            return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
+                                {**(metrics or {}), **named}, ranks=self.rank_times())
 
     @functools.cached_property
     def version(self) -> str | None:

@@ -25,7 +25,7 @@ from mgpu.cluster.slurm_job import owns_slurm_job
 from mgpu.run.session_base import SessionBase
 
 
-__all__ = ["after_first_step", "longest_write_s", "record_start", "start"]
+__all__ = ["after_first_step", "longest_write_s", "record_start", "start", "straggler_changed"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -33,7 +33,8 @@ log = logging.getLogger("mgpu.train")
 def start(session: SessionBase, env: ProcessEnv | None) -> None:
     """Everything between the stop signals caught and the loop's first call: sets the session's `limits`, `env`,
     `rank`, `world_size`, `local_rank`, `is_main`, `run`, `slurm_job`, `budgets`, `ledger`, `started`,
-    `resumption`, `device`, `backend`, `expected_save_s`, `save_allowance_s`, `watchdog`, `beat`, `stopper`."""
+    `resumption`, `device`, `backend`, `expected_save_s`, `save_allowance_s`, `watchdog`, `beat`, `timer`,
+    `stragglers` (rank 0's), `stopper`."""
     cfg = session.cfg
     session.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
     session.env = env or detect_environment()
@@ -85,10 +86,37 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
                                           checkpoint_s=session.save_allowance_s, resume_s=budget.resume_allowance_s)
         cleanup.callback(lambda: arm_teardown(session))
         session.beat = session.watchdog.beat
+    if cfg.stragglers.enabled and session.world_size > 1:
+        from mgpu.parallel.sync_wait import SyncWait
+        from mgpu.stop.rank_timing import RankTimer
+
+        session._sync_wait = SyncWait(session.device)  # session.wrap's DDPs report their waits to it
+        session.timer = RankTimer(session._sync_wait.take)
+        if session.is_main:
+            from mgpu.record.stragglers import StragglerWatch
+            from mgpu.run.runner import rank_node
+
+            stragglers = cfg.stragglers
+            session.stragglers = StragglerWatch(session.world_size, stragglers.margin, stragglers.hold_steps,
+                                                stragglers.hold_s, node_of=lambda rank: rank_node(session.run, rank))
     session.stopper = StopController.for_rank(
         session.stop, cfg.preemption, cleanup, slurm_job=session.slurm_job if session.is_main else None,
-        longest_write_s=lambda: longest_write_s(session), nodes=session.env.nodes)
+        longest_write_s=lambda: longest_write_s(session), nodes=session.env.nodes, timer=session.timer,
+        stragglers=session.stragglers, on_straggler=lambda change: straggler_changed(session, change))
     seed_rank(cfg.train.seed, session.rank, cfg.train.deterministic)
+
+
+def straggler_changed(session: SessionBase, change: Any) -> None:
+    """Rank 0: a rank named a straggler, or cleared (mgpu.record.stragglers.Change): one line, one ledger event."""
+    from mgpu.record.stragglers import change_line
+
+    if change.named:
+        log.warning("%s", change_line(change))
+        exclude = {"exclude": True} if session.cfg.stragglers.exclude_node else {}  # at the next requeue
+        session.ledger.write("straggler", **change.fields(), **exclude)
+    else:
+        log.info("%s", change_line(change))
+        session.ledger.write("straggler_cleared", **change.fields())
 
 
 def record_start(session: SessionBase, fields: dict[str, Any]) -> None:
