@@ -20,6 +20,7 @@ from mgpu.record.failures import merge, read_failures
 from mgpu.record.goodput import SACCT_FIELDS, SacctRun, duration, goodput, goodput_lines, parse_sacct
 from mgpu.record.ledger import read_ledger
 from mgpu.record.budgets import Limits, failure_requeues
+from mgpu.record.restarts import phase_totals, restart_lines, restarts
 from mgpu.record.rundir import RunDir
 from mgpu.record.stragglers import straggler_line, summary_line
 from mgpu.cluster.slurm import client, is_alive
@@ -431,7 +432,9 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
                                                   and summary["last_event_age_s"] < LIVE_S)
     if live:
         lines.extend(f"long phase  {line}" for line in long_phases(view.run.logs, now))
-    lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known))
+    found = restarts(events)
+    lines.extend(restart_lines(found))
+    lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known, phase_totals(found)))
     return lines
 
 
