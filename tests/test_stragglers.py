@@ -316,3 +316,40 @@ def test_the_waits_in_ddps_buffer_broadcast_and_gradient_reduction_are_measured(
         assert all(step["waited"] >= 0.8 * SLEEP_S for step in waiting), (where, waiting)
         assert all(step["waited"] <= step["wall"] for step in waiting), (where, waiting)
         assert statistics.median(step["waited"] for step in late) < 0.3 * SLEEP_S, (where, late)
+
+
+def test_on_a_gpu_the_waits_are_read_from_events_once_they_completed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No GPU here (bench/gpu/rank_timing.sh ran the real one): fake CUDA events, recorded at a device time and done
+    # once the device got there. Done pairs are read and their events recorded again; pending ones wait.
+    import torch
+
+    from mgpu.parallel.sync_wait import SyncWait
+
+    device_now = [0.0]
+    created: list[Any] = []
+
+    class Event:
+        def __init__(self, enable_timing: bool = False) -> None:
+            created.append(self)
+
+        def record(self, stream: Any = None) -> None:
+            self.at = device_now[0] + 1.0  # the device reaches the mark 1 s after the host records it
+
+        def query(self) -> bool:
+            return device_now[0] >= self.at
+
+        def elapsed_time(self, end: "Event") -> float:
+            return (end.at - self.at) * 1000.0
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "default_stream", lambda device=None: None)
+    meter = SyncWait(torch.device("cuda", 0))
+    start = meter._mark()
+    device_now[0] = 0.25
+    meter._add(start, meter._mark())  # a wait of 0.25 s, done on the device at 1.25
+    assert meter.take() == 0.0  # not done yet: nothing read, nothing synchronised
+    device_now[0] = 1.3
+    assert meter.take() == pytest.approx(0.25)
+    meter._add(meter._mark(), meter._mark())
+    assert len(created) == 2  # the two done events recorded again, no new ones
+
