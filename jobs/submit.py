@@ -142,10 +142,7 @@ def _validate(args: argparse.Namespace) -> tuple[str, Submission, Resources]:
             raise MgpuError(f"--forget-node {node!r}: give one node's name (letters, digits, . _ -)")
     args.nodes_memory = NodeMemory.read([run_dir_for(cfg) for cfg in sub.configs], args.forget_node)
     if cluster == "slurm":
-        # Read here, outside the job: inside it, the stop that needs them is when Slurm may not answer.
-        times = cluster_exports(res.partition.split(",")[0] if res.partition else None)
-        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude),
-                                  kill_times=tuple(times.items()))
+        res = dataclasses.replace(res, exclude=args.nodes_memory.merged_exclude(res.exclude))
     if cluster in ("local", "debug") and res.nodes > 1:
         raise MgpuError(f"--nodes {res.nodes}: --cluster {cluster} runs on this machine only; use --nodes 1")
     if cluster == "slurm" and not args.dry_run and not (shutil.which("sbatch") and shutil.which("srun")):
@@ -345,6 +342,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cluster, sub, res = _validate(args)
         resume = _resume_command(args, argv)
+        if cluster == "slurm":  # once every input is checked: a mistake asks Slurm nothing
+            # Read here, outside the job: inside it, the stop that needs them is when Slurm may not answer.
+            times = cluster_exports(res.partition.split(",")[0] if res.partition else None)
+            res = dataclasses.replace(res, kill_times=tuple(times.items()))
     except MgpuError as error:
         exit_with(error, PROG)
     memory: NodeMemory = args.nodes_memory

@@ -487,8 +487,8 @@ class SlowHashBlobTask(BlobTask):
 
 
 class KilledBlobTask(BlobTask):
-    """BlobTask whose rank `rank` SIGKILLs itself at its `at`-th loss call (an OOM kill, a segfault), once: marked by
-    `once_file` (0: never)."""
+    """BlobTask whose rank `rank` SIGKILLs itself at its `at`-th loss call (an OOM kill, a segfault; `at` 0: never),
+    once, marked by `once_file`; without one, in every run."""
 
     def __init__(self, at: int = 0, rank: int = 1, once_file: str = "", **kwargs) -> None:
         super().__init__(**kwargs)
@@ -500,7 +500,8 @@ class KilledBlobTask(BlobTask):
 
         self.calls += 1
         me = dist.get_rank() if dist.is_initialized() else 0
-        if self.calls == self.at and me == self.rank and not os.path.exists(self.once_file):
-            open(self.once_file, "w").close()
+        if self.calls == self.at and me == self.rank and not (self.once_file and os.path.exists(self.once_file)):
+            if self.once_file:
+                open(self.once_file, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().loss(model, batch)

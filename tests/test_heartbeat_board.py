@@ -67,3 +67,32 @@ def test_reconnects_are_spaced() -> None:
         with pytest.raises(RuntimeError):
             board.publish(0, "x")
     assert tries == [0.0, 2.0, 4.5] and heartbeat_board.RECONNECT_EVERY_S == 2.0
+
+
+def test_the_last_rank_to_close_a_directory_board_removes_it(tmp_path: Any) -> None:
+    """A world on one node's board leaves nothing behind (every run used to leave its directory in /dev/shm);
+    a rank that publishes after another removed it makes it again."""
+    user = tmp_path / "mgpu-1000"
+    boards = [DirBoard(user / "watchdog-0123456789abcdef") for _ in range(2)]
+    for rank, board in enumerate(boards):
+        board.publish(rank, "{}")
+    boards[0].request_stacks(1.0)
+    boards[0].close(0)
+    assert sorted(p.name for p in boards[0].path.iterdir()) == [".stacks-requested", "heartbeat-rank1.json"]
+    boards[1].close(1)
+    assert not user.exists()
+    boards[1].publish(1, "{}")  # a late heartbeat: the board again, not an error
+    assert boards[1].read(2) == {1: "{}"}
+    other = DirBoard(user / "watchdog-fedcba9876543210")  # another run's board keeps the user's directory
+    boards[1].close(1)
+    assert [p.name for p in user.iterdir()] == [other.path.name]
+
+
+def test_a_directory_board_in_a_slurm_job_is_named_after_the_job() -> None:
+    """So that the job's cleanup on every node (`python -m mgpu.state.memory_snapshot --remove-this-job`) removes
+    the board of a rank that was killed before it could."""
+    from mgpu.stop.heartbeat_board import node_local_dir
+
+    path = node_local_dir("key", {"SLURM_JOB_ID": "42", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "2"})
+    assert path.name.startswith("mgpu-40_2-watchdog-") and path.parent.name in ("shm", "tmp")
+    assert node_local_dir("key", {}).parent.name.startswith("mgpu-")

@@ -322,3 +322,34 @@ def test_a_snapshot_written_over_is_superseded_and_the_replica_held_stays_whole(
     zero.offer(first)
     assert zero.sender.wait_idle(10) and zero.sender.failure is None
     assert one.held.valid_steps() == [2] and load(zero.fetch(2)) == "step 2 " * 1000
+
+
+def test_a_size_beyond_the_holders_budget_is_refused_before_the_replica_held_is_touched(tmp_path: Path) -> None:
+    """The holder's budget (mgpu.state.memory_state.MemorySnapshots.replica_refusal: the room of its node, twice its
+    own snapshot): a put announcing 2**40 bytes, or a step of `true`, is refused before its slot is touched; the
+    two replicas held stay whole (the older one used to be overwritten)."""
+    directory = FakeDirectory()
+    holder = MemorySnapshots(SnapshotStore.for_rank(R1, tmp_path), every=1, version=None)
+    zero = Replication.start(R0, node="nA", ranks_per_node=1, num_nodes=2, host="127.0.0.1",
+                             directory=lambda: directory, base=tmp_path, timeout=5)
+    one = Replication.start(R1, node="nB", ranks_per_node=1, num_nodes=2, host="127.0.0.1",
+                            directory=lambda: directory, base=tmp_path, timeout=5, budget=holder.replica_refusal)
+    assert zero is not None and one is not None
+    try:
+        own = SnapshotStore.for_rank(R0, tmp_path)
+        for step in (1, 2):
+            zero.offer(own.write(step, dump(f"whole {step}")))
+            assert zero.sender.wait_idle(10)
+        answer = put_raw(zero, {"step": 3, "crc32": "00000000"}, b"", declared=1 << 40)
+        assert answer is not None and answer["ok"] is False and answer["why"].startswith(
+            f"refused by its holder: {tmp_path} has ") and "a replica of 1099511627776 bytes needs" in answer["why"]
+        assert put_raw(zero, {"step": True, "crc32": "00000000"}, b"x") == {
+            "ok": False, "why": "a put of step True announcing 1 bytes"}
+        holder.last_bytes = 1000
+        answer = put_raw(zero, {"step": 3, "crc32": "00000000"}, b"", declared=3 << 20)
+        assert answer == {"ok": False, "why": "refused by its holder: 3145728 bytes, more than twice this rank's own "
+                                              "snapshot (1000 bytes)"}
+        assert one.held.valid_steps() == [2, 1] and load(zero.fetch(1)) == "whole 1"
+    finally:
+        zero.close()
+        one.close()

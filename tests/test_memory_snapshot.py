@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import subprocess
 import threading
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -109,11 +110,17 @@ def test_the_batch_scripts_teardown_removes_this_nodes_snapshots_of_the_job(
     for identity in (ME, dataclasses.replace(ME, run="run-2"), dataclasses.replace(ME, job="77")):
         SnapshotStore.for_rank(identity).write(1, dump("x"))
     monkeypatch.setenv("SLURM_JOB_ID", "123")
+    monkeypatch.setenv("SLURMD_NODENAME", "n2")
     monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    (tmp_path / "mgpu-123-watchdog-0123456789abcdef").mkdir()  # a killed world of one's watchdog board
     assert main(["--remove-this-job"]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["mgpu-77-run-abc"]
-    assert capsys.readouterr().out.count("removed") == 2
+    assert capsys.readouterr().out == (f"mgpu.state.memory_snapshot: n2: removed {tmp_path}/mgpu-123-run-2, "
+                                       f"{tmp_path}/mgpu-123-run-abc, {tmp_path}/mgpu-123-watchdog-0123456789abcdef\n")
     assert main(["--remove-job", "77"]) == 0 and list(tmp_path.iterdir()) == []
+    assert main(["--remove-job", "77"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (f"mgpu.state.memory_snapshot: n2: nothing of job 77 in "
+                                                        f"{tmp_path}")
 
 
 def test_a_new_job_removes_this_runs_snapshots_of_another_job(tmp_path: Path) -> None:
@@ -128,27 +135,36 @@ def test_a_new_job_removes_this_runs_snapshots_of_another_job(tmp_path: Path) ->
     assert not old.directory.exists() and other_run.valid_steps() == [3] and mine.store.valid_steps() == [1]
 
 
-def agree_all(per_rank: list[list[int]]) -> list[int | None]:
-    """agree_on_step on every rank at once, the MIN all-reduce done by threads meeting at a barrier."""
-    barrier, values = threading.Barrier(len(per_rank)), [0] * len(per_rank)
-    results: list[int | None] = [None] * len(per_rank)
+def as_ranks(work: list[Callable[[Callable[[int], int]], Any]]) -> list[Any]:
+    """`work[r](reduce_min)` on a thread per rank, the MIN all-reduce met at a barrier: each one's result, or the
+    exception it raised."""
+    barrier, values = threading.Barrier(len(work)), [0] * len(work)
+    results: list[Any] = [None] * len(work)
 
     def reduce_min(rank: int, value: int) -> int:
         values[rank] = value
-        barrier.wait()
+        barrier.wait(30)
         least = min(values)
-        barrier.wait()
+        barrier.wait(30)
         return least
 
     def run(rank: int) -> None:
-        results[rank] = agree_on_step(per_rank[rank], lambda v: reduce_min(rank, v))
+        try:
+            results[rank] = work[rank](lambda value: reduce_min(rank, value))
+        except Exception as error:  # noqa: BLE001  # the test looks at it
+            results[rank] = error
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(per_rank))]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(work))]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
+        thread.join(60)
     return results
+
+
+def agree_all(per_rank: list[list[int]]) -> list[int | None]:
+    """agree_on_step on every rank at once (threads as ranks)."""
+    return as_ranks([lambda reduce_min, own=own: agree_on_step(own, reduce_min) for own in per_rank])
 
 
 @pytest.mark.parametrize("per_rank, agreed", [
@@ -280,58 +296,6 @@ def test_goodput_counts_the_steps_restored_from_memory_apart_from_the_lost_ones(
         "(checkpoint.memory_every_steps)"]
 
 
-def test_a_node_without_room_for_two_snapshots_takes_none_and_says_so(tmp_path: Path) -> None:
-    from mgpu.state.memory_state import no_room
-
-    assert no_room(tmp_path, 1000) is None
-    why = no_room(tmp_path, 1 << 60)
-    assert why is not None and why.startswith(f"{tmp_path} has ") and "GB free, two snapshots of this rank need" in why
-    cgroup, proc = tmp_path / "cg", tmp_path / "proc-self-cgroup"
-    proc.write_text("0::/job_7/task_0\n")
-    _limits(cgroup, {"job_7": ("3000000000", 2_000_000_000), "job_7/task_0": ("max", 1_000_000_000)})
-    assert no_room(tmp_path, 400_000_000, cgroup, proc) is None  # 0.88 GB needed, 1 GB left
-    assert no_room(tmp_path, 500_000_000, cgroup, proc) == ("this job's memory limit leaves 1.00 GB, two snapshots of "
-                                                            "this rank need 1.05 GB")
-    (cgroup / "job_7" / "memory.max").write_text("max\n")
-    assert no_room(tmp_path, 500_000_000, cgroup, proc) is None
-
-
-def _limits(root: Path, levels: dict[str, tuple[str, int]], v1: bool = False) -> None:
-    """Fake cgroup files: {level: (limit, usage)}, v2 names (memory.max, memory.current) or v1 ones."""
-    for level, (limit, usage) in levels.items():
-        where = root / "memory" / level if v1 else root / level
-        where.mkdir(parents=True, exist_ok=True)
-        (where / ("memory.limit_in_bytes" if v1 else "memory.max")).write_text(f"{limit}\n")
-        (where / ("memory.usage_in_bytes" if v1 else "memory.current")).write_text(f"{usage}\n")
-
-
-V1_NONE = "9223372036854771712"  # what cgroup v1 writes for no limit
-SLURM_V2 = "0::/system.slice/slurmstepd.scope/job_7/step_0/user/task_0\n"
-SLURM_V1 = "12:pids:/\n4:memory:/slurm/uid_0/job_7/step_0/task_0\n3:cpu,cpuacct:/slurm/uid_0/job_7\n0::/\n"
-
-
-@pytest.mark.parametrize("proc, levels, v1, headroom", [
-    # Slurm's v2 tree: the job's limit, none on the step's or the task's (the level the rank is in)
-    (SLURM_V2, {"system.slice/slurmstepd.scope/job_7": ("3000000000", 2_000_000_000),
-                "system.slice/slurmstepd.scope/job_7/step_0/user/task_0": ("max", 500_000_000)}, False, 1_000_000_000),
-    # two limits on the way up: the tighter headroom
-    ("0::/a/b\n", {"a": ("8000000000", 2_000_000_000), "a/b": ("3000000000", 2_500_000_000)}, False, 500_000_000),
-    # a hybrid host (v1 memory controller, as this machine): the v1 files, the job's limit
-    (SLURM_V1, {"slurm/uid_0/job_7": ("4000000000", 1_000_000_000),
-                "slurm/uid_0/job_7/step_0/task_0": (V1_NONE, 300_000_000)}, True, 3_000_000_000),
-    (SLURM_V1, {"slurm/uid_0/job_7/step_0/task_0": (V1_NONE, 300_000_000), "": (V1_NONE, 9_000_000_000)}, True, None),
-    ("3:cpu,cpuacct:/x\n0::/y\n", {"y": ("2000000000", 500_000_000)}, False, 1_500_000_000),  # no v1 memory: v2
-    ("0::/\n", {}, False, None),  # the v2 root has no memory.max
-    ("", {}, False, None),
-])
-def test_the_memory_headroom_is_the_least_on_the_way_up(tmp_path: Path, proc: str, levels: dict[str, tuple[str, int]],
-                                                       v1: bool, headroom: int | None) -> None:
-    from mgpu.state.memory_state import memory_headroom
-
-    _limits(tmp_path, levels, v1)
-    assert memory_headroom(proc, tmp_path) == headroom
-
-
 def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     import errno
@@ -351,3 +315,69 @@ def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, mo
     assert not snapshots.take(3, {"x": 1}, lambda: calls.append(3) or {})
     assert calls == [2, 3]  # the DDP layouts (a collective with comm hooks) still on every due step
     assert sum("takes no more snapshots" in r.message for r in caplog.records) == 1
+
+
+def test_recovery_removes_the_snapshots_on_every_node_before_it_requeues(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A batch script that cannot start the step again (no --may-restart): recovery requeues, which ends the batch
+    script before its own teardown; so it removes the job's snapshots on every node first, one srun task per node.
+    srun is the fake: it runs the real cleanup once per "node" (n1, n2, each its own directory here)."""
+    import os
+    import subprocess
+    import sys
+
+    from mgpu.cluster.requeue import JobView, RequeueOutcome
+    from mgpu.record.rundir import RunDir
+    from mgpu.run import recovery
+    from mgpu.state.memory_snapshot import BASE_ENV
+
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NUM_NODES": "2",
+                        "MGPU_RESUME_COMMAND": "sbatch again"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    nodes = {node: tmp_path / node for node in ("n1", "n2")}
+    for node, shm in nodes.items():
+        SnapshotStore.for_rank(dataclasses.replace(ME, job="7"), shm).write(3, dump(node))
+    monkeypatch.setenv(BASE_ENV, str(nodes["n1"]))  # the batch script's node
+    done: list[str] = []
+    real_run = subprocess.run
+
+    def srun(command: list[str], **options: Any) -> subprocess.CompletedProcess[str]:
+        assert command[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--overlap",
+                               "--kill-on-bad-exit=0"] and options["timeout"] == recovery.CLEANUP_S
+        assert command[6:] == [sys.executable, "-m", "mgpu.state.memory_snapshot", "--remove-this-job"]
+        out = ""
+        for node, shm in nodes.items():
+            task = real_run(command[6:], env={**os.environ, BASE_ENV: str(shm), "SLURMD_NODENAME": node},
+                                  capture_output=True, text=True, timeout=60)
+            out += task.stdout
+        done.append("cleanup")
+        return subprocess.CompletedProcess(command, 0, out, "")
+
+    monkeypatch.setattr(recovery.subprocess, "run", srun)
+    monkeypatch.setattr(recovery, "owns_slurm_job", lambda: True)
+    monkeypatch.setattr(recovery, "query_job", lambda job_id: JobView("RUNNING", "None", 0, None, num_nodes=2))
+    monkeypatch.setattr(recovery, "requeue", lambda job_id: done.append("requeue") or RequeueOutcome("self", "ok"))
+    assert recovery.main(["--exit-code", "1", "--run-dir", str(RunDir(tmp_path / "run").path)]) == 1
+    assert done == ["cleanup", "requeue"]
+    assert all(not any(shm.iterdir()) for shm in nodes.values())
+    said = [line for line in capsys.readouterr().err.splitlines() if "memory_snapshot" in line]
+    assert said == [f"mgpu.run.recovery: mgpu.state.memory_snapshot: n1: removed {nodes['n1']}/mgpu-7-run-abc; "
+                    f"mgpu.state.memory_snapshot: n2: removed {nodes['n2']}/mgpu-7-run-abc"], said
+
+
+@pytest.mark.parametrize("result, said", [
+    (subprocess.TimeoutExpired(["srun"], 30), "not removed: Command '['srun']' timed out after 30 seconds"),
+    (OSError(2, "No such file or directory"), "not removed: [Errno 2] No such file or directory"),
+    ((1, "", "srun: error: Unable to create step"), "not removed: srun exited 1: srun: error: Unable to create step"),
+])
+def test_a_cleanup_before_a_requeue_that_fails_is_said_and_ends_nothing(result: Any, said: str) -> None:
+    from mgpu.run.recovery import remove_on_every_node
+
+    def srun(command: list[str], **options: Any) -> Any:
+        if isinstance(result, BaseException):
+            raise result
+        return subprocess.CompletedProcess(command, *result)
+
+    assert remove_on_every_node("7", {"SLURM_JOB_NUM_NODES": "2"}, srun) == (
+        f"the snapshots in memory of job 7 on its other nodes were {said}")

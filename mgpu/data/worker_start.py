@@ -74,7 +74,7 @@ def guarded(loader: Any) -> bool:
 def hazard_line() -> str:
     """What rank 0 says once where the guard is on: the cause, what mgpu does, and the two fixes."""
     version = platform.python_version()
-    return (f"CPython {version} can leave a forked DataLoader worker waiting forever at its start (CPython gh-112275, "
+    return (f"CPython {version} can leave a forked worker of a DataLoader waiting forever at its start (CPython gh-112275, "
             f"fixed in 3.11.8 and 3.12): mgpu forks the workers again when one has not reached Python within "
             f"{STARTED_WITHIN_S:.0f} s. To rule it out: a fixed CPython, or workers started by forkserver "
             f"(data.worker_start_method: forkserver; a loop of your own: session.loader(..., "

@@ -138,7 +138,8 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         elif name == "preempted":
             if awaiting is not None:
                 try:
-                    when = time.strftime("%H:%M:%S", time.localtime(float(awaiting.get("until"))))  # type: ignore[arg-type]
+                    until = awaiting.get("until")  # a ledger value: a bad one is the except's "?"
+                    when = time.strftime("%H:%M:%S", time.localtime(float(until)))  # type: ignore[arg-type]  # Any from JSON
                 except (TypeError, ValueError, OverflowError, OSError):
                     when = "?"
                 state = f"stopped, waiting for Slurm to answer or end the job (until {when}): {awaiting.get('unknown')}"

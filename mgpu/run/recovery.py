@@ -34,11 +34,12 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from mgpu.record.budgets import FAILURE_KINDS, Limits, failure_requeues
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
@@ -84,13 +85,15 @@ Action = Literal["restart", "requeued", "none"]
 
 
 def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, message: str,
-                   rank: int | None = None, may_restart: bool = False) -> tuple[Action, str]:
+                   rank: int | None = None, may_restart: bool = False,
+                   before_requeue: Callable[[], object] | None = None) -> tuple[Action, str]:
     """After run `restart` of job `job_id` failed with `message`: what to do, done. Never raises.
 
     A hang the watchdog pinned on one node: exclude that node and requeue (a new allocation without it).
     Otherwise, with `may_restart` (the batch script can start srun again), restart in this allocation:
     no requeue hold, which is minutes on production clusters. Else requeue. All within the failure budget;
-    exactly one caller acts (the first to create the attempt's failure claim)."""
+    exactly one caller acts (the first to create the attempt's failure claim). `before_requeue`: called just
+    before a requeue (the batch script's: the snapshots in memory removed on every node)."""
     try:
         run.path.mkdir(parents=True, exist_ok=True)
         events = read_ledger(run.ledger)
@@ -159,6 +162,8 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
             return action, "restarting the step in this allocation (no requeue hold)"
         if action == "none":
             return action, decision.why
+        if before_requeue is not None:
+            before_requeue()
         outcome = requeue(job_id)
         ledger.write("requeued", how=outcome.how, message=outcome.message, after=kind)
         if plan is not None and plan.nodes:
@@ -222,6 +227,32 @@ def rank_failed(error: BaseException, run: RunDir, *, rank: int, job_id: str, re
         logging.getLogger("mgpu.train").error("rank %d failed: %s: %s; %s", rank, type(error).__name__, error, what)
 
 
+CLEANUP_S = 30.0
+"""The bound on removing a failed job's snapshots from every node before it is requeued."""
+
+
+def remove_on_every_node(job_id: str, environ: Mapping[str, str] | None = None,
+                         run: Callable[..., Any] | None = None) -> str:
+    """Before a requeue: the job's snapshots in memory (and its watchdog board) removed on every node of the
+    allocation, one srun task per node (`python -m mgpu.state.memory_snapshot --remove-this-job`). The batch
+    script's own teardown never runs once the job is requeued (Slurm ends it), and the requeued job may start on
+    other nodes. Bounded by CLEANUP_S; never raises; what it did, one line per node."""
+    environ = os.environ if environ is None else environ
+    nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
+    command = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap",
+               "--kill-on-bad-exit=0", sys.executable, "-m", "mgpu.state.memory_snapshot", "--remove-this-job"]
+    try:
+        proc = (run or subprocess.run)(command, capture_output=True, text=True, timeout=CLEANUP_S,
+                                       start_new_session=True)
+    except (OSError, subprocess.SubprocessError) as error:
+        return f"the snapshots in memory of job {job_id} on its other nodes were not removed: {error}"
+    said = [line for line in proc.stdout.splitlines() if line.startswith("mgpu.state.memory_snapshot:")]
+    if proc.returncode != 0 or not said:
+        return (f"the snapshots in memory of job {job_id} on its other nodes were not removed: srun exited "
+                f"{proc.returncode}: {' '.join(proc.stderr.split())[:300]}")
+    return "; ".join(sorted(said))
+
+
 def _run_dir(args: argparse.Namespace) -> RunDir | None:
     if args.run_dir:
         return RunDir(args.run_dir)
@@ -274,8 +305,12 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr, flush=True)
         return args.exit_code
     job_id = SlurmEnvironment.job_id(os.environ)
-    action, outcome = handle_failure(run, job_id, restart, limits,
-                                     f"the training step exited with code {args.exit_code}", may_restart=args.may_restart)
+    def before_requeue() -> None:
+        print(f"mgpu.run.recovery: {remove_on_every_node(job_id)}", file=sys.stderr, flush=True)
+
+    message = f"the training step exited with code {args.exit_code}"
+    action, outcome = handle_failure(run, job_id, restart, limits, message, may_restart=args.may_restart,
+                                     before_requeue=before_requeue)
     print(f"mgpu.run.recovery: job {job_id} run {restart}: {outcome}", file=sys.stderr, flush=True)
     if action == "restart":
         print("restart", flush=True)

@@ -135,25 +135,26 @@ def save(session: SessionBase, state: Mapping[str, Any] | Callable[[], Mapping[s
     return path
 
 
-def memory(session: SessionBase) -> Any:
-    """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.state.memory_state), opened at
-    first use; another job's of this run on this node removed."""
+def memory(session: SessionBase, objects: Mapping[str, Any]) -> Any:
+    """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.state.memory_state) of the
+    state `objects`, opened at first use; another job's of this run on this node removed."""
     if session._memory is None:
         from mgpu.state.memory_state import MemorySnapshots
 
-        session._memory = MemorySnapshots.open(
+        session._memory = snapshots = MemorySnapshots.open(
             slurm_job=session.slurm_job, run_id=session.run_id, config=session.cfg, world_size=session.world_size,
             rank=session.rank, every=session.cfg.checkpoint.memory_every_steps, version=session.version,
-            restart=session.env.restart_count)
-        session._memory.remove_other_jobs()
+            restart=session.env.restart_count, objects=objects, ranks_per_node=session.env.local_world_size)
+        snapshots.remove_other_jobs()
         if session.cfg.checkpoint.memory_every_steps:
-            session._memory.replication = replication(session, session._memory.store.identity)
+            snapshots.replication = replication(session, snapshots.store.identity, snapshots.replica_refusal)
     return session._memory
 
 
-def replication(session: SessionBase, identity: Any) -> Any:
+def replication(session: SessionBase, identity: Any, budget: Callable[[int, int], str | None]) -> Any:
     """This rank's side of the replicas on another node (mgpu.state.memory_replica), or None: one node, or the
-    rendezvous store cannot be reached (said; the snapshots stay on their node)."""
+    rendezvous store cannot be reached (said; the snapshots stay on their node). `budget`: what the replica it
+    holds may take (mgpu.state.memory_state.MemorySnapshots.replica_refusal)."""
     from mgpu.run.runner import node_name
     from mgpu.state.memory_replica import Replication, StoreDirectory, local_address
 
@@ -162,7 +163,7 @@ def replication(session: SessionBase, identity: Any) -> Any:
     try:
         return Replication.start(identity, node=node, ranks_per_node=env.local_world_size, num_nodes=env.num_nodes,
                                  host=local_address(env.master_addr, env.master_port) if env.num_nodes > 1 else "",
-                                 directory=StoreDirectory.rendezvous)
+                                 directory=StoreDirectory.rendezvous, budget=budget)
     except (OSError, RuntimeError, ValueError) as error:
         log.warning("checkpoint.memory_every_steps: rank %d: no replica of its snapshots on another node: %s: %s",
                     session.rank, type(error).__name__, error)
@@ -176,21 +177,26 @@ def snapshot(session: SessionBase) -> bool:
     ddps = session._ddps
     assert ddps is not None
     objects = session._state() if callable(session._state) else session._state
-    return bool(memory(session).take(session.step, objects, lambda: ddps.gather(dict) or {}))
+    return bool(memory(session, objects).take(session.step, objects, lambda: ddps.gather(dict) or {}))
 
 
 def restore_from_memory(session: SessionBase, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
     """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
-    durable checkpoint (mgpu.state.memory_state.Restored), else None. `fresh`: none restored, this rank's removed."""
+    durable checkpoint (mgpu.state.memory_state.Restored), else None. `fresh`: none restored, this rank's removed.
+    With snapshots off (checkpoint.memory_every_steps: 0), this run's on this node are removed: none would go."""
     found = session.resumption.latest()
     session._durable_step = found.step if found is not None else -1
+    if not session.cfg.checkpoint.memory_every_steps:
+        from mgpu.state.memory_snapshot import remove_run
+
+        remove_run(session.run_id)  # every rank of the node, alike: whichever comes first removes them
+        return None
     if fresh:
-        memory(session).discard()
-    if fresh or not session.cfg.checkpoint.memory_every_steps:
-        return None  # (a snapshot taken under another memory_every_steps is another config's: never used)
+        memory(session, state).discard()
+        return None
 
     def reduce_min(value: int) -> int:
         return int(session.all_reduce(value, "min").item()) if session.world_size > 1 else value
 
-    return memory(session).restore_if_newer(session._durable_step, reduce_min, state, session.cfg.train.seed,
-                                            missing_ok)
+    return memory(session, state).restore_if_newer(session._durable_step, reduce_min, state, session.cfg.train.seed,
+                                                   missing_ok)

@@ -29,7 +29,7 @@ from mgpu.state.checkpoint_format import (BEST, FORMAT, LATEST, META_FILE, STATE
                                           CheckpointError, CheckpointSuperseded, CheckpointWriteError,
                                           InvalidCheckpoint, LoadedCheckpoint, SavedCheckpoint, active_claims,
                                           checked_extra, claimed, describe_os_error, exchange_paths, one_line,
-                                          remove_path, tmp_name, verify_and_load)
+                                          refuse_newer, remove_path, tmp_name, verify_and_load)
 from mgpu.state.digest import DigestingFile, digest_file
 from mgpu.state.direct_io import DirectFile, open_direct
 from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
@@ -398,11 +398,13 @@ class CheckpointStore:
     def latest(self) -> LoadedCheckpoint | None:
         """The newest checkpoint that verifies: the one `latest` names, then the others newest first.
 
-        None if there is none at all; CheckpointError if there are some but none is valid.
+        None if there is none at all; CheckpointError if there are some but none is valid, NewerFormat where a newer
+        mgpu wrote one of them.
         """
         paths = [path for _, path in self._step_dirs()]
         if not paths:
             return None
+        refuse_newer(paths, FORMAT)  # never passed over for an older one: the run would save over it
         pointed = self.pointer(LATEST)
         return self._first_valid(sorted(paths, key=lambda path: path.name != pointed))
 

@@ -1,6 +1,7 @@
 """One checkpoint directory on disk: its names, its format, its errors, and how it is verified and loaded.
 
-`step_XXXXXXXX/` holds `state.pt` and then `meta.json` (format FORMAT: step, size, checksum, extra); `latest` and
+`step_XXXXXXXX/` holds `state.pt` and then `meta.json` (format FORMAT: step, size, checksum, extra; a newer format is
+refused as `NewerFormat`, never passed over for an older checkpoint); `latest` and
 `best` are one-line files naming one. A save is built under a claimed `.tmp-*` path and renamed into place
 (`claimed`, `exchange_paths`). What writes and coordinates them is mgpu.state.checkpoint's CheckpointStore;
 mgpu.state.sharded's format shares the names, the errors and the claims.
@@ -20,7 +21,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import torch
 
@@ -28,8 +29,9 @@ from mgpu.errors import MgpuError
 from mgpu.state.digest import mismatch
 
 __all__ = ["BEST", "FORMAT", "LATEST", "META_FILE", "STATE_FILE", "STEP_DIR", "TMP_PREFIX", "CheckpointError",
-           "CheckpointSuperseded", "CheckpointWriteError", "InvalidCheckpoint", "LoadedCheckpoint", "SavedCheckpoint",
-           "active_claims", "checked_extra", "claimed", "describe_os_error", "exchange_paths", "one_line", "remove_path",
+           "CheckpointSuperseded", "CheckpointWriteError", "InvalidCheckpoint", "LoadedCheckpoint", "NewerFormat",
+           "SavedCheckpoint", "active_claims", "checked_extra", "claimed", "describe_os_error", "exchange_paths",
+           "newer_format", "one_line", "refuse_newer", "remove_path",
            "sha256_file", "tmp_name", "verify_and_load"]
 
 FORMAT = 1
@@ -96,6 +98,36 @@ class LoadedCheckpoint:
 
 class InvalidCheckpoint(Exception):
     """A checkpoint directory that fails verification; the message names the bad file."""
+
+
+class NewerFormat(CheckpointError):
+    """A checkpoint written by a newer mgpu: never read (what it holds may mean something else), never passed over
+    for an older one (the run would go on from there and save over the newer step), never overwritten."""
+
+    def __init__(self, path: Path, written: int, reads: int) -> None:
+        super().__init__(f"checkpoint {path} was written by mgpu format {written}; this mgpu reads up to {reads}: "
+                         f"resume this run with the newer mgpu (nothing was changed), or start a new run "
+                         f"(run.name=...)")
+        self.path, self.written, self.reads = path, written, reads
+
+
+def newer_format(path: Path, meta: object, reads: int) -> NewerFormat | None:
+    """The refusal of a checkpoint whose metadata `meta` names a format newer than `reads` (None: not newer)."""
+    written = meta.get("format") if isinstance(meta, dict) else None
+    return NewerFormat(path, written, reads) if type(written) is int and written > reads else None
+
+
+def refuse_newer(paths: Iterable[Path], reads: int) -> None:
+    """NewerFormat for the first of the step directories `paths` whose meta.json a format newer than `reads` wrote:
+    a run holding one is not resumed from any of its checkpoints (whatever it went on from, its next saves could
+    replace that one). A meta.json that cannot be read is the verification's to refuse, not this."""
+    for path in paths:
+        try:
+            meta = json.loads((path / META_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        if (newer := newer_format(path, meta, reads)) is not None:
+            raise newer
 
 
 def one_line(text: object, limit: int = 500) -> str:
@@ -188,6 +220,8 @@ def verify_and_load(path: Path, skipped: tuple[tuple[Path, str], ...] = (), veri
         raise InvalidCheckpoint(f"{meta_path} is missing (incomplete save)") from None
     except (OSError, ValueError) as e:
         raise InvalidCheckpoint(f"{meta_path} is unreadable: {e}") from None
+    if (newer := newer_format(path, meta, FORMAT)) is not None:
+        raise newer
     if not (isinstance(meta, dict) and meta.get("format") == FORMAT and meta.get("step") == step
             and (isinstance(meta.get("sha256"), str) or isinstance(meta.get("checksum"), dict))
             and isinstance(meta.get("bytes"), int)):

@@ -55,12 +55,17 @@ class Checkpointer:
     # ------------------------------------------------------------------ resume
     def find_latest(self) -> LoadedCheckpoint | None:
         """The newest valid checkpoint, loaded on every rank (a collective); None for a new run."""
-        found = None
+        found, refusal = None, None
         if self.store is not None:
-            found = self.store.latest()
+            try:
+                found = self.store.latest()
+            except CheckpointError as error:  # none valid, or a newer format: every rank raises it alike
+                refusal = str(error)
             for bad, reason in found.skipped if found else ():
                 log.warning("checkpoint %s rejected (%s); using an older one", bad, reason)
-        path = broadcast_object(str(found.path) if found else None)
+        path, refusal = broadcast_object((str(found.path) if found else None, refusal))
+        if refusal is not None:
+            raise CheckpointError(refusal)
         if path is None:
             return None
         # Rank 0 verified it (sha256); the others load the same file without hashing it again.

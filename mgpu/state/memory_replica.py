@@ -29,7 +29,7 @@ import socket
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, job_dir, safe_name
 from mgpu.state.digest import crc32
@@ -100,13 +100,19 @@ def _crc(data: bytes) -> str:
     return f"{crc32(data):08x}"
 
 
+Budget = Optional[Callable[[int, int], Optional[str]]]
+"""Why a replica of `size` bytes cannot go into a slot whose file is `reused` bytes now (None: it can); None: any."""
+
+
 class ReplicaServer:
     """Holds the replica of one rank (`store`, with that rank's identity) and serves that rank, one connection at
     a time on a daemon thread: `put` (a snapshot, written into the older slot, committed only whole and with the
-    sender's CRC-32), `list` (the valid steps), `get` (one step's file)."""
+    sender's CRC-32; an announced size its `budget` refuses is refused before the slot is touched), `list` (the
+    valid steps), `get` (one step's file)."""
 
-    def __init__(self, store: SnapshotStore, host: str, token: str, timeout: float = TIMEOUT_S) -> None:
-        self.store, self.token, self.timeout = store, token, timeout
+    def __init__(self, store: SnapshotStore, host: str, token: str, timeout: float = TIMEOUT_S,
+                 budget: Budget = None) -> None:
+        self.store, self.token, self.timeout, self.budget = store, token, timeout, budget
         self.listener = socket.create_server((host, 0))
         self.listener.settimeout(0.2)  # the accept loop looks at `closing` this often
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -152,7 +158,7 @@ class ReplicaServer:
             return {"ok": False, "why": "closing"}
         op = request.get("op")
         if op == "list":
-            return {"ok": True, "steps": self.store.valid_steps()}
+            return {"ok": True, "steps": self.store.restorable(self._say)}
         if op == "get":
             try:
                 content = self.store.read(int(request["step"]), lambda file: file.read())
@@ -162,7 +168,14 @@ class ReplicaServer:
             conn.sendall(content)
             return {"ok": True}
         if op == "put":
-            size, crc = int(request["bytes"]), str(request["crc32"])
+            size, crc, step = request.get("bytes"), request.get("crc32"), request.get("step")
+            if not (type(size) is int and size >= 0 and type(step) is int and step >= 0 and isinstance(crc, str)):
+                return {"ok": False, "why": f"a put of step {step!r} announcing {size!r} bytes"}
+            reused = self.store.slot_bytes(self.store.next_slot())
+            if self.budget is not None and (refusal := self.budget(size, reused)) is not None:  # before the slot is touched: the replica it holds stays whole
+                log.warning("checkpoint.memory_every_steps: replica of rank %d: step %d refused: %s",
+                            self.store.identity.rank, step, refusal)
+                return {"ok": False, "why": f"refused by its holder: {refusal}"}
             _send_msg(conn, {"ok": True})
 
             def receive(file: Any) -> None:
@@ -176,9 +189,12 @@ class ReplicaServer:
                 if f"{mine:08x}" != crc:
                     raise Refused("torn: the bytes received are not the sender's CRC-32")
 
-            self.store.write(int(request["step"]), receive)  # raises before its commit record on a torn transfer
+            self.store.write(step, receive)  # raises before its commit record on a torn transfer
             return {"ok": True}
         return {"ok": False, "why": f"unknown op {op!r}"}
+
+    def _say(self, line: str) -> None:
+        log.warning("checkpoint.memory_every_steps: replica of rank %d held here: %s", self.store.identity.rank, line)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving: a transfer under way is cut (never committed), the thread joined (bounded)."""
@@ -349,9 +365,9 @@ class Replication:
     @classmethod
     def start(cls, identity: Identity, *, node: str, ranks_per_node: int, num_nodes: int, host: str,
               directory: Callable[[], Directory], base: Path | None = None,
-              timeout: float = TIMEOUT_S) -> "Replication | None":
+              timeout: float = TIMEOUT_S, budget: Budget = None) -> "Replication | None":
         """Serve the replica this rank holds and publish where in `directory()` (called only where there are
-        partners); None (and rank 0 says so) on one node."""
+        partners); None (and rank 0 says so) on one node. `budget`: what the replica held may take."""
         pair = partners(identity.rank, identity.world_size, ranks_per_node, num_nodes)
         if pair is None:
             if identity.rank == 0:
@@ -363,7 +379,7 @@ class Replication:
         held = SnapshotStore(replica_dir(identity.job, identity.run, held_rank, node, base),
                              Identity(**{**asdict(identity), "rank": held_rank}))
         token = secrets.token_hex(16)
-        server = ReplicaServer(held, host, token, timeout)
+        server = ReplicaServer(held, host, token, timeout, budget)
         namespace = f"mgpu-replica/{identity.job}/{identity.restart}/{identity.run}/"
         try:
             published = directory()

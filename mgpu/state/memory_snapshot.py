@@ -7,7 +7,10 @@ A write goes into the older slot and removes that slot's record first: a failure
 other slot whole. The slot's file is written over in place (its pages stay allocated: no page fault per 4 KiB,
 three times faster than a new file here), and checked with a CRC-32, not a cryptographic digest: it guards
 against a torn copy, not an adversary (the directory is the user's alone, 0700). A read refuses a stale snapshot (another job, or the same one before a requeue, run, config or world size) and a torn one
-(its CRC-32). No torch at import: the serialization is given (`write`'s `dump`, `read`'s `load`).
+(its CRC-32), and a commit record whose fields are not what a write records (`record_problem`: a step of `true`).
+A snapshot that is committed whole but does not restore is set aside (`set_aside`: renamed, kept beside the slots
+until the job's snapshots are removed). No torch at import: the serialization is given (`write`'s `dump`, `read`'s
+`load`).
 """
 
 from __future__ import annotations
@@ -24,19 +27,24 @@ from typing import IO, Any, Callable
 
 from mgpu.state.digest import crc32
 
-__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "remove_job", "safe_name"]
+__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "record_problem",
+           "remove_job", "remove_run", "safe_name"]
 
 BASE_ENV = "MGPU_SNAPSHOT_DIR"
 """Where the job directories go instead of /dev/shm (tests; a node whose /dev/shm is too small)."""
 SLOTS = 2
+SET_ASIDE = "set-aside-step"
+"""A snapshot that did not restore, renamed out of its slot: `set-aside-step<S>.pt` and its record `.json`."""
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
+_CRC = re.compile(r"[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
 class Identity:
     """What a snapshot must match to be restored: the job (and its restart count: a requeued job's snapshots
-    from before the requeue are not restored) and run it belongs to, the config it ran under, the world it was
-    taken in and the rank that took it."""
+    from before the requeue are not restored) and run it belongs to, the config it ran under (the keys a resume
+    may not change: mgpu.state.memory_state.config_digest), the world it was taken in, the rank that took it and
+    the shape of the state."""
 
     job: str
     restart: int
@@ -44,6 +52,9 @@ class Identity:
     config: str
     world_size: int
     rank: int
+    structure: str = ""
+    """A digest of the state's shape (its modules' tensors, its optimizers' parameter groups: mgpu.state.memory_state
+    .structure_digest): a snapshot of another model or optimizer is refused as stale, not loaded into this one."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +82,32 @@ def read_record(path: Path) -> dict[str, Any] | None:
     return record if isinstance(record, dict) else None
 
 
+_STALE = {"job": "another job's", "restart": "this job's before a requeue", "run": "another run's",
+          "config": "another config: a key a resume may not change differs", "world_size": "another world size",
+          "rank": "another rank's", "structure": "another model or optimizer: their tensors' shapes differ"}
+
+
+def _whole(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not a bool: `true` is no step
+
+
+def record_problem(record: dict[str, Any], slot: int) -> str | None:
+    """Why the commit record of `slot` cannot be believed (None: its fields are what `write` records): a step,
+    size or world that is not a whole number (`true` is not one), a CRC-32 that is not 8 hex digits, another
+    slot's number, an identity field of another type."""
+    for key in ("step", "bytes", "restart", "world_size", "rank"):
+        if not _whole(record.get(key)):
+            return f"its {key} is {record.get(key)!r}, not a whole number"
+    if record.get("slot") != slot or type(record.get("slot")) is not int:
+        return f"it names slot {record.get('slot')!r}"
+    if not (isinstance(record.get("crc32"), str) and _CRC.fullmatch(record["crc32"])):
+        return f"its crc32 is {record.get('crc32')!r}, not 8 hex digits"
+    for key in ("job", "run", "config"):
+        if not isinstance(record.get(key), str):
+            return f"its {key} is {record.get(key)!r}, not a string"
+    return None
+
+
 def safe_name(text: str) -> str:
     """`text` as one part of a file name: every character outside [A-Za-z0-9_.-] becomes "_"."""
     return _SAFE.sub("_", text)
@@ -91,9 +128,18 @@ def job_dir(job: str, run: str, base: Path | None = None) -> Path:
 
 
 def remove_job(job: str, run: str | None = None, base: Path | None = None) -> list[Path]:
-    """Remove this node's snapshots of `job` (of one run, or of every run of the job): the paths removed."""
+    """Remove this node's snapshots of `job` (of one run, or of every run of the job, and the job's watchdog
+    board: mgpu.stop.heartbeat_board.node_local_dir): the paths removed."""
     root = base or base_dir()
-    pattern = job_dir(job, run, root).name if run is not None else f"mgpu-{safe_name(job)}-*"
+    return _remove(root, job_dir(job, run, root).name if run is not None else f"mgpu-{safe_name(job)}-*")
+
+
+def remove_run(run: str, base: Path | None = None) -> list[Path]:
+    """Remove this node's snapshots of `run`, whichever job took them (a run restarted with snapshots off)."""
+    return _remove(base or base_dir(), f"mgpu-*-{safe_name(run)}")
+
+
+def _remove(root: Path, pattern: str) -> list[Path]:
     removed = []
     for path in sorted(root.glob(pattern)) if root.is_dir() else ():
         shutil.rmtree(path, ignore_errors=True)
@@ -144,15 +190,30 @@ class SnapshotStore:
     def _data_path(self, slot: int) -> Path:
         return self.directory / f"slot{slot}.pt"
 
-    def _record(self, slot: int) -> dict[str, Any] | None:
-        return read_record(self._record_path(slot))
+    def _record(self, slot: int) -> tuple[dict[str, Any] | None, str | None]:
+        """(a slot's commit record, None where it has none or it cannot be believed; why it cannot be believed)."""
+        path = self._record_path(slot)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            return None, None
+        except OSError as error:
+            return None, f"an unreadable commit record ({error.strerror or error})"
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return None, "an unreadable commit record (not JSON)"
+        if not isinstance(record, dict):
+            return None, "an unreadable commit record (not an object)"
+        problem = record_problem(record, slot)
+        return (None, f"a commit record not to believe: {problem}") if problem else (record, None)
 
     def _age(self, slot: int) -> int:
         """A slot's step, for choosing the one to overwrite: -1 if empty or unreadable, -2 if another identity's."""
-        record = self._record(slot)
-        if record is None or not isinstance(record.get("step"), int):
+        record, _ = self._record(slot)
+        if record is None:
             return -1
-        if any(record.get(key) != mine for key, mine in asdict(self.identity).items()):
+        if self._stale(record) is not None:
             return -2
         return int(record["step"])
 
@@ -160,7 +221,7 @@ class SnapshotStore:
         """`dump(file)` into the slot not holding the newest snapshot, then its commit record (atomically). The
         other slot stays whole whatever happens meanwhile."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        slot = min(range(SLOTS), key=self._age)  # the newest snapshot of this identity is never overwritten
+        slot = self.next_slot()
         with contextlib.suppress(FileNotFoundError):
             self._record_path(slot).unlink()  # from here the slot is uncommitted: a torn copy is never believed
         data = self._data_path(slot)
@@ -176,48 +237,107 @@ class SnapshotStore:
         os.replace(tmp, self._record_path(slot))  # the commit: last
         return Snapshot(step, slot, data, checksumming.digest)
 
+    def next_slot(self) -> int:
+        """The slot the next write goes into: never the one holding this identity's newest snapshot."""
+        return min(range(SLOTS), key=self._age)
+
+    def slot_bytes(self, slot: int) -> int:
+        """The size of a slot's file now (0: none): what writing into it reuses."""
+        try:
+            return self._data_path(slot).stat().st_size
+        except OSError:
+            return 0
+
     def committed(self) -> list[tuple[Snapshot, str | None]]:
         """Every committed slot, newest first, each with why it cannot be restored (None: it can): another job,
-        run, config, world size or rank (stale), or a file whose digest is not the record's (torn)."""
+        run, config, world size, rank or state structure (stale), or a file whose size or digest is not the
+        record's (torn). A slot whose commit record cannot be believed is not among them (see `refusals`)."""
         found = []
         for slot in range(SLOTS):
-            record = self._record(slot)
-            if record is None or not isinstance(record.get("step"), int):
+            record, _ = self._record(slot)
+            if record is None:
                 continue
-            snapshot = Snapshot(record["step"], slot, self._data_path(slot), str(record.get("crc32")))
-            found.append((snapshot, self._refusal(record, snapshot)))
+            snapshot = Snapshot(record["step"], slot, self._data_path(slot), record["crc32"])
+            found.append((snapshot, self._stale(record) or self._torn(record, snapshot)))
         return sorted(found, key=lambda item: -item[0].step)
 
-    def _refusal(self, record: dict[str, Any], snapshot: Snapshot) -> str | None:
+    def _stale(self, record: dict[str, Any]) -> str | None:
         for key, mine in asdict(self.identity).items():
-            if record.get(key) != mine:
-                return f"stale: taken with {key}={record.get(key)!r}, this rank has {mine!r}"
+            if record.get(key) != mine or type(record.get(key)) is not type(mine):
+                return f"stale: taken with {key}={record.get(key)!r}, this rank has {mine!r} ({_STALE[key]})"
+        return None
+
+    def _torn(self, record: dict[str, Any], snapshot: Snapshot) -> str | None:
         try:
+            size = snapshot.path.stat().st_size
+            if size != record["bytes"]:
+                return f"torn: its file is {size} bytes, its commit record says {record['bytes']}"
             digest = _crc32(snapshot.path)
         except OSError as error:
-            return f"unreadable: {error}"
+            return f"unreadable: {error.strerror or error}"
         return None if digest == snapshot.digest else "torn: its CRC-32 is not the commit record's"
+
+    def restorable(self, say: Callable[[str], object] | None = None) -> list[int]:
+        """The steps this rank can restore, newest first; `say(line)` for every other slot with a commit record
+        (one line each: which slot, its step, why it is refused)."""
+        if say is not None:
+            for slot in range(SLOTS):
+                _, problem = self._record(slot)
+                if problem is not None:
+                    say(f"{self._data_path(slot)}: not restored: {problem}")
+        steps = []
+        for snapshot, refusal in self.committed():
+            if refusal is None:
+                steps.append(snapshot.step)
+            elif say is not None:
+                say(f"{snapshot.path} (step {snapshot.step}): not restored: {refusal}")
+        return steps
 
     def valid_steps(self) -> list[int]:
         """The steps this rank can restore, newest first."""
-        return [snapshot.step for snapshot, refusal in self.committed() if refusal is None]
+        return self.restorable()
 
     def read(self, step: int, load: Callable[[IO[bytes]], Any]) -> Any:
-        """`load(file)` of the valid snapshot of `step` (verified again: read once into memory, then hashed)."""
-        for snapshot, refusal in self.committed():
-            if snapshot.step == step and refusal is None:
-                content = snapshot.path.read_bytes()
-                if f"{crc32(content):08x}" != snapshot.digest:
-                    continue  # changed since it was checked: the other slot, if it has this step
+        """`load(file)` of the valid snapshot of `step`, read once into memory and checked there (its size and
+        CRC-32 against its commit record); FileNotFoundError where no slot holds it whole."""
+        for slot in range(SLOTS):
+            record, _ = self._record(slot)
+            if record is None or record["step"] != step or self._stale(record) is not None:
+                continue
+            try:
+                content = self._data_path(slot).read_bytes()
+            except OSError:
+                continue
+            if len(content) == record["bytes"] and f"{crc32(content):08x}" == record["crc32"]:
                 return load(io.BytesIO(content))
         raise FileNotFoundError(f"{self.directory}: no valid snapshot of step {step}")
+
+    def set_aside(self, step: int, why: str) -> Path | None:
+        """Take the snapshot of `step` out of use, kept for a look until the job's snapshots are removed: its slot
+        renamed `set-aside-step<S>.pt`, its commit record (with `why`) `set-aside-step<S>.json` (the room check
+        counts them). Its new path; None where no slot holds it."""
+        for slot in range(SLOTS):
+            record, _ = self._record(slot)
+            if record is None or record["step"] != step or self._stale(record) is not None:
+                continue
+            kept = self.directory / f"{SET_ASIDE}{step}.pt"
+            note = kept.with_suffix(".json")
+            note.write_text(json.dumps({**record, "set_aside": why}))
+            with contextlib.suppress(FileNotFoundError):
+                self._record_path(slot).unlink()  # uncommitted first: never restored again
+            try:
+                os.replace(self._data_path(slot), kept)
+            except FileNotFoundError:
+                return None
+            return kept
+        return None
 
     def discard_after(self, step: int) -> None:
         """Uncommit the slots of steps after `step` (another attempt's, the run resumed before them): the next
         writes then overwrite the older slot, as they should, and a restore never goes back to them."""
         for slot in range(SLOTS):
-            record = self._record(slot)
-            if record is not None and isinstance(record.get("step"), int) and record["step"] > step:
+            record, _ = self._record(slot)
+            if record is not None and record["step"] > step:
                 with contextlib.suppress(FileNotFoundError):
                     self._record_path(slot).unlink()
 
@@ -230,8 +350,9 @@ class SnapshotStore:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m mgpu.state.memory_snapshot --remove-job JOB` (or `--remove-this-job`, the job of the Slurm task it
-    runs in): this node's snapshots of the job, removed (the batch script's teardown, one task per node, when
-    the job ends without its ranks' own cleanup)."""
+    runs in): this node's snapshots of the job (and its watchdog board), removed, in one line naming the node (the
+    batch script's teardown, and mgpu.run.recovery before a requeue: one task per node, when the job ends without
+    its ranks' own cleanup)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m mgpu.state.memory_snapshot", description=main.__doc__)
@@ -245,8 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         if "SLURM_JOB_ID" not in os.environ:
             parser.error("--remove-this-job outside a Slurm job (no SLURM_JOB_ID): name it with --remove-job")
         args.remove_job = SlurmEnvironment.job_id(os.environ)
-    for path in remove_job(args.remove_job):
-        print(f"mgpu.state.memory_snapshot: removed {path}")
+    import socket
+
+    removed = remove_job(args.remove_job)
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    print(f"mgpu.state.memory_snapshot: {node}: " + (f"removed {', '.join(map(str, removed))}" if removed else
+                                                     f"nothing of job {args.remove_job} in {base_dir()}"), flush=True)
     return 0
 
 

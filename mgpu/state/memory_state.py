@@ -1,8 +1,14 @@
 """A session's snapshots in host memory (checkpoint.memory_every_steps): every k steps each rank writes what a
-checkpoint at that step would hold for it into node-local shared memory (mgpu.state.memory_snapshot); when the step
-is started again in the same allocation (a killed rank, a crash, a hang), the ranks agree on the newest step
-every one of them holds (its own, or the replica its partner on another node holds: mgpu.state.memory_replica)
-and restore it when it is newer than the durable checkpoint.
+checkpoint at that step would hold for it (mgpu.state.memory_content) into node-local shared memory
+(mgpu.state.memory_snapshot), when its node has room for them (mgpu.state.memory_room, asked before every one);
+when the step is started again in the same allocation (a killed rank, a crash, a hang), the ranks agree on the
+newest step every one of them holds (its own, or the replica its partner on another node holds:
+mgpu.state.memory_replica) and restore it when it is newer than the durable checkpoint.
+
+A snapshot only ever helps: one that does not restore on some rank (bytes that do not load although their CRC-32
+matches, another model's state) is set aside there, in one line naming why, and every rank goes back alike to the
+next newest step they all hold, then to the durable checkpoint (`restore_if_newer`: every decision on reduced
+values, so the ranks stay in step); every snapshot refused is one line with its reason.
 
 Under DDP every rank keeps the whole replicated state (model, optimizer, ...) with its own RNG and loader
 position: each rank restores alone, with no peer, at the cost of one state per rank in the node's memory.
@@ -13,15 +19,16 @@ consolidated on rank 0 only): a session with one takes no snapshots and says so 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import time
-from dataclasses import asdict, dataclass, is_dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
-from mgpu.state.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id
+from mgpu.state.memory_content import (STEP, check_content, config_digest, estimated_bytes, put_back, rank_state,
+                                       structure_digest, unsupported)
+from mgpu.state.memory_room import Room
+from mgpu.state.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id, safe_name
 
 if TYPE_CHECKING:
     from mgpu.state.memory_replica import Replication
@@ -38,12 +45,6 @@ class Restored:
     step: int
     state: dict[str, Any]
     path: Path
-
-
-def config_digest(config: Any) -> str:
-    """A digest of the resolved config (a dataclass or a mapping): a snapshot taken under another is stale."""
-    plain = asdict(config) if is_dataclass(config) and not isinstance(config, type) else config
-    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def agree_on_step(own: list[int], reduce_min: Callable[[int], int]) -> int | None:
@@ -63,189 +64,33 @@ def agree_on_step(own: list[int], reduce_min: Callable[[int], int]) -> int | Non
     return None
 
 
-def rank_state(objects: Mapping[str, Any], rank: int, world_size: int, version: str | None) -> dict[str, Any]:
-    """What a checkpoint holds, as this rank can give it with no collective: the objects' states (replicated
-    under DDP), and in the per-rank entries (RNG, a stateful stream's position) this rank's alone, at its place."""
-    from mgpu.state.rng import capture_rng_state
-    from mgpu.state.train_state import FORMAT, unwrapped
-
-    def at_rank(value: Any) -> list[Any]:
-        entries: list[Any] = [None] * world_size
-        entries[rank] = value
-        return entries
-
-    state: dict[str, Any] = {"format": FORMAT, "rng": at_rank(capture_rng_state()), "world_size": world_size,
-                             "code_version": version}
-    for name, value in objects.items():
-        if callable(getattr(value, "rank_state_dict", None)):
-            state[name] = {"per_rank": at_rank(value.rank_state_dict())}
-            continue
-        value = unwrapped(value)
-        if hasattr(value, "state_dict"):
-            state[name] = _local(value.state_dict())
-        elif is_dataclass(value) and not isinstance(value, type):
-            state[name] = asdict(value)
-        else:
-            state[name] = value
-    return state
-
-
-LOCAL = "__mgpu_dtensor_local__"
-"""A DTensor in a snapshot: {LOCAL: its local tensor} (plain data: loads with weights_only)."""
-
-
-def _dtensor_class() -> Any:
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")  # imported where a DTensor exists (FSDP2 imported it)
-    return getattr(module, "DTensor", None)
-
-
-def _local(value: Any) -> Any:
-    """`value` with every DTensor replaced by {LOCAL: its local tensor}; `value` itself where it has none."""
-    dtensor = _dtensor_class()
-    if dtensor is None:
-        return value
-
-    def walk(item: Any) -> Any:
-        if isinstance(item, dtensor):
-            return {LOCAL: item.to_local()}
-        if isinstance(item, dict):
-            changed = {key: walk(part) for key, part in item.items()}
-            return changed if any(changed[key] is not part for key, part in item.items()) else item
-        if type(item) in (list, tuple):
-            parts = [walk(part) for part in item]
-            return type(item)(parts) if any(a is not b for a, b in zip(parts, item)) else item
-        return item
-
-    return walk(value)
-
-
-def _has_local(value: Any) -> bool:
-    if isinstance(value, dict):
-        return LOCAL in value or any(_has_local(item) for item in value.values())
-    if type(value) in (list, tuple):
-        return any(_has_local(item) for item in value)
-    return False
-
-
-def _restore_shards(saved: dict[str, Any], target: Any, name: str) -> None:
-    """A sharded object's snapshot put back: a module's tensors copied into its own (local shards in place), an
-    optimizer's state rebuilt as DTensors like the parameters they belong to, then loaded."""
-    from torch import nn
-
-    if isinstance(target, nn.Module):
-        live = target.state_dict()
-        missing = sorted(set(live) ^ set(saved))
-        if missing:
-            raise KeyError(f"state[{name!r}]: the snapshot's keys differ from the module's: {missing[:5]}")
-        dtensor = _dtensor_class()
-        for key, value in saved.items():
-            dest = live[key]
-            dest = dest.to_local() if dtensor is not None and isinstance(dest, dtensor) else dest
-            dest.copy_(value[LOCAL] if isinstance(value, dict) else value)
-        return
-    params = [p for group in getattr(target, "param_groups", []) for p in group["params"]]
-    if not params or not isinstance(saved.get("state"), dict):
-        raise TypeError(f"state[{name!r}]: a {type(target).__name__} with sharded tensors: only modules and "
-                        f"optimizers are put back from a snapshot in memory")
-    from torch.distributed.tensor import DTensor
-
-    for index, entries in saved["state"].items():
-        param = params[index]
-        for key, value in list(entries.items()):
-            if isinstance(value, dict) and LOCAL in value:
-                entries[key] = DTensor.from_local(value[LOCAL].clone(), param.device_mesh, param.placements,
-                                                  run_check=False, shape=param.shape, stride=param.stride())
-    target.load_state_dict(saved)
-
-
-def _unsupported(objects: Mapping[str, Any]) -> str | None:
-    from mgpu.state.train_state import is_zero_optimizer
-
-    if any(is_zero_optimizer(value) for value in objects.values()):
-        return "a ZeroRedundancyOptimizer's state is split across the ranks"
-    return None
-
-
-def _tensor_bytes(value: Any) -> int:
-    """The bytes of the tensors in `value` (nested dicts, lists, tuples)."""
-    if hasattr(value, "untyped_storage") and hasattr(value, "element_size"):
-        return int(value.numel() * value.element_size())
-    if isinstance(value, dict):
-        return sum(_tensor_bytes(item) for item in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_tensor_bytes(item) for item in value)
-    return 0
-
-
-_UNLIMITED = 1 << 62
-"""cgroup v1 writes "no limit" as a number near 2**63 (PAGE_COUNTER_MAX pages): at or above this, none."""
-
-
-def memory_headroom(proc_cgroup: str, root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """The bytes this process's memory cgroups let it add (None: no limit): the least of limit less usage over its
-    cgroup and every ancestor, since a limit is often set on the job's cgroup and not on the step's or task's below
-    it (Slurm). `proc_cgroup`: the text of /proc/self/cgroup. v1 where a hierarchy has the memory controller
-    (memory.limit_in_bytes, memory.usage_in_bytes under `root`/memory), else v2 (memory.max, memory.current)."""
-    v1 = [line.split(":", 2)[2] for line in proc_cgroup.splitlines()
-          if line.count(":") >= 2 and "memory" in line.split(":", 2)[1].split(",")]
-    v2 = [line.split(":", 2)[2] for line in proc_cgroup.splitlines() if line.startswith("0::")]
-    if v1:
-        path, base, limit_file, usage_file = v1[0], root / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
-    elif v2:
-        path, base, limit_file, usage_file = v2[0], root, "memory.max", "memory.current"
-    else:
-        return None
-    parts = [part for part in path.strip().split("/") if part]
-    headroom = None
-    for depth in range(len(parts), -1, -1):
-        level = base.joinpath(*parts[:depth])
-        try:
-            limit = (level / limit_file).read_text().strip()
-            usage = int((level / usage_file).read_text())
-        except (OSError, ValueError):
-            continue  # no limit at this level (the v2 root has no memory.max), or unreadable
-        if limit == "max" or not limit.isdigit() or int(limit) >= _UNLIMITED:
-            continue
-        headroom = min(headroom, int(limit) - usage) if headroom is not None else int(limit) - usage
-    return headroom
-
-
-def no_room(base: Path, size: int, cgroup: Path = Path("/sys/fs/cgroup"),
-            proc_cgroup: Path = Path("/proc/self/cgroup")) -> str | None:
-    """Why this node cannot hold two more snapshots of `size` bytes (None: it can): the free space of the shared
-    memory filesystem at `base`, or the headroom of this process's memory cgroups (`memory_headroom`; tmpfs pages
-    are charged to them, so a full one would get the rank OOM-killed)."""
-    import os
-
-    need = 2 * size + size // 10
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        stats = os.statvfs(base)
-    except OSError as error:
-        return f"{base}: {error}"
-    if stats.f_bavail * stats.f_frsize < need:
-        return (f"{base} has {stats.f_bavail * stats.f_frsize / 1e9:.2f} GB free, two snapshots of this rank need "
-                f"{need / 1e9:.2f} GB")
-    try:
-        headroom = memory_headroom(proc_cgroup.read_text(), cgroup)
-    except OSError:
-        return None  # no /proc/self/cgroup: the filesystem's free space decides
-    if headroom is not None and headroom < need:
-        return (f"this job's memory limit leaves {headroom / 1e9:.2f} GB, two snapshots of this rank "
-                f"need {need / 1e9:.2f} GB")
-    return None
-
-
 _RANK_OWN = "on this rank: "
+OWN, REPLICA = "own", "replica"
+"""Where a restored snapshot's bytes came from: this rank's slot, or its replica fetched from its partner."""
+
+
+def _reason(error: BaseException) -> str:
+    """An exception as one short line: torch's refusal to unpickle as its own reason, not its advice around it."""
+    text = str(error)
+    if "WeightsUnpickler error:" in text:
+        text = "does not load with weights_only=True: " + text.split("WeightsUnpickler error:", 1)[1].split(
+            "Check the documentation of torch.load")[0]
+    return f"{type(error).__name__}: {' '.join(text.split())}"[:300]
+
+
+def _load(file: IO[bytes]) -> Any:
+    import torch
+
+    return torch.load(file, map_location="cpu", weights_only=True)
 
 
 class MemorySnapshots:
-    """One rank's snapshots for its session. `every`: steps between snapshots (0: none)."""
+    """One rank's snapshots for its session. `every`: steps between snapshots (0: none). `room`: its node's room
+    for them (default: the store's base directory, one rank per node)."""
 
-    def __init__(self, store: SnapshotStore, every: int, version: str | None) -> None:
+    def __init__(self, store: SnapshotStore, every: int, version: str | None, room: Room | None = None) -> None:
         self.store, self.every, self.version = store, every, version
+        self.room = room or Room(store.directory.parent.parent, store.directory.parent)
         self.disabled: str | None = None
         """Why this rank takes no snapshots (None: it takes them)."""
         self.taken = 0
@@ -256,21 +101,25 @@ class MemorySnapshots:
 
     @classmethod
     def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
-             version: str | None, restart: int = 0, base: Path | None = None) -> "MemorySnapshots":
+             version: str | None, restart: int = 0, base: Path | None = None,
+             objects: Mapping[str, Any] | None = None, ranks_per_node: int = 1) -> "MemorySnapshots":
         """Outside Slurm the job id is derived from the run (`local-<run id>`), so a local restart finds them.
-        `restart`: the job's restart count (SLURM_RESTART_COUNT: the same for a step restarted in place)."""
+        `restart`: the job's restart count (SLURM_RESTART_COUNT: the same for a step restarted in place).
+        `objects`: the state (its structure is part of the snapshots' identity); `ranks_per_node`: this node's."""
         identity = Identity(slurm_job or local_job_id(run_id), restart, run_id, config_digest(config), world_size,
-                            rank)
-        return cls(SnapshotStore.for_rank(identity, base), every, version)
+                            rank, structure_digest(objects) if objects is not None else "")
+        store = SnapshotStore.for_rank(identity, base)
+        return cls(store, every, version, Room(store.directory.parent.parent, store.directory.parent, ranks_per_node))
 
     def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
         """*Collective only where `layouts` is* (a DDP comm hook's state: called on every rank at every due step,
         even where this rank takes no snapshot). This rank's state at `step`, written now (the loop waits for this
-        copy alone). Whether one was taken. A rank whose node has no room for two snapshots (the shared memory's
-        free space, the memory cgroup's headroom), or whose write fails, takes none from then on and says so."""
+        copy alone). Whether one was taken. Before each, the node's room for the run's snapshots is checked
+        (mgpu.state.memory_room, from the files' sizes); a rank without room, or whose write fails, takes none
+        from then on and says so in one line; the run goes on."""
         if not (self.every > 0 and step > 0 and step % self.every == 0):
             return False
-        if self.disabled is None and (why := _unsupported(objects)) is not None:
+        if self.disabled is None and (why := unsupported(objects)) is not None:
             self.disabled = why  # alike on every rank: no rank calls `layouts` from here on
             if self.store.identity.rank == 0:
                 log.warning("checkpoint.memory_every_steps: no snapshots in memory: %s", why)
@@ -284,8 +133,9 @@ class MemorySnapshots:
         started = time.perf_counter()
         state = rank_state(objects, self.store.identity.rank, self.store.identity.world_size, self.version)
         state.update(extra)
-        if self.taken == 0 and (why := no_room(self.store.directory.parent.parent, _tensor_bytes(state))):
-            return self._disable(why)
+        state[STEP] = step
+        if (why := self.room.problem(self.last_bytes or estimated_bytes(state), self.replication is not None)):
+            return self._disable(f"no room: {why}")
         try:
             snapshot = self.store.write(step, lambda file: save_state_file(state, file))
         except OSError as error:
@@ -311,57 +161,108 @@ class MemorySnapshots:
                     self.store.identity.rank, why)
         return False
 
+    def replica_refusal(self, size: int, reused: int) -> str | None:
+        """Why the replica this rank holds cannot take a snapshot of `size` bytes into a slot of `reused` bytes
+        (None: it can): more than twice this rank's own snapshot (what the room check counted for it, with room
+        for a shard of another size), or more than its node has room for."""
+        if self.last_bytes and size > 2 * self.last_bytes + (1 << 20):
+            return f"{size} bytes, more than twice this rank's own snapshot ({self.last_bytes} bytes)"
+        return self.room.replica_problem(size, reused)
+
+    def _say(self, line: str) -> None:
+        log.warning("checkpoint.memory_every_steps: rank %d: %s", self.store.identity.rank, line)
+
     def agreed_step(self, reduce_min: Callable[[int], int]) -> int | None:
         """*Collective.* The newest step every rank can restore from memory, its own or its replica (None: none)."""
-        own = self.store.valid_steps()
+        return agree_on_step(self._candidates(), reduce_min)
+
+    def _candidates(self) -> list[int]:
+        """The steps this rank can restore, its own and its replica's, newest first; each refused one said."""
+        own = self.store.restorable(self._say)
         replica = self.replication.steps() if self.replication is not None else []
-        return agree_on_step(sorted(set(own) | set(replica), reverse=True), reduce_min)
+        return sorted(set(own) | set(replica), reverse=True)
+
+    def _read(self, step: int) -> tuple[Any, str, str | None]:
+        """(the content of this rank's snapshot of `step`, OWN or REPLICA, why it cannot be read: None where it can):
+        its slot, else (lost, replaced) the replica its partner on another node holds, fetched back; checked to be
+        a snapshot of that step."""
+        source = OWN
+        try:
+            try:
+                state = self.store.read(step, _load)
+            except FileNotFoundError:  # not on this node (lost, replaced): the replica on the partner's
+                if self.replication is None:
+                    raise
+                source = REPLICA
+                state = _load(self.replication.fetch(step))
+                log.info("rank %d: step %d restored from its replica on rank %d", self.store.identity.rank, step,
+                         self.replication.partner.rank)
+            check_content(state, step)
+        except Exception as error:  # noqa: BLE001  # anything that does not load falls back, never fails the run
+            return None, source, _reason(error)
+        return state, source, None
 
     def restore(self, step: int, objects: MutableMapping[str, Any], seed: int,
                 missing_ok: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-        """Put this rank's snapshot of `step` into `objects` (mgpu.state.train_state.restore_state); its content."""
-        import torch
-
-        from mgpu.state.train_state import restore_state
-
-        def load(file: IO[bytes]) -> Any:
-            return torch.load(file, map_location="cpu", weights_only=True)
-
-        from mgpu.state.train_state import unwrapped
-
-        try:
-            state = self.store.read(step, load)
-        except FileNotFoundError:  # not on this node (lost, replaced): the replica on the partner's
-            if self.replication is None:
-                raise
-            state = load(self.replication.fetch(step))
-            log.info("rank %d: step %d restored from its replica on rank %d", self.store.identity.rank, step,
-                     self.replication.partner.rank)
-        sharded = [name for name in objects if name in state and _has_local(state[name])]
-        for name in sharded:
-            _restore_shards(state[name], unwrapped(objects[name]), name)
-        rest = {name: value for name, value in objects.items() if name not in sharded}
-        restore_state(state, rest, self.store.identity.rank, seed, missing_ok)
-        objects.update(rest)  # the plain values restore_state replaced
-        return state
+        """Put this rank's snapshot of `step` into `objects` (mgpu.state.memory_content.put_back); its content."""
+        state, _, why = self._read(step)
+        if why is not None:
+            raise ValueError(f"the snapshot of step {step} does not restore: {why}")
+        put_back(state, step, objects, self.store.identity.rank, seed, missing_ok)
+        return dict(state)
 
     def restore_if_newer(self, durable_step: int, reduce_min: Callable[[int], int], objects: MutableMapping[str, Any],
                          seed: int, missing_ok: frozenset[str] | set[str] = frozenset()) -> Restored | None:
         """*Collective.* Restore the newest step every rank holds in memory when it is newer than the durable
-        checkpoint's (`durable_step`; -1: none), and say so on rank 0; None: the durable checkpoint, as before."""
-        step = self.agreed_step(reduce_min)
-        if step is None or step <= durable_step:
-            step = None
+        checkpoint's (`durable_step`; -1: none), and say so on rank 0; None: the durable checkpoint, as before.
+
+        Every rank reads its snapshot of the agreed step first, and only where every rank could (a MIN over the
+        outcomes) do they put it back, and agree again. A rank whose snapshot does not read or restore sets it
+        aside (one line naming why) and the ranks try the next newest step they all hold, then the durable
+        checkpoint, alike. Where some rank had put a snapshot back and none restores on every rank, with no durable
+        checkpoint to overwrite it, this attempt fails (RuntimeError, not bad input): the next starts afresh."""
+        rank = self.store.identity.rank
+        candidates = self._candidates()
+        restored, touched = None, False
+        while (step := agree_on_step(candidates, reduce_min)) is not None and step > durable_step:
+            state, source, why = self._read(step)
+            if reduce_min(0 if why else 1) == 1:
+                touched = True
+                try:
+                    put_back(state, step, objects, rank, seed, missing_ok)
+                except Exception as error:  # noqa: BLE001  # another model's state, say: the next one, alike
+                    why = _reason(error)
+                if reduce_min(0 if why else 1) == 1:
+                    restored = Restored(step, state, self.store.directory.parent)
+                    break
+            if why is not None:
+                self._set_aside(step, source, why)
+            candidates = [s for s in candidates if s != step]  # alike on every rank: the step was agreed
         for store in (self.store, self.replication.held if self.replication is not None else None):
             if store is not None:  # the slots after the step the run goes on from are another attempt's
-                store.discard_after(max(durable_step, 0) if step is None else step)
-        if step is None:
+                store.discard_after(max(durable_step, 0) if restored is None else restored.step)
+        if restored is None:
+            if touched and durable_step < 0:
+                raise RuntimeError("the snapshots in memory did not restore on every rank after some were put back, "
+                                   "and there is no durable checkpoint to go back to: this attempt fails, the next "
+                                   "starts the run afresh (the snapshots that failed are set aside)")
             return None  # the durable checkpoint
-        state = self.restore(step, objects, seed, missing_ok)
-        if self.store.identity.rank == 0:
+        if rank == 0:
             log.info("resumed at step %d from the snapshots in memory (%s), newer than the durable checkpoint%s",
-                     step, self.store.directory.parent, f" (step {durable_step})" if durable_step >= 0 else " (none)")
-        return Restored(step, state, self.store.directory.parent)
+                     restored.step, self.store.directory.parent,
+                     f" (step {durable_step})" if durable_step >= 0 else " (none)")
+        return restored
+
+    def _set_aside(self, step: int, source: str, why: str) -> None:
+        """This rank's snapshot of `step` did not restore: out of use, in one line."""
+        if source == REPLICA:
+            assert self.replication is not None
+            where = f"its replica on rank {self.replication.partner.rank} is dropped with the slots after the resume"
+        else:
+            kept = self.store.set_aside(step, why)
+            where = f"set aside as {kept}" if kept is not None else "its slot was gone"
+        self._say(f"the snapshot of step {step} does not restore ({why}): {where}; the ranks go back to the next "
+                  f"newest snapshot they all hold, else the durable checkpoint")
 
     def discard(self) -> None:
         """This rank's snapshots and the replica it holds (a fresh start); the replicas go on from here."""
@@ -379,8 +280,6 @@ class MemorySnapshots:
     def remove_other_jobs(self) -> None:
         """Snapshots of this run on this node from another job (never restorable here: another job id)."""
         import shutil
-
-        from mgpu.state.memory_snapshot import safe_name
 
         mine = self.store.directory.parent
         for path in mine.parent.glob(f"mgpu-*-{safe_name(self.store.identity.run)}"):

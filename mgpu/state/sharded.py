@@ -46,7 +46,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from mgpu.state.checkpoint import CheckpointStore
 from mgpu.state.checkpoint_format import (META_FILE, CheckpointError, LoadedCheckpoint, claimed, describe_os_error,
-                                          one_line, sha256_file, tmp_name)
+                                          one_line, refuse_newer, sha256_file, tmp_name)
 from mgpu.state.loadable import check_loadable
 from mgpu.state import checkpoint as _checkpoint
 from mgpu.state.dcp_safe import SafeReader
@@ -388,15 +388,21 @@ class ShardedCheckpointer:
     def find_latest(self) -> LoadedCheckpoint | None:
         """*Collective.* The newest sharded checkpoint whose every file verifies (each rank hashes a share),
         its common state and this rank's own pieces loaded; None for a new run."""
-        candidates = None
+        candidates, refusal = None, None
         if self.rank == 0:
             pointed = self.store.pointer("latest")
             steps = [(step, path) for step, path in self.store._step_dirs() if (path / META_FILE).is_file()]
             candidates = [(step, str(path)) for step, path in sorted(steps, key=lambda s: s[1].name != pointed)]
+            try:
+                refuse_newer([path for _, path in steps], FORMAT)  # never passed over: the run would save over it
+            except CheckpointError as error:
+                refusal = str(error)
         if self.world > 1:
-            holder = [candidates]
+            holder = [(candidates, refusal)]
             dist.broadcast_object_list(holder, src=0)
-            candidates = holder[0]
+            candidates, refusal = holder[0]
+        if refusal is not None:
+            raise CheckpointError(refusal)  # on every rank alike
         skipped: list[tuple[Path, str]] = []
         for step, where in candidates or []:
             path = Path(where)

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from mgpu.errors import MgpuError
 from mgpu.state import checkpoint as checkpoint_settings
-from mgpu.state.checkpoint_format import META_FILE, LoadedCheckpoint, one_line, sha256_file
+from mgpu.state.checkpoint_format import META_FILE, LoadedCheckpoint, newer_format, one_line, sha256_file
 from mgpu.state.dcp_safe import SafeLoadPlanner, SafeReader
 from mgpu.state.digest import digest_bytes, digest_file, mismatch
 from mgpu.state.rng import derived_seed, restore_rng_state, seed_everything
@@ -139,8 +139,11 @@ def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any]) -> str | N
 
 
 def read_meta(path: Path, step: int) -> dict[str, Any]:
-    """The meta.json of the sharded checkpoint of `step` in `path`; ValueError where it is not one."""
+    """The meta.json of the sharded checkpoint of `step` in `path`; ValueError where it is not one, NewerFormat
+    (mgpu.state.checkpoint_format) where a newer mgpu wrote it."""
     meta = json.loads((path / META_FILE).read_text())
+    if (newer := newer_format(path, meta, FORMAT)) is not None:
+        raise newer
     if not (isinstance(meta, dict) and meta.get("kind") == KIND and meta.get("step") == step
             and isinstance(meta.get("world_size"), int) and isinstance(meta.get("manifests"), dict)
             and len(meta["manifests"]) == meta["world_size"]):

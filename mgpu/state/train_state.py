@@ -76,7 +76,9 @@ def _all_rank_rng_states() -> list[dict[str, Any]]:
     return _gathered(capture_rng_state())
 
 
-RESERVED = ("format", "rng", "world_size", "code_version", "ddp")  # ddp: the session's (mgpu.parallel.ddp.bucket_layout)
+# ddp: the session's (mgpu.parallel.ddp.bucket_layout); snapshot_step: a snapshot in memory's
+# (mgpu.state.memory_content.STEP)
+RESERVED = ("format", "rng", "world_size", "code_version", "ddp", "snapshot_step")
 """Keys the session adds to every checkpoint; a state of yours cannot use them."""
 
 

@@ -49,15 +49,29 @@ class Board(Protocol):
 
 class DirBoard:
     """Heartbeat files in a node-local directory (tmpfs: /dev/shm, else $TMPDIR): for a world on one node. A
-    create and a rename per rank every WRITE_EVERY_S, on memory, never on the shared filesystem."""
+    create and a rename per rank every WRITE_EVERY_S, on memory, never on the shared filesystem. The last rank
+    to close it removes it (and its parent, a per-user `mgpu-<uid>`, once empty): nothing is left behind."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.mkdir(parents=True, exist_ok=True)
+        self._make()
+
+    def _make(self) -> None:
+        for _ in range(3):  # another run's board removing an empty parent meanwhile: make it again
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+                return
+            except FileNotFoundError:
+                continue
+        self.path.mkdir(parents=True, exist_ok=True)
 
     def _put(self, name: str, text: str) -> None:
         tmp = self.path / f".{name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        tmp.write_text(text)
+        try:
+            tmp.write_text(text)
+        except FileNotFoundError:  # removed by a rank that closed it first (it saw no other heartbeat)
+            self._make()
+            tmp.write_text(text)
         os.replace(tmp, self.path / name)
 
     def publish(self, rank: int, beat: str) -> None:
@@ -83,6 +97,17 @@ class DirBoard:
 
     def close(self, rank: int) -> None:
         (self.path / f"heartbeat-rank{rank}.json").unlink(missing_ok=True)
+        if not self.path.name.startswith(("watchdog-", "mgpu-")):
+            return  # a directory mgpu did not name (node_local_dir): the caller's to keep
+        try:
+            if any(self.path.glob("heartbeat-rank*.json")):
+                return  # another rank's board still
+            (self.path / STACKS_REQUESTED).unlink(missing_ok=True)
+            self.path.rmdir()
+            if self.path.parent.name.startswith("mgpu-"):
+                self.path.parent.rmdir()  # the per-user directory, once no other board is in it
+        except OSError:
+            pass  # not empty (another rank's or run's), or gone already
 
 
 class StoreBoard:
@@ -154,11 +179,18 @@ class StoreBoard:
 
 
 def node_local_dir(key: str, environ: Mapping[str, str] | None = None) -> Path:
-    """A directory on this node's memory (/dev/shm), else $TMPDIR, for this run's attempt `key`."""
+    """A directory on this node's memory (/dev/shm), else $TMPDIR, for this run's attempt `key`. In a Slurm job,
+    `mgpu-<job>-watchdog-<digest>`: the job's cleanup on every node (`python -m mgpu.state.memory_snapshot
+    --remove-this-job`, mgpu.state.memory_snapshot.remove_job) removes it with the job's snapshots when a rank
+    was killed before it could; elsewhere `mgpu-<uid>/watchdog-<digest>`."""
+    from mgpu.cluster.environment import SlurmEnvironment
+
     environ = os.environ if environ is None else environ
     shm = Path("/dev/shm")
     base = shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(environ.get("TMPDIR") or tempfile.gettempdir())
     digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    if environ.get("SLURM_JOB_ID"):
+        return base / f"mgpu-{SlurmEnvironment.job_id(environ)}-watchdog-{digest}"
     return base / f"mgpu-{os.getuid()}" / f"watchdog-{digest}"
 
 

@@ -249,6 +249,10 @@ def setup_lines(res: Resources, run_dirs: Sequence[Path] = (), resume: str | Non
     return lines
 
 
+_ONE_PER_NODE = ('--nodes="${SLURM_JOB_NUM_NODES:-1}" --ntasks="${SLURM_JOB_NUM_NODES:-1}" --ntasks-per-node=1 '
+                 '--kill-on-bad-exit=0')
+
+
 def teardown_lines() -> list[str]:
     """After srun (mgpu.run.recovery): start the step again in this allocation while recovery says `restart`
     (with the arguments the script's srun ran with, see `setup_lines`), else end with recovery's exit code (the
@@ -263,8 +267,9 @@ def teardown_lines() -> list[str]:
             '  [ "$action" = restart ] || break',
             '  rc=0; srun "${MGPU_SRUN_ARGS[@]}" || rc=$?',
             "done",
-            f'[ "$rc" = 0 ] || command srun --ntasks-per-node=1 --kill-on-bad-exit=0 {python} -m mgpu.state.memory_snapshot '
-            '--remove-this-job >/dev/null 2>&1 || true',
+            # One task per node: the batch environment's SLURM_NTASKS would otherwise make it one per rank.
+            f'[ "$rc" = 0 ] || command srun {_ONE_PER_NODE} {python} -m '
+            'mgpu.state.memory_snapshot --remove-this-job >/dev/null 2>&1 || true',
             'exit "$code"']
 
 
