@@ -23,7 +23,7 @@ from mgpu.cluster.hostlist import HostlistError, expand_hostlist
 from mgpu.cluster.slurm import SlurmClient, client
 
 __all__ = ["BLAMES_TO_EXCLUDE", "Blamed", "ExclusionPlan", "NodeMemory", "apply_exclusion", "blamed_nodes",
-           "exclude_straggler", "partition_nodes", "plan_exclusion", "remembered_nodes", "straggler_node",
+           "exclude_straggler", "node_lines", "partition_nodes", "plan_exclusion", "remembered_nodes", "straggler_node",
            "unavailable_nodes"]
 
 BLAMES_TO_EXCLUDE = 2
@@ -250,3 +250,20 @@ class NodeMemory:
             for node, blamed in sorted(self.runs[path].items()):
                 ledger.write("node_decision", node=node, decision="excluded", blames=blamed.count,
                              evidence=blamed.evidence, by="submit")
+
+
+def node_lines(events: list[dict[str, Any]], now: float) -> list[str]:
+    """The nodes this run blames (mgpu.record.exclusion: remembered across submissions) and the submissions' decisions."""
+    from mgpu.record.goodput import duration
+
+    lines = []
+    for node, blamed in sorted(blamed_nodes(events).items()):
+        then = ("excluded at the next submission" if blamed.count >= BLAMES_TO_EXCLUDE
+                else f"excluded once blamed {BLAMES_TO_EXCLUDE} times")
+        lines.append(f"bad node    {node}: blamed {blamed.count}x ({blamed.evidence[-1]}); {then} "
+                     f"(--forget-node {node} clears it)")
+    decisions = [e for e in events if e.get("event") == "node_decision"]
+    for decision in decisions[-5:]:
+        lines.append(f"node        {decision.get('node')} {decision.get('decision')} at a submission, "
+                     f"{duration(now - decision['time'])} ago")
+    return lines

@@ -6,7 +6,9 @@ Every event has `time` (unix seconds), `event` and the job's `job_id` and `resta
 depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.
 
     started          world_size, nodes, launcher, device, backend, run_dir, config_path, git_sha, limits
-                     (max_requeues, max_failures: the job's requeue limits as the ranks read them)
+                     (max_requeues, max_failures: the job's requeue limits as the ranks read them), ladder (the
+                     timeout ladder at the start: hang and stop rungs [name, seconds, why], problems: the orders
+                     broken, one line each; mgpu.stop.ladder)
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
     fresh_start      set_aside (where the run's earlier checkpoints were moved: an explicit `fresh` start)
     hyperparameters  step, changes ("optimizer lr: 0.001 -> 0.5"...: an explicit change on resume, applied
@@ -14,7 +16,8 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     first_step       step (the first step this run completed), collective_timeout_s, checkpoint_allowance_s
                      (the watchdog's for one save: mgpu.state.save_budget), timings (rank 0's Unix
                      times: process start, session start, group formed, checkpoint find/loaded/restored,
-                     first batch, first step done: the way back to training, measured)
+                     first batch, first step done: the way back to training, measured), ladder (the timeout
+                     ladder again, with the first step's time and the collective timeout)
     progress         step, epoch, total_steps, metrics (the log line's: loss, lr, grad_norm, samples_per_s,
                      step_time_s), fingerprint (hex float: a weighted sum of every parameter; equal
                      weights give equal fingerprints), ranks (every rank's compute and wait per step, EWMAs:

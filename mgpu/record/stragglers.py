@@ -29,7 +29,7 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["ALPHA", "SHOWN_NODES", "Change", "StragglerWatch", "change_line", "exclusion_reason", "others_median",
+__all__ = ["ALPHA", "SHOWN_NODES", "Change", "StragglerWatch", "attempt_stragglers", "change_line", "exclusion_reason", "others_median",
            "others_medians", "rank_scalars", "straggler_line",
            "summary_line"]
 
@@ -277,6 +277,15 @@ def rank_scalars(summary: Mapping[str, Any]) -> dict[str, float]:
     scalars["slowest_factor"] = float(summary["slowest"]["factor"])
     scalars["stragglers"] = float(len(summary["stragglers"]))
     return scalars
+
+
+def attempt_stragglers(attempt: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """Each rank's newest `straggler` or `straggler_cleared` event among an attempt's events, by rank."""
+    newest: dict[Any, Mapping[str, Any]] = {}
+    for event in attempt:
+        if event.get("event") in ("straggler", "straggler_cleared"):
+            newest[event.get("rank")] = event
+    return sorted(newest.values(), key=lambda e: str(e.get("rank")))
 
 
 def straggler_line(event: Mapping[str, Any]) -> str:

@@ -78,6 +78,9 @@ class SessionBase:
     backend: str
     expected_save_s: float | None
     save_allowance_s: float
+    resume_allowance_s: float
+    ladder: dict[str, Any]
+    """The timeout ladder at the start (mgpu.stop.ladder's record: the rungs and the orders broken)."""
     timer: RankTimer | None
     """This rank's compute and wait per step (mgpu.stop.rank_timing; None: a world of one, or stragglers off)."""
     _sync_wait: SyncWait | None
