@@ -39,7 +39,8 @@ def test_the_defaults_keep_every_order_and_the_rungs_go_inner_to_outer() -> None
     seconds = {r.name: r.seconds for r in result.hang}
     assert collective == seconds["collective"] >= max(seconds[n] or 0 for n in names[:5]) + VERDICT_S  # type: ignore[operator]
     assert seconds["rendezvous"] > seconds["collective"]  # type: ignore[operator]
-    assert [r.name for r in result.stop] == ["agreement", "stop's save", "exit", "KillWait", "GraceTime + KillWait"]
+    assert [r.name for r in result.stop] == ["agreement", "stop's save", "decision", "KillWait", "GraceTime + KillWait",
+                                             "exit"]
     assert VERDICT_S == 50.0 and EXIT_S == 8.0
 
 
@@ -53,9 +54,11 @@ RULES = {
         {"collective_timeout_s": 600.0}, "the collective timeout (600 s) ends before the longest watchdog allowance"),
     "... the one the watchdog sets": ({"collective_timeout_s": 650.0}, None),
     "a stop's save that does not fit KillWait (scancel, GraceTime 0)": (
-        {"expected_save_s": 40.0, "kill": KillTimes(30.0, None)}, "a stop needs about 49 s (agreement, save, exit) "
+        {"expected_save_s": 30.0, "kill": KillTimes(30.0, None)}, "a stop needs about 34 s (agreement, save, decision) "
                                                                   "but Slurm's KillWait is 30 s"),
-    "... one that does": ({"expected_save_s": 15.0, "kill": KillTimes(30.0, None)}, None),
+    "... one that does": ({"expected_save_s": 25.0, "kill": KillTimes(30.0, None)}, None),
+    "... the test cluster's KillWait of 5 s, a quick save: the exit after it may be cut, nothing is lost": (
+        {"expected_save_s": 0.5, "kill": KillTimes(5.0, 0.0)}, None),
     "... GraceTime not known: only KillWait checked": ({"expected_save_s": 20.0, "kill": KillTimes(60.0, None)}, None),
     "... no Slurm job: nothing to fit": ({"expected_save_s": 4000.0, "kill": None}, None),
     "a deadline margin shorter than the exit": ({"deadline_margin_s": 5.0}, "preemption.deadline_margin_s (5 s) is "
@@ -77,13 +80,17 @@ def test_each_rule(name: str) -> None:
 
 def test_a_stop_that_does_not_fit_a_preemptions_window() -> None:
     # GraceTime + KillWait is the longer window: a stop that does not fit it does not fit KillWait alone either.
-    killwait, grace = ladder(figures(expected_save_s=20.0, kill=KillTimes(40.0, 10.0), agree_every=4,
+    killwait, grace = ladder(figures(expected_save_s=28.0, kill=KillTimes(40.0, 10.0), agree_every=4,
                                      step_s=5.0)).problems
-    assert killwait.startswith("a stop needs about 53 s (agreement, save, exit) but Slurm's KillWait is 40 s")
-    assert grace == ("a stop needs about 53 s (agreement, save, exit) but a preemption gives 50 s (GraceTime 10 s + "
-                     "KillWait 40 s): a preempted run loses the steps since its last checkpoint; checkpoint more often "
-                     "(checkpoint.every_steps, checkpoint.memory_every_steps) or ask the cluster for a longer GraceTime")
-    assert ladder(figures(expected_save_s=20.0, kill=KillTimes(55.0, 10.0), agree_every=4, step_s=5.0)).problems == []
+    assert killwait.startswith("a stop needs about 56 s (agreement, save, decision) but Slurm's KillWait is 40 s")
+    assert grace == ("a stop needs about 56 s (agreement, save, decision) but a preemption gives 50 s (GraceTime 10 s "
+                     "+ KillWait 40 s): a preempted run loses the steps since its last checkpoint; checkpoint more "
+                     "often (checkpoint.every_steps, checkpoint.memory_every_steps) or ask the cluster for a longer "
+                     "GraceTime")
+    assert ladder(figures(expected_save_s=28.0, kill=KillTimes(60.0, 10.0), agree_every=4, step_s=5.0)).problems == []
+    # GraceTime 0: the preemption's window is KillWait's, said once
+    assert [r.name for r in ladder(figures(kill=KillTimes(5.0, 0.0))).stop] == ["agreement", "stop's save", "decision",
+                                                                                "KillWait", "exit"]
 
 
 def test_the_ledgers_ladder_is_shown_back() -> None:

@@ -9,10 +9,11 @@ module only reads them, puts them in order and checks it (docs/allowances.md, "T
   before the process group's timeout (the collective timeout after the first step; `distributed.init_timeout_s`
   until then, which the first step's allowance must fit): else a collective's timeout error, with no stacks and no
   rank named, ends the job instead of the watchdog;
-- a stop: the agreement (the next one, and the step after it), the stop's save and the exit fit
-  between Slurm's first signal and its SIGKILL: KillWait after a SIGTERM (scancel, a preemption with GraceTime 0,
-  an outside requeue), GraceTime + KillWait after a preemption's first signal; and the deadline stop's margin
-  holds the exit. Else the stop's checkpoint is lost, or the run killed on its way out.
+- a stop: the agreement (the next one, and the step after it), the stop's save and rank 0's reserve for asking
+  Slurm fit between Slurm's first signal and its SIGKILL: KillWait after a SIGTERM (scancel, a preemption with
+  GraceTime 0, an outside requeue), GraceTime + KillWait after a preemption's first signal; else the stop's
+  checkpoint is lost. The exit after it is bounded (EXIT_S) but may be cut by the kill: nothing is lost then. The
+  deadline stop's margin holds the exit.
 
 A broken order is one line each (`Ladder.problems`); the session says them at its start (rank 0, with the ladder)
 and records the ladder in the ledger's `started` and `first_step` events, which `jobs/status.py` shows
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mgpu.cluster.deadline import time_needed
-from mgpu.cluster.kill_time import KillTimes
+from mgpu.cluster.kill_time import EXIT_RESERVE_S, KillTimes
 from mgpu.record.reporting import CLOSE_WITHIN_S
 from mgpu.state.save_budget import MAX_ALLOWANCE_S
 from mgpu.stop.preemption import AGREE_EVERY_S
@@ -142,27 +143,32 @@ def _stop(f: Figures, problems: list[str]) -> list[Rung]:
         agree, how = None, f"the next agreement, {f.agree_every} step(s) away, and the step after it"
     save = f.expected_save_s
     rungs = [Rung("agreement", agree, how),
-             Rung("stop's save", save, "the expected save (the saves so far)" if save else "not measured yet"),
-             Rung("exit", EXIT_S, f"the loggers {_s(CLOSE_WITHIN_S)}, the group's teardown {_s(ENDED_TEARDOWN_S)}, "
-                                  f"the process {_s(EXIT_WITHIN_S)}")]
-    needed = (agree or 0.0) + (save or 0.0) + EXIT_S
+             Rung("stop's save", save, "the expected save (the saves so far)" if save else "not measured yet")]
     fix = ("checkpoint more often (checkpoint.every_steps, checkpoint.memory_every_steps) or ask the cluster for "
            "a longer {what}")
     if f.kill is not None:
+        # What must fit: the agreement and the save (the checkpoint durable) and the decision's reserve (rank 0's Slurm
+        # calls are bounded by what is left: mgpu.cluster.kill_time). The exit after it may be cut: nothing is lost.
+        reserve = min(EXIT_RESERVE_S, f.kill.kill_wait_s / 5)
+        needed = (agree or 0.0) + (save or 0.0) + reserve
+        rungs.append(Rung("decision", reserve, "the least rank 0 keeps to ask Slurm and requeue (kill_time's reserve)"))
         rungs.append(Rung("KillWait", f.kill.kill_wait_s, "Slurm's SIGTERM to its SIGKILL (scancel, a preemption "
                                                           "with GraceTime 0, an outside requeue)"))
         if needed > f.kill.kill_wait_s:
-            problems.append(f"a stop needs about {_s(needed)} (agreement, save, exit) but Slurm's KillWait is "
+            problems.append(f"a stop needs about {_s(needed)} (agreement, save, decision) but Slurm's KillWait is "
                             f"{_s(f.kill.kill_wait_s)}: after a scancel or a preemption with GraceTime 0 the stop's "
                             f"checkpoint may be cut short; " + fix.format(what="KillWait"))
-        if f.kill.grace_s is not None:
+        if f.kill.grace_s:  # with GraceTime 0 the window is KillWait's
             window = f.kill.grace_s + f.kill.kill_wait_s
             rungs.append(Rung("GraceTime + KillWait", window, "a preemption's first signal to its SIGKILL"))
             if needed > window:
-                problems.append(f"a stop needs about {_s(needed)} (agreement, save, exit) but a preemption gives "
+                problems.append(f"a stop needs about {_s(needed)} (agreement, save, decision) but a preemption gives "
                                 f"{_s(window)} (GraceTime {_s(f.kill.grace_s)} + KillWait {_s(f.kill.kill_wait_s)}): "
                                 f"a preempted run loses the steps since its last checkpoint; "
                                 + fix.format(what="GraceTime"))
+    rungs.append(Rung("exit", EXIT_S, f"at most, after the decision: the loggers {_s(CLOSE_WITHIN_S)}, the group's "
+                                      f"teardown {_s(ENDED_TEARDOWN_S)}, the process {_s(EXIT_WITHIN_S)} (a kill "
+                                      f"during it loses nothing)"))
     if 0 < f.deadline_margin_s < EXIT_S:
         problems.append(f"preemption.deadline_margin_s ({_s(f.deadline_margin_s)}) is shorter than the exit after a "
                         f"stop ({_s(EXIT_S)}): the stop before the time limit may be killed on its way out; raise it "
