@@ -34,7 +34,7 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
     """Everything between the stop signals caught and the loop's first call: sets the session's `limits`, `env`,
     `rank`, `world_size`, `local_rank`, `is_main`, `run`, `slurm_job`, `budgets`, `ledger`, `started`,
     `resumption`, `device`, `backend`, `expected_save_s`, `save_allowance_s`, `resume_allowance_s`, `watchdog`,
-    `beat`, `timer`, `stragglers` (rank 0's), `stopper`, `ladder` (said once by rank 0)."""
+    `beat`, `timer`, `stragglers` (rank 0's), `stopper`, `ladder` (its broken orders said by rank 0)."""
     cfg = session.cfg
     session.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
     session.env = env or detect_environment()
@@ -106,10 +106,7 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
         stragglers=session.stragglers, on_straggler=lambda change: straggler_changed(session, change))
     seed_rank(cfg.train.seed, session.rank, cfg.train.deterministic)
     session.ladder = timeout_ladder(session)
-    if session.is_main:  # the ladder once, and every order it breaks in one line
-        from mgpu.record.timeouts import ladder_lines
-
-        log.info("%s", "\n".join(ladder_lines(session.ladder, problems=False)))
+    if session.is_main:  # every order broken, in one line, before the first step that may need it kept
         for problem in session.ladder["problems"]:
             log.warning("timeouts: %s", problem)
 
@@ -180,7 +177,10 @@ def after_first_step(session: SessionBase) -> None:
     began = session.timings.get("first_batch", session.timings.get("restored", session.timings["group"]))
     ladder = timeout_ladder(session, step_s=max(0.0, session.timings["first_step"] - began),
                             collective_timeout_s=seconds)
-    if session.is_main:
+    if session.is_main:  # the ladder once, as training starts (not before: a run refused earlier prints one line)
+        from mgpu.record.timeouts import ladder_lines
+
+        log.info("%s", "\n".join(ladder_lines(ladder, problems=False)))
         for problem in ladder["problems"]:
             if problem not in session.ladder["problems"]:  # said at the start already
                 log.warning("timeouts: %s", problem)

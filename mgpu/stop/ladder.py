@@ -15,8 +15,9 @@ module only reads them, puts them in order and checks it (docs/allowances.md, "T
   checkpoint is lost. The exit after it is bounded (EXIT_S) but may be cut by the kill: nothing is lost then. The
   deadline stop's margin holds the exit.
 
-A broken order is one line each (`Ladder.problems`); the session says them at its start (rank 0, with the ladder)
-and records the ladder in the ledger's `started` and `first_step` events, which `jobs/status.py` shows
+A broken order is one line each (`Ladder.problems`); the session says them at its start (rank 0), prints the ladder
+as training starts (its first step) and records it in the ledger's `started` and `first_step` events, which
+`jobs/status.py` shows
 (mgpu.record.timeouts). No torch.
 """
 

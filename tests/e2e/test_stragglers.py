@@ -2,7 +2,7 @@
 node) twice at once, as one job array: rank 1 of one task sleeps 30 % longer per step (task.args.slow_factor=1.3),
 the other is the same job unperturbed. Status names the slow rank and its node, with its factor, within 100 steps
 (the ledger's `straggler` event, TensorBoard's `ranks/` curves read back); the unperturbed job names nobody. Both
-print the timeout ladder at their start (rank 0's log) and in status, with Slurm's KillWait read for the job."""
+print the timeout ladder as training starts (rank 0's log) and in status, with Slurm's KillWait read for the job."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_a_rank_30_percent_slower_is_named_with_its_node_and_the_same_job_unpert
     assert not any(line.startswith("straggler") for line in lines), lines
     assert any(line.startswith("ranks       ") for line in lines), lines  # measured, and nobody named
 
-    # the timeout ladder: at the start in rank 0's log, in status with the job's KillWait (5 s here), in order
+    # the timeout ladder: as training starts in rank 0's log, in status with the job's KillWait (5 s here), in order
     assert "timeouts    inner to outer" in (unperturbed / "logs" / "rank0.log").read_text()
     at = lines.index("timeouts    inner to outer, each ending before the next (docs/allowances.md, the ladder):")
     rungs = {line.split()[0]: line for line in lines[at + 1:] if line.startswith("  ")}
