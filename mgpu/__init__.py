@@ -16,6 +16,7 @@ moved.install()  # the module names from before the subpackages still import (mg
 
 if TYPE_CHECKING:  # what the lazy names below are, for a type checker
     from mgpu.config.loading import Config
+    from mgpu.parallel.ema import EMA
     from mgpu.state.inference import load_model
     from mgpu.run.session import Session
     from mgpu.run.spawn import spawn
@@ -23,11 +24,11 @@ if TYPE_CHECKING:  # what the lazy names below are, for a type checker
     from mgpu.train.task import Task
 
 __version__ = "0.1.0"
-__all__ = ["Config", "Session", "State", "Task", "load_model", "spawn"]
+__all__ = ["Config", "EMA", "Session", "State", "Task", "load_model", "spawn"]
 
 
 _LAZY = {"spawn": "mgpu.run.spawn", "load_model": "mgpu.state.inference", "Session": "mgpu.run.session",
-         "Config": "mgpu.config.loading", "State": "mgpu.state.train_state", "Task": "mgpu.train.task"}
+         "Config": "mgpu.config.loading", "EMA": "mgpu.parallel.ema", "State": "mgpu.state.train_state", "Task": "mgpu.train.task"}
 
 
 def __getattr__(name: str) -> Any:

@@ -5,8 +5,9 @@ WORLD_SIZE, ... or torchrun):
 
     python tests/own_loop.py RUN_DIR [--epochs 2] [--workers 0] [--save-every 4] [--ballast-mb 0]
         [--signal-at K] [--agree-every N] [--stop-at-step K] [--step-s S] [--deadline-margin S]
-        [--start-method spawn|forkserver|fork]
+        [--parallel ddp|fsdp] [--ema DECAY] [--start-method spawn|forkserver|fork]
 
+--ema DECAY: an mgpu.EMA of the weights in the state, updated every step, evaluated (`ema.applied()`).
 --start-method: the loop sets multiprocessing's start method first thing, as CUDA code often does
 (`torch.multiprocessing.set_start_method("spawn")`): its DataLoader workers start that way.
 
@@ -18,6 +19,7 @@ DataLoader worker the test started in that group gets it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -63,6 +65,7 @@ def main() -> None:
     parser.add_argument("--step-s", type=float, default=0.0, help="sleep after each optimizer step (pacing)")
     parser.add_argument("--deadline-margin", type=float, default=60.0)
     parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--ema", type=float, help="keep an mgpu.EMA with this decay (in the state, evaluated)")
     parser.add_argument("--start-method", choices=["fork", "spawn", "forkserver"])
     args = parser.parse_args()
     if args.start_method:
@@ -81,8 +84,12 @@ def main() -> None:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 5))
         loader = session.loader(Noisy(96, seed=0), batch_size=4, num_workers=args.workers)
         evaluation = session.eval_loader(Noisy(30, seed=1), batch_size=8)
-        state = session.load({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
-                              "best": None, "bad_evals": 0, "ballast": torch.zeros(args.ballast_mb << 18)})
+        kept = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader,
+                "best": None, "bad_evals": 0, "ballast": torch.zeros(args.ballast_mb << 18)}
+        ema = mgpu.EMA(model, args.ema) if args.ema is not None else None
+        if ema is not None:
+            kept["ema"] = ema
+        state = session.load(kept)
         accumulate = 2
         for epoch in loader.epochs(args.epochs):
             model.train()
@@ -95,6 +102,8 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
                 scheduler.step()
+                if ema is not None:
+                    ema.update()
                 time.sleep(args.step_s)
                 if session.step + 1 == args.signal_at and session.rank == session.world_size - 1:
                     os.killpg(os.getpgid(0), signal.SIGTERM)
@@ -107,9 +116,11 @@ def main() -> None:
                 break
             model.eval()
             sums = torch.zeros(2, dtype=torch.float64, device=session.device)
-            with torch.no_grad():
+            with torch.no_grad(), ema.applied() if ema is not None else contextlib.nullcontext():
                 for x, y in evaluation:
-                    sums += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
+                    x, y = x.to(session.device), y.to(session.device)  # (on a GPU, the model's device)
+                    sums += torch.tensor([(model(x).argmax(1) == y).sum().item(), len(y)], dtype=torch.float64,
+                                         device=session.device)
             correct, total = session.all_reduce(sums).tolist()
             accuracy = correct / total
             if state.best is None or accuracy > state.best:  # plain values live in the state: restored

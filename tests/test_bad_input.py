@@ -16,7 +16,7 @@ files are in it, unmounted after the case; needs root: skipped without it, excep
 a clean environment (no launcher variables).
 A case that fails today because of a file this table does not own is marked with `xfail=` saying why.
 
-Cases by entry point (see `test_case_counts`): submit 145, status 17, train 46, check_resume 13 (221 in all); plus
+Cases by entry point (see `test_case_counts`): submit 145, status 17, train 46, check_resume 15 (223 in all); plus
 `ODD_LEDGERS`, 6 ledgers whose malformed lines status skips with a one-line note (exit 0).
 The cases run in a small thread pool, once per session; all of them take about 30 s on 2 cores, the
 train cases with an environment to check being most of it (each imports torch before it checks).
@@ -446,6 +446,11 @@ CASES: list[Case] = [
          files={"loop.py": "x"}, expect="--checks stop,bogus"),
     Case("check timeout 0", ["check_resume", "--timeout", "0", "--", "loop.py", "{run}"], files={"loop.py": "x"},
          expect="--timeout 0"),
+    # nan and inf would never expire (every comparison with nan is false): a hung loop held the check forever
+    Case("check timeout nan", ["check_resume", "--timeout", "nan", "--", "loop.py", "{run}"], files={"loop.py": "x"},
+         expect="--timeout nan: must be a number of seconds > 0"),
+    Case("check timeout inf", ["check_resume", "--timeout", "inf", "--", "loop.py", "{run}"], files={"loop.py": "x"},
+         expect="--timeout inf: must be a number of seconds > 0"),
     Case("check config and script", ["check_resume", "--config", "blob.yaml", "--", "loop.py", "{run}"],
          files={"loop.py": "x"}, expect="not both"),
     Case("check config bad key", ["check_resume", "--config", "blob.yaml", "train.epoch=2"], expect="train.epoch"),
@@ -603,7 +608,7 @@ def test_case_ids_are_unique() -> None:
 def test_case_counts() -> None:
     """The counts the module docstring states, by entry point."""
     counts = {prog: sum(_prog(case) == prog for case in CASES) for prog in PROGS}
-    assert counts == {"submit": 145, "status": 17, "train": 46, "check_resume": 13}, counts
+    assert counts == {"submit": 145, "status": 17, "train": 46, "check_resume": 15}, counts
 
 
 @pytest.mark.multiprocess  # `outcomes` runs every case as a process of its own (46 of them import torch)

@@ -105,3 +105,14 @@ def test_a_slow_controller_is_waited_for_not_restarted(tmp_path: Path) -> None:
     assert steps == ["install_packages", "ensure_hosts", "link_etc", "wait_nodes", "summary"]
     assert (tmp_path / "pings").read_text().count("x") == 4
     assert (tmp_path / "slurm" / "state" / "job_state").read_bytes() == b"617"
+
+
+def test_the_daemons_inherit_no_descriptor_of_whoever_started_the_script(tmp_path: Path) -> None:
+    # `flock /tmp/mgpu-e2e.lock bash tests/run.sh` holds its lock on fd 3: munged, mariadbd and slurmdbd started under
+    # it held that lock for their lifetime, and every later e2e run waited for it (seen: 50 min).
+    lock = tmp_path / "outer.lock"
+    script = f'exec 3>{lock}; exec 4<{START}; source {START}; close_inherited; ls /proc/$$/fd; true'  # not exec'd: bash's own fds
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                            env={**os.environ, "MGPU_SLURM_DIR": str(tmp_path / "slurm")})
+    assert result.returncode == 0, result.stderr
+    assert sorted(int(fd) for fd in result.stdout.split() if int(fd) > 2 and int(fd) != 255) == [], result.stdout

@@ -8,6 +8,9 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
+
+import mgpu
 
 from mgpu.data.sampling import epoch_permutation
 from mgpu.record.ledger import Ledger, read_ledger
@@ -18,8 +21,9 @@ from tests.conftest import start_ranks, wait_ranks
 from tests.test_trainer import BLOBS, assert_identical, train
 
 # BLOBS (2 ranks: 4 steps an epoch, 12 in all, accumulation, clipping, warmup, batch norm, dropout) under FSDP2,
-# with an eval set that rank 0 has one batch more of than rank 1 (19 samples, 3 a batch: 4 and 3).
-FSDP = [*BLOBS, "train.parallel=fsdp", "task.args.eval_size=19", "eval.every_steps=3"]
+# with an eval set that rank 0 has one batch more of than rank 1 (19 samples, 3 a batch: 4 and 3), and an EMA of the
+# weights (evaluated; sharded like the model).
+FSDP = [*BLOBS, "train.parallel=fsdp", "task.args.eval_size=19", "eval.every_steps=3", "train.ema_decay=0.9"]
 
 
 def final(run_dir: Path) -> dict[str, Any]:
@@ -49,8 +53,9 @@ def test_fsdp_resume_is_bit_identical(stop_at: int, unbroken: tuple[Path, dict[s
     assert second.returncode == 0, second.stdout
     resumed, reference = final(tmp_path), unbroken[1]
     assert resumed["progress"]["step"] == reference["progress"]["step"] == 12
-    for key in ("model", "optim", "scheduler", "rng"):
+    for key in ("model", "optim", "scheduler", "rng", "ema"):
         assert_identical(resumed[key], reference[key], key)
+    assert resumed["ema"]["n_averaged"].item() == 12
     events = read_ledger(tmp_path / "events.jsonl")
     assert [e["step"] for e in events if e["event"] == "resumed"] == [stop_at]
     fingerprints = lambda run: {e["step"]: e["fingerprint"] for e in read_ledger(run / "events.jsonl")  # noqa: E731
@@ -80,6 +85,12 @@ def test_fsdp_checkpoint_resumes_on_one_rank_with_the_same_global_batch(tmp_path
     assert after["progress"]["step"] == 3 and after["world_size"] == 1
     assert after["progress"]["position"] == after["progress"]["samples_seen"] == 36  # 12 a step, on both
     assert not torch.equal(after["model"]["4.weight"], saved["model"]["4.weight"])  # it trained on from there
+    # The EMA, resharded onto one rank, follows the model exactly: step 3's average is step 2's (saved on 2 ranks)
+    # averaged with step 3's weights and buffers, bit for bit.
+    for key, value in after["model"].items():
+        previous = saved["ema"][f"module.{key}"]
+        expected = previous.lerp(value, 1.0 - 0.9) if value.is_floating_point() else value
+        assert torch.equal(after["ema"][f"module.{key}"], expected), key
     # The samples each micro-step trained on (BlobTask's ids files): 2 ranks x 2 micro-steps x 2 steps, then one
     # rank's 4 micro-steps; step 3 is the epoch order's next 12 (without the global batch: its next 6).
     lines = {r: [[int(i) for i in line.split()] for line in (ids / f"ids-rank{r}.txt").read_text().splitlines()]
@@ -172,11 +183,15 @@ def test_ddp_with_sharded_checkpoints_resumes_bit_identically(tmp_path: Path) ->
 
 @pytest.mark.multiprocess
 def test_a_users_loop_with_fsdp_resumes_bit_identically(tmp_path: Path) -> None:
-    """Session.wrap(model, parallel="fsdp"), the one changed line: stopped, resumed, equal to an unbroken run."""
+    """Session.wrap(model, parallel="fsdp"), the one changed line, with an mgpu.EMA in the state: stopped, resumed,
+    equal to an unbroken run, the EMA included; the EMA is sharded like the model (one shard per rank through DCP)
+    and mgpu.load_model(..., ema=True) loads it whole into a plain module."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     from tests.test_own_loop import OWN_LOOP
 
     def run(run_dir: Path, *argv: str) -> list[tuple[int, str]]:
-        return wait_ranks(start_ranks([OWN_LOOP, str(run_dir), "--parallel", "fsdp", *argv], 2), 240)
+        return wait_ranks(start_ranks([OWN_LOOP, str(run_dir), "--parallel", "fsdp", "--ema", "0.9", *argv], 2), 240)
 
     unbroken, broken = tmp_path / "unbroken", tmp_path / "broken"
     first = run(unbroken)
@@ -186,8 +201,15 @@ def test_a_users_loop_with_fsdp_resumes_bit_identically(tmp_path: Path) -> None:
     resumed = run(broken)
     assert [rc for rc, _ in resumed] == [0, 0], resumed
     a, b = final(unbroken), final(broken)
-    for key in ("model", "optim", "scheduler", "loader", "best", "bad_evals"):
+    for key in ("model", "optim", "scheduler", "loader", "best", "bad_evals", "ema"):
         assert_identical(a[key], b[key], key)
+    assert b["ema"]["n_averaged"].item() == 12 and not torch.equal(b["ema"]["module.0.weight"], b["model"]["0.weight"])
+    latest = sorted((broken / "checkpoints").glob("step_*"))[-1]
+    chunks = FileSystemReader(str(latest)).read_metadata().state_dict_metadata["model.ema.module.0.weight"].chunks
+    assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (16, 0)]  # 32 rows: one shard per rank
+    net = mgpu.load_model(broken, nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 2)),
+                          which="latest", ema=True)
+    assert torch.equal(net[0].weight, b["ema"]["module.0.weight"])
     # session.log's fingerprint of the sharded model (a collective on both ranks), as status.py --verify reads it
     code, line = verify(unbroken, broken)
     assert code == 0 and line.startswith("agree: the same weights at all 6 steps both runs logged (2..12)"), line

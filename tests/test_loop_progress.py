@@ -6,6 +6,9 @@ ranks: tests/test_own_loop.py (DDP) and tests/test_fsdp.py (FSDP2, the fingerpri
 
 from __future__ import annotations
 
+import re
+import types
+
 import json
 from pathlib import Path
 from typing import Any, Iterator
@@ -161,3 +164,29 @@ def test_a_stop_that_stays_down_is_not_shown_as_a_pending_requeue() -> None:
     failed = [ev(0, "started"), ev(5, "failed", error="ValueError: x", rank=0),
               ev(6, "stop_decision", what="failed", requeue=False, reason="budget spent")]
     assert summarize(failed, now=9)["state"] == "failed: ValueError: x"
+
+
+def test_an_own_loop_prints_the_trainers_progress_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 prints, when `log()` is due, the step (of `session.total_steps`), the epoch, the metrics, the pace
+    since the last line and the ETA; the first line has no pace yet (a clock faked: 0.5 s a step)."""
+    from mgpu.record import loop_progress
+
+    times = iter(float(t) for t in range(0, 100))
+    # loop_progress's clock alone (patching time.monotonic itself also fed the fake to whatever imported later: the
+    # stop controller, imported by the session, took two ticks between the lines when no test had imported it first)
+    monkeypatch.setattr(loop_progress, "time", types.SimpleNamespace(monotonic=lambda: next(times)))
+    s = session(tmp_path / "run", every=2)
+    s.total_steps = 10
+    model = s.wrap(nn.Linear(4, 1))
+    loader = s.loader(TensorDataset(torch.randn(20, 4)), batch_size=4)
+    s.load({"model": model, "loader": loader})
+    for step in range(1, 5):
+        s.should_stop()
+        s.log(loss=torch.tensor(0.25 * step))
+    s.finish()
+    # the progress lines (rank 0 also prints the timeout ladder as training starts, whose rungs name steps too)
+    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()
+             if re.match(r"\d\d:\d\d:\d\d step ", line)]
+    assert lines == ["step 2/10 epoch 0  loss 0.5", "step 4/10 epoch 0  loss 1  2 steps/s  ETA 3s"], lines
+    assert loop_progress.progress_line(7, None, None, {}, 1.5) == "step 7  1.5 steps/s"  # no total: no ETA

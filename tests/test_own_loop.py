@@ -225,3 +225,21 @@ def test_converting_the_spawn_loop_changes_a_few_lines() -> None:
     added, removed = changed_lines(ROOT / "jobs" / "loops" / "translate_spawn.py", TRANSLATE)
     assert added <= 17, (added, removed)  # early stopping saves its state with the model: 3 lines of it
     assert re.search(rf"\b{added} lines? added or changed, {removed} removed\b", (ROOT / "docs" / "own-loop.md").read_text())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["optimizer_before_wrap", "diverged"])
+def test_a_misuse_every_rank_makes_is_one_line_from_one_rank(case: str, tmp_path: Path) -> None:
+    """tests/misuse_loop.py on 2 ranks, under FSDP2: an optimizer built before `wrap(parallel="fsdp")` is refused at
+    `load()`; a plain module beside the model whose copies differ between ranks (each rank's own init, seed + rank)
+    is refused at its first `save()` (a sharded checkpoint would keep one rank's copy, silently). Each is one line
+    `mgpu: error: ...` from rank 0, nothing from rank 1, exit 2 on both: no traceback."""
+    results = wait_ranks(start_ranks(["tests/misuse_loop.py", str(tmp_path / "run"), "--case", case], 2), 120)
+    assert [rc for rc, _ in results] == [2, 2], results
+    (line,) = [x for x in results[0][1].splitlines() if "mgpu" in x and "error" in x]
+    assert line.startswith("mgpu: error: " + ("state['optimizer'] optimizes 4 parameter(s) that are not the state's "
+                                              "models' parameters now" if case == "optimizer_before_wrap" else
+                                              "not saved: state['teacher']: its weights differ between ranks (rank(s) "
+                                              "[1] are not rank 0's)")), results[0][1]
+    assert "Traceback" not in results[0][1] + results[1][1] and results[1][1] == "", results
+    assert not list((tmp_path / "run" / "checkpoints").glob("step_*")), "a checkpoint was written"

@@ -33,7 +33,8 @@ def state(**changes: object) -> dict:
             "scheduler": {"last_epoch": 3, "_last_lr": [0.1]},
             "rng": [{"torch": torch.arange(4)}, {"torch": torch.arange(4)}],
             "loader": {"epoch": 0, "position": 24},
-            "best": 0.5}
+            "ema": {"module.0.weight": torch.ones(2, 3), "n_averaged": torch.tensor(3)},
+            "best": 0.5, "step_count": 3}
     flat = flatten(base)
     flat.update(changes)
     return flat
@@ -48,13 +49,18 @@ def test_flatten_names_every_leaf_by_its_path() -> None:
 
 @pytest.mark.parametrize("change, first, largest", [
     ({"loader.position": 32}, "loader.position", 8.0),
-    ({"best": 0.25}, "best", 0.25),  # the loop's own entry before the weights it decided
+    ({"step_count": 4}, "step_count", 1.0),  # the loop's own counter before what it decides
     ({"scheduler._last_lr": [0.05], "optimizer.param_groups.0.lr": 0.05}, "scheduler._last_lr", 0.05),
     ({"rng.rank1.torch": torch.arange(1, 5)}, "rng.rank1.torch", 1.0),
     ({"optimizer.param_groups.0.betas": (0.8, 0.999)}, "optimizer.param_groups.0.betas", 0.1),
     ({"optimizer.state.2.exp_avg": torch.full((4, 2), 1.5), "model.2.weight": torch.full((4, 2), 2.0)},
      "optimizer.state.2.exp_avg", 0.5),
     ({"model.0.weight": torch.ones(3, 2)}, "model.0.weight", math.inf),  # another shape
+    # The loop's own module (an EMA) ranks with the model: the learning rate a counter set is named first.
+    ({"ema.module.0.weight": torch.full((2, 3), 2.0), "optimizer.param_groups.0.lr": 0.05},
+     "optimizer.param_groups.0.lr", 0.05),
+    ({"ema.n_averaged": torch.tensor(2), "rng.rank1.torch": torch.arange(1, 5)}, "ema.n_averaged", 1.0),  # a counter
+    ({"best": 0.25, "model.2.weight": torch.full((4, 2), 2.0)}, "model.2.weight", 1.0),  # a metric follows
     ({"extra": 1}, "extra", math.inf),  # present in one state only
 ])
 def test_the_first_difference_is_the_cause_before_its_consequences(change: dict, first: str, largest: float) -> None:
@@ -94,7 +100,17 @@ def _hint(first: str, **kw: object) -> str:
 
 @pytest.mark.parametrize("first, options, phrase", [
     ("loader.position", {}, "the data differs"),
-    ("model.0.weight", {"no_batches": True}, "a DataLoader of your own starts its epoch over"),
+    ("model.0.weight", {"no_batches": True, "outside": {"dl": "DataLoader (DataLoader)"}},
+     "`dl` is a DataLoader of your own, which starts its epoch over on a resume"),
+    # No DataLoader held: the loop's own order (random.shuffle at an epoch's start) is the RNG the hint names.
+    ("rng.rank0.python", {"no_batches": True}, "an RNG stream differs (Python's `random` (random.shuffle"),
+    ("model.0.weight", {"no_batches": True, "outside": {"order": "generator (Generator)"}},
+     "every saved entry before them agrees (the loop's own data is not compared: it does not come from "
+     "session.loader): objects of yours not in `state`: `order` (generator (Generator))"),
+    # A step counter in a variable sets the LR: no scheduler anywhere, none blamed.
+    ("optimizer.param_groups.0.lr", {"has_scheduler": False}, "the loop has no scheduler: it sets them from something "
+     "not in `state` (a step counter in a variable of yours restarts at 0 on a resume)"),
+    ("step_count", {}, "your own entry `step_count` differs: a counter"),
     ("model.0.weight", {"batches_differ": True, "outside": {"train_loader": "DataLoader (DataLoader)"}},
      "`train_loader` is a DataLoader of your own"),
     ("scheduler.last_epoch", {"world_changed": True}, "the scheduler was built from len(loader)"),
@@ -170,6 +186,27 @@ def test_the_stop_is_mid_epoch_about_a_third_of_the_way(ends: list[int], total: 
     assert choose_stop(records, total) == stop
 
 
+def _records(ends: list[int]) -> list[Batch]:
+    records, epoch, first = [], 0, 1
+    for end in ends:
+        records += [Batch(step, epoch, step - first + 1, ("x",), None) for step in range(first, end + 1)]
+        epoch, first = epoch + 1, end + 1
+    return records
+
+
+@pytest.mark.parametrize("ends, total, stops", [
+    ([4, 8], 8, [(2, "epoch 0, position 2"), (4, "the end of epoch 0"), (5, "epoch 1, position 1")]),
+    ([6, 12, 18], 18, [(6 - 1, "epoch 0, position 5"), (6, "the end of epoch 0"), (11, "epoch 1, position 5")]),
+    ([8], 8, [(2, "epoch 0, position 2")]),  # one epoch: mid-epoch only
+    ([], 8, [(2, ""), (5, "")]),  # no batch records (the loop's own data): a third and two thirds of the way
+])
+def test_the_stops_are_in_the_first_epoch_at_its_end_and_in_a_later_one(ends: list[int], total: int,
+                                                                        stops: list[tuple[int, str]]) -> None:
+    from mgpu.check.plan import choose_stops
+
+    assert [(x.step, x.where) for x in choose_stops(_records(ends), total)] == stops
+
+
 def test_what_a_loop_keeps_outside_its_state_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(check_hooks.CHECK_DIR, str(tmp_path))
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # set by torch's first optimizer otherwise
@@ -211,3 +248,68 @@ def test_the_command_line_makes_each_runs_command() -> None:
     assert trainer.halved_args == []  # the accumulation follows the world size
     assert trainer.command(Path("/t"))[-3:] == ["data.global_batch_size=128", "run.dir=/t", "checkpoint.keep_last=1000"]
     assert parsed("--config", "jobs/configs/mnist.yaml").halved_args is None  # a per-rank batch
+
+
+def test_where_the_objects_outside_state_end_is_digested(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the end, a digest of each object `record_outside` found (one name per object: the first): equal states
+    give equal digests, a state moved on another; a DataLoader's cannot be read (None)."""
+    import random as python_random
+
+    import numpy as np
+    from torch.utils.data import DataLoader
+
+    monkeypatch.setenv(check_hooks.CHECK_DIR, str(tmp_path))
+
+    def loop(draws: int) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = nn.Linear(2, 2)
+        teacher = nn.Linear(2, 1)
+        order = np.random.default_rng(0)
+        shuffler = python_random.Random(1)
+        dropout = torch.Generator().manual_seed(2)
+        batches = DataLoader(list(range(4)))
+        alias = teacher  # noqa: F841  (the same object under a second name: named once)
+        for _ in range(draws):
+            order.permutation(4), shuffler.random(), torch.rand(1, generator=dropout)
+        with torch.no_grad():
+            teacher.weight.fill_(float(draws))
+        check_hooks.record_outside(0, {"model": model}, sys._getframe(0))
+        check_hooks.record_outside_end(0)
+        (written,) = tmp_path.glob("outside_end.rank0.*.json")
+        ends: dict[str, Any] = json.loads(written.read_text())
+        written.unlink()
+        for path in tmp_path.glob("outside.rank0.*.json"):
+            assert "alias" not in json.loads(path.read_text())
+            path.unlink()
+        del batches
+        return ends
+
+    once, again, twice = loop(1), loop(1), loop(2)
+    assert set(once) == {"teacher", "order", "shuffler", "dropout", "batches"} and once["batches"] is None
+    assert once == again
+    assert all(twice[name] != once[name] for name in ("teacher", "order", "shuffler", "dropout"))
+
+
+def test_a_hung_ranks_line_is_read_from_its_stacks() -> None:
+    from mgpu.check.failures import innermost
+
+    log = """12:00:01 [rank 1] ERROR no progress for 5 s in phase model of step 4 (allowance 2 s): dumping every thread's stack
+Thread 0x00007f01 (most recent call first):
+  File "/usr/lib/python3.11/threading.py", line 320 in wait
+  File "/x/mgpu/stop/watchdog.py", line 400 in _watch
+
+Current thread 0x00007f02 (most recent call first):
+  File "/x/mgpu/stop/watchdog.py", line 458 in _dump_stacks
+
+Thread 0x00007f00 (most recent call first):
+  File "/x/torch/nn/modules/module.py", line 1500 in _call_impl
+  File "/work/loops/train.py", line 88 in main
+  File "/work/loops/train.py", line 120 in <module>
+"""
+    again = log + "12:00:02 [rank 1] ERROR another rank found a hang: dumping every thread's stack\n"  # said twice
+    assert innermost(again, Path("loops/train.py")) == innermost(log, Path("loops/train.py"))
+    assert innermost(log, Path("loops/train.py")) == ("/x/torch/nn/modules/module.py line 1500 (in _call_impl), from "
+                                                      "/work/loops/train.py line 88 (in main)")
+    assert innermost(log.replace("module.py", "train.py").replace("/x/torch/nn/modules/", "/work/loops/"),
+                     Path("train.py")).startswith("/work/loops/train.py line 1500")
+    assert innermost("no stacks here", Path("train.py")) is None

@@ -51,6 +51,7 @@ def main() -> None:
 
     state = session.load({"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader})
 
+    loss = torch.tensor(float("nan"))  # an epoch resumed at its last step trains no batch in this process
     for epoch in loader.epochs(args.epochs):
         model.train()
         for images, labels in loader:

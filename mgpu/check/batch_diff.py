@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Batch", "BatchVerdict", "compare_batches", "compare_samples", "read_batches", "pieced"]
+__all__ = ["Batch", "BatchVerdict", "compare_batches", "compare_samples", "read_batches", "pieced", "pieced_segments"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class BatchVerdict:
     lost: int
     repeated: int
     batches: int
+    first_step: int | None = None  # the step of the first batch that differs (None: none, or not by step)
 
     @property
     def same(self) -> bool:
@@ -60,7 +61,16 @@ def read_batches(path: Path) -> list[Batch]:
 
 def pieced(stopped: list[Batch], resumed: list[Batch], stop_step: int) -> list[Batch]:
     """What a stopped-and-resumed rank trained on: the stopped run's batches up to its stop, then the resumed run's."""
-    return [b for b in stopped if b.step <= stop_step] + resumed
+    return pieced_segments([stopped, resumed], [stop_step])
+
+
+def pieced_segments(segments: list[list[Batch]], stops: list[int]) -> list[Batch]:
+    """What a rank stopped at each of `stops` and resumed after each trained on: segment i's batches up to stop i,
+    the last segment's all."""
+    out: list[Batch] = []
+    for index, batches in enumerate(segments):
+        out += [b for b in batches if index >= len(stops) or b.step <= stops[index]]
+    return out
 
 
 def _where(batch: Batch) -> str:
@@ -69,22 +79,23 @@ def _where(batch: Batch) -> str:
 
 def compare_batches(unbroken: dict[int, list[Batch]], resumed: dict[int, list[Batch]]) -> BatchVerdict:
     """Rank by rank, batch by batch (the same world size)."""
-    first = ""
+    first, first_step = "", None
     for rank in sorted(unbroken):
         a, b = unbroken[rank], resumed.get(rank, [])
         for x, y in zip(a, b):
             if x.samples != y.samples:
-                first = f"rank {rank}'s batch at {_where(x)}: other samples than the unbroken run's"
+                first, first_step = f"rank {rank}'s batch at {_where(x)}: other samples than the unbroken run's", x.step
                 break
         else:
             if len(a) != len(b):
                 longer, which = (a, "unbroken") if len(a) > len(b) else (b, "resumed")
-                first = (f"rank {rank}: the {which} run trained {abs(len(a) - len(b))} more batch(es), from "
-                         f"{_where(longer[min(len(a), len(b))])}")
+                extra = longer[min(len(a), len(b))]
+                first = f"rank {rank}: the {which} run trained {abs(len(a) - len(b))} more batch(es), from {_where(extra)}"
+                first_step = extra.step
         if first:
             break
     verdict = compare_samples([x for r in unbroken.values() for x in r], [y for r in resumed.values() for y in r])
-    verdict.first = first
+    verdict.first, verdict.first_step = first, first_step
     return verdict
 
 

@@ -19,13 +19,16 @@ relative script path is taken from where the command runs, and the ranks run the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import NoReturn
+from types import FrameType
+from typing import Callable, NoReturn
 
 from mgpu.check.plan import check
 from mgpu.check.runs import Runner, Target
@@ -83,8 +86,8 @@ def target_from(args: argparse.Namespace, cwd: Path) -> Target:
     unknown = set(args.checks.split(",")) - {"stop", "save", "world"}
     if unknown or not args.checks:
         raise MgpuError(f"--checks {args.checks}: a comma-separated list of stop, save, world")
-    if args.timeout <= 0:
-        raise MgpuError(f"--timeout {args.timeout:g}: must be > 0 seconds")
+    if not math.isfinite(args.timeout) or args.timeout <= 0:  # nan and inf would never expire
+        raise MgpuError(f"--timeout {args.timeout:g}: must be a number of seconds > 0")
     if args.config and args.command:
         raise MgpuError("give either --config (the trainer) or `-- script.py args` (a loop of your own), not both")
     if args.config:
@@ -126,16 +129,51 @@ def main(argv: list[str] | None = None) -> int:
         scratch = keep.resolve()
     else:
         scratch = Path(tempfile.mkdtemp(prefix="mgpu-check-resume-"))
+    runner = Runner(target, scratch, cwd, time.monotonic() + args.timeout, Path(args.keep).resolve() if args.keep
+                    else None)
+    ended = _end_on_signals()
     try:
-        code, report = check(target, args, Runner(target, scratch, cwd, time.monotonic() + args.timeout), scratch)
+        code, report = check(target, args, runner, scratch)
     except MgpuError as error:  # out of time (OutOfTime) too
         exit_with(error, PROG)
+    except _Ended as stop:  # the ranks' groups are killed on the way out (Runner.segment), the scratch below
+        print(f"{PROG}: stopped by {signal.Signals(stop.signum).name}: its runs were ended"
+              + ("" if args.keep else " and removed"), file=sys.stderr, flush=True)
+        return 128 + stop.signum
     finally:
+        ended(False)  # a second signal does not cut the cleanup short
+        runner.close()
         if not args.keep:
             shutil.rmtree(scratch, ignore_errors=True)
+        ended(True)
     print(report, flush=True)
     return code
 
+
+class _Ended(BaseException):
+    """A signal ended the check (SIGTERM, SIGHUP, SIGINT): raised where the checker is, so every `finally` runs."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _end_on_signals() -> Callable[[bool], None]:
+    """SIGTERM, SIGHUP and SIGINT end the check through `_Ended` (its ranks killed, its scratch removed, not left
+    running); a SIGKILL leaves that to the watcher (mgpu.check.runs). Returns `after(done)`: the signals ignored
+    while the check cleans up (`done` False), the handlers of before put back (`done` True)."""
+    signums = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Ended(signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
+
+    def after(done: bool) -> None:
+        for signum in signums:
+            signal.signal(signum, previous[signum] if done else signal.SIG_IGN)
+
+    return after
 
 if __name__ == "__main__":
     sys.exit(main())

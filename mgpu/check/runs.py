@@ -1,6 +1,8 @@
 """The ranks of one check run (`python -m mgpu.check.resume`): the checked command for a run directory, local
 ranks started in one process group with the checker's environment (no launcher variables, the test stop,
-MGPU_CHECK_RESUME_DIR), every wait within the check's deadline, no process left behind."""
+MGPU_CHECK_RESUME_DIR), every wait within the check's deadline, no process left behind: the ranks' groups are
+killed at the end of each segment, and a watcher process of its own session kills any group still registered
+when the checker ends, however it ends (SIGKILL included: the watcher reads the end of its pipe)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import Any
 from mgpu.errors import MgpuError
 from mgpu.run.outcome import STOPPED_EXIT_CODE
 
-__all__ = ["OutOfTime", "Run", "Runner", "Target", "failed", "last_lines"]
+__all__ = ["OutOfTime", "Run", "Runner", "Target", "WATCHER", "failed"]
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (mgpu/check/runs.py)
 _LAUNCHER = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
@@ -66,11 +68,52 @@ def _host_store() -> Any:
     return host()
 
 
-class Runner:
-    """Starts ranks of the target, one segment at a time, within the check's deadline."""
+WATCHER = """
+import os, signal, sys
+groups = set()
+for line in sys.stdin:
+    (groups.add if line[0] == "+" else groups.discard)(int(line[1:]))
+for group in groups:
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+"""The watcher (`python -S -c WATCHER`, its own session): `+PGID` / `-PGID` lines register and forget the ranks'
+process groups; at the end of its input (the checker closed it, or died) it kills those still registered."""
 
-    def __init__(self, target: Target, scratch: Path, cwd: Path, deadline: float) -> None:
-        self.target, self.scratch, self.cwd, self.deadline = target, scratch, cwd, deadline
+
+class Runner:
+    """Starts ranks of the target, one segment at a time, within the check's deadline; `close()` at the end."""
+
+    def __init__(self, target: Target, scratch: Path, cwd: Path, deadline: float, keep: Path | None = None) -> None:
+        self.target, self.scratch, self.cwd, self.deadline, self.keep = target, scratch, cwd, deadline, keep
+        self._watcher: subprocess.Popen[str] | None = None
+
+    def _watch(self, line: str) -> None:
+        if self._watcher is None:
+            self._watcher = subprocess.Popen([sys.executable, "-S", "-c", WATCHER], stdin=subprocess.PIPE, text=True,
+                                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                             start_new_session=True)
+        assert self._watcher.stdin is not None
+        self._watcher.stdin.write(line + "\n")
+        self._watcher.stdin.flush()
+
+    def kept(self, name: str) -> Path:
+        """Where a failed run's evidence (each rank's log with its stacks) is kept for the user: under --keep's
+        directory, else a directory of its own in the system's temporary directory (the scratch is removed)."""
+        if self.keep is not None:
+            return self.keep / f"{name}-stacks"
+        import tempfile
+
+        return Path(tempfile.mkdtemp(prefix=f"mgpu-check-resume-{name}-stacks-"))
+
+    def close(self) -> None:
+        """The watcher told that nothing is left (it exits)."""
+        if self._watcher is not None and self._watcher.stdin is not None:
+            self._watcher.stdin.close()
+            self._watcher.wait()
+            self._watcher = None
 
     def segment(self, run: Run, world: int, stop_at: int | None, halved: bool = False) -> list[int]:
         """One start of `run` on `world` ranks, stopped after `stop_at` (None: to its end); the ranks' exit codes."""
@@ -96,6 +139,8 @@ class Runner:
                 procs.append(subprocess.Popen(command, cwd=self.cwd, env={**env, "RANK": str(rank),
                                                                           "LOCAL_RANK": str(rank)},
                                               stdout=logs[rank], stderr=subprocess.STDOUT, **group))
+                if rank == 0:
+                    self._watch(f"+{procs[0].pid}")
             # A rank that failed ends the segment within a few seconds: the others would wait for it in a
             # collective until the rendezvous or collective timeout (minutes), not until the check's deadline.
             failed_at: float | None = None
@@ -111,10 +156,11 @@ class Runner:
         except subprocess.TimeoutExpired:
             raise OutOfTime(f"out of time (--timeout) in the {run.name} run: give it more time, or fewer --steps") from None
         finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    _kill_group(procs[0].pid)
+            if procs:  # what is left of the group (a rank's DataLoader workers too)
+                _kill_group(procs[0].pid)
+                for proc in procs:
                     proc.wait()
+                self._watch(f"-{procs[0].pid}")
             for log in logs:
                 log.close()
         codes = [p.returncode for p in procs]
@@ -134,10 +180,3 @@ def _kill_group(pgid: int) -> None:
 def failed(codes: list[int]) -> bool:
     """Whether a segment failed: 0 finished (or requeued), 3 stopped outside Slurm (rank 0)."""
     return any(c not in (0, 3) for c in codes)
-
-
-def last_lines(check_dir: Path, codes: list[int], count: int = 6) -> str:
-    """The end of the output of the first rank that failed (else rank 0)."""
-    rank = next((r for r, c in enumerate(codes) if c not in (0, 3)), 0)
-    text = (check_dir / f"rank{rank}.out").read_text(errors="replace").strip().splitlines()
-    return "\n".join(f"      rank {rank}| {line}" for line in text[-count:])

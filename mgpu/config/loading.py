@@ -139,7 +139,8 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "optim.betas": lambda v: None if len(v) == 2 and all(0 <= b < 1 for b in v) else "must be 2 numbers in [0, 1)",
     "schedule.warmup_steps": _ge(0), "schedule.min_lr_ratio": _between(0, 1, True),
     "train.epochs": _ge(1), "train.max_steps": _ge(1), "train.grad_accum": _ge(1), "train.clip_grad_norm": _gt(0),
-    "train.seed": _between(0, 2**32, False), "eval.every_steps": _ge(0), "eval.early_stopping_patience": _ge(1),
+    "train.seed": _between(0, 2**32, False), "train.ema_decay": _between(0, 1, False),
+    "eval.every_steps": _ge(0), "eval.early_stopping_patience": _ge(1),
     "eval.min_delta": _ge(0), "eval.metric": lambda v: None if v else "must not be empty",
     "checkpoint.every_steps": _ge(0), "checkpoint.memory_every_steps": _ge(0), "checkpoint.keep_last": _ge(1), "log.every_steps": _ge(0),
     "run.name": lambda v: None if _RUN_NAME.fullmatch(v) else (

@@ -110,6 +110,12 @@ class TrainConfig:
     (FSDP2's fully_shard: parameters, gradients and optimizer state sharded; each top-level child block, then
     the root, which keeps tied and small children, unless the task's `shard` says otherwise). fsdp checkpoints
     are sharded (checkpoint.format)."""
+    ema_decay: float | None = None
+    """Keep an exponential moving average of the weights (mgpu.EMA: average = decay x average + (1 - decay) x
+    weights after every optimizer step, floating buffers averaged too, as timm's ModelEmaV3), e.g. 0.999; null:
+    none. Evaluations (so the best checkpoint and early stopping) use the average, as timm's train script does;
+    it is saved in every checkpoint as `ema` (under fsdp sharded like the model), resumes bit-identically, and
+    `mgpu.load_model(run, model, ema=True)` loads it."""
     deterministic: bool = False
     """Deterministic GPU kernels (torch.use_deterministic_algorithms, cuDNN deterministic and no autotuning,
     CUBLAS_WORKSPACE_CONFIG=:4096:8): what a bit-identical resume needs on GPUs; slower. CPU runs are
@@ -152,15 +158,16 @@ class CheckpointConfig:
     """Keep the background save's host copy of the state between saves (one copy; pinned on GPUs) so the
     next snapshot skips allocating it; false frees it once each write ends, so host memory holds that copy
     only while a write is in flight. Freed at the end of training either way."""
-    memory_every_steps: int = 100
+    memory_every_steps: int | None = None
     """Every this many optimizer steps, each rank also copies what a checkpoint would hold for it into the
-    node's shared memory (/dev/shm, two slots, outliving the process; 0: never; 100: the most frequent of
-    1, 10, 100 whose cost is at most 1 % of a step: 0.50 %, 0.76 % with the replica on another node, expected
-    from the measured snapshot and send, bench/memory_snapshot.py): a step that fails and is
-    started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest step every
-    rank holds there, when it is newer than the durable checkpoint. Costs one state per rank in host memory
-    (twice: two slots; under FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not
-    with optim.zero (no snapshots, said once). See docs/memory-snapshots.md."""
+    node's shared memory (/dev/shm, two slots, outliving the process; 0: never; null: as often as a copy costs at
+    most 0.5 % of the steps' time, measured at step 5 and agreed by the ranks, mgpu.state.memory_cadence): a step
+    that fails and is started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest
+    step every rank holds there, when it is newer than the durable checkpoint. Under DDP, with snapshots on, the
+    ranks that survive a failure also save the last step they completed (mgpu.state.step_mark): a lost rank then
+    costs at most its step, whatever the cadence. Costs one state per rank in host memory (twice: two slots; under
+    FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not with optim.zero (no snapshots,
+    said once). See docs/memory-snapshots.md."""
 
 
 @dataclass

@@ -376,6 +376,10 @@ class SessionDDPs:
         if ddp is not None and index < len(self._layouts) and self._layouts[index] is not None:
             ddp.resume_layout(self._layouts[index])  # type: ignore[arg-type]  # not None: checked above
 
+    def live(self) -> list[ResumableDDP]:
+        """The DDPs wrapped and still alive, in the order wrapped."""
+        return [ddp for ref in self._ddps if (ddp := ref()) is not None]
+
     def gather(self, gather_state: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
         """*Collective.* `gather_state()` (the state on rank 0, None elsewhere) with every DDP's bucket layout
         (and comm hook state) under "ddp"."""

@@ -23,7 +23,7 @@ from torch import nn
 
 from mgpu.errors import MgpuError
 
-__all__ = ["default_units", "is_sharded", "local_grads", "no_sync", "plain", "refuse_stale_optimizers",
+__all__ = ["default_units", "diverged_replicas", "has_shards", "is_sharded", "local_grads", "no_sync", "plain", "refuse_stale_optimizers",
            "refuse_to_wrap", "shard", "sharded_checkpoints", "weights_fingerprint"]
 
 ShardHook = Callable[[nn.Module, Any], "nn.Module | None"]
@@ -40,6 +40,20 @@ def is_sharded(module: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(module, FSDPModule)
+
+
+def has_shards(module: nn.Module) -> bool:
+    """Whether `module` holds a DTensor parameter (sharded with FSDP2, or an mgpu.EMA sharded like its model): its
+    weights' fingerprint is then a collective."""
+    dtensor = _dtensor_class()
+    return dtensor is not None and any(isinstance(param, dtensor) for param in module.parameters())
+
+
+def _dtensor_class() -> Any:
+    """DTensor, where its module is imported (a DTensor exists only then: no import of it for a DDP run)."""
+    import sys
+
+    return getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
 
 
 SMALL_UNIT = 1 / 8
@@ -253,3 +267,36 @@ def weights_fingerprint(model: nn.Module) -> str:
         values = vector.tolist()
     total = sum((index + 1) * value for index, value in enumerate(values)) % (1 << 64)
     return f"{FINGERPRINT_PREFIX}{total:016x}"
+
+
+def diverged_replicas(modules: Mapping[str, nn.Module]) -> str | None:
+    """*Collective* (one all-gather of a number per module). Why a checkpoint cannot keep one copy of a module's
+    replicated tensors (its parameters that are not DTensors: a DDP model's, a plain module's): the first module of
+    `modules` whose copies differ between ranks, by the exact fingerprint above, and which ranks differ from rank
+    0's (None: every module agrees, or one rank). The same answer on every rank."""
+    dtensor = _dtensor_class() or type(None)
+    if not dist.is_initialized() or dist.get_world_size() == 1 or not modules:
+        return None
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl"
+              else torch.device("cpu"))
+    sums = []
+    with torch.no_grad():
+        for module in modules.values():
+            plain_ = [param.detach() for param in module.parameters() if not isinstance(param, dtensor)]
+            total = torch.zeros((), dtype=torch.int64, device=device)
+            for index, param in enumerate(plain_):
+                total += (index + 1) * _bits_sum(param).to(device)
+            sums.append(total)
+        mine = torch.stack(sums)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+    rows = torch.stack(every).cpu()
+    for column, name in enumerate(modules):
+        differ = [rank for rank in range(1, len(every)) if rows[rank, column] != rows[0, column]]
+        if differ:
+            return (f"state[{name!r}]: its weights differ between ranks (rank(s) {differ} are not rank 0's) and a "
+                    f"checkpoint keeps one copy of a module that is not sharded: make it the same on every rank (built "
+                    f"from rank 0's weights after session.wrap, updated from values every rank has; each rank's "
+                    f"generators are seeded seed + rank), or keep an average of the weights with mgpu.EMA(model), "
+                    f"sharded like its model")
+    return None

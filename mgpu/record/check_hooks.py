@@ -1,7 +1,8 @@
 """What `python -m mgpu.check.resume` learns from inside a run: each rank's batches (a digest per sample, and
-the sample ids where the loader has them) and, at a process's first step, the objects of the loop's that its
-`state` does not hold. Off (one environment lookup) unless the checker set MGPU_CHECK_RESUME_DIR for the run;
-then each rank appends to `<dir>/batches.rank<R>.jsonl` and writes `<dir>/outside.rank<R>.<pid>.json`.
+the sample ids where the loader has them), at a process's first step the objects of the loop's that its `state`
+does not hold, and at its end a digest of those objects' states. Off (one environment lookup) unless the checker
+set MGPU_CHECK_RESUME_DIR for the run; then each rank appends to `<dir>/batches.rank<R>.jsonl` and writes
+`<dir>/outside.rank<R>.<pid>.json` and `<dir>/outside_end.rank<R>.<pid>.json`.
 
 The records are a side file, never a checkpoint's content: a run under the checker trains and saves as it
 would without it.
@@ -15,13 +16,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHECK_DIR", "checking", "digest_samples", "record_batch", "record_step", "record_outside"]
+__all__ = ["CHECK_DIR", "checking", "digest_samples", "digest_state", "record_batch", "record_step", "record_outside",
+           "record_outside_end"]
 
 CHECK_DIR = "MGPU_CHECK_RESUME_DIR"
 
-# What a loop keeps that decides its next steps: a type by the name of one of its classes (no torch import).
+# What a loop keeps that decides its next steps: a type by the name of one of its classes (no torch import), from
+# torch (modules, optimizers, schedulers, DataLoaders, generators), numpy (a Generator: default_rng) or `random`.
 _KINDS = {"Module": "module", "Optimizer": "optimizer", "LRScheduler": "scheduler", "_LRScheduler": "scheduler",
-          "DataLoader": "DataLoader", "Generator": "generator"}
+          "DataLoader": "DataLoader", "Generator": "generator", "Random": "generator", "RandomState": "generator"}
+_LIBRARIES = ("torch", "numpy", "random")
+_outside: dict[str, Any] = {}  # the loop's objects outside `state`, kept from its first step to its end (checker only)
 
 
 def _directory() -> Path | None:
@@ -133,14 +138,68 @@ def record_outside(rank: int, state: Any, frame: Any) -> None:
                 hold(inner, depth + 1)
 
     hold(state)
-    outside = {name: kind for name, value in frame.f_locals.items()
-               if not name.startswith("_") and (kind := _kind(value)) and id(value) not in held}
+    outside: dict[str, str] = {}
+    for name, value in frame.f_locals.items():  # in the order the loop made them: an object by its first name
+        if not name.startswith("_") and (kind := _kind(value)) and id(value) not in held:
+            outside[name] = kind
+            held.add(id(value))
+    _outside.clear()
+    _outside.update({name: frame.f_locals[name] for name in outside})
     if outside:
         (where / f"outside.rank{rank}.{os.getpid()}.json").write_text(json.dumps(outside))
 
 
+def record_outside_end(rank: int) -> None:
+    """At the run's end (the session's): a digest of the state of each object `record_outside` found outside
+    `state` (None for one whose state cannot be read: a DataLoader), so that the checker can compare them with the
+    unbroken run's: an EMA, a generator or a counter-holding scheduler kept outside `state` ends elsewhere."""
+    where = _directory()
+    if where is None or not _outside:
+        return
+    digests = {name: digest_state(value) for name, value in _outside.items()}
+    (where / f"outside_end.rank{rank}.{os.getpid()}.json").write_text(json.dumps(digests))
+    _outside.clear()
+
+
+def digest_state(value: Any) -> str | None:
+    """A short digest of what an object would resume from (a module's, optimizer's or scheduler's state_dict, a
+    generator's state), the same for equal states; None where none can be read (a DataLoader)."""
+    if type(value).__name__ == "DataLoader":
+        return None
+    if callable(getattr(value, "state_dict", None)):
+        state = value.state_dict()
+    elif callable(getattr(value, "get_state", None)):  # torch.Generator
+        state = value.get_state()
+    elif hasattr(value, "bit_generator"):  # numpy's Generator
+        state = value.bit_generator.state
+    elif callable(getattr(value, "getstate", None)):  # random.Random
+        state = value.getstate()
+    else:
+        return None
+    digest = hashlib.sha1()
+
+    def walk(item: Any) -> None:
+        if isinstance(item, dict):
+            for key in sorted(item, key=str):
+                digest.update(repr(key).encode())
+                walk(item[key])
+        elif isinstance(item, (list, tuple)):
+            for part in item:
+                walk(part)
+        elif hasattr(item, "detach"):
+            local = item.to_local() if callable(getattr(item, "to_local", None)) else item  # a DTensor: this rank's
+            digest.update(_bytes(local))
+        elif hasattr(item, "tobytes"):  # a numpy array
+            digest.update(item.tobytes())
+        elif not callable(item):
+            digest.update(repr(item).encode())
+
+    walk(state)
+    return digest.hexdigest()[:16]
+
+
 def _kind(value: Any) -> str | None:
     for cls in type(value).__mro__:
-        if cls.__name__ in _KINDS and cls.__module__.startswith("torch"):
+        if cls.__name__ in _KINDS and cls.__module__.split(".")[0] in _LIBRARIES:
             return f"{_KINDS[cls.__name__]} ({type(value).__name__})"
     return None

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, overload
 
 from mgpu.run import session_state, session_wrap
-from mgpu.record.check_hooks import record_outside, record_step
+from mgpu.record.check_hooks import record_outside, record_outside_end, record_step
 from mgpu.config.loading import Config
 from mgpu.cluster.environment import ProcessEnv
 from mgpu.errors import MgpuError
@@ -52,7 +52,7 @@ from mgpu.run.runner import no_beat, process_start
 from mgpu.run.session_base import SessionBase
 from mgpu.run.session_end import conclude, discard_if_unused, settle_open_stop
 from mgpu.run.session_start import after_first_step, record_start, start
-from mgpu.run.uncaught import record_uncaught
+from mgpu.run.uncaught import record_uncaught, refusals_in_one_line
 
 if TYPE_CHECKING:
     import torch
@@ -117,18 +117,24 @@ class Session(SessionBase):
         self._wrapped: weakref.WeakSet[Any] = weakref.WeakSet()  # what wrap() returned
         self._state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None
         self._memory: Any = None  # this rank's snapshots in host memory, opened at first use (session_state.memory)
+        self._marks: Any = None  # the last step this rank completed, for a survivor's save (session_state.open_marks)
         self._durable_step = -1  # the durable checkpoint's step when the state was loaded (-1: none)
         self._durable: tuple[int, Path | None] = (-1, None)  # the last save() with wait: its step, its path (rank 0)
         self.step = 0
         """Optimizer steps done in the run (restored on resume): one per `should_stop()`."""
         self.resume_step = 0
         """The step this process started from (0 for a new run)."""
+        self.total_steps: int | None = None
+        """The run's optimizer steps, when the loop knows them (set it): `log()`'s progress line then has an ETA."""
+        self._log_clock: Any = None  # the pace of log()'s lines (mgpu.record.loop_progress.Clock)
         self._by_batch = recovery_by_batch_script
         self.timer = None  # this rank's compute and wait per step (mgpu.stop.rank_timing), set by start()
         self._sync_wait = None
         self.stragglers = None  # rank 0's watch of every rank's step times (mgpu.record.stragglers)
+        refusals_in_one_line()  # an MgpuError nobody catches: one line on rank 0, exit 2 (mgpu.run.uncaught)
         try:
             start(self, env)  # mgpu.run.session_start: who am I, the run, the group, the watchdog
+            refusals_in_one_line(self.rank)
             self._cleanup.callback(record_uncaught(self.fail))  # a loop ending in finish(), not `with`, that raises
         except BaseException as error:
             self._cleanup.close()
@@ -213,11 +219,18 @@ class Session(SessionBase):
         (default: one more than the last call)."""
         stopper = self._live("should_stop()")
         self.step = self.step + 1 if step is None else step
+        # Every generator re-seeded from (seed, rank, step): a rank's RNG at a step's end is derived, never kept, so
+        # a rank lost with its process resumes that step exactly from a survivor's save (mgpu.state.step_mark).
+        from mgpu.state.rng import seed_step
+
+        seed_step(self.cfg.train.seed, self.rank, self.step)
         if self.step == self.resume_step + 1:
             after_first_step(self)
             record_outside(self.rank, self._state, sys._getframe(1))  # check_resume only: what `state` lacks
         record_step(self.rank, self.step)  # check_resume only
         reasons = stopper.at_step(self.step)
+        if self._marks is not None and not reasons:
+            self._marks.mark(self.step)  # what a survivor saves if a peer fails in the next step
         if self.watchdog is not None:
             # The step's end; a loop whose forwards the watchdog does not see (no `wrap`) advances its step here.
             self.beat("agree", self.step if self.watchdog.step < self.step else None)
@@ -340,17 +353,20 @@ class Session(SessionBase):
         """*Collective* (every rank, once per optimizer step, after `should_stop()`): every `log.every_steps`
         steps, the loop's `progress` in the run's ledger, as the trainer's: the step, the epoch of the state's
         `session.loader`, the metrics (`log(loss=loss)` or `log({...})`: numbers or one-element tensors,
-        rank 0's, read only when due) and a fingerprint of the state's models. `jobs/status.py` shows them
+        rank 0's, read only when due) and a fingerprint of the state's models; rank 0 prints the trainer's line
+        (step, epoch, metrics, steps a second, an ETA once `total_steps` is set). `jobs/status.py` shows them
         (epoch, metrics, `--plot`'s loss curve); `--verify` compares two runs by them. Returns whether it
         was due. See mgpu.record.loop_progress."""
-        from mgpu.record.loop_progress import log_progress
+        from mgpu.record.loop_progress import Clock, log_progress
 
         self._live("log()")
         if metrics is not None and not isinstance(metrics, Mapping):
             raise MgpuError(f"Session.log() takes a dict of metrics or name=value, got a {type(metrics).__name__}")
+        self._log_clock = self._log_clock or Clock()
         with self.outside_step():
             return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
-                                {**(metrics or {}), **named}, ranks=self.rank_times())
+                                {**(metrics or {}), **named}, self._log_clock, self.total_steps,
+                                ranks=self.rank_times())
 
     @functools.cached_property
     def version(self) -> str | None:
@@ -387,6 +403,7 @@ class Session(SessionBase):
         collecting it (mgpu.stop.process_exit.skip_collection_at_exit)."""
         if self._finished:
             raise MgpuError("the session has ended already (finish() or end() was called)")
+        record_outside_end(self.rank)  # check_resume only: where the objects `state` lacks ended
         try:
             outcome = conclude(self, status, fields)  # mgpu.run.session_end
         except BaseException as error:  # the stop's save failed: recorded like any failure, then raised
@@ -410,6 +427,7 @@ class Session(SessionBase):
         if self._finished:
             return
         self._finished = True
+        session_state.last_words(self, f"{type(error).__name__} in step {self.step + 1}")
         rank_failed(error, self.run, rank=self.rank, job_id=self.env.job_id, restart=self.env.restart_count,
                     slurm_job=self.slurm_job, limits=self.limits, by_batch=self._by_batch)
         self._cleanup.close()

@@ -55,6 +55,7 @@ class SessionBase:
     _wrapped: weakref.WeakSet[Any]
     _state: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None
     _memory: Any
+    _marks: Any
     _durable_step: int
     _durable: tuple[int, Path | None]
     step: int

@@ -183,11 +183,17 @@ def open_checkpointer(run: RunDir, rank: int, world: int, ledger: Ledger, config
                       wait_s: float | None = None) -> Any:
     """The run's checkpointer for the config's `checkpoint` section: `Checkpointer` (single file), or with
     `sharded` mgpu.state.sharded's `ShardedCheckpointer` (every rank writes its shard; [fsdp hook]; its ranks wait
-    `wait_s` for each other)."""
+    `wait_s` for each other). Under the resume check every checkpoint is kept (which of the newest `keep_last` a run
+    still has at its end depends on when its writer pruned: the runs it compares keep every step they saved)."""
+    keep_last = CHECKED_KEEP_LAST if checking() else config.keep_last
     if sharded:
         from mgpu.state.sharded import ShardedCheckpointer
 
-        return ShardedCheckpointer(run.checkpoints, rank, world, ledger, keep_last=config.keep_last,
+        return ShardedCheckpointer(run.checkpoints, rank, world, ledger, keep_last=keep_last,
                                    async_save=config.async_save, beat=beat, version=version, wait_s=wait_s)
-    return Checkpointer(run, rank, world, ledger, keep_last=config.keep_last, async_save=config.async_save,
+    return Checkpointer(run, rank, world, ledger, keep_last=keep_last, async_save=config.async_save,
                         keep_snapshot_buffers=config.keep_snapshot_buffers, beat=beat)
+
+
+CHECKED_KEEP_LAST = 1_000_000
+"""keep_last under the resume check (mgpu.record.check_hooks.checking): every checkpoint, to compare."""

@@ -111,8 +111,11 @@ class ReplicaServer:
     valid steps), `get` (one step's file)."""
 
     def __init__(self, store: SnapshotStore, host: str, token: str, timeout: float = TIMEOUT_S,
-                 budget: Budget = None) -> None:
+                 budget: Budget = None, own: SnapshotStore | None = None) -> None:
         self.store, self.token, self.timeout, self.budget = store, token, timeout, budget
+        self.own = own
+        """This rank's own snapshots: `own-list` and `own-get` give the ones any rank may resume from (a survivor's
+        save, mgpu.state.step_mark) to the rank whose replica this holds."""
         self.listener = socket.create_server((host, 0))
         self.listener.settimeout(0.2)  # the accept loop looks at `closing` this often
         self.address = f"{host}:{self.listener.getsockname()[1]}"
@@ -159,9 +162,15 @@ class ReplicaServer:
         op = request.get("op")
         if op == "list":
             return {"ok": True, "steps": self.store.restorable(self._say)}
-        if op == "get":
+        if op == "own-list":
+            return {"ok": True, "steps": self.own.shared_steps(bool(request.get("rank0"))) if self.own else []}
+        if op in ("get", "own-get"):
+            source = self.store if op == "get" else self.own
             try:
-                content = self.store.read(int(request["step"]), lambda file: file.read())
+                if source is None or (op == "own-get" and int(request["step"]) not in
+                                      source.shared_steps(bool(request.get("rank0")))):
+                    raise FileNotFoundError(f"no snapshot of step {request.get('step')} to share")
+                content = source.read(int(request["step"]), lambda file: file.read())
             except FileNotFoundError as error:
                 return {"ok": False, "why": str(error)}
             _send_msg(conn, {"ok": True, "bytes": len(content), "crc32": _crc(content)})
@@ -246,9 +255,16 @@ class Partner:
         conn.close()
         return [int(step) for step in answer["steps"]]
 
-    def fetch(self, step: int) -> bytes:
-        """The replica of `step`, checked against the CRC-32 its holder read it with."""
-        conn, answer = self._request({"op": "get", "step": step})
+    def own_steps(self, rank0: bool) -> list[int]:
+        """The steps of the partner's own snapshots this rank may resume from (`rank0`: with rank 0's buffers)."""
+        conn, answer = self._request({"op": "own-list", "rank0": rank0})
+        conn.close()
+        return [int(step) for step in answer["steps"]]
+
+    def fetch(self, step: int, own: bool = False, rank0: bool = False) -> bytes:
+        """The replica of `step` (`own`: the partner's own snapshot of it, one this rank may resume from), checked
+        against the CRC-32 its holder read it with."""
+        conn, answer = self._request({"op": "own-get" if own else "get", "step": step, "rank0": rank0})
         with conn:
             content = _recv_exact(conn, int(answer["bytes"]))
             _recv_msg(conn)  # the server's end of the request
@@ -365,9 +381,11 @@ class Replication:
     @classmethod
     def start(cls, identity: Identity, *, node: str, ranks_per_node: int, num_nodes: int, host: str,
               directory: Callable[[], Directory], base: Path | None = None,
-              timeout: float = TIMEOUT_S, budget: Budget = None) -> "Replication | None":
+              timeout: float = TIMEOUT_S, budget: Budget = None, own: SnapshotStore | None = None
+              ) -> "Replication | None":
         """Serve the replica this rank holds and publish where in `directory()` (called only where there are
-        partners); None (and rank 0 says so) on one node. `budget`: what the replica held may take."""
+        partners); None (and rank 0 says so) on one node. `budget`: what the replica held may take; `own`: this
+        rank's snapshots, the shareable ones served to the rank whose replica it holds."""
         pair = partners(identity.rank, identity.world_size, ranks_per_node, num_nodes)
         if pair is None:
             if identity.rank == 0:
@@ -379,7 +397,7 @@ class Replication:
         held = SnapshotStore(replica_dir(identity.job, identity.run, held_rank, node, base),
                              Identity(**{**asdict(identity), "rank": held_rank}))
         token = secrets.token_hex(16)
-        server = ReplicaServer(held, host, token, timeout, budget)
+        server = ReplicaServer(held, host, token, timeout, budget, own)
         namespace = f"mgpu-replica/{identity.job}/{identity.restart}/{identity.run}/"
         try:
             published = directory()
@@ -406,8 +424,17 @@ class Replication:
                         self.partner.identity.rank, self.partner.rank, type(error).__name__, error)
             return []
 
-    def fetch(self, step: int) -> io.BytesIO:
-        return io.BytesIO(self.partner.fetch(step))
+    def fetch(self, step: int, own: bool = False, rank0: bool = False) -> io.BytesIO:
+        return io.BytesIO(self.partner.fetch(step, own, rank0))
+
+    def partners_own(self, rank0: bool) -> list[int]:
+        """The steps of the partner's own snapshots this rank may resume from ([]: none, or it cannot be asked)."""
+        try:
+            return self.partner.own_steps(rank0)
+        except Exception as error:  # noqa: BLE001  # nothing to share: the other sources decide
+            log.info("checkpoint.memory_every_steps: rank %d cannot ask rank %d for its shared snapshots: %s: %s",
+                     self.partner.identity.rank, self.partner.rank, type(error).__name__, error)
+            return []
 
     def discard_after(self, step: int) -> None:
         self.held.discard_after(step)

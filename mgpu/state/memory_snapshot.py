@@ -21,13 +21,13 @@ import json
 import os
 import re
 import shutil
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Callable
 
 from mgpu.state.digest import crc32
 
-__all__ = ["BASE_ENV", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "record_problem",
+__all__ = ["BASE_ENV", "SHARE_KEYS", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "record_problem",
            "remove_job", "remove_run", "safe_name"]
 
 BASE_ENV = "MGPU_SNAPSHOT_DIR"
@@ -37,6 +37,8 @@ SET_ASIDE = "set-aside-step"
 """A snapshot that did not restore, renamed out of its slot: `set-aside-step<S>.pt` and its record `.json`."""
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _CRC = re.compile(r"[0-9a-f]{8}")
+SHARE_KEYS = ("any_rank", "rank0_buffers")
+"""A commit record's `share`: who else may resume from the snapshot (mgpu.state.step_mark.Shareable)."""
 
 
 @dataclass(frozen=True)
@@ -105,6 +107,9 @@ def record_problem(record: dict[str, Any], slot: int) -> str | None:
     for key in ("job", "run", "config"):
         if not isinstance(record.get(key), str):
             return f"its {key} is {record.get(key)!r}, not a string"
+    share = record.get("share", {})
+    if not (isinstance(share, dict) and set(share) <= set(SHARE_KEYS) and all(type(v) is bool for v in share.values())):
+        return f"its share is {share!r}, not {{{', '.join(SHARE_KEYS)}: true or false}}"
     return None
 
 
@@ -217,9 +222,13 @@ class SnapshotStore:
             return -2
         return int(record["step"])
 
-    def write(self, step: int, dump: Callable[[Any], object]) -> Snapshot:
+    def for_peer(self, rank: int) -> "SnapshotStore":
+        """The store of another rank of this job (on this node: its files are here), seen with its own identity."""
+        return SnapshotStore(self.directory.parent / f"rank{rank}", replace(self.identity, rank=rank))
+
+    def write(self, step: int, dump: Callable[[Any], object], share: dict[str, bool] | None = None) -> Snapshot:
         """`dump(file)` into the slot not holding the newest snapshot, then its commit record (atomically). The
-        other slot stays whole whatever happens meanwhile."""
+        other slot stays whole whatever happens meanwhile. `share`: who else may resume from it (SHARE_KEYS)."""
         self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         slot = self.next_slot()
         with contextlib.suppress(FileNotFoundError):
@@ -231,7 +240,7 @@ class SnapshotStore:
             checksumming.flush()
             file.truncate(file.tell())
         record = {**asdict(self.identity), "step": step, "slot": slot, "crc32": checksumming.digest,
-                  "bytes": data.stat().st_size}
+                  "bytes": data.stat().st_size, **({"share": share} if share else {})}
         tmp = self._record_path(slot).with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self._record_path(slot))  # the commit: last
@@ -291,6 +300,17 @@ class SnapshotStore:
                 steps.append(snapshot.step)
             elif say is not None:
                 say(f"{snapshot.path} (step {snapshot.step}): not restored: {refusal}")
+        return steps
+
+    def shared_steps(self, rank0: bool) -> list[int]:
+        """The restorable steps another rank may resume from (their commit record's `share`: any rank's content;
+        with `rank0`, rank 0's buffers too), newest first."""
+        steps = []
+        for snapshot, refusal in self.committed():
+            record = read_record(snapshot.path.with_suffix(".json")) or {}
+            share = record.get("share") or {}
+            if refusal is None and share.get("any_rank") and (share.get("rank0_buffers") or not rank0):
+                steps.append(snapshot.step)
         return steps
 
     def valid_steps(self) -> list[int]:

@@ -27,11 +27,14 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 from mgpu.state.memory_content import (STEP, check_content, config_digest, estimated_bytes, put_back, rank_state,
                                        structure_digest, unsupported)
+from mgpu.state.memory_cadence import BUDGET, Cadence
 from mgpu.state.memory_room import Room
 from mgpu.state.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id, safe_name
 
 if TYPE_CHECKING:
+    from mgpu.state.buffer_record import BufferRecord
     from mgpu.state.memory_replica import Replication
+    from mgpu.state.step_mark import StepMarks
 
 __all__ = ["MemorySnapshots", "Restored", "agree_on_step", "config_digest", "rank_state"]
 
@@ -65,8 +68,9 @@ def agree_on_step(own: list[int], reduce_min: Callable[[int], int]) -> int | Non
 
 
 _RANK_OWN = "on this rank: "
-OWN, REPLICA = "own", "replica"
-"""Where a restored snapshot's bytes came from: this rank's slot, or its replica fetched from its partner."""
+OWN, REPLICA, PEER, PARTNER = "own", "replica", "peer", "partner"
+"""Where a restored snapshot's bytes came from: this rank's slot, its replica fetched from its partner, or another
+rank's snapshot any rank may resume from (a survivor's save) on this node (PEER) or its partner's (PARTNER)."""
 
 
 def _reason(error: BaseException) -> str:
@@ -85,11 +89,18 @@ def _load(file: IO[bytes]) -> Any:
 
 
 class MemorySnapshots:
-    """One rank's snapshots for its session. `every`: steps between snapshots (0: none). `room`: its node's room
+    """One rank's snapshots for its session. `every`: steps between snapshots (0: none; None: the default cadence,
+    mgpu.state.memory_cadence). `room`: its node's room
     for them (default: the store's base directory, one rank per node)."""
 
-    def __init__(self, store: SnapshotStore, every: int, version: str | None, room: Room | None = None) -> None:
-        self.store, self.every, self.version = store, every, version
+    def __init__(self, store: SnapshotStore, every: int | None, version: str | None, room: Room | None = None,
+                 node_peers: tuple[int, ...] = ()) -> None:
+        self.store, self.version = store, version
+        self.cadence = Cadence(every)
+        """When one is due: every `every` steps (0: never), or None: as often as costs at most BUDGET of a step."""
+        self.node_peers = node_peers
+        """The other ranks on this node: their shareable snapshots are read from their files here."""
+        self._record: BufferRecord | None = None
         self.room = room or Room(store.directory.parent.parent, store.directory.parent)
         self.disabled: str | None = None
         """Why this rank takes no snapshots (None: it takes them)."""
@@ -100,25 +111,44 @@ class MemorySnapshots:
         """The replica of these snapshots on a partner of another node, and the one this rank holds (None: none)."""
 
     @classmethod
-    def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int,
+    def open(cls, *, slurm_job: str | None, run_id: str, config: Any, world_size: int, rank: int, every: int | None,
              version: str | None, restart: int = 0, base: Path | None = None,
-             objects: Mapping[str, Any] | None = None, ranks_per_node: int = 1) -> "MemorySnapshots":
+             objects: Mapping[str, Any] | None = None, ranks_per_node: int = 1,
+             node_ranks: tuple[int, ...] = ()) -> "MemorySnapshots":
         """Outside Slurm the job id is derived from the run (`local-<run id>`), so a local restart finds them.
         `restart`: the job's restart count (SLURM_RESTART_COUNT: the same for a step restarted in place).
-        `objects`: the state (its structure is part of the snapshots' identity); `ranks_per_node`: this node's."""
+        `objects`: the state (its structure is part of the snapshots' identity); `ranks_per_node`: this node's;
+        `node_ranks`: the ranks on this node (this one among them)."""
         identity = Identity(slurm_job or local_job_id(run_id), restart, run_id, config_digest(config), world_size,
                             rank, structure_digest(objects) if objects is not None else "")
         store = SnapshotStore.for_rank(identity, base)
-        return cls(store, every, version, Room(store.directory.parent.parent, store.directory.parent, ranks_per_node))
+        return cls(store, every, version, Room(store.directory.parent.parent, store.directory.parent, ranks_per_node),
+                   tuple(r for r in node_ranks if r != rank))
 
-    def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
+    def take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]],
+             reduce_max: Callable[[int], int] = lambda k: k) -> bool:
         """*Collective only where `layouts` is* (a DDP comm hook's state: called on every rank at every due step,
-        even where this rank takes no snapshot). This rank's state at `step`, written now (the loop waits for this
-        copy alone). Whether one was taken. Before each, the node's room for the run's snapshots is checked
-        (mgpu.state.memory_room, from the files' sizes); a rank without room, or whose write fails, takes none
-        from then on and says so in one line; the run goes on."""
-        if not (self.every > 0 and step > 0 and step % self.every == 0):
+        even where this rank takes no snapshot), and at the default cadence's first snapshot (`reduce_max`: the
+        steps between snapshots agreed, the most any rank needs, so that every rank takes them at the same steps).
+        Called at every step (the cadence measures the steps' time). This rank's state at `step`, written now (the
+        loop waits for this copy alone) when due (mgpu.state.memory_cadence). Whether one was taken. Before each,
+        the node's room for the run's snapshots is checked (mgpu.state.memory_room, from the files' sizes); a rank
+        without room, or whose write fails, takes none from then on and says so in one line; the run goes on."""
+        if not self.cadence.due(step):
             return False
+        deriving = self.cadence.current is None
+        taken = self._take(step, objects, layouts)
+        if deriving and not self._unsupported_here:  # alike on every rank: the same steps from here on
+            self.cadence.agree(reduce_max(self.cadence.needs(self.last_seconds if taken else None)))
+            if self.store.identity.rank == 0:
+                log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s, at most %.1f %% of the "
+                         "steps' time (%s)", self.cadence.current, self.last_bytes / 1e6, self.last_seconds,
+                         100 * BUDGET, self.store.directory)
+        elif taken:
+            self.cadence.taken(step)
+        return taken
+
+    def _take(self, step: int, objects: Mapping[str, Any], layouts: Callable[[], dict[str, Any]]) -> bool:
         if self.disabled is None and (why := unsupported(objects)) is not None:
             self.disabled = why  # alike on every rank: no rank calls `layouts` from here on
             if self.store.identity.rank == 0:
@@ -143,11 +173,47 @@ class MemorySnapshots:
         self.last_seconds, self.last_bytes = time.perf_counter() - started, snapshot.path.stat().st_size
         if self.replication is not None:
             self.replication.offer(snapshot)  # sent in the background: the loop does not wait for it
-        if self.taken == 0 and self.store.identity.rank == 0:
-            log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.every,
+        if self.taken == 0 and self.store.identity.rank == 0 and self.cadence.every:
+            log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s (%s)", self.cadence.every,
                      self.last_bytes / 1e6, self.last_seconds, self.store.directory)
         self.taken += 1
         return True
+
+    def buffer_record(self) -> BufferRecord:
+        """Rank 0's buffers at every step's end, beside its snapshots (mgpu.state.buffer_record), opened once."""
+        from mgpu.state.buffer_record import BufferRecord
+
+        if self._record is None:
+            self._record = BufferRecord(SnapshotStore(self.store.directory.parent / "rank0-buffers",
+                                                      self.store.identity))
+        return self._record
+
+    def last_words(self, marks: StepMarks) -> str:
+        """A survivor's save: the last step this rank completed (`marks`, mgpu.state.step_mark), written to its node's
+        memory as a snapshot that the ranks lost with their processes may resume from too (its commit record says
+        who may: `share`), unless this rank holds that step already. Not a collective: a peer is dead or hung. One
+        line saying what was done, or why not (no room, an optimizer stepped since, ...); never raises."""
+        from mgpu.state.checkpoint import save_state_file
+
+        rank = self.store.identity.rank
+        try:
+            if self.disabled is not None and self._unsupported_here:
+                return f"rank {rank}: no save of its last step: {self.disabled}"
+            state, share, why = marks.state()
+            if state is None or share is None:
+                return f"rank {rank}: no save of its last step: {why}"
+            step = int(state[STEP])
+            if step in self.store.valid_steps():
+                return f"rank {rank}: step {step} is in its node's memory already"
+            if (room := self.room.problem(self.last_bytes or estimated_bytes(state), False)):
+                return f"rank {rank}: no save of step {step}: no room: {room}"
+            started = time.perf_counter()
+            snapshot = self.store.write(step, lambda file: save_state_file(state, file),
+                                        share={"any_rank": share.any_rank, "rank0_buffers": share.rank0_buffers})
+        except Exception as error:  # noqa: BLE001  # the failure that brought us here is the one to report
+            return f"rank {rank}: its last step could not be saved: {_reason(error)}"
+        return (f"rank {rank}: step {step}, its last, saved to its node's memory in {time.perf_counter() - started:.2f} s "
+                f"({snapshot.path.stat().st_size / 1e6:.1f} MB{'' if share.any_rank else ', this rank only'})")
 
     @property
     def _unsupported_here(self) -> bool:
@@ -177,35 +243,82 @@ class MemorySnapshots:
         return agree_on_step(self._candidates(), reduce_min)
 
     def _candidates(self) -> list[int]:
-        """The steps this rank can restore, its own and its replica's, newest first; each refused one said."""
+        """The steps this rank can restore, newest first: its own, its replica's, and another rank's that any rank
+        may resume from (a survivor's save: on this node, or its partner's over the network); each refused one
+        said."""
         own = self.store.restorable(self._say)
         replica = self.replication.steps() if self.replication is not None else []
-        return sorted(set(own) | set(replica), reverse=True)
+        return sorted(set(own) | set(replica) | set(self._shared()), reverse=True)
 
-    def _read(self, step: int) -> tuple[Any, str, str | None]:
+    def _shared(self) -> dict[int, tuple[str, int, bool]]:
+        """The steps another rank's snapshot can give this one: step -> (PEER, the rank on this node whose files hold
+        it, or PARTNER, the rank on another node that serves it; whether rank 0's buffers come from its own record:
+        rank 0 resuming from a save taken before DDP broadcast them)."""
+        rank0 = self.store.identity.rank == 0
+        recorded = set(self.buffer_record().steps()) if rank0 else set()
+        found: dict[int, tuple[str, int, bool]] = {}
+        sources: list[tuple[str, int, Callable[[bool], list[int]]]] = []
+        if self.replication is not None:
+            sources.append((PARTNER, self.replication.partner.rank, self.replication.partners_own))
+        sources += [(PEER, peer, self.store.for_peer(peer).shared_steps) for peer in self.node_peers]
+        for kind, peer, steps in sources:
+            whole = set(steps(rank0))
+            for step in (set(steps(False)) & recorded if rank0 else set()) - whole:
+                found[step] = (kind, peer, True)
+            for step in whole:
+                found[step] = (kind, peer, False)
+        return found
+
+    def _read(self, step: int, seed: int) -> tuple[Any, str, str | None]:
         """(the content of this rank's snapshot of `step`, OWN or REPLICA, why it cannot be read: None where it can):
         its slot, else (lost, replaced) the replica its partner on another node holds, fetched back; checked to be
         a snapshot of that step."""
         source = OWN
+        rank = self.store.identity.rank
         try:
             try:
                 state = self.store.read(step, _load)
             except FileNotFoundError:  # not on this node (lost, replaced): the replica on the partner's
-                if self.replication is None:
-                    raise
-                source = REPLICA
-                state = _load(self.replication.fetch(step))
-                log.info("rank %d: step %d restored from its replica on rank %d", self.store.identity.rank, step,
-                         self.replication.partner.rank)
+                if self.replication is None or step not in self.replication.steps():
+                    state, source = self._read_shared(step, seed), PEER
+                else:
+                    source = REPLICA
+                    state = _load(self.replication.fetch(step))
+                    log.info("rank %d: step %d restored from its replica on rank %d", rank, step,
+                             self.replication.partner.rank)
             check_content(state, step)
         except Exception as error:  # noqa: BLE001  # anything that does not load falls back, never fails the run
             return None, source, _reason(error)
         return state, source, None
 
+    def _read_shared(self, step: int, seed: int) -> Any:
+        """Another rank's snapshot of `step` that any rank may resume from, with this rank's RNG of that step
+        (derived: mgpu.state.rng.seed_step) in place of that rank's."""
+        from mgpu.state.rng import step_rng_state
+
+        where = self._shared().get(step)
+        if where is None:
+            raise FileNotFoundError(f"no snapshot of step {step} on this node, in its replica or to share")
+        kind, peer, overlay = where
+        if kind == PEER:
+            state = self.store.for_peer(peer).read(step, _load)
+        else:
+            assert self.replication is not None
+            state = _load(self.replication.fetch(step, own=True, rank0=self.store.identity.rank == 0 and not overlay))
+        if overlay:  # rank 0's buffers of that step, from its own record: the save was taken before DDP synced them
+            for name, buffers in self.buffer_record().read(step).items():
+                state[name] = {**state[name], **buffers}
+        rank = self.store.identity.rank
+        state["rng"] = [None] * len(state["rng"])
+        state["rng"][rank] = step_rng_state(seed, rank, step)
+        log.info("rank %d: step %d restored from rank %d's save (%s), with this rank's own generators",
+                 rank, step, peer, "this node" if kind == PEER else "over the network")
+        return state
+
     def restore(self, step: int, objects: MutableMapping[str, Any], seed: int,
                 missing_ok: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
         """Put this rank's snapshot of `step` into `objects` (mgpu.state.memory_content.put_back); its content."""
-        state, _, why = self._read(step)
+        state, _, why = self._read(step, seed)
         if why is not None:
             raise ValueError(f"the snapshot of step {step} does not restore: {why}")
         put_back(state, step, objects, self.store.identity.rank, seed, missing_ok)
@@ -225,7 +338,7 @@ class MemorySnapshots:
         candidates = self._candidates()
         restored, touched = None, False
         while (step := agree_on_step(candidates, reduce_min)) is not None and step > durable_step:
-            state, source, why = self._read(step)
+            state, source, why = self._read(step, seed)
             if reduce_min(0 if why else 1) == 1:
                 touched = True
                 try:
@@ -258,6 +371,8 @@ class MemorySnapshots:
         if source == REPLICA:
             assert self.replication is not None
             where = f"its replica on rank {self.replication.partner.rank} is dropped with the slots after the resume"
+        elif source == PEER:
+            where = "another rank's save, not used by this one"
         else:
             kept = self.store.set_aside(step, why)
             where = f"set aside as {kept}" if kept is not None else "its slot was gone"
@@ -270,11 +385,18 @@ class MemorySnapshots:
             self.replication.clear()
         self.store.remove()
 
+    def _close_record(self) -> None:
+        if self._record is not None:
+            self._record.close()
+            self._record.store.remove()
+            self._record = None
+
     def remove(self) -> None:
         """This rank's snapshots and the replica it holds, the replicas stopped first (the run ended: finished,
         stopped with its checkpoint, or stays down)."""
         if self.replication is not None:
             self.replication.close()
+        self._close_record()
         self.store.remove()
 
     def remove_other_jobs(self) -> None:

@@ -90,6 +90,9 @@ machine, so the others' collectives still outlast the verdict."""
 LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
 TEARDOWN_S = 60.0
+LAST_WORDS_AFTER_S = 2.0
+"""A stop signal this long ago (or two median steps, if longer) and the step it came in still runs: say the last
+words (a peer died; srun's SIGKILL follows its SIGTERM after KillWait, 30 s by default, 5 s on the test cluster)."""
 """Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
 ENDED_TEARDOWN_S = 5.0
 """The same once the run's outcome is recorded (checkpoint, ledger, loggers): cutting it short loses nothing,
@@ -254,6 +257,13 @@ class Watchdog:
         self.published = 0.0  # wall time of the last heartbeat the board took
         self.host = socket.gethostname()
         self._long_phases = LongPhases(rank)  # progress lines of a long resume, save or rendezvous
+        self.last_words: Callable[[str], None] | None = None
+        """A survivor's save of the last step this rank completed (the session's, mgpu.run.session_state.last_words),
+        said from this thread, bounded: once a hang is found on another rank, or once a stop signal came and this
+        rank's step has not ended within `LAST_WORDS_AFTER_S` (a peer died: srun's SIGTERM, then its SIGKILL)."""
+        self.signalled: Callable[[], float | None] = lambda: None
+        """When the first stop signal reached this rank (None: none yet)."""
+        self._last_words_said = False
 
     @classmethod
     def from_config(cls, config: "WatchdogConfig", rank: int, world: int, logs: Path, *,
@@ -431,12 +441,32 @@ class Watchdog:
                          EVIDENCE_S)
                 self._publish_now.set()  # tell the one waiting for it at once
             waited = self.waited()
+            self._after_signal()
             if waited > self.allowance():
                 if self.phase == "teardown" and self._teardown is not None:
                     self._stuck_in_teardown(waited, self._teardown[1])
                 else:
                     self._hung(waited)
                 return
+
+    def _after_signal(self) -> None:
+        """A stop signal came, and the step it came in has not ended since (no beat): a peer died and this rank
+        waits in a collective that will not complete before srun's SIGKILL, or a step longer than the bound. The
+        survivor's save, then (harmless where the step ends after all: the step's own stop saves as always)."""
+        signalled = self.signalled()
+        if (self.last_words is None or self._last_words_said or signalled is None or self.since > signalled
+                or self.phase in CHECKPOINT_PHASES or self.phase in ("resume", "start", "teardown")):
+            return
+        step = statistics.median(self._step_times) if self._step_times else 0.0
+        if self.clock() - signalled >= max(LAST_WORDS_AFTER_S, 2 * step):
+            self._say_last_words(f"a stop signal {self.clock() - signalled:.0f} s ago and step {self.step} has not "
+                                 f"ended")
+
+    def _say_last_words(self, why: str) -> None:
+        if self.last_words is not None and not self._last_words_said:
+            self._last_words_said = True
+            say = self.last_words
+            _bounded(lambda: say(why), max(self.checkpoint_s, EVIDENCE_S), "mgpu-last-words")
 
     def _leave(self, code: int) -> None:
         _bounded(logging.shutdown, 2.0, "mgpu-watchdog-shutdown")  # a log on a stalled filesystem cannot keep us
@@ -494,6 +524,8 @@ class Watchdog:
                       "CPU): frozen", silent, time.time() - detected, load)
         stuck = blame(beats, detected, self.world, frozen_ranks=silent) if beats else []
         self.on_hang(beats, stuck, waited, detected)
+        if self.rank not in stuck:  # a survivor: the last step it completed, for the step started again
+            self._say_last_words(f"rank(s) {stuck or 'unknown'} hung in step {self.step}")
 
     def _first_look(self) -> dict[int, float]:
         """Every rank's heartbeat time (by its own clock) when the hang is found, to tell later which moved."""

@@ -32,6 +32,7 @@ from mgpu.data.sampling import MicroBatch, eval_shard, plan_for
 from mgpu.parallel.distributed import all_reduce
 from mgpu.errors import MgpuError
 from mgpu.train.evaluation import EvalInterrupted, check_metrics, evaluate
+from mgpu.parallel.ema import EMA
 from mgpu.parallel.fsdp import local_grads, no_sync, plain, weights_fingerprint
 from mgpu.record.check_hooks import record_batch
 from mgpu.data.loader import Batches, make_loader
@@ -135,6 +136,8 @@ class Trainer:
         # once: asking CUDA every step would cost each step
         self.precision = resolve_precision(cfg.train.precision, self.device, warn=self.is_main)
         self.optimizer = self._optimizer()
+        # After FSDP2's wrap (the average is sharded like the parameters it follows), before the load (it resumes).
+        self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
         loaded = session.latest()  # a look first: where the run stands sizes its schedule
         self.progress, override = self._resume_point(loaded)
@@ -219,6 +222,8 @@ class Trainer:
         """What a checkpoint of this run holds (mgpu.state.train_state adds every rank's RNG state)."""
         objects = {"model": self.model, "optimizer": self.optimizer, "scheduler": self.scheduler, "scaler": self.scaler,
                    "progress": self.progress, "config": self.config_dict}
+        if self.ema is not None:
+            objects["ema"] = self.ema
         if self.stream is not None:
             objects["loader"] = self.stream
         elif self.stream_files is not None:
@@ -358,6 +363,8 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self._step_lr = self.optimizer.param_groups[0]["lr"]  # this step's; after scheduler.step() the next's
             self.scheduler.step()
+            if self.ema is not None:
+                self.ema.update()
             epoch_end = self._advance(group, samples)
             last = p.step >= self.total_steps
             # Every rank, every step: the same answer at the same step (this loop saves the stop itself).
@@ -566,8 +573,10 @@ class Trainer:
         on_device = (to_device(batch, self.device) for batch in self._batches(self.eval_set, batches))
         # [fsdp hook] a sharded model's forward is a collective: every rank runs as many as rank 0 has batches
         most = math.ceil(math.ceil(size / self.world) / batch_size) if self.fsdp else 0
-        return evaluate(self.model, on_device, common, self.task.metrics, self.session.poll_stop, self.beat,
-                        self._autocast(), self.device, self.world, even_forwards=most)
+        # train.ema_decay: the average is evaluated (the model holds its weights inside the block, its own after it)
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            return evaluate(self.model, on_device, common, self.task.metrics, self.session.poll_stop, self.beat,
+                            self._autocast(), self.device, self.world, even_forwards=most)
 
     def _evaluate_or_stop(self) -> tuple[bool, bool]:
         """(early stopping says stop, the ranks agreed to stop midway: the evaluation is left pending)."""

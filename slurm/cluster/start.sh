@@ -304,10 +304,22 @@ forget_jobs() {
   mkdir -p "$DIR/state" "$DIR/spool"
 }
 
+# The daemons outlive this script: one that inherited a descriptor of whoever started it would hold that for its
+# lifetime. An outer `flock /tmp/mgpu-e2e.lock bash tests/run.sh` holds its lock on such a descriptor (fd 3):
+# munged, mariadbd and slurmdbd started under it held that lock until they ended, and every later e2e run waited.
+close_inherited() {
+  local fd
+  for fd in /proc/$$/fd/*; do
+    fd=${fd##*/}
+    [[ $fd =~ ^[0-9]+$ && $fd -gt 2 && $fd -lt 255 ]] && eval "exec $fd>&-" 2>/dev/null || true
+  done
+}
+
 # ---------------------------------------------------------------- main
 main() {
   [[ $(id -u) -eq 0 ]] || die "not root (the daemons and /etc/hosts need root)"
   mkdir -p "$DIR"/{etc,log,pids,run,state,spool}
+  close_inherited
   # One start at a time (two test sessions may start together). Every daemon below gets `9>&-` so
   # that it does not inherit, and hold forever, the lock's file descriptor.
   exec 9>"$DIR/.lock"

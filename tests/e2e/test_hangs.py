@@ -113,12 +113,14 @@ def test_a_hang_nobody_can_be_blamed_for_restarts_in_the_same_allocation(
 
 
 def test_a_bad_node_a_job_cannot_do_without_restarts_the_step_in_place(
-        slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str], tmp_path: Path) -> None:
+        slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str], reference: Reference, tmp_path: Path) -> None:
     slurm_policy()
     # 2 nodes needed, 2 in the partition: excluding the culprit's would leave one. The allocation is intact, so
     # the step starts again in place, counted against --max-failures (it stayed down before; a node that hangs
-    # every time spends the budget and then stays down: tests/test_recovery.py). The rank hangs once here.
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *hanging(tmp_path, "sleep", 1))
+    # every time spends the budget and then stays down: tests/test_recovery.py). The rank freezes once here
+    # (SIGSTOP, in step 6); with the defaults the other saves step 5 when its watchdog finds the hang, and the step
+    # started again resumes there: one step lost.
+    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *hanging(tmp_path, "stop", 1))
     try:
         assert final_state(slurm_cluster, jobid, timeout=180) == "COMPLETED", job_output(tmp_path, jobid)
         hang = the_hang(run_dir)
@@ -130,6 +132,9 @@ def test_a_bad_node_a_job_cannot_do_without_restarts_the_step_in_place(
         (restarted,) = events(run_dir, "restarted")
         assert restarted["after"] == "hang" and events(run_dir, "requeued") == []
         assert runs(slurm_cluster, jobid) == ["COMPLETED"]
+        (resumed,) = events(run_dir, "resumed")
+        assert resumed.get("memory") is True and resumed["step"] >= hang["step"] - 1, (resumed, hang)
+        assert_same_training(run_dir, reference.state())
     finally:
         cancel(slurm_cluster, jobid)
 

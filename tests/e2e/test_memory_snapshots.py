@@ -1,7 +1,7 @@
-"""On the test cluster (2 nodes x 2 ranks): a rank SIGKILLed mid-run with checkpoint.memory_every_steps=1 and
-the durable checkpoints only at epoch ends (10 steps apart): the batch script starts the step again in the same
-allocation, the ranks resume from the snapshots in memory at most one step back, the run ends bit-identical to
-an unbroken one, and no snapshot is left on the nodes. The same with the killed rank's snapshots tampered with
+"""On the test cluster (2 nodes x 2 ranks): a rank SIGKILLed mid-run, or both ranks of a node with its memory, with
+the default settings and the durable checkpoints only at epoch ends (10 steps apart): the batch script starts the
+step again in the same allocation, the ranks resume at most one step back (from the survivors' save of the last
+step they completed), the run ends bit-identical to an unbroken one, and no snapshot is left on the nodes. The same with the killed rank's snapshots tampered with
 (bytes that do not load, another model's state; their commit records made to match): set aside, one line each,
 and the job resumes from the durable checkpoint in one restart. And nothing of a run left in /dev/shm after a
 restart with snapshots off, a world of one's run (its watchdog board), a recovery requeue and a failed run.
@@ -13,12 +13,14 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import time
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pytest
 from job_helpers import (BLOB, FOUR_RANKS, KILL_WAIT_S, SLOW4, Reference, assert_same_training, cancel, events,
                          rank_record, submit_one, wait_steps)
 from slurm_helpers import final_state, runs, wait_until
@@ -29,13 +31,22 @@ if TYPE_CHECKING:
     from conftest import SlurmCluster
 
 
-def test_a_killed_rank_loses_at_most_one_step_with_snapshots_in_memory(
-        slurm_cluster: SlurmCluster, references: dict[int, Reference], tmp_path: Path) -> None:
-    jobid, run_dir = submit_one(tmp_path, *FOUR_RANKS, *SLOW4, "checkpoint.every_steps=0",
-                                "checkpoint.memory_every_steps=1")
+@pytest.mark.parametrize("lost", ["rank", "node"], ids=["a rank killed", "a node killed with its memory"])
+def test_a_killed_rank_or_node_loses_at_most_one_step_with_the_defaults(
+        lost: str, slurm_cluster: SlurmCluster, references: dict[int, Reference], tmp_path: Path) -> None:
+    # The defaults (checkpoint.memory_every_steps: its cadence from the measured cost): the survivors save the last
+    # step they completed (mgpu.state.step_mark), the lost ranks take theirs from a survivor's save, on their node or
+    # over the network from their partner's (a node's memory lost: its ranks' snapshots and the replicas it held).
+    jobid, run_dir = submit_one(tmp_path, *FOUR_RANKS, *SLOW4, "checkpoint.every_steps=0")
     try:
         wait_steps(run_dir, run=1, steps=14, when=lambda step: step % 10 >= 4)  # mid-epoch 1: the disk has step 10
-        os.kill(rank_record(run_dir, 1)["pid"], 9)
+        victims = [1] if lost == "rank" else [2, 3]  # n2's ranks
+        for rank in victims:
+            os.kill(rank_record(run_dir, rank)["pid"], 9)
+        if lost == "node":
+            (job_dir,) = SHM.glob(f"mgpu-{jobid}-*")
+            for name in ("rank2", "rank3", "replica-of-rank0-on-n2", "replica-of-rank1-on-n2"):
+                shutil.rmtree(job_dir / name, ignore_errors=True)
         wait_until("the step to start again", lambda: events(run_dir, "restarted"), timeout=KILL_WAIT_S + 15,
                    interval=0.2)
         assert final_state(slurm_cluster, jobid, timeout=150) == "COMPLETED"
@@ -49,7 +60,7 @@ def test_a_killed_rank_loses_at_most_one_step_with_snapshots_in_memory(
         assert reached - resumed["step"] <= 1, (reached, resumed)  # at most one step lost (was: back to 10)
         assert_same_training(run_dir, references[4].state())
         time.sleep(1)
-        assert list(Path("/dev/shm").glob(f"mgpu-{jobid}-*")) == [], "snapshots left after the job"
+        assert list(SHM.glob(f"mgpu-{jobid}-*")) == [], "snapshots left after the job"
     finally:
         cancel(slurm_cluster, jobid)
 

@@ -1,0 +1,187 @@
+"""The last step a rank completed, kept at every step's end so that a survivor can save it when a peer dies or hangs
+during the next step (mgpu.state.memory_state.MemorySnapshots.last_words).
+
+Under DDP every rank holds the replicated state, and nothing of it changes between a step's end and the next step's
+optimizer step except what is cheap to copy. So at every step's end (`Session.should_stop`) a rank *marks* the step
+(`StepMarks.mark`): it copies the small objects of the loop's state (a scheduler's, a scaler's, the loader's and the
+trainer's progress state_dicts, the loop's plain values: what the next step's batch fetch, forward or evaluation may
+change) and notes that no optimizer has stepped since (a post-hook on each optimizer). The parameters and the
+optimizers' states are not copied: they are the step's until an optimizer steps. Module buffers that a forward
+changes (batch norm's statistics) are copied at the next step's first forward, right after DDP has broadcast rank
+0's (`buffers_synced`): every rank then holds rank 0's of the marked step, which is what a checkpoint of it holds and
+what a restarted rank 0 needs. A rank's generators are re-seeded at every step's end from (seed, rank, step)
+(mgpu.state.rng.seed_step): its RNG at the mark is derived, not kept, for itself and for a rank that was lost.
+
+`state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory_content.rank_state), or
+None with the reason: no mark yet, an optimizer stepped since (the failure came after this rank's optimizer step:
+its parameters are no longer the mark's), a DDP comm hook (its state is per rank and gathering it is a collective).
+`Shareable`: whether any rank can resume from it (its content is every rank's but for the derived RNG: no per-rank
+object in the state) and whether its buffers are rank 0's (a restarted rank 0 may use it). Costs: microseconds a
+step for the copies of small objects (bench/loop_overhead.py), one clone of the buffers a step where DDP syncs them.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import asdict, dataclass, is_dataclass
+from typing import Any, Callable, Mapping
+
+__all__ = ["Shareable", "StepMarks"]
+
+log = logging.getLogger("mgpu.train")
+
+
+@dataclass(frozen=True)
+class Shareable:
+    """What another rank may take from a snapshot: `any_rank`, its content (all but the derived RNG) is every
+    rank's; `rank0_buffers`, its module buffers are rank 0's (a restarted rank 0 resumes from it too)."""
+
+    any_rank: bool
+    rank0_buffers: bool
+
+
+class StepMarks:
+    """One rank's marks of its steps (see the module's docstring). `objects()`: the loop's state (the mapping given
+    to `Session.load`); `ddps()`: the DDP modules the session wrapped (their buffers and bucket layouts)."""
+
+    def __init__(self, objects: Callable[[], Mapping[str, Any]], ddps: Callable[[], list[Any]], rank: int,
+                 world_size: int, seed: int, version: str | None) -> None:
+        import torch
+
+        self.objects, self.ddps, self.rank, self.world_size = objects, ddps, rank, world_size
+        self.seed, self.version = seed, version
+        self.step: int | None = None
+        self.small: dict[str, Any] = {}
+        self.stepped = False
+        """An optimizer of the state stepped since the mark."""
+        self.buffers: dict[int, dict[str, Any]] = {}
+        """Per DDP (by id): its module's buffers as synced at the first forward after the mark."""
+        self._hooks: list[Any] = []
+        self._hooked: set[int] = set()
+        self._places: dict[int, list[tuple[str, Any, str]]] = {}
+        self._optimizer_type = torch.optim.Optimizer
+        self._module_type = torch.nn.Module
+        self.lock: Any = None
+        """Held while a survivor's save is said (mgpu.run.session_state.last_words: once, from either thread)."""
+        self.said = False
+        self.record: Any = None
+        """Rank 0's: its buffers at every step's end (mgpu.state.buffer_record.BufferRecord; None: not kept)."""
+
+    def _hook(self) -> None:
+        """Post-hooks on the state's optimizers and pre-hooks on the DDPs' modules, once each."""
+        from mgpu.state.train_state import unwrapped
+
+        for value in self.objects().values():
+            target = unwrapped(value)
+            if isinstance(target, self._optimizer_type) and id(target) not in self._hooked:
+                self._hooked.add(id(target))
+                self._hooks.append(target.register_step_post_hook(self._optimizer_stepped))
+        for ddp in self.ddps():
+            if id(ddp) not in self._hooked:
+                self._hooked.add(id(ddp))
+                self._places[id(ddp)] = places = _buffer_places(ddp.module)
+                if places:  # a model without buffers needs no copy
+                    self._hooks.append(ddp.module.register_forward_pre_hook(self._synced(ddp, places)))
+
+    def _optimizer_stepped(self, *args: Any) -> None:
+        self.stepped = True
+
+    def _synced(self, ddp: Any, places: list[tuple[str, Any, str]]) -> Callable[..., None]:
+        def take(module: Any, args: Any) -> None:
+            # The inner module's first forward after the mark runs after DDP's buffer broadcast: rank 0's buffers.
+            if self.step is not None and id(ddp) not in self.buffers:
+                self.buffers[id(ddp)] = {key: getattr(owner, attr).detach().clone() for key, owner, attr in places}
+
+        return take
+
+    def mark(self, step: int) -> None:
+        """Step `step` ended on this rank (every rank at the same step): copy what the next step may change."""
+        from mgpu.state.train_state import unwrapped
+
+        self._hook()
+        small: dict[str, Any] = {}
+        own_buffers: dict[str, dict[str, Any]] = {}
+        places = {id(ddp.module): self._places.get(id(ddp)) for ddp in self.ddps()}
+        for name, value in self.objects().items():
+            if self.record is not None and (where := places.get(id(unwrapped(value)))):
+                own_buffers[name] = {key: getattr(owner, attr) for key, owner, attr in where}
+            if callable(getattr(value, "rank_state_dict", None)):
+                small[name] = {"rank_state": copy.deepcopy(value.rank_state_dict())}
+                continue
+            target = unwrapped(value)
+            if isinstance(target, (self._module_type, self._optimizer_type)):
+                continue  # the step's own until an optimizer steps
+            if hasattr(target, "state_dict"):
+                small[name] = copy.deepcopy(target.state_dict())
+            elif is_dataclass(target) and not isinstance(target, type):
+                small[name] = asdict(target)
+            else:
+                small[name] = copy.deepcopy(value)
+        self.step, self.small, self.stepped, self.buffers = step, small, False, {}
+        if own_buffers:
+            self.record.offer(step, own_buffers)  # rank 0's, for a restart of rank 0 before the next broadcast
+
+    def state(self) -> tuple[dict[str, Any] | None, Shareable | None, str]:
+        """(the marked step's state as a snapshot holds it, who may take it, ""), or (None, None, why not)."""
+        from mgpu.parallel.ddp import bucket_layout
+        from mgpu.state.memory_content import STEP, _local
+        from mgpu.state.rng import step_rng_state
+        from mgpu.state.train_state import FORMAT, unwrapped
+
+        if self.step is None:
+            return None, None, "no step has ended yet"
+        if self.stepped:
+            return None, None, f"an optimizer stepped after step {self.step} ended (its parameters are the next step's)"
+        ddps = self.ddps()
+        if any(getattr(ddp, "_comm_hooks", None) for ddp in ddps):
+            return None, None, "a DDP comm hook's state is per rank (gathering it is a collective)"
+        if any(getattr(value, "_applied", False) is True for value in self.objects().values()):
+            return None, None, "an EMA's weights are in the model for an evaluation (mgpu.EMA.applied)"
+        rng: list[Any] = [None] * self.world_size
+        rng[self.rank] = step_rng_state(self.seed, self.rank, self.step)
+        state: dict[str, Any] = {"format": FORMAT, "rng": rng, "world_size": self.world_size,
+                                 "code_version": self.version, STEP: self.step}
+        per_rank = False
+        synced = {id(ddp.module): self.buffers.get(id(ddp)) for ddp in ddps}
+        for name, value in self.objects().items():
+            target = unwrapped(value)
+            if name in self.small:
+                saved = self.small[name]
+                if isinstance(saved, dict) and "rank_state" in saved and len(saved) == 1:
+                    per_rank = True
+                    entries: list[Any] = [None] * self.world_size
+                    entries[self.rank] = saved["rank_state"]
+                    state[name] = {"per_rank": entries}
+                else:
+                    state[name] = saved
+            elif isinstance(target, self._module_type):
+                module_state = dict(_local(target.state_dict()))
+                module_state.update(synced.get(id(target)) or {})
+                state[name] = module_state
+            else:
+                state[name] = _local(target.state_dict())
+        layouts = [bucket_layout(ddp) for ddp in ddps]  # no collective without a comm hook
+        if any(layout is not None for layout in layouts):
+            state["ddp"] = layouts
+        buffered = [ddp for ddp in ddps if self._places.get(id(ddp))]
+        rank0 = self.rank == 0 or all(self.buffers.get(id(ddp)) is not None and getattr(ddp, "broadcast_buffers", True)
+                                      for ddp in buffered)
+        return state, Shareable(any_rank=not per_rank, rank0_buffers=rank0), ""
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._hooked.clear()
+
+
+def _buffer_places(module: Any) -> list[tuple[str, Any, str]]:
+    """A module's persistent buffers (what its state_dict, so a checkpoint, holds): (state_dict key, the submodule
+    that owns it, its attribute name), read afresh at each copy (a buffer reassigned is still found)."""
+    places = []
+    for prefix, owner in module.named_modules():
+        for attr, value in owner._buffers.items():
+            if value is not None and attr not in owner._non_persistent_buffers_set:
+                places.append((f"{prefix}.{attr}" if prefix else attr, owner, attr))
+    return places

@@ -1,0 +1,176 @@
+"""The marks of every step's end (mgpu.state.step_mark), in one process: what a survivor's save holds of the marked
+step (the small objects as they were at the mark, the parameters and optimizer states as they are, the derived
+RNG), when it can say nothing (no mark yet, an optimizer stepped since), who may take it (a per-rank object makes
+it this rank's alone), and the generators re-seeded from (seed, rank, step) alone; the watchdog's trigger (a stop
+signal whose step does not end) against a fake clock."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from mgpu.state.memory_content import STEP
+from mgpu.state.rng import capture_rng_state, seed_step, step_rng_state
+from mgpu.state.step_mark import StepMarks
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    best: float = 0.0
+
+
+class PerRank:
+    """An object with a per-rank state (a stateful stream's position): a survivor's save is its rank's alone."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def rank_state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+
+@pytest.fixture(autouse=True)
+def _inductor_cache(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the optimizer's first step sets it
+
+
+def loop(per_rank: bool = False) -> tuple[dict[str, Any], nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "progress": Progress(),
+                             "tokens": 0}
+    if per_rank:
+        state["stream"] = PerRank()
+    return state, model, optimizer
+
+
+def step(state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    state["model"](torch.ones(3, 4)).sum().backward()
+    optimizer.step()
+    state["scheduler"].step()
+    state["progress"].step += 1
+
+
+def marks_of(state: dict[str, Any]) -> StepMarks:
+    return StepMarks(lambda: state, lambda: [], rank=1, world_size=2, seed=7, version="v")
+
+
+def test_a_survivors_save_holds_the_marked_step_whatever_the_next_step_changed_before_its_optimizer() -> None:
+    state, model, optimizer = loop()
+    marks = marks_of(state)
+    assert marks.state()[2] == "no step has ended yet"
+    step(state, optimizer)
+    marks.mark(1)
+    weights = model.weight.detach().clone()
+    lr = optimizer.param_groups[0]["lr"]
+    # The next step's start: its batch fetched, the loop's counters moved, a forward and backward; no optimizer step.
+    state["progress"].step, state["progress"].best, state["tokens"] = 99, 0.5, 1234
+    model(torch.ones(3, 4)).sum().backward()
+    saved, share, why = marks.state()
+    assert why == "" and saved is not None and share is not None and share.any_rank
+    assert saved[STEP] == 1 and saved["progress"] == {"step": 1, "best": 0.0} and saved["tokens"] == 0
+    assert torch.equal(saved["model"]["weight"], weights) and saved["scheduler"]["last_epoch"] == 1
+    assert saved["optimizer"]["param_groups"][0]["lr"] == lr
+    assert saved["rng"][0] is None and torch.equal(saved["rng"][1]["torch"], step_rng_state(7, 1, 1)["torch"])
+    optimizer.step()  # the next step's optimizer: the parameters are no longer the mark's
+    assert marks.state()[0] is None and "an optimizer stepped after step 1 ended" in marks.state()[2]
+    marks.mark(2)
+    assert marks.state()[0] is not None
+    marks.close()
+
+
+def test_a_per_rank_object_makes_a_survivors_save_its_ranks_alone() -> None:
+    state, _, optimizer = loop(per_rank=True)
+    marks = marks_of(state)
+    step(state, optimizer)
+    state["stream"].position = 40
+    marks.mark(1)
+    state["stream"].position = 44
+    saved, share, _ = marks.state()
+    assert saved is not None and share is not None and not share.any_rank
+    assert saved["stream"] == {"per_rank": [None, {"position": 40}]}
+    marks.close()
+
+
+def test_a_ranks_generators_after_a_step_are_a_function_of_seed_rank_and_step_alone() -> None:
+    draws = []
+    for noise in (0, 1):
+        random.seed(noise), np.random.seed(noise), torch.manual_seed(noise)  # whatever came before
+        seed_step(3, 1, 17)
+        draws.append((random.random(), float(np.random.rand()), float(torch.rand(()))))
+    assert draws[0] == draws[1]
+    seed_step(3, 0, 17)
+    other_rank = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    seed_step(3, 1, 18)
+    next_step = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    assert len({draws[0], other_rank, next_step}) == 3
+    before = capture_rng_state()
+    derived = step_rng_state(3, 1, 17)  # what seed_step would leave, without touching this process's generators
+    assert torch.equal(capture_rng_state()["torch"], before["torch"])
+    seed_step(3, 1, 17)
+    assert torch.equal(capture_rng_state()["torch"], derived["torch"])
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("beat_after_signal, waited, said", [
+    (False, 1.0, False),  # within the bound: the step may end yet
+    (False, 2.5, True),  # the step the signal came in still runs: a peer died, srun's SIGKILL comes next
+    (True, 10.0, False),  # the rank went on (a step ended, an evaluation batch): its own stop saves as always
+])
+def test_the_watchdog_says_the_last_words_when_a_stop_signals_step_does_not_end(
+        tmp_path: Any, beat_after_signal: bool, waited: float, said: bool) -> None:
+    from mgpu.stop.watchdog import Watchdog
+
+    clock = Clock()
+    dog = Watchdog(0, 2, tmp_path, step_multiple=10, floor_s=60, first_step_s=60, checkpoint_s=60,
+                   on_hang=lambda *a: None, clock=clock)
+    dog.beat("forward", 5)
+    heard: list[str] = []
+    dog.last_words = heard.append
+    dog.signalled = lambda: 1000.5
+    clock.now = 1000.5 + waited
+    if beat_after_signal:
+        dog.beat("backward")
+    dog._after_signal()
+    dog._after_signal()  # once at most
+    import time
+
+    deadline = time.monotonic() + 5
+    while said and not heard and time.monotonic() < deadline:  # said on a bounded helper thread
+        time.sleep(0.01)
+    assert len(heard) == (1 if said else 0), heard
+    if said:
+        assert "step 5 has not ended" in heard[0]
+
+
+def test_no_survivors_save_while_an_ema_is_in_the_model_for_an_evaluation() -> None:
+    # `with ema.applied():` swaps the average into the model: its parameters are not the step's then.
+    import mgpu
+
+    state, model, optimizer = loop()
+    state["ema"] = ema = mgpu.EMA(model, decay=0.9)
+    marks = marks_of(state)
+    step(state, optimizer)
+    ema.update()
+    marks.mark(1)
+    with ema.applied():
+        assert marks.state()[0] is None and "EMA" in marks.state()[2]
+    assert marks.state()[0] is not None
+    marks.close()
