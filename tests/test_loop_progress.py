@@ -6,10 +6,9 @@ ranks: tests/test_own_loop.py (DDP) and tests/test_fsdp.py (FSDP2, the fingerpri
 
 from __future__ import annotations
 
+import json
 import re
 import types
-
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
