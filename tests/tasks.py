@@ -70,11 +70,13 @@ class BlobTask(Task):
 
 
 class SlowBlobTask(BlobTask):
-    """BlobTask whose steps take `step_s` seconds (for signal tests that need time to act)."""
+    """BlobTask whose steps take `step_s` seconds (for signal tests that need time to act); `slow_rank`'s take
+    `slow_factor` times as long (a straggler: the numerics are the same)."""
 
-    def __init__(self, step_s: float = 0.2, ballast_mb: int = 0, **kwargs) -> None:
+    def __init__(self, step_s: float = 0.2, ballast_mb: int = 0, slow_rank: int = -1, slow_factor: float = 1.0,
+                 **kwargs) -> None:
         super().__init__(**kwargs)
-        self.step_s, self.ballast_mb = step_s, ballast_mb
+        self.step_s, self.ballast_mb, self.slow_rank, self.slow_factor = step_s, ballast_mb, slow_rank, slow_factor
 
     def build_model(self) -> nn.Module:
         model = super().build_model()
@@ -85,7 +87,8 @@ class SlowBlobTask(BlobTask):
     def loss(self, model: nn.Module, batch: tuple) -> torch.Tensor:
         import time
 
-        time.sleep(self.step_s)
+        slow = self.slow_rank >= 0 and dist.is_initialized() and dist.get_rank() == self.slow_rank
+        time.sleep(self.step_s * (self.slow_factor if slow else 1.0))
         return super().loss(model, batch)
 
 

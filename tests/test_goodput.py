@@ -398,6 +398,16 @@ def test_status_goodput_and_timeline_png(runs: dict[str, Path], tmp_path: Path) 
     assert any(line.startswith("goodput ") for line in out), out
     assert any(line.split()[:2] == ["not_slurm", "1"] for line in out), out  # the --stop-at-step stop
     assert "  lost steps           0         trained again after a stop (normally 0)" in out
+    # the restart explained, its way back in phases from the resumed process's timings (mgpu.record.restarts)
+    assert "restarts    1: cause, where, decision and why; the way back to training" in out, out
+    assert any(line.startswith("   1. after step 7: not_slurm: test; stays down: ") for line in out), out
+    back = next(line for line in out if line.startswith("      back in "))
+    assert [part.split()[0] for part in back.split(": ", 1)[1].split(", ")] == [
+        "stopping", "hold", "process", "rendezvous", "state", "first"], back
+    # the timeout ladder the session recorded (mgpu.stop.ladder): a world of one has no collective timeout
+    at = out.index("timeouts    inner to outer, each ending before the next (docs/allowances.md, the ladder):")
+    assert [line.split()[0] for line in out[at + 1:at + 8]] == ["step", "evaluation", "save", "resume", "first",
+                                                                "verdict", "rendezvous"], out[at:at + 8]
     assert out[-1] == f"timeline    {png}"
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"

@@ -7,6 +7,8 @@ ranks: tests/test_own_loop.py (DDP) and tests/test_fsdp.py (FSDP2, the fingerpri
 from __future__ import annotations
 
 import json
+import re
+import types
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -170,7 +172,9 @@ def test_an_own_loop_prints_the_trainers_progress_line(tmp_path: Path, capsys: p
     from mgpu.record import loop_progress
 
     times = iter(float(t) for t in range(0, 100))
-    monkeypatch.setattr(loop_progress.time, "monotonic", lambda: next(times))
+    # loop_progress's clock alone (patching time.monotonic itself also fed the fake to whatever imported later: the
+    # stop controller, imported by the session, took two ticks between the lines when no test had imported it first)
+    monkeypatch.setattr(loop_progress, "time", types.SimpleNamespace(monotonic=lambda: next(times)))
     s = session(tmp_path / "run", every=2)
     s.total_steps = 10
     model = s.wrap(nn.Linear(4, 1))
@@ -180,6 +184,8 @@ def test_an_own_loop_prints_the_trainers_progress_line(tmp_path: Path, capsys: p
         s.should_stop()
         s.log(loss=torch.tensor(0.25 * step))
     s.finish()
-    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines() if " step " in f" {line}"]
+    # the progress lines (rank 0 also prints the timeout ladder as training starts, whose rungs name steps too)
+    lines = [line.split(" ", 1)[1] for line in capsys.readouterr().out.splitlines()
+             if re.match(r"\d\d:\d\d:\d\d step ", line)]
     assert lines == ["step 2/10 epoch 0  loss 0.5", "step 4/10 epoch 0  loss 1  2 steps/s  ETA 3s"], lines
     assert loop_progress.progress_line(7, None, None, {}, 1.5) == "step 7  1.5 steps/s"  # no total: no ETA

@@ -3,6 +3,8 @@ agreement's answer, the test stop, the deadline stop and its once-said refusal, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from mgpu.cluster.deadline import time_needed
@@ -158,3 +160,32 @@ def test_a_reduction_a_dead_peer_left_unfinished_does_not_raise_from_the_cleanup
     agreement.drain()
     assert agreement._pending is None
     agreement.drain()  # nothing in flight: nothing to wait for
+
+
+def test_each_reading_of_the_ranks_step_times_goes_to_the_straggler_watch_once() -> None:
+    # The agreement's newest reading (mgpu.stop.rank_timing.RankTimes) reaches the watch once, ending at the step its
+    # reduction started at, or, started between steps (an evaluation's, step -1), at the last step boundary.
+    from mgpu.stop.rank_timing import RankTimes
+
+    class Timed(Agreement):
+        readings, rank_times = 0, None
+
+    class Watch:
+        last_step = 0
+
+        def __init__(self) -> None:
+            self.updates: list[tuple[int, int]] = []
+
+        def update(self, step: int, steps: int, compute: Any, wait: Any, now: float) -> list[str]:
+            self.updates.append((step, steps))
+            return [f"change at {step}"]
+
+    agreement, watch, changes = Timed(), Watch(), []
+    controller = StopController(Flags(), agreement, stragglers=watch, on_straggler=changes.append)
+    controller.at_step(7)
+    agreement.readings, agreement.rank_times = 1, RankTimes(4, 4, (0.2, 0.3), (0.0, 0.1))
+    controller.at_step(8)
+    controller.at_step(9)  # no new reading: nothing again
+    agreement.readings, agreement.rank_times = 2, RankTimes(-1, 2, (0.2, 0.3), (0.0, 0.1))
+    controller.poll()
+    assert watch.updates == [(4, 4), (9, 2)] and changes == ["change at 4", "change at 9"]

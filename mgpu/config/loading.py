@@ -25,14 +25,14 @@ import yaml
 
 from mgpu.config.schema import (SAFE_TO_CHANGE, CheckpointConfig, Config, DataConfig, DistributedConfig,
                                 EvalConfig, LogConfig, OptimConfig, PreemptionConfig, RunConfig, ScheduleConfig,
-                                TaskConfig, TrainConfig, WatchdogConfig)
+                                StragglersConfig, TaskConfig, TrainConfig, WatchdogConfig)
 from mgpu.errors import MgpuError
 from mgpu.fsutil import read_bounded, write_atomic
 
 __all__ = [
     "CONTROL", "MISSING", "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "ConfigError", "DataConfig",
     "DistributedConfig", "EvalConfig", "LogConfig", "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig",
-    "TaskConfig", "TrainConfig", "WatchdogConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
+    "StragglersConfig", "TaskConfig", "TrainConfig", "WatchdogConfig", "apply_overrides", "check_resume_compatible", "config_from_dict", "config_to_dict",
     "control_problem", "diff_configs", "dump_config", "flatten_config", "grad_accum_for", "is_safe_to_change",
     "load_config", "save_config",
 ]
@@ -158,6 +158,9 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "watchdog.first_step_s": _between(1, 604_800, True), "watchdog.checkpoint_s": _between(1, 604_800, True),
     "watchdog.eval_s": _between(1, 604_800, True),
     "watchdog.collective_timeout_s": _between(10, 604_800, True),
+    "stragglers.margin": lambda v: None if 1 < v <= 100 else (
+        "must be in (1, 100]: a factor over the other ranks' median"), "stragglers.hold_steps": _ge(1),
+    "stragglers.hold_s": _between(0, 86_400, True),
 }
 
 

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 __all__ = [
     "SAFE_TO_CHANGE", "CheckpointConfig", "Config", "DataConfig", "DistributedConfig", "EvalConfig", "LogConfig",
-    "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "TaskConfig", "TrainConfig", "WatchdogConfig",
+    "OptimConfig", "PreemptionConfig", "RunConfig", "ScheduleConfig", "StragglersConfig", "TaskConfig", "TrainConfig",
+    "WatchdogConfig",
 ]
 
 
@@ -255,6 +256,30 @@ class WatchdogConfig:
 
 
 @dataclass
+class StragglersConfig:
+    """Slow ranks: each rank's compute and wait per step, and the rank that holds the others up named
+    (mgpu.stop.rank_timing, mgpu.record.stragglers; docs/status.md)."""
+
+    enabled: bool = True
+    """Measure every rank's compute and wait per step (its waits in DDP's synchronisations left out of its
+    compute) and carry them in the stop agreement's all-reduce (no extra collective); status, TensorBoard and
+    the ledger show the slowest rank, its node and its factor. Off: none of it is measured."""
+    margin: float = 1.2
+    """A rank whose compute per step is at least this factor over the median of the other ranks' in most of the
+    steps of the last ..."""
+    hold_steps: int = 30
+    """... this many steps and ..."""
+    hold_s: float = 20.0
+    """... this many seconds is named a straggler, in one line (rank, node, factor, since which step); cleared
+    once most of that window is under the margin again. Both holds: a machine shared with other jobs can slow
+    one rank for ten seconds, which a hold in steps alone would take for a straggler when steps are short
+    (docs/status.md: the noise measured, and why a 1.3x slower rank is still named)."""
+    exclude_node: bool = False
+    """Exclude a named straggler's node when mgpu next requeues the job (its own requeue after a stop or a
+    failure, as a hang's node is: never leaving the job fewer nodes than it needs). Off: named only."""
+
+
+@dataclass
 class Config:
     """Everything a run needs to know, one section per concern."""
 
@@ -282,6 +307,8 @@ class Config:
     """Saving and requeueing before the scheduler stops the job."""
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     """Hung ranks."""
+    stragglers: StragglersConfig = field(default_factory=StragglersConfig)
+    """Slow ranks."""
 
 
 SAFE_TO_CHANGE: frozenset[str] = frozenset({
@@ -289,6 +316,7 @@ SAFE_TO_CHANGE: frozenset[str] = frozenset({
     "checkpoint.every_steps", "checkpoint.keep_last", "checkpoint.async_save", "checkpoint.keep_snapshot_buffers",
     "checkpoint.memory_every_steps",
     "data.num_workers", "data.worker_start_method", "data.eval_batch_size", "log.*", "run.*", "distributed.*", "preemption.*", "watchdog.*",
+    "stragglers.*",
     "optim.lr", "optim.weight_decay",  # applied to every parameter group after the restore (mgpu.state.hparams)
 })
 """Dotted keys (fnmatch patterns) that may differ between a checkpoint's config and the run resuming it."""

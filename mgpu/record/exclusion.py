@@ -1,5 +1,6 @@
-"""Keeping a job off a node that hung it: which nodes to exclude, whether the job can still run, and
-`scontrol update ExcNodeList=` while the requeued job is pending (Slurm refuses it on a running job).
+"""Keeping a job off a node that hung it (or, with `stragglers.exclude_node`, that held it up: a straggler's): which
+nodes to exclude, whether the job can still run, and `scontrol update ExcNodeList=` while the requeued job is
+pending (Slurm refuses it on a running job).
 
 A hang the watchdog (mgpu.stop.watchdog) pins on the ranks of one node is that node's doing as far as anyone
 can tell: a requeued job that lands on it again hangs again. Excluding it is merged with what the user
@@ -22,7 +23,8 @@ from mgpu.cluster.hostlist import HostlistError, expand_hostlist
 from mgpu.cluster.slurm import SlurmClient, client
 
 __all__ = ["BLAMES_TO_EXCLUDE", "Blamed", "ExclusionPlan", "NodeMemory", "apply_exclusion", "blamed_nodes",
-           "partition_nodes", "plan_exclusion", "remembered_nodes", "unavailable_nodes"]
+           "exclude_straggler", "node_lines", "partition_nodes", "plan_exclusion", "remembered_nodes", "straggler_node",
+           "unavailable_nodes"]
 
 BLAMES_TO_EXCLUDE = 2
 """Attempts a node must be blamed in (since it was last forgotten) to be excluded at the next submission."""
@@ -86,6 +88,48 @@ def partition_nodes(partition: str, slurm: SlurmClient | None = None) -> list[st
 def apply_exclusion(job_id: str, nodes: Sequence[str], slurm: SlurmClient | None = None) -> None:
     """Set the job's ExcNodeList (the job must be pending: right after `scontrol requeue`)."""
     (slurm or client()).exclude(job_id, nodes)
+
+
+def straggler_node(attempt: Sequence[Mapping[str, Any]]) -> tuple[str, str] | None:
+    """(node, why) of the straggler an attempt's ledger events name for exclusion (its `straggler` event carries
+    `exclude`: stragglers.exclude_node was on), unless a later `straggler_cleared` cleared it; None: none."""
+    named: dict[Any, Mapping[str, Any]] = {}
+    for event in attempt:
+        if event.get("event") == "straggler" and event.get("exclude") is True and isinstance(event.get("node"), str):
+            named[event.get("rank")] = event
+        elif event.get("event") == "straggler_cleared":
+            named.pop(event.get("rank"), None)
+    if not named:
+        return None
+    from mgpu.record.stragglers import exclusion_reason
+
+    def factor(event: Mapping[str, Any]) -> float:
+        value = event.get("factor")
+        return float(value) if isinstance(value, (int, float)) else 0.0
+
+    worst = max(named.values(), key=factor)
+    return str(worst["node"]), exclusion_reason(worst.get("rank"), worst.get("factor"))
+
+
+def exclude_straggler(job_id: str, node: str, why: str, ledger: Any, slurm: SlurmClient | None = None) -> str:
+    """Just after the job's requeue (pending now): exclude a straggler's `node` if the job's partition keeps the nodes
+    it needs without it (never a reason to stay down); the `node_excluded` event when it is. One line either way
+    (a Slurm that does not answer is said, not raised: the requeue stands)."""
+    from mgpu.cluster.requeue import query_job
+    from mgpu.cluster.slurm import SlurmError
+
+    try:
+        view = query_job(job_id)
+        nodes = partition_nodes(view.partition, slurm)
+        already = expand_hostlist(view.excluded) if view.excluded else []
+        plan = plan_exclusion(node, already, nodes, view.num_nodes, unavailable_nodes(nodes, slurm))
+        if plan.nodes is None:
+            return f"{why}: not excluded: {plan.why}"
+        apply_exclusion(job_id, plan.nodes, slurm)
+    except (SlurmError, HostlistError) as error:
+        return f"{why}: not excluded: {error}"
+    ledger.write("node_excluded", node=node, excluded=list(plan.nodes), reason=why)
+    return f"{why}: {plan.why}"
 
 
 # ------------------------------------------------------------------------------------------ remembered
@@ -206,3 +250,20 @@ class NodeMemory:
             for node, blamed in sorted(self.runs[path].items()):
                 ledger.write("node_decision", node=node, decision="excluded", blames=blamed.count,
                              evidence=blamed.evidence, by="submit")
+
+
+def node_lines(events: list[dict[str, Any]], now: float) -> list[str]:
+    """The nodes this run blames (mgpu.record.exclusion: remembered across submissions) and the submissions' decisions."""
+    from mgpu.record.goodput import duration
+
+    lines = []
+    for node, blamed in sorted(blamed_nodes(events).items()):
+        then = ("excluded at the next submission" if blamed.count >= BLAMES_TO_EXCLUDE
+                else f"excluded once blamed {BLAMES_TO_EXCLUDE} times")
+        lines.append(f"bad node    {node}: blamed {blamed.count}x ({blamed.evidence[-1]}); {then} "
+                     f"(--forget-node {node} clears it)")
+    decisions = [e for e in events if e.get("event") == "node_decision"]
+    for decision in decisions[-5:]:
+        lines.append(f"node        {decision.get('node')} {decision.get('decision')} at a submission, "
+                     f"{duration(now - decision['time'])} ago")
+    return lines

@@ -383,8 +383,18 @@ _ROWS = (
 )
 
 
-def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
-    """The goodput table and the stops table, as `jobs/status.py` prints them."""
+_WAY_BACK = {
+    "hold": "exited -> the next process start (the requeue hold, the queue wait)",
+    "process start": "-> the session (the interpreter, imports)",
+    "rendezvous": "-> the process group formed",
+    "state load": "-> the checkpoint found, read and restored",
+    "first step": "-> the first step done",
+}
+
+
+def goodput_lines(g: Goodput, sacct_known: bool, way_back: Mapping[str, float] | None = None) -> list[str]:
+    """The goodput table and the stops table, as `jobs/status.py` prints them; `way_back`: the restarts' phases
+    summed (mgpu.record.restarts.phase_totals), shown under `restarting`."""
     if not g.segments:
         return []
     base = g.allocated_s if g.allocated_s else g.span_s
@@ -400,6 +410,10 @@ def goodput_lines(g: Goodput, sacct_known: bool) -> list[str]:
         share = f"{100 * (seconds or 0) / base:5.1f}%" if key != "queued" and base else "      "
         what = what.format(queue="" if g.allocated_s else "; and the queue wait, without sacct")
         lines.append(f"  {key:<13}{duration(seconds or 0):>9} {share}  {what}")
+        if key == "restarting" and way_back and any(name in way_back for name in _WAY_BACK):
+            lines.append("   the way back, every restart summed (status's `restarts`):")
+            lines += [f"    {name:<14}{duration(way_back[name]):>6}         {meaning}"
+                      for name, meaning in _WAY_BACK.items() if name in way_back]
     lines.append(f"  {'lost steps':<13}{g.lost_steps:>9}         trained again after a stop (normally 0)")
     if g.memory_steps:
         lines.append(f"  {'from memory':<13}{g.memory_steps:>9}         restored from memory after a failure, not trained "

@@ -6,7 +6,9 @@ Every event has `time` (unix seconds), `event` and the job's `job_id` and `resta
 depends on the event. Tools (jobs/status.py, the tests) read it back with `read_ledger`.
 
     started          world_size, nodes, launcher, device, backend, run_dir, config_path, git_sha, limits
-                     (max_requeues, max_failures: the job's requeue limits as the ranks read them)
+                     (max_requeues, max_failures: the job's requeue limits as the ranks read them), ladder (the
+                     timeout ladder at the start: hang and stop rungs [name, seconds, why], problems: the orders
+                     broken, one line each; mgpu.stop.ladder)
     resumed          step, epoch, position, from (checkpoint path), skipped (rejected newer checkpoints)
     fresh_start      set_aside (where the run's earlier checkpoints were moved: an explicit `fresh` start)
     hyperparameters  step, changes ("optimizer lr: 0.001 -> 0.5"...: an explicit change on resume, applied
@@ -14,10 +16,14 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     first_step       step (the first step this run completed), collective_timeout_s, checkpoint_allowance_s
                      (the watchdog's for one save: mgpu.state.save_budget), timings (rank 0's Unix
                      times: process start, session start, group formed, checkpoint find/loaded/restored,
-                     first batch, first step done: the way back to training, measured)
+                     first batch, first step done: the way back to training, measured), ladder (the timeout
+                     ladder again, with the first step's time and the collective timeout)
     progress         step, epoch, total_steps, metrics (the log line's: loss, lr, grad_norm, samples_per_s,
                      step_time_s), fingerprint (hex float: a weighted sum of every parameter; equal
-                     weights give equal fingerprints); written at every log interval (log.every_steps); a loop
+                     weights give equal fingerprints), ranks (every rank's compute and wait per step, EWMAs:
+                     compute_s and wait_s [min, median, max], slowest {rank, node, factor}, nodes {node: its
+                     slowest rank's factor}, stragglers; several ranks and stragglers.enabled: mgpu.record.stragglers);
+                     written at every log interval (log.every_steps); a loop
                      of its own (Session.log, mgpu.record.loop_progress): step, epoch (its loader's, if any), metrics
                      (what it gave), fingerprint (of its state's models, comma-joined), no total_steps
     checkpoint_saved step, seconds, bytes, path, reason ("periodic" | "epoch" | "preemption" | "final" | "best")
@@ -45,6 +51,11 @@ depends on the event. Tools (jobs/status.py, the tests) read it back with `read_
     node_excluded    node, excluded (the job's whole ExcNodeList now), reason
     node_decision    node, decision ("excluded": blamed in 2 attempts, kept off at this submission; "forgotten":
                      --forget-node), blames, evidence, by ("submit"; mgpu.record.exclusion)
+    straggler        rank, node, factor (its compute per step over the median of the other ranks', the median over
+                     the window that named it), since_step (the window's first step), step, compute_s and
+                     typical_s (its compute EWMA, the other ranks' median): a rank persistently slower than the
+                     others (mgpu.record.stragglers; rank 0, from the stop agreement's timing slots)
+    straggler_cleared the same fields: the rank is no longer slower by the margin
     hang             ranks (the stuck ones), hosts, step (the last step every live rank completed), phases and
                      steps (per rank), frozen, missing, detected_by, waited_s, allowance_s (mgpu.stop.watchdog)
     evaluated        step, metrics
@@ -72,7 +83,7 @@ from mgpu.record.save_record import note_event
 __all__ = ["EVENTS", "MAX_LEDGER_BYTES", "Ledger", "read_ledger"]
 
 EVENTS = ("started", "resumed", "fresh_start", "hyperparameters", "first_step", "progress", "checkpoint_saved", "checkpoint_failed", "preempted",
-          "stop_decision", "requeue_unknown", "requeue_refused", "awaiting_slurm", "requeued", "restarted", "node_excluded", "node_decision", "hang", "evaluated", "early_stopped", "finished",
+          "stop_decision", "requeue_unknown", "requeue_refused", "awaiting_slurm", "requeued", "restarted", "node_excluded", "node_decision", "straggler", "straggler_cleared", "hang", "evaluated", "early_stopped", "finished",
           "failed")
 """Every event mgpu writes (tests/test_goodput.py checks it against the code's writes and this docstring)."""
 

@@ -109,10 +109,11 @@ def progress_line(step: int, total: int | None, epoch: int | None, metrics: Mapp
 
 
 def log_progress(ledger: Ledger, step: int, every: int, state: State, is_main: bool,
-                 metrics: Mapping[str, Any], clock: Clock | None = None, total: int | None = None) -> bool:
+                 metrics: Mapping[str, Any], clock: Clock | None = None, total: int | None = None,
+                 ranks: Mapping[str, Any] | None = None) -> bool:
     """*Collective* when due and a module is sharded. Write the `progress` event at `step` if it is due (every
-    `every` steps; 0: always), and on rank 0 its line (`progress_line`, paced by `clock`); returns whether it was
-    due."""
+    `every` steps; 0: always), with `ranks` (every rank's step times: mgpu.record.stragglers) when known, and on
+    rank 0 its line (`progress_line`, paced by `clock`); returns whether it was due."""
     check_metrics(metrics)
     if every and step % every:
         return False
@@ -122,7 +123,7 @@ def log_progress(ledger: Ledger, step: int, every: int, state: State, is_main: b
         epoch = epoch_of(objects)
         values = read_metrics(metrics)
         ledger.write("progress", step=step, **({} if epoch is None else {"epoch": epoch}),
-                     metrics=values, fingerprint=weights)
+                     metrics=values, fingerprint=weights, **({"ranks": ranks} if ranks else {}))
         rate = clock.rate(step) if clock is not None else None
         logging.getLogger("mgpu.train").info("%s", progress_line(step, total, epoch, values, rate))
     return True

@@ -16,11 +16,15 @@ from pathlib import Path
 from typing import Any
 
 from mgpu.errors import MgpuError
+from mgpu.record.exclusion import node_lines
 from mgpu.record.failures import merge, read_failures
 from mgpu.record.goodput import SACCT_FIELDS, SacctRun, duration, goodput, goodput_lines, parse_sacct
 from mgpu.record.ledger import read_ledger
 from mgpu.record.budgets import Limits, failure_requeues
+from mgpu.record.restarts import phase_totals, restart_lines, restarts
 from mgpu.record.rundir import RunDir
+from mgpu.record.stragglers import attempt_stragglers, straggler_line, summary_line
+from mgpu.record.timeouts import ladder_lines, newest_ladder
 from mgpu.cluster.slurm import client, is_alive
 
 __all__ = ["LIVE_S", "RunView", "budgets", "describe", "failure_cause", "hang_line", "is_run_dir", "job_limits",
@@ -199,6 +203,13 @@ def summarize(events: list[dict[str, Any]], now: float | None = None) -> dict[st
         best = [e for e in evals if e.get("best") is True]
         if best:
             summary["best_eval"] = {"step": best[-1].get("step"), "metrics": best[-1]["metrics"]}
+    if (ranks := next((e["ranks"] for e in reversed(events[begin:]) if e["event"] == "progress"
+                       and isinstance(e.get("ranks"), dict)), None)) is not None:
+        summary["ranks"] = ranks
+    if (ladder := newest_ladder(events[begin:])) is not None:
+        summary["ladder"] = ladder  # the timeout ladder: the first step's, else the start's
+    if named := attempt_stragglers(events[begin:]):
+        summary["stragglers"] = named
     hangs = [e for e in events if e["event"] == "hang"]
     if hangs:
         summary["hangs"] = {"count": len(hangs), "last": hangs[-1]}
@@ -223,23 +234,6 @@ def hang_line(hang: dict[str, Any]) -> str:
         steps.get(str(r)), int) and steps[str(r)] - 1 != hang.get("step") else "") for r in ranks if str(r) in phases)
     return (f"after step {hang.get('step')}: {who}" + (f" in {where}" if where else "")
             + (f", found after {hang['waited_s']} s" if isinstance(hang.get("waited_s"), (int, float)) else ""))
-
-
-def node_lines(events: list[dict[str, Any]], now: float) -> list[str]:
-    """The nodes this run blames (mgpu.record.exclusion: remembered across submissions) and the submissions' decisions."""
-    from mgpu.record.exclusion import BLAMES_TO_EXCLUDE, blamed_nodes
-
-    lines = []
-    for node, blamed in sorted(blamed_nodes(events).items()):
-        then = ("excluded at the next submission" if blamed.count >= BLAMES_TO_EXCLUDE
-                else f"excluded once blamed {BLAMES_TO_EXCLUDE} times")
-        lines.append(f"bad node    {node}: blamed {blamed.count}x ({blamed.evidence[-1]}); {then} "
-                     f"(--forget-node {node} clears it)")
-    decisions = [e for e in events if e.get("event") == "node_decision"]
-    for decision in decisions[-5:]:
-        lines.append(f"node        {decision.get('node')} {decision.get('decision')} at a submission, "
-                     f"{duration(now - decision['time'])} ago")
-    return lines
 
 
 def progress_line(summary: dict[str, Any]) -> str:
@@ -404,11 +398,17 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
             script = client().batch_script(str(job_id)) if is_alive(sched) else None
             limits = job_limits(script) if script else None
         lines.append(f"budgets     {budgets(events, str(job_id), summary['restart'], limits)}")
+    if "ranks" in summary and (timing := summary_line(summary["ranks"])) is not None:
+        lines.append(f"ranks       {timing}")
+    for event in summary.get("stragglers", []):
+        lines.append(f"straggler   {straggler_line(event)}")
     if "hangs" in summary:
         lines.append(f"hangs       {summary['hangs']['count']}; last {hang_line(summary['hangs']['last'])}")
     if "excluded" in summary:
         lines.append(f"excluded    {', '.join(map(str, summary['excluded']))} (nodes a hang was pinned on)")
     lines.extend(node_lines(events, now))
+    if "ladder" in summary:
+        lines.extend(ladder_lines(summary["ladder"]))
     lines.append(f"last event  {summary['last_event']}, {duration(summary['last_event_age_s'])} ago")
     runs, sacct_known = sacct_runs(events) if slurm else ([], False)
     # A running segment counts until now; without Slurm's word, only while the ledger is recent (a killed
@@ -417,7 +417,9 @@ def describe(run: RunView | RunDir | Path, now: float | None = None) -> list[str
                                                   and summary["last_event_age_s"] < LIVE_S)
     if live:
         lines.extend(f"long phase  {line}" for line in long_phases(view.run.logs, now))
-    lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known))
+    found = restarts(events)
+    lines.extend(restart_lines(found))
+    lines.extend(goodput_lines(goodput(events, runs, now if live else None), sacct_known, phase_totals(found)))
     return lines
 
 

@@ -198,9 +198,10 @@ class Outcome:
 
 def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoint: str | None,
                       budgets: StopBudgets, env: ProcessEnv, ledger: Ledger,
-                      signals: Sequence[tuple[str, float]] = ()) -> Outcome:
+                      signals: Sequence[tuple[str, float]] = (), straggler: tuple[str, str] | None = None) -> Outcome:
     """Rank 0, after the stop checkpoint: ask Slurm, requeue or not within the budgets, record it; every Slurm
-    call within the time left before the kill (`signals`: rank 0's, with their Unix times)."""
+    call within the time left before the kill (`signals`: rank 0's, with their Unix times). `straggler`: (node,
+    why) of a straggler whose node this rank's requeue excludes (stragglers.exclude_node)."""
     if env.rank != 0:
         return Outcome("other_rank")  # a non-zero exit here would make srun kill rank 0 before it acts
     progressed = step > resumed_step
@@ -225,6 +226,10 @@ def decide_after_stop(reasons: set[str], step: int, resumed_step: int, checkpoin
             ledger.write("requeued", step=step, how=outcome.how, message=outcome.message,
                          **({} if progressed else {"after": "no_progress"}))
             log.info("requeue: %s", outcome.message)
+            if straggler is not None:
+                from mgpu.record.exclusion import exclude_straggler
+
+                log.info("%s", exclude_straggler(budgets.job_id, *straggler, ledger))  # type: ignore[arg-type]  # decide() requeues only a job of ours
         if decision.requeue or decision.event == "requeued_by_slurm":
             return Outcome("requeued", why)
         if decision.event == "unknown":

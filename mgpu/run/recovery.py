@@ -45,7 +45,8 @@ from mgpu.record.budgets import FAILURE_KINDS, Limits, failure_requeues
 from mgpu.errors import USAGE_EXIT_CODE, MgpuError
 from mgpu.record.failures import record_failure
 from mgpu.record.ledger import Ledger, read_ledger
-from mgpu.record.exclusion import apply_exclusion, partition_nodes, plan_exclusion, unavailable_nodes
+from mgpu.record.exclusion import (apply_exclusion, exclude_straggler, partition_nodes, plan_exclusion, straggler_node,
+                                   unavailable_nodes)
 from mgpu.cluster.hostlist import expand_hostlist
 from mgpu.cluster.requeue import Budget, JobView, decide, query_job, requeue, resume_command
 from mgpu.record.rundir import RunDir
@@ -168,7 +169,10 @@ def handle_failure(run: RunDir, job_id: str, restart: int, limits: Limits, messa
         if plan is not None and plan.nodes:
             apply_exclusion(job_id, plan.nodes)  # pending now: Slurm takes it (not while running)
             ledger.write("node_excluded", node=bad, excluded=list(plan.nodes), reason=f"hang: ranks {hang['ranks']}")  # type: ignore[index]  # a plan comes from a hang
-        return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "")
+        note = ""
+        if not (plan and plan.nodes) and (straggler := straggler_node(attempt)) is not None:
+            note = f"; {exclude_straggler(job_id, *straggler, ledger)}"  # stragglers.exclude_node: at this requeue
+        return action, f"requeued after the {kind}: {outcome.message}" + (f"; {plan.why}" if plan else "") + note
     except Exception as inner:  # noqa: BLE001  (never hide the failure that brought us here)
         return "none", (f"could not requeue after the failure: {type(inner).__name__}: {inner}; to resume: "
                         f"{resume_command(ask=False)}")

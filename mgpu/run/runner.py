@@ -84,11 +84,31 @@ def setup_logging(run: RunDir, rank: int) -> None:
     logging.raiseExceptions = False
 
 
+NODE_ENV = "MGPU_NODE_NAME"
+"""This node's name where the launcher does not give one (tests: two "nodes" on one host)."""
+
+
+def node_name(env: ProcessEnv) -> str:
+    """The node this rank runs on, as Slurm names it (MGPU_NODE_NAME first, else the job's node list, else the host)."""
+    return os.environ.get(NODE_ENV) or (env.nodes[env.node_rank] if 0 <= env.node_rank < len(env.nodes)
+                                        else socket.gethostname())
+
+
+def rank_node(run: RunDir, rank: int) -> str:
+    """The node `rank` recorded at its start (`logs/rank<N>.json`: its `node`, else its host; "?" when unreadable)."""
+    try:
+        record = json.loads(run.rank_record(rank).read_text())
+        return str(record.get("node") or record["hostname"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return "?"
+
+
 def record_rank(run: RunDir, env: ProcessEnv, device: str, backend: str) -> None:
     """`logs/rank<N>.json`: who this rank was in this run (the launcher's view, for debugging and tests)."""
     import torch
 
     record = {**dataclasses.asdict(env), "device": device, "backend": backend, "hostname": socket.gethostname(),
+              "node": node_name(env),
               "slurmd_nodename": os.environ.get("SLURMD_NODENAME"), "pid": os.getpid(),
               "cpu_threads": torch.get_num_threads()}
     try:

@@ -131,6 +131,9 @@ class Session(SessionBase):
         """The run's optimizer steps, when the loop knows them (set it): `log()`'s progress line then has an ETA."""
         self._log_clock: Any = None  # the pace of log()'s lines (mgpu.record.loop_progress.Clock)
         self._by_batch = recovery_by_batch_script
+        self.timer = None  # this rank's compute and wait per step (mgpu.stop.rank_timing), set by start()
+        self._sync_wait = None
+        self.stragglers = None  # rank 0's watch of every rank's step times (mgpu.record.stragglers)
         refusals_in_one_line()  # an MgpuError nobody catches: one line on rank 0, exit 2 (mgpu.run.uncaught)
         try:
             start(self, env)  # mgpu.run.session_start: who am I, the run, the group, the watchdog
@@ -247,6 +250,18 @@ class Session(SessionBase):
         self.beat("agree")
         return bool(stopper.poll())
 
+    def outside_step(self) -> contextlib.AbstractContextManager[None]:
+        """`with session.outside_step(): ...` around work between steps that is not training (an evaluation,
+        a log line): left out of this rank's step time, which names a slow rank (stragglers; `save()` and `log()`
+        leave themselves out)."""
+        return self.timer.outside() if self.timer is not None else contextlib.nullcontext()
+
+    def rank_times(self) -> dict[str, Any] | None:
+        """Rank 0: every rank's compute and wait per step so far (EWMAs: min, median, max), the slowest rank, its
+        node and its factor over the others, the stragglers named (mgpu.record.stragglers); None elsewhere, before
+        the first agreement, or in a world of one. The trainer logs it with each log line."""
+        return self.stragglers.summary() if self.stragglers is not None else None
+
     @property
     def stopping(self) -> bool:
         """The ranks agreed to stop (after `should_stop()` or `poll_stop()` said so)."""
@@ -325,7 +340,8 @@ class Session(SessionBase):
         durable (with `wait`, on rank 0). A background save that fails is reported and the next one tries
         again; a save with `wait` that fails raises the same one-line error on every rank. Refused into a
         run whose checkpoint this session did not `load()`."""
-        return session_state.save(self, state, best, wait, reason, meta)
+        with self.outside_step():
+            return session_state.save(self, state, best, wait, reason, meta)
 
     @property
     def run_id(self) -> str:
@@ -350,8 +366,10 @@ class Session(SessionBase):
         if metrics is not None and not isinstance(metrics, Mapping):
             raise MgpuError(f"Session.log() takes a dict of metrics or name=value, got a {type(metrics).__name__}")
         self._log_clock = self._log_clock or Clock()
-        return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
-                            {**(metrics or {}), **named}, self._log_clock, self.total_steps)
+        with self.outside_step():
+            return log_progress(self.ledger, self.step, self.cfg.log.every_steps, self._state, self.is_main,
+                                {**(metrics or {}), **named}, self._log_clock, self.total_steps,
+                                ranks=self.rank_times())
 
     @functools.cached_property
     def version(self) -> str | None:

@@ -19,10 +19,13 @@ if TYPE_CHECKING:
     from mgpu.record.budgets import Limits
     from mgpu.record.ledger import Ledger
     from mgpu.record.rundir import RunDir
+    from mgpu.record.stragglers import StragglerWatch
     from mgpu.run.outcome import StopBudgets
     from mgpu.state.checkpoint import LoadedCheckpoint
     from mgpu.state.resumption import Resumption
+    from mgpu.parallel.sync_wait import SyncWait
     from mgpu.stop.preemption import StopRequest
+    from mgpu.stop.rank_timing import RankTimer
     from mgpu.stop.stopping import StopController
     from mgpu.stop.watchdog import Watchdog
 
@@ -76,6 +79,14 @@ class SessionBase:
     backend: str
     expected_save_s: float | None
     save_allowance_s: float
+    resume_allowance_s: float
+    ladder: dict[str, Any]
+    """The timeout ladder at the start (mgpu.stop.ladder's record: the rungs and the orders broken)."""
+    timer: RankTimer | None
+    """This rank's compute and wait per step (mgpu.stop.rank_timing; None: a world of one, or stragglers off)."""
+    _sync_wait: SyncWait | None
+    stragglers: StragglerWatch | None
+    """Rank 0's watch of every rank's step times (mgpu.record.stragglers; None elsewhere, or not measured)."""
 
     # What the parts call of the Session (defined there).
     @property

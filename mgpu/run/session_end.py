@@ -17,7 +17,8 @@ from mgpu.run.runner import discard
 from mgpu.run.session_base import SessionBase
 
 
-__all__ = ["arm_teardown", "conclude", "discard_if_unused", "never_asked", "settle_open_stop"]
+__all__ = ["arm_teardown", "conclude", "discard_if_unused", "never_asked", "settle_open_stop",
+           "straggler_to_exclude"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -44,10 +45,23 @@ def conclude(session: SessionBase, status: str | None, fields: dict[str, Any]) -
     session.ledger.write("preempted", step=session.step, reasons=sorted(reasons),
                          signals=[name for name, _ in received], signal_times=[round(t, 3) for _, t in received])
     outcome = decide_after_stop(reasons, session.step, session.resume_step, str(path) if path else None,
-                                session.budgets, session.env, session.ledger, signals=list(received))
+                                session.budgets, session.env, session.ledger, signals=list(received),
+                                straggler=straggler_to_exclude(session))
     if outcome.kind == "stays_down":
         session.run.release(session.env.job_id)
     return outcome
+
+
+def straggler_to_exclude(session: SessionBase) -> tuple[str, str] | None:
+    """Rank 0, with stragglers.exclude_node: (node, why) of the slowest straggler named now, whose node a requeue
+    by this rank excludes; None otherwise."""
+    watch = session.stragglers
+    if watch is None or not session.cfg.stragglers.exclude_node or not watch.named:
+        return None
+    from mgpu.record.stragglers import exclusion_reason
+
+    rank = max(watch.named, key=watch.window_factor)
+    return watch.node(rank), exclusion_reason(rank, round(watch.window_factor(rank), 3))
 
 
 def settle_open_stop(session: SessionBase, outcome: Outcome) -> Outcome:

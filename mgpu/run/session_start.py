@@ -25,7 +25,7 @@ from mgpu.cluster.slurm_job import owns_slurm_job
 from mgpu.run.session_base import SessionBase
 
 
-__all__ = ["after_first_step", "longest_write_s", "record_start", "start"]
+__all__ = ["after_first_step", "longest_write_s", "record_start", "start", "straggler_changed", "timeout_ladder"]
 
 log = logging.getLogger("mgpu.train")
 
@@ -33,7 +33,8 @@ log = logging.getLogger("mgpu.train")
 def start(session: SessionBase, env: ProcessEnv | None) -> None:
     """Everything between the stop signals caught and the loop's first call: sets the session's `limits`, `env`,
     `rank`, `world_size`, `local_rank`, `is_main`, `run`, `slurm_job`, `budgets`, `ledger`, `started`,
-    `resumption`, `device`, `backend`, `expected_save_s`, `save_allowance_s`, `watchdog`, `beat`, `stopper`."""
+    `resumption`, `device`, `backend`, `expected_save_s`, `save_allowance_s`, `resume_allowance_s`, `watchdog`,
+    `beat`, `timer`, `stragglers` (rank 0's), `stopper`, `ladder` (its broken orders said by rank 0)."""
     cfg = session.cfg
     session.limits = Limits.from_environ()  # before torch is imported: a bad value fails in milliseconds
     session.env = env or detect_environment()
@@ -76,6 +77,7 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
     budget = allowances(session.run.ledger, session.world_size, cfg.watchdog.checkpoint_s, cfg.watchdog.first_step_s,
                         session.run.checkpoints)
     session.expected_save_s, session.save_allowance_s = budget.expected_save_s, budget.save_allowance_s
+    session.resume_allowance_s = budget.resume_allowance_s
     if session.is_main and session.save_allowance_s > cfg.watchdog.checkpoint_s:
         log.info("a checkpoint save is expected to take %.0f s here (the saves measured so far): the watchdog "
                  "allows %.0f s for one, more than watchdog.checkpoint_s", session.expected_save_s or 0.0,
@@ -85,13 +87,62 @@ def start(session: SessionBase, env: ProcessEnv | None) -> None:
                                           checkpoint_s=session.save_allowance_s, resume_s=budget.resume_allowance_s)
         cleanup.callback(lambda: arm_teardown(session))
         session.beat = session.watchdog.beat
+    if cfg.stragglers.enabled and session.world_size > 1:
+        from mgpu.parallel.sync_wait import SyncWait
+        from mgpu.stop.rank_timing import RankTimer
+
+        session._sync_wait = SyncWait(session.device)  # session.wrap's DDPs report their waits to it
+        session.timer = RankTimer(session._sync_wait.take)
+        if session.is_main:
+            from mgpu.record.stragglers import StragglerWatch
+            from mgpu.run.runner import rank_node
+
+            stragglers = cfg.stragglers
+            session.stragglers = StragglerWatch(session.world_size, stragglers.margin, stragglers.hold_steps,
+                                                stragglers.hold_s, node_of=lambda rank: rank_node(session.run, rank))
     # Only with the watchdog running: the claim's broadcast is the first collective after the rendezvous, and a rank
     # whose peer froze there (SIGSTOP, a lost node) waited distributed.init_timeout_s, not watchdog.first_step_s.
     join_run(session.run, session.env, str(session.device), session.backend)
     session.stopper = StopController.for_rank(
         session.stop, cfg.preemption, cleanup, slurm_job=session.slurm_job if session.is_main else None,
-        longest_write_s=lambda: longest_write_s(session), nodes=session.env.nodes)
+        longest_write_s=lambda: longest_write_s(session), nodes=session.env.nodes, timer=session.timer,
+        stragglers=session.stragglers, on_straggler=lambda change: straggler_changed(session, change))
     seed_rank(cfg.train.seed, session.rank, cfg.train.deterministic)
+    session.ladder = timeout_ladder(session)
+    if session.is_main:  # every order broken, in one line, before the first step that may need it kept
+        for problem in session.ladder["problems"]:
+            log.warning("timeouts: %s", problem)
+
+
+def timeout_ladder(session: SessionBase, step_s: float | None = None,
+                   collective_timeout_s: float | None = None) -> dict[str, Any]:
+    """Every bound this run lives under, in order, and what breaks the order (mgpu.stop.ladder), as the ledger holds
+    it: at the start, and at the first step with its time and the collective timeout then set."""
+    from mgpu.cluster.kill_time import KillTimes
+    from mgpu.stop.ladder import Figures, ladder
+
+    cfg = session.cfg
+    return ladder(Figures(
+        init_timeout_s=cfg.distributed.init_timeout_s, watchdog=session.watchdog is not None,
+        step_multiple=cfg.watchdog.step_multiple, floor_s=cfg.watchdog.floor_s, first_step_s=cfg.watchdog.first_step_s,
+        eval_s=cfg.watchdog.eval_s, save_allowance_s=session.save_allowance_s,
+        resume_allowance_s=session.resume_allowance_s, expected_save_s=session.expected_save_s, step_s=step_s,
+        collective_timeout_s=collective_timeout_s, agree_every=cfg.preemption.check_every_steps,
+        kill=KillTimes.from_environ() if session.slurm_job else None,
+        deadline_margin_s=cfg.preemption.deadline_margin_s if session.slurm_job else 0.0)).record()
+
+
+def straggler_changed(session: SessionBase, change: Any) -> None:
+    """Rank 0: a rank named a straggler, or cleared (mgpu.record.stragglers.Change): one line, one ledger event."""
+    from mgpu.record.stragglers import change_line
+
+    if change.named:
+        log.warning("%s", change_line(change))
+        exclude = {"exclude": True} if session.cfg.stragglers.exclude_node else {}  # at the next requeue
+        session.ledger.write("straggler", **change.fields(), **exclude)
+    else:
+        log.info("%s", change_line(change))
+        session.ledger.write("straggler_cleared", **change.fields())
 
 
 def record_start(session: SessionBase, fields: dict[str, Any]) -> None:
@@ -100,6 +151,7 @@ def record_start(session: SessionBase, fields: dict[str, Any]) -> None:
     session.ledger.write("started", world_size=session.world_size, nodes=list(env.nodes), launcher=env.launcher,
                          device=str(session.device), backend=session.backend, run_dir=str(session.run.path),
                          limits={"max_requeues": limits.max_requeues, "max_failures": limits.max_failures},
+                         ladder=session.ladder,
                          **{"config_path": session.config_path, "git_sha": session.version, **fields})
     session.resumption.record()
 
@@ -125,6 +177,16 @@ def after_first_step(session: SessionBase) -> None:
     session.timings["first_step"] = time.time()
     if session.is_main and session.slurm_job:
         complete_resume_command()  # a template's sbatch options from accounting now, not within a stop's KillWait
+    began = session.timings.get("first_batch", session.timings.get("restored", session.timings["group"]))
+    ladder = timeout_ladder(session, step_s=max(0.0, session.timings["first_step"] - began),
+                            collective_timeout_s=seconds)
+    if session.is_main:  # the ladder once, as training starts (not before: a run refused earlier prints one line)
+        from mgpu.record.timeouts import ladder_lines
+
+        log.info("%s", "\n".join(ladder_lines(ladder, problems=False)))
+        for problem in ladder["problems"]:
+            if problem not in session.ladder["problems"]:  # said at the start already
+                log.warning("timeouts: %s", problem)
     session.ledger.write("first_step", step=session.step, collective_timeout_s=seconds,
                          checkpoint_allowance_s=round(session.save_allowance_s, 1),
-                         timings={k: round(v, 3) for k, v in session.timings.items()})
+                         timings={k: round(v, 3) for k, v in session.timings.items()}, ladder=ladder)

@@ -231,23 +231,15 @@ def last_words(session: SessionBase, why: str) -> None:
         log.warning("%s: %s", why, snapshots.last_words(marks))
 
 
-NODE_ENV = "MGPU_NODE_NAME"
-"""This node's name for the replicas' directories, where the launcher does not give one (tests: two "nodes" on
-one host)."""
-
-
 def replication(session: SessionBase, identity: Any, budget: Callable[[int, int], str | None], own: Any = None) -> Any:
     """This rank's side of the replicas on another node (mgpu.state.memory_replica), or None: one node, or the
     rendezvous store cannot be reached (said; the snapshots stay on their node). `budget`: what the replica it
     holds may take (mgpu.state.memory_state.MemorySnapshots.replica_refusal)."""
-    import os
-    import socket
-
+    from mgpu.run.runner import node_name
     from mgpu.state.memory_replica import Replication, StoreDirectory, local_address
 
     env = session.env
-    node = os.environ.get(NODE_ENV) or (env.nodes[env.node_rank] if env.node_rank < len(env.nodes)
-                                        else socket.gethostname())
+    node = node_name(env)
     try:
         return Replication.start(identity, node=node, ranks_per_node=env.local_world_size, num_nodes=env.num_nodes,
                                  host=local_address(env.master_addr, env.master_port) if env.num_nodes > 1 else "",

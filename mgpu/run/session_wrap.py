@@ -39,6 +39,8 @@ def wrap(session: SessionBase, model: nn.Module, find_unused_parameters: bool, s
     assert session._ddps is not None
     ddp = session._ddps.wrap(model, session.device, find_unused_parameters, static_graph)  # [mgpu.parallel.ddp bucket layout]
     session._wrapped.add(ddp)
+    if session._sync_wait is not None:
+        session._sync_wait.attach(ddp)  # its waits for the other ranks are not this rank's compute
     return watched(session, ddp)
 
 

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Callable
 if TYPE_CHECKING:
     import torch
 
+    from mgpu.stop.rank_timing import RankTimer, RankTimes
+
 # torch is imported only by StopAgreement: StopRequest must be installable before the seconds it takes
 # to import torch, or a signal arriving in them would kill the process (or reach submitit's handler).
 
@@ -133,20 +135,31 @@ class StopAgreement:
     `poll()` is the same pipelined agreement between steps (every evaluation batch); `now()` agrees at
     once (blocking). The reduction runs on a gloo side group with CPU tensors: with NCCL it never
     synchronises the GPU stream. A world of one needs no collective and answers at once.
+    With a `timer` (mgpu.stop.rank_timing.RankTimer) each reduction also carries every rank's median compute
+    and wait since the last one, in slots of the same vector: `rank_times` is the newest read (every rank's).
     """
 
-    def __init__(self, stop: StopRequest, seconds_between: float = AGREE_EVERY_S) -> None:
+    def __init__(self, stop: StopRequest, seconds_between: float = AGREE_EVERY_S, timer: RankTimer | None = None
+                 ) -> None:
         import torch.distributed as dist
 
         self.stop = stop
         self.seconds_between = seconds_between
         self.auto_every = 1
         """The interval `every=None` uses: 1 until the first reduction is read, then about a second of steps."""
+        self.timer = timer
+        self.rank_times: RankTimes | None = None
+        """Every rank's compute and wait of the newest interval read (with a `timer`; None before one is read)."""
+        self.readings = 0
+        """How many intervals with steps were read into `rank_times`."""
         distributed = dist.is_initialized() and dist.get_world_size() > 1
+        self._world = dist.get_world_size() if distributed else 1
+        self._rank = dist.get_rank() if distributed else 0
         # Every rank constructs this at the same point: new_group is itself a collective.
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._pending: tuple[Any, torch.Tensor] | None = None
         self._pending_step = -1
+        self._read_step = -1  # the step at which the reduction being read started
         self._last_call: float | None = None
         self._busy = 0.0  # seconds between this rank's calls since the last reduction started
         self._calls = 0
@@ -188,6 +201,8 @@ class StopAgreement:
         return self._collect()
 
     def _tick(self) -> None:
+        if self.timer is not None:
+            self.timer.step()
         now = time.perf_counter()
         if self._last_call is not None:
             self._busy += now - self._last_call
@@ -201,7 +216,12 @@ class StopAgreement:
         if self._pending is None:
             step_time = self._busy / self._calls if self._calls else 0.0
             self._busy, self._calls = 0.0, 0
-            vector = torch.tensor([*self.stop.flags(), step_time], dtype=torch.float64)
+            timing: list[float] = []
+            if self.timer is not None:
+                from mgpu.stop.rank_timing import encode
+
+                timing = encode(self._world, self._rank, *self.timer.interval())
+            vector = torch.tensor([*self.stop.flags(), step_time, *timing], dtype=torch.float64)
             self._pending = (dist.all_reduce(vector, op=dist.ReduceOp.MAX, group=self.group, async_op=True), vector)
             self._pending_step = step
 
@@ -210,11 +230,22 @@ class StopAgreement:
             return set()
         work, vector = self._pending
         self._pending = None
+        self._read_step = self._pending_step
+        began = time.perf_counter()
         work.wait()
+        if self.timer is not None:  # a reduction not done by now waited for a late rank: wait, not compute
+            self.timer.add_wait(time.perf_counter() - began)
         values = vector.tolist()
-        if values[-1] > 0:  # the slowest rank's step time: the same number, at the same step, everywhere
-            self.auto_every = 1 << int(math.log2(max(1.0, self.seconds_between / values[-1])))
-        return _decode_list([int(v) for v in values[:-1]])
+        flags, step_time = values[:len(REASONS)], values[len(REASONS)]
+        if step_time > 0:  # the slowest rank's step time: the same number, at the same step, everywhere
+            self.auto_every = 1 << int(math.log2(max(1.0, self.seconds_between / step_time)))
+        if self.timer is not None:
+            from mgpu.stop.rank_timing import decode
+
+            times = decode(values[len(REASONS) + 1:], self._world, self._read_step)
+            if times is not None:
+                self.rank_times, self.readings = times, self.readings + 1
+        return _decode_list([int(v) for v in flags])
 
     def drain(self) -> None:
         """Wait for the reduction in flight (before the group is destroyed). Its answer is not needed any more: a

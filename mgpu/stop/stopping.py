@@ -77,13 +77,19 @@ class StopController:
 
     `check_every`: steps between agreements (None: about once a second, see StopAgreement); `margin_s`: the
     deadline stop's margin (preemption.deadline_margin_s); `longest_write_s()`: the longest checkpoint write so
-    far; `monotonic`/`now`: the clocks (injected for tests)."""
+    far; `monotonic`/`now`: the clocks (injected for tests); `stragglers`: a StragglerWatch
+    (mgpu.record.stragglers) fed every rank's step times the agreement carried, its changes given to
+    `on_straggler` (rank 0's; None: not watched)."""
 
     def __init__(self, flags: Flags, agreement: Agreement, *, clock: Clock | None = None,
                  check_every: int | None = None, stop_at_step: int | None = None, margin_s: float = 60.0,
                  longest_write_s: Callable[[], float] = lambda: 0.0,
-                 monotonic: Callable[[], float] = time.monotonic, now: Callable[[], float] = time.time) -> None:
+                 monotonic: Callable[[], float] = time.monotonic, now: Callable[[], float] = time.time,
+                 stragglers: Any = None, on_straggler: Callable[[Any], None] = lambda change: None) -> None:
         self.flags, self.agreement, self.clock = flags, agreement, clock
+        self.stragglers, self.on_straggler = stragglers, on_straggler
+        self._readings = 0  # the agreement's readings of the ranks' step times seen so far
+        self._step = 0  # the newest step boundary
         self.check_every, self.stop_at_step, self.margin_s = check_every, stop_at_step, margin_s
         self.longest_write_s, self.monotonic, self.now = longest_write_s, monotonic, now
         self.reasons: set[str] = set()
@@ -95,15 +101,18 @@ class StopController:
     @classmethod
     def for_rank(cls, flags: Any, preemption: Any, cleanup: contextlib.ExitStack, *, slurm_job: str | None,
                  longest_write_s: Callable[[], float], environ: Mapping[str, str] = os.environ,
-                 nodes: Sequence[str] = ()) -> "StopController":
+                 nodes: Sequence[str] = (), timer: Any = None, stragglers: Any = None,
+                 on_straggler: Callable[[Any], None] = lambda change: None) -> "StopController":
         """*Collective* (the agreement's side group): the real parts for one rank of a run, their teardown in
         `cleanup`. `preemption`: the config's section; `slurm_job`: rank 0's own Slurm job (its clock), else None;
         `nodes`: the job's nodes, whose drains the clock watches;
-        `environ`: where the test stop is read (MGPU_STOP_AT_STEP)."""
+        `environ`: where the test stop is read (MGPU_STOP_AT_STEP); `timer`: this rank's RankTimer, whose step
+        times the agreement carries (mgpu.stop.rank_timing; None: not measured); `stragglers`, `on_straggler`: see
+        the class."""
         from mgpu.stop.preemption import StopAgreement
 
         stop_at_step = stop_at_step_from(environ)  # before the agreement's group: a bad value fails at once
-        agreement = StopAgreement(flags)
+        agreement = StopAgreement(flags, timer=timer)
         cleanup.callback(agreement.drain)
         clock = None
         if slurm_job and preemption.deadline_margin_s > 0:
@@ -112,7 +121,8 @@ class StopController:
             clock = JobClock(slurm_job, nodes=nodes).start()
             cleanup.callback(clock.stop)
         return cls(flags, agreement, clock=clock, check_every=preemption.check_every_steps, stop_at_step=stop_at_step,
-                   margin_s=preemption.deadline_margin_s, longest_write_s=longest_write_s)
+                   margin_s=preemption.deadline_margin_s, longest_write_s=longest_write_s, stragglers=stragglers,
+                   on_straggler=on_straggler)
 
     @property
     def agreed(self) -> bool:
@@ -127,6 +137,7 @@ class StopController:
     def at_step(self, step: int) -> set[str]:
         """*Collective* (through the agreement): the reasons to stop after `step`, every rank alike."""
         moment = self.monotonic()
+        self._step = step
         if self._last_step_at is not None:
             self.step_times.append(moment - self._last_step_at)
         self._last_step_at = moment
@@ -136,6 +147,7 @@ class StopController:
         else:
             reasons = self.agreement.at_step(step, self.check_every)
         self.reasons |= reasons
+        self._watch_ranks()
         return reasons
 
     def poll(self) -> set[str]:
@@ -143,7 +155,20 @@ class StopController:
         self.check_deadline()
         reasons = self.agreement.poll()
         self.reasons |= reasons
+        self._watch_ranks()
         return reasons
+
+    def _watch_ranks(self) -> None:
+        """A new reading of the ranks' step times (the agreement's): to the straggler watch. Its interval ended at
+        the step its reduction started at, or, started between steps (an evaluation's), at the last step."""
+        readings = getattr(self.agreement, "readings", 0)
+        if self.stragglers is None or readings == self._readings:
+            return
+        self._readings = readings
+        times = self.agreement.rank_times  # type: ignore[attr-defined]  # an agreement with readings has them
+        ended = times.step if times.step >= 0 else self._step
+        for change in self.stragglers.update(ended, times.steps, times.compute, times.wait, self.monotonic()):
+            self.on_straggler(change)
 
     def check_deadline(self) -> None:
         """Rank 0 under Slurm: request a stop when the job's end is closer than what a stop needs, or when one of

@@ -40,6 +40,7 @@ from mgpu.train.metrics import LossSum, Sums
 from mgpu.train.optim import build_optimizer, build_scheduler
 from mgpu.parallel.precision import resolve_precision
 from mgpu.record.reporting import Reporter, TaskLog, format_metrics
+from mgpu.record.stragglers import rank_scalars
 from mgpu.state.rng import seed_everything
 from mgpu.run.session import Session
 from mgpu.data.stream import ShardedStream, StreamFiles
@@ -369,13 +370,15 @@ class Trainer:
             # Every rank, every step: the same answer at the same step (this loop saves the stop itself).
             stop = session.should_stop(p.step, save=False)
             if self._log_due(p.step) or (not cfg.log.every_steps and epoch_end):
-                self._log_train()
+                with session.outside_step():  # rank 0's ledger and loggers are not its step's work
+                    self._log_train()
             if stop and not last:
                 # The stop's checkpoint is this step's; an evaluation due now comes first after the resume.
                 p.eval_pending = self._eval_due(epoch_end)
                 return "stopped"
             if self._eval_due(epoch_end):
-                early, stopped = self._evaluate_or_stop()
+                with session.outside_step():
+                    early, stopped = self._evaluate_or_stop()
                 if early or stopped:
                     return "early_stopped" if early else "stopped"
             if self._checkpoint_due(epoch_end):
@@ -521,11 +524,14 @@ class Trainer:
         fingerprint = weights_fingerprint(self.model) if self.fsdp or self.is_main else None
         self.reporter.scalars(p.step, metrics, "train")
         self.reporter.progress(p.step, p.epoch, metrics)
+        ranks = self.session.rank_times()  # rank 0's: every rank's step times, the slowest rank and its factor
+        if ranks is not None:
+            self.reporter.scalars(p.step, rank_scalars(ranks), "ranks")
         if self.is_main:
             # The heartbeat status reads, and a fingerprint of the weights two runs can be compared by.
             self.ledger.write("progress", step=p.step, epoch=p.epoch, total_steps=self.total_steps,
                               metrics={k: round(v, 6) for k, v in metrics.items()},
-                              fingerprint=fingerprint)
+                              fingerprint=fingerprint, **({"ranks": ranks} if ranks is not None else {}))
         if not self.reporter.bar:
             self.reporter.line(f"step {p.step}/{self.total_steps} epoch {p.epoch}  {format_metrics(metrics)}")
         self._loss_sum.zero_()
