@@ -102,11 +102,13 @@ def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: flo
 
 
 def base_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without any launcher variables, plus `extra`."""
+    """The test process's environment without any launcher variables, plus `extra`. SLURM_CONF stays: it names the
+    cluster (tests/e2e binds each pytest process to its own), it does not describe a launch."""
     launcher_prefixes = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
     launcher_names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(launcher_prefixes) and k not in launcher_names}
+    env = {k: v for k, v in os.environ.items()
+           if (k == "SLURM_CONF" or not k.startswith(launcher_prefixes)) and k not in launcher_names}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env

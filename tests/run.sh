@@ -4,14 +4,16 @@
 #   bash tests/run.sh [pytest args...]    # mypy, then one pytest with these args (tests/e2e included unless skipped)
 #   MGPU_SKIP_SLURM=1 bash tests/run.sh [pytest args...]   # no Slurm cluster, tests/e2e not run
 # Creates .venv (torch pinned by constraints.txt to the CPU build), starts the local Slurm test
-# cluster when running as root (slurm/cluster/start.sh installs Debian's slurm-wlm on first use),
+# clusters when running as root (slurm/cluster/start.sh installs Debian's slurm-wlm on first use),
 # runs the type checker (mypy, configured in setup.cfg) and pytest. Without root the real-Slurm tests
 # skip with the reason; with CI=true they fail, and MGPU_SKIP_SLURM is refused: CI runs everything.
 # Without arguments the end-to-end lane (tests/e2e: mostly waiting on Slurm) runs as a second pytest beside
-# the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does. The rest
-# runs in MGPU_TEST_WORKERS pytest-xdist workers (default 3, one test file each at a time: a file's shared
-# reference runs stay in one worker): its real-process tests mostly wait (watchdog allowances, sleep-paced
-# steps, a process's start), so 3 workers keep 2 cores busy; 1 runs it in one process.
+# the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does. The
+# end-to-end lane runs as two streams, two pytest-xdist workers each bound to a cluster of its own (a: n1, n2;
+# b: n3, n4; slurm/cluster/clusters.sh), a test file at a time. The rest runs in MGPU_TEST_WORKERS pytest-xdist
+# workers (default 3, one test file each at a time: a file's shared reference runs stay in one worker): its
+# real-process tests mostly wait (watchdog allowances, sleep-paced steps, a process's start), so 3 workers keep
+# 2 cores busy; 1 runs each lane in one process (the end-to-end lane on cluster a alone).
 # It says what it will install and start before it does any of it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +32,8 @@ workers=${MGPU_TEST_WORKERS:-3}
 case $workers in *[!0-9]* | "" | 0) echo "tests/run.sh: MGPU_TEST_WORKERS=$workers: a number of workers >= 1" >&2; exit 2 ;; esac
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
+streams=() clusters=(a)  # the end-to-end lane: two streams (a pytest-xdist worker per cluster) when it runs beside the rest
+[ "$workers" -gt 1 ] && [ $# -eq 0 ] && streams=(-n 2 --dist loadfile) clusters=(a b)
 
 # ----------------------------------------------------------------------------- what it will do
 venv_note="creates .venv (python3 -m venv) and"
@@ -52,9 +56,14 @@ elif [ "$(id -u)" = 0 ] && [ -x slurm/cluster/start.sh ]; then
     echo "tests/run.sh: Debian packages already installed: ${pkgs[*]}"
   fi
   echo "tests/run.sh: and start, unless already running, a local 2-node Slurm cluster: munged, mariadbd" \
-    "(--skip-networking), slurmdbd, slurmctld, slurmd -N n1, slurmd -N n2 (state in" \
-    "${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}; '127.0.0.1 n1 n2' added to /etc/hosts if they do not resolve);" \
-    "they keep running after the tests: stop them with bash slurm/cluster/stop.sh"
+    "(--skip-networking), slurmdbd, slurmctld, slurmd -N n1, slurmd -N n2 (cluster a, state in" \
+    "${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}; '127.0.0.1 n1 n2' added to /etc/hosts if they do not resolve)"
+  if [ ${#clusters[@]} -gt 1 ]; then
+    echo "tests/run.sh: and a second one beside it for the end-to-end lane's second stream: slurmctld, slurmd -N n3," \
+      "slurmd -N n4 (cluster b, state in ${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}-b, '127.0.0.1 n3 n4' added to" \
+      "/etc/hosts likewise; it uses cluster a's munged and slurmdbd)"
+  fi
+  echo "tests/run.sh: they keep running after the tests: stop them with bash slurm/cluster/stop.sh"
   echo "tests/run.sh: to skip all of that and the real-Slurm tests: MGPU_SKIP_SLURM=1 bash tests/run.sh"
 else
   echo "tests/run.sh: not root: no Slurm cluster is started; the real-Slurm tests (tests/e2e) skip with the reason" \
@@ -68,10 +77,12 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 
 if [ -n "$cluster" ]; then
-  if ! slurm/cluster/start.sh; then
-    echo "tests/run.sh: the local Slurm cluster did not start (see above)" >&2
-    [ "${CI:-}" = true ] && exit 1
-  fi
+  for name in "${clusters[@]}"; do
+    if ! MGPU_SLURM_CLUSTER=$name slurm/cluster/start.sh; then
+      echo "tests/run.sh: the local Slurm cluster $name did not start (see above)" >&2
+      [ "${CI:-}" = true ] && exit 1
+    fi
+  done
 fi
 
 export OMP_NUM_THREADS=1
@@ -87,10 +98,10 @@ fi
 # Two lanes at once: the end-to-end tests mostly wait on Slurm while the CPUs idle. The end-to-end lane, the
 # longer one, starts first; the type checker runs beside it, and its failure ends the script (and that lane).
 e2e_log=$(mktemp "${TMPDIR:-/tmp}/mgpu-e2e-lane.XXXXXX")
-.venv/bin/python -m pytest tests/e2e >"$e2e_log" 2>&1 &
+.venv/bin/python -m pytest "${streams[@]}" tests/e2e >"$e2e_log" 2>&1 &
 e2e_pid=$!
 trap 'kill "$e2e_pid" 2>/dev/null || true; rm -f "$e2e_log"' EXIT
-echo "tests/run.sh: the end-to-end lane (pytest tests/e2e) runs beside this one; its output follows"
+echo "tests/run.sh: the end-to-end lane (pytest ${streams[*]} tests/e2e) runs beside this one; its output follows"
 echo "tests/run.sh: type checking mgpu/ and jobs/ (mypy)"
 if ! .venv/bin/python -m mypy; then
   echo "tests/run.sh: mypy failed: the end-to-end lane is stopped, the rest not run" >&2

@@ -1,8 +1,10 @@
 """slurm/cluster/start.sh: a fresh start forgets the jobs of the daemons before it; a start that finds the
-cluster running keeps them.
+cluster running keeps them; cluster b (MGPU_SLURM_CLUSTER=b) beside a: its own state dir, nodes, ports and
+ClusterName, a's shared daemons, job ids that never meet a's (the /dev/shm names and rendezvous ports they give).
 
 start.sh runs for real (sourced, then its `main`), with every step that installs or starts a daemon replaced
 by a stub that logs its name: what is tested is the order of the steps and what they leave in the state dir.
+The configs are written by start.sh's own write_config into a temporary state dir.
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ import pytest
 from tests.conftest import ROOT
 
 START = ROOT / "slurm" / "cluster" / "start.sh"
-STUBBED = ("install_packages", "ensure_hosts", "write_config", "link_etc", "start_munge", "start_mariadb",
-           "wait_nodes", "summary")
+STUBBED = ("install_packages", "ensure_shared", "ensure_hosts", "write_config", "link_etc", "start_munge",
+           "start_mariadb", "realign_job_ids", "wait_nodes", "summary")
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="start.sh runs as root only")
 
@@ -35,14 +37,15 @@ def _earlier_sessions_state(state_dir: Path) -> None:
 
 
 ALL = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2")
+ALL_B = ("slurmctld", "slurmd-n3", "slurmd-n4")  # cluster b's own: munged, mariadbd and slurmdbd are a's
 
 
-def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0) -> list[str]:
+def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0, cluster: str = "a") -> list[str]:
     """start.sh's steps; `running`: the earlier start's daemons alive (all, none, or these); `ping_fails`: how many
     times the controller does not answer before it does."""
     # Without its guard, sourcing start.sh would start a real cluster in tmp_path and point /etc/slurm at it.
     assert '[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0' in START.read_text().splitlines()
-    state_dir, log = tmp_path / "slurm", tmp_path / "steps.log"
+    state_dir, log = tmp_path / ("slurm" if cluster == "a" else "slurm-b"), tmp_path / "steps.log"
     _earlier_sessions_state(state_dir)
     stop = tmp_path / "stop.sh"
     stop.write_text(f"#!/bin/sh\necho stop.sh >>{log}\n")
@@ -52,7 +55,7 @@ def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0)
     pings = tmp_path / "pings"
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho x >> {pings}\n[ "$(wc -l < {pings})" -gt {ping_fails} ]\n')
     (bin_dir / "scontrol").chmod(0o755)
-    alive = ALL if running is True else () if running is False else running
+    alive = (ALL if cluster == "a" else ALL_B) if running is True else () if running is False else running
     stubs = "\n".join(f'{name}() {{ echo {name} >>"{log}"; }}' for name in STUBBED)
     script = f"""
 source {START}
@@ -65,7 +68,8 @@ start_slurm() {{  # what the controller would recover when it starts
 }}
 main
 """
-    env = dict(os.environ, MGPU_SLURM_DIR=str(state_dir), PATH=f"{bin_dir}:{os.environ['PATH']}")
+    env = dict(os.environ, MGPU_SLURM_DIR=str(tmp_path / "slurm"), MGPU_SLURM_CLUSTER=cluster,
+               PATH=f"{bin_dir}:{os.environ['PATH']}")
     result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     return log.read_text().split()
@@ -116,3 +120,81 @@ def test_the_daemons_inherit_no_descriptor_of_whoever_started_the_script(tmp_pat
                             env={**os.environ, "MGPU_SLURM_DIR": str(tmp_path / "slurm")})
     assert result.returncode == 0, result.stderr
     assert sorted(int(fd) for fd in result.stdout.split() if int(fd) > 2 and int(fd) != 255) == [], result.stdout
+
+
+def test_cluster_b_starts_beside_a_with_a_shared_daemons_and_keeps_its_jobs_when_running(tmp_path: Path) -> None:
+    steps = _start(tmp_path, running=False, cluster="b")
+    # a's munged, mariadbd and slurmdbd (ensure_shared starts cluster a if one is missing); no /etc/slurm link
+    assert steps == ["install_packages", "ensure_shared", "ensure_hosts", "stop.sh", "write_config", "start_slurm",
+                     "wait_nodes", "summary"]
+    assert list((tmp_path / "slurm-b" / "state").iterdir()) == []
+    (tmp_path / "steps.log").unlink()
+    steps = _start(tmp_path / "again", running=True, cluster="b")
+    assert steps == ["install_packages", "ensure_shared", "ensure_hosts", "realign_job_ids", "wait_nodes", "summary"]
+    assert (tmp_path / "again" / "slurm-b" / "state" / "job_state").read_bytes() == b"617"
+
+
+def _config(tmp_path: Path, cluster: str) -> dict[str, str]:
+    """start.sh's write_config for `cluster`, state under tmp_path: each generated file's text by name."""
+    script = f"source {START}; mkdir -p $DIR/etc; write_config; echo $DIR"
+    env = dict(os.environ, MGPU_SLURM_DIR=str(tmp_path / "slurm"), MGPU_SLURM_CLUSTER=cluster)
+    result = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    etc = Path(result.stdout.split()[-1]) / "etc"
+    return {path.name: path.read_text() for path in etc.iterdir()}
+
+
+def test_the_two_clusters_configs_share_no_node_port_or_state(tmp_path: Path) -> None:
+    a, b = _config(tmp_path, "a"), _config(tmp_path, "b")
+    assert sorted(a) == ["gres.conf", "slurm.conf", "slurmdbd.conf"] and sorted(b) == ["gres.conf", "slurm.conf"]
+
+    def settings(text: str, key: str) -> list[str]:
+        return [line.split(None, 1)[0].split("=", 1)[1] if key != "NodeName" else line
+                for line in text.splitlines() if line.startswith(f"{key}=")]
+
+    assert settings(a["slurm.conf"], "ClusterName") == ["mgpu"] and settings(b["slurm.conf"], "ClusterName") == ["mgpub"]
+    assert settings(a["slurm.conf"], "SlurmctldPort") == ["6817"] and settings(b["slurm.conf"], "SlurmctldPort") == ["6827"]
+    assert settings(b["slurm.conf"], "NodeName") == [
+        "NodeName=n3 NodeAddr=127.0.0.1 Port=6841 CPUs=4 Gres=gpu:2 State=UNKNOWN",
+        "NodeName=n4 NodeAddr=127.0.0.1 Port=6842 CPUs=4 Gres=gpu:2 State=UNKNOWN"]
+    assert settings(a["slurm.conf"], "NodeName") == [
+        "NodeName=n1 NodeAddr=127.0.0.1 Port=6831 CPUs=4 Gres=gpu:2 State=UNKNOWN",
+        "NodeName=n2 NodeAddr=127.0.0.1 Port=6832 CPUs=4 Gres=gpu:2 State=UNKNOWN"]
+    for conf, nodes in ((a, "n[1-2]"), (b, "n[3-4]")):
+        partitions = [line.split()[:2] for line in conf["slurm.conf"].splitlines() if line.startswith("PartitionName=")]
+        assert partitions == [["PartitionName=main", f"Nodes={nodes}"], ["PartitionName=high", f"Nodes={nodes}"]]
+        assert f"NodeName={nodes} Name=gpu " in conf["gres.conf"]
+    # each its own state, logs and pids; one slurmdbd (a's) for both
+    assert str(tmp_path / "slurm-b" / "state") in b["slurm.conf"] and str(tmp_path / "slurm" / "state") in a["slurm.conf"]
+    assert settings(a["slurm.conf"], "AccountingStoragePort") == settings(b["slurm.conf"], "AccountingStoragePort")
+    assert "DbdPort=6819" in a["slurmdbd.conf"] and "AccountingStoragePort=6819" in a["slurm.conf"]
+
+
+def _aligned(own: int, a_next: int) -> int:
+    script = f"source {START}; aligned_job_id {own} {a_next}"
+    result = subprocess.run(["bash", "-c", script], env=dict(os.environ, MGPU_SLURM_CLUSTER="b"),
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return int(result.stdout)
+
+
+@pytest.mark.parametrize("own, a_next, first", [
+    (1, 236, 1_002_236),            # a fresh cluster b: from 1000000 up to a's next id + 6000 (mod 12000)
+    (1_002_236, 236, 1_002_236),    # already aligned: unchanged
+    (1_002_250, 250, 1_002_250),    # both ran 14 jobs since: still aligned
+    (1_002_237, 236, 1_014_236),    # b one ahead: the next aligned id, never one b has handed out
+    (1_002_301, 240, 1_014_240),
+    (1, 7_000, 1_009_000),          # a past 6000: its id + 6000 wraps (13000 -> 1000)
+    (1, 3_999, 1_005_999),
+])
+def test_cluster_b_job_ids_never_meet_as(own: int, a_next: int, first: int) -> None:
+    # Both clusters' jobs run on this host: a job's /dev/shm snapshots are named by its id, and its rendezvous port is
+    # derived from it (20000 + id % 12000). b's ids are never a's, and b's ports stay half the span from a's.
+    from mgpu.cluster.environment import MASTER_PORT_SPAN, derive_master_port
+
+    got = _aligned(own, a_next)
+    assert got == first
+    assert got >= max(own, 1_000_000) and got - max(own, 1_000_000) < MASTER_PORT_SPAN
+    for step in (0, 99):  # both clusters 99 jobs on: their ports still half the span apart
+        gap = (derive_master_port(str(got + step)) - derive_master_port(str(a_next + step))) % MASTER_PORT_SPAN
+        assert gap == MASTER_PORT_SPAN // 2

@@ -18,6 +18,7 @@ from tests.conftest import ROOT
 LOG_STUB = '#!/bin/sh\necho "CALLED {name} $*" | tee -a "{log}"\n'
 # The python stub fails (exit 1) when its arguments end with $FAIL_ON: one lane or mypy failing.
 FAILING = 'case "$*" in *"$FAIL_ON") [ -n "$FAIL_ON" ] && exit 1 ;; esac\nexit 0\n'
+E2E_LANE = "CALLED python -m pytest -n 2 --dist loadfile tests/e2e"
 
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
@@ -33,7 +34,8 @@ def _tree(tmp_path: Path) -> tuple[Path, Path]:
         text = LOG_STUB.format(name=name, log=log)
         if name == "python":
             text += FAILING
-        if name == "start.sh":  # the package list run.sh announces is start.sh's own line
+        if name == "start.sh":  # which cluster; the package list run.sh announces is start.sh's own line
+            text = LOG_STUB.format(name=name, log=log).replace("$*", "cluster=$MGPU_SLURM_CLUSTER")
             text += "exit 0\nPKGS=(slurmctld slurmd munge)\n"
         if name == "dpkg-query":
             text = "#!/bin/sh\nexit 1\n"  # nothing installed
@@ -65,6 +67,7 @@ def test_says_what_it_installs_and_starts_first(tmp_path: Path) -> None:
     first_call = next(i for i, line in enumerate(out) if line.startswith("CALLED"))
     assert max(install, start, skip) < first_call, out  # said before anything ran
     assert [c.split()[1] for c in calls] == ["python", "start.sh", "python", "python"]
+    assert "CALLED start.sh cluster=a" in calls  # one pytest: cluster a's alone
     assert calls[-2:] == ["CALLED python -m mypy", "CALLED python -m pytest -q"]
 
 
@@ -90,27 +93,37 @@ def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the cluster part of run.sh runs as root only")
-@pytest.mark.parametrize("fail_on, rc", [("", 0), ("pytest tests/e2e", 1), ("--dist loadfile", 1), ("mypy", 1)])
+@pytest.mark.parametrize("fail_on, rc", [("", 0), (" tests/e2e", 1), ("--dist loadfile", 1), ("mypy", 1)])
 def test_without_arguments_two_lanes_run_side_by_side_and_either_fails_it(tmp_path: Path, fail_on: str,
                                                                            rc: int) -> None:
-    """What CI runs: the end-to-end lane first, mypy beside it (its failure ends the script before the rest
-    runs), then the rest: two pytest processes at once; the script fails if either does, and ends with the
-    end-to-end lane's output."""
+    """What CI runs: both clusters started, the end-to-end lane first (two streams: a pytest-xdist worker per
+    cluster), mypy beside it (its failure ends the script before the rest runs), then the rest: two pytest
+    processes at once; the script fails if either does, and ends with the end-to-end lane's output."""
     result, calls = _run(tmp_path, (), FAIL_ON=fail_on)
     assert result.returncode == rc, result.stdout + result.stderr
+    assert [c for c in calls if "start.sh" in c] == ["CALLED start.sh cluster=a", "CALLED start.sh cluster=b"]
+    assert "slurmctld, slurmd -N n3, slurmd -N n4 (cluster b" in result.stdout
     pytests = sorted(c for c in calls if " -m pytest" in c)
     if fail_on == "mypy":
         # the rest never runs; the end-to-end lane, started first in the background, is killed (its stub may not
         # have logged yet)
-        assert "CALLED python -m mypy" in calls and pytests in ([], ["CALLED python -m pytest tests/e2e"]), calls
+        assert "CALLED python -m mypy" in calls and pytests in ([], [E2E_LANE]), calls
         assert "tests/run.sh: mypy failed: the end-to-end lane is stopped, the rest not run" in result.stderr
         return
-    # the rest in 3 pytest-xdist workers (a file at a time each); the end-to-end lane in one process
-    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e -n 3 --dist loadfile",
-                       "CALLED python -m pytest tests/e2e"]
+    # the rest in 3 pytest-xdist workers (a file at a time each); the end-to-end lane in 2, one per cluster
+    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e -n 3 --dist loadfile", E2E_LANE]
     out = result.stdout.splitlines()
     first = 1 if fail_on == "--dist loadfile" else 0
-    second = 1 if fail_on == "pytest tests/e2e" else 0
+    second = 1 if fail_on == " tests/e2e" else 0
     assert f"tests/run.sh: exit status {first} (pytest --ignore=tests/e2e, above) and {second} (pytest tests/e2e, " \
            "run beside it, below)" in out, out
-    assert out[-1] == "CALLED python -m pytest tests/e2e"  # the lane's own output comes last
+    assert out[-1] == E2E_LANE  # the lane's own output comes last
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the cluster part of run.sh runs as root only")
+def test_one_worker_runs_each_lane_in_one_process_on_cluster_a_alone(tmp_path: Path) -> None:
+    result, calls = _run(tmp_path, (), MGPU_TEST_WORKERS="1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert [c for c in calls if "start.sh" in c] == ["CALLED start.sh cluster=a"]
+    assert sorted(c for c in calls if " -m pytest" in c) == ["CALLED python -m pytest --ignore=tests/e2e",
+                                                             "CALLED python -m pytest tests/e2e"]

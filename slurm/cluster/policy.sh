@@ -10,11 +10,12 @@
 #                    the job's --signal (e.g. USR2) -- what submitit's checkpoint handler needs.
 # Default of the cluster (start.sh): --grace 0 --user-signal yes.
 #
-# Both knobs are written into slurm.conf (so a reconfigure or restart keeps them) and applied live.
+# Both knobs are written into slurm.conf (so a reconfigure or restart keeps them) and applied live. The cluster:
+# MGPU_SLURM_CLUSTER (a, the default, or b: clusters.sh); each has its own policy.
 set -euo pipefail
 
-DIR=${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}
-CONF=$DIR/etc/slurm.conf
+# shellcheck source=clusters.sh
+source "$(dirname "${BASH_SOURCE[0]}")/clusters.sh"  # DIR, CONF
 export SLURM_CONF=$CONF
 die() { echo "policy.sh: $*" >&2; exit 1; }
 usage() { die "usage: policy.sh --grace N --user-signal yes|no"; }

@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
 # Stop the daemons that start.sh started -- only those, by the PIDs it recorded in
-# $MGPU_SLURM_DIR/pids/ (never by name). SIGTERM, wait (bounded), SIGKILL what is left.
+# $DIR/pids/ (never by name). SIGTERM, wait (bounded), SIGKILL what is left.
 # Job steps (slurmstepd) that are still running are left alone, as slurmd itself would.
+#
+#   slurm/cluster/stop.sh                        # cluster a, and b first if it runs (b uses a's munged, slurmdbd)
+#   MGPU_SLURM_CLUSTER=b slurm/cluster/stop.sh   # cluster b alone
 set -euo pipefail
 
-DIR=${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# shellcheck source=clusters.sh
+source "$HERE/clusters.sh"
 WAIT_S=${MGPU_SLURM_STOP_WAIT_S:-20}
 
 [[ $(id -u) -eq 0 ]] || { echo "stop.sh: not root" >&2; exit 1; }
+if [[ $CLUSTER == a ]] && compgen -G "$B_DIR/pids/*.pid" >/dev/null; then
+  MGPU_SLURM_CLUSTER=b "$HERE/stop.sh"
+fi
 [[ -d $DIR/pids ]] || { echo "nothing to stop ($DIR/pids missing)"; exit 0; }
 
 # pid of NAME if the recorded process is alive and is what we started (guards against PID reuse)
@@ -20,7 +28,7 @@ ours() {
 
 # Reverse start order, in three groups stopped in parallel within each (every daemon takes ~2 s to
 # exit): slurmctld still reaches slurmdbd as it shuts down, and slurmdbd still reaches MariaDB.
-for group in "slurmd-n1 slurmd-n2 slurmctld" slurmdbd "mariadbd munged"; do
+for group in "${NODES[*]/#/slurmd-} slurmctld" slurmdbd "mariadbd munged"; do
   pids=()
   for name in $group; do
     if pid=$(ours "$name"); then
@@ -44,4 +52,4 @@ for group in "slurmd-n1 slurmd-n2 slurmctld" slurmdbd "mariadbd munged"; do
   done
 done
 rm -f "$DIR/etc/fingerprint"
-echo "stopped"
+echo "stopped cluster $CLUSTER"

@@ -1,19 +1,23 @@
 """Fixtures for end-to-end tests on a real local Slurm cluster (slurm/cluster/start.sh).
 
-`slurm_cluster` (session): starts the cluster once (a no-op when it already runs) and leaves it
-running afterwards -- unless MGPU_SLURM_STOP_AFTER=1, then stop.sh runs at session end. When the
-cluster cannot be started the tests SKIP with the reason, or FAIL when CI=true.
+`slurm_cluster` (session, autouse): the cluster this process runs on, started once (a no-op when it already runs)
+and left running afterwards -- unless MGPU_SLURM_STOP_AFTER=1, then stop.sh runs at session end. When the cluster
+cannot be started the tests SKIP with the reason, or FAIL when CI=true. Two clusters run side by side
+(slurm/cluster/clusters.sh: a with nodes n1, n2; b with n3, n4): under pytest-xdist worker gwN runs on the N-th
+(`pytest -n 2 --dist loadfile tests/e2e`: two streams at once, neither touching the other's cluster); one process
+runs on MGPU_SLURM_CLUSTER (default a). Before any test runs, this process's SLURM_CONF (and MGPU_SLURM_CLUSTER,
+which policy.sh reads) are its cluster's, so every subprocess a test starts -- sbatch, srun, scontrol, submitit,
+jobs/submit.py -- reaches that cluster. A test asks `slurm_cluster.nodes` for the node names, never spells them.
 
 `references` (session): the uninterrupted runs of job_helpers.SLOW on 2 ranks and SLOW4 on 4 (torchrun on
-this machine, started in the background at first use), `references[world].state()`; test_jobs and test_hangs
-compare with the same 2-rank run instead of training it twice.
+this machine, started in the background at first use), `references[world].state()`; test_jobs, test_hangs and
+test_memory_snapshots compare with the same runs instead of training them again, and under pytest-xdist the
+workers share them (the first to ask trains each, in the session's base temp directory).
 
 `slurm_policy` (function): `slurm_policy(grace=10, user_signal=True)` switches the preemption
 policy via policy.sh; the default -- GraceTime=0 on partition main, preempt_send_user_signal ON --
 is restored after the test.
 
-Nothing is exported into os.environ: /etc/slurm/slurm.conf points at the cluster's config, so
-plain sbatch/srun/sacct (and submitit) work as they are; `slurm_cluster.env` adds SLURM_CONF anyway.
 Every test under tests/e2e is marked `slurm`.
 """
 
@@ -36,13 +40,18 @@ CLUSTER = E2E.parent.parent / "slurm" / "cluster"
 START_TIMEOUT_S = 900  # the first start installs ~28 Debian packages
 DEFAULT_GRACE = 0
 DEFAULT_USER_SIGNAL = True
+CLUSTERS = ("a", "b")  # slurm/cluster/clusters.sh; xdist worker gwN runs on CLUSTERS[N]
+BOUND = ("SLURM_CONF", "MGPU_SLURM_CLUSTER")  # what binds this process's subprocesses to its cluster
 
 
 @dataclasses.dataclass(frozen=True)
 class SlurmCluster:
+    name: str  # a or b (slurm/cluster/clusters.sh)
     state_dir: Path
     conf: Path
-    env: dict[str, str]  # os.environ at session start + SLURM_CONF
+    env: dict[str, str]  # os.environ at session start + SLURM_CONF and MGPU_SLURM_CLUSTER of this cluster
+    nodes: tuple[str, ...]  # its nodes, as Slurm names them (partition main = high = all of them)
+    nodelist: str  # the same in Slurm's compact form, e.g. n[1-2]
 
     def run(self, *cmd: str, timeout: float = 30, check: bool = True) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client command (bounded); on failure raise with its output."""
@@ -76,6 +85,18 @@ def _unavailable(reason: str, details: str = "") -> None:
     pytest.skip(f"local Slurm cluster unavailable: {reason}")
 
 
+def cluster_of_this_process() -> str:
+    """Under pytest-xdist, worker gwN's is the N-th cluster (one stream per cluster); else MGPU_SLURM_CLUSTER, or a."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return os.environ.get("MGPU_SLURM_CLUSTER") or CLUSTERS[0]
+    index = int(worker.removeprefix("gw"))
+    if index >= len(CLUSTERS):
+        pytest.fail(f"tests/e2e: pytest-xdist worker {worker} has no Slurm cluster of its own (there are "
+                    f"{len(CLUSTERS)}: run tests/e2e with -n {len(CLUSTERS)} at most)", pytrace=False)
+    return CLUSTERS[index]
+
+
 def _run_script(name: str, timeout: float, env: dict[str, str]) -> tuple[int, str, str]:
     # Output goes to files, not pipes: a daemon that kept an inherited pipe open would hang us.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
@@ -90,22 +111,38 @@ def _run_script(name: str, timeout: float, env: dict[str, str]) -> tuple[int, st
         return rc, out.read(), err.read()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="session", autouse=True)
 def slurm_cluster() -> Iterator[SlurmCluster]:
+    name = cluster_of_this_process()
     if os.geteuid() != 0:
         _unavailable("not root (start.sh needs root)")
-    state_dir = Path(os.environ.get("MGPU_SLURM_DIR", "/var/tmp/mgpu-slurm"))
-    env = dict(os.environ, MGPU_SLURM_DIR=str(state_dir))
+    env = dict(os.environ, MGPU_SLURM_CLUSTER=name)
     rc, out, err = _run_script("start.sh", START_TIMEOUT_S, env)
     if rc != 0:
         lines = [line for line in err.splitlines() if line.strip()]
         reason = lines[-1] if lines else f"start.sh exited {rc}"
-        _unavailable(reason, "\n".join((out + err).splitlines()[-60:]))
-    conf = state_dir / "etc" / "slurm.conf"
-    cluster = SlurmCluster(state_dir=state_dir, conf=conf, env=dict(env, SLURM_CONF=str(conf)))
-    yield cluster
-    if os.environ.get("MGPU_SLURM_STOP_AFTER") == "1":
-        _run_script("stop.sh", 120, env)
+        _unavailable(f"cluster {name}: {reason}", "\n".join((out + err).splitlines()[-60:]))
+    # start.sh's last line names the config: `export SLURM_CONF=<state dir>/etc/slurm.conf`
+    conf = Path(out.strip().splitlines()[-1].removeprefix("export SLURM_CONF="))
+    env["SLURM_CONF"] = str(conf)
+    nodelist = subprocess.run(["sinfo", "-h", "-p", "main", "-o", "%N"], env=env, capture_output=True, text=True,
+                              timeout=30).stdout.strip()
+    nodes = subprocess.run(["scontrol", "show", "hostnames", nodelist], env=env, capture_output=True, text=True,
+                           timeout=30).stdout.split()
+    cluster = SlurmCluster(name=name, state_dir=conf.parent.parent, conf=conf, env=env, nodes=tuple(nodes),
+                           nodelist=nodelist)
+    saved = {key: os.environ.get(key) for key in BOUND}
+    os.environ.update({key: env[key] for key in BOUND})
+    try:
+        yield cluster
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        if os.environ.get("MGPU_SLURM_STOP_AFTER") == "1":
+            _run_script("stop.sh", 120, env)
 
 
 @pytest.fixture
@@ -125,15 +162,18 @@ def slurm_policy(slurm_cluster: SlurmCluster) -> Iterator[Callable[..., str]]:
 @pytest.fixture(scope="session")
 def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[dict[int | str, Reference]]:
-    """Uninterrupted runs: of SLOW on 2 and 4 ranks, and of its stream on 2 ranks ("stream")."""
+    """Uninterrupted runs: of SLOW on 2 and 4 ranks, and of its stream on 2 ranks ("stream"). Under pytest-xdist in
+    the session's base temp directory, which every worker shares: the first to ask trains them, and waits for them at
+    its end (the other worker may still need them)."""
     from job_helpers import SLOW, SLOW4, Reference, slow_stream
 
-    base = tmp_path_factory.mktemp("reference")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    base = (tmp_path_factory.getbasetemp().parent if workers > 1 else tmp_path_factory.getbasetemp()) / "reference"
     refs: dict[int | str, Reference] = {2: Reference(base / "world2", 2, SLOW)}
     refs[4] = Reference(base / "world4", 4, SLOW4)
-    refs["stream"] = Reference(base / "stream2", 2, slow_stream(base / "stream-data"), port_offset=10)
+    refs["stream"] = Reference(base / "stream2", 2, slow_stream(base / "stream-data"))
     try:
         yield refs
     finally:
         for ref in refs.values():
-            ref.close()
+            ref.close(wait_s=180 if workers > 1 else 0)

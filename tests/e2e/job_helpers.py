@@ -4,9 +4,13 @@ fault matrix (test_fault_matrix.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
+import signal
+import socket
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -178,7 +182,7 @@ def assert_placement(cluster: SlurmCluster, jobid: str, run_dir: Path, world: in
     started once and finished (else it may be running still)."""
     nodelist = sacct(cluster, jobid)[-1]["NodeList"]
     nodes = hostnames(cluster, nodelist)
-    assert nodes == ["n1", "n2"], nodelist
+    assert nodes == list(cluster.nodes), nodelist
     pids = set()
     for rank in range(world):
         r = rank_record(run_dir, rank)
@@ -202,29 +206,52 @@ def assert_placement(cluster: SlurmCluster, jobid: str, run_dir: Path, world: in
 
 # --------------------------------------------------------------------------- uninterrupted references
 class Reference:
-    """An uninterrupted torchrun run of SLOW (or SLOW4) on this machine, started in the background."""
+    """An uninterrupted torchrun run of SLOW (or SLOW4) on this machine, started in the background; the first process
+    of a test session to ask for `run_dir` trains it, any other (pytest-xdist's other worker) reads its result.
 
-    def __init__(self, run_dir: Path, world: int, config: list[str], port_offset: int = 0) -> None:
-        """`port_offset`: for a second reference of the same world size (the ports differ by world size)."""
+    Training claims the directory (`<run_dir>.claim`, created exclusively); the run's exit status lands in
+    `<run_dir>.rc` when it ends, written by the shell that ran it, so a reader does not depend on the trainer's
+    process. Its rendezvous port is one the kernel picked (ephemeral: never a Slurm job's derived port)."""
+
+    def __init__(self, run_dir: Path, world: int, config: list[str]) -> None:
         self.run_dir = run_dir
-        self.log = open(run_dir.parent / f"{run_dir.name}.out", "w")
-        port = str(29400 + os.getpid() % 500 + world + port_offset)
-        self.proc = subprocess.Popen([TORCHRUN, "--nproc-per-node", str(world), "--master-port", port, TRAIN,
-                                      f"run.dir={run_dir}", *config], cwd=ROOT, env=base_env(), stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.rc_path = run_dir.parent / f"{run_dir.name}.rc"
+        self.log_path = run_dir.parent / f"{run_dir.name}.out"
         self._state: dict[str, Any] | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            (run_dir.parent / f"{run_dir.name}.claim").open("x").close()
+        except FileExistsError:
+            return  # another worker of this session trains it
+        cmd = [TORCHRUN, "--nproc-per-node", str(world), "--master-port", str(free_port()), TRAIN, f"run.dir={run_dir}",
+               *config]
+        script = f"{shlex.join(cmd)} >{shlex.quote(str(self.log_path))} 2>&1; echo $? >{self.rc_path}.new && " \
+                 f"mv {self.rc_path}.new {self.rc_path}"
+        self.proc = subprocess.Popen(["sh", "-c", script], cwd=ROOT, env=base_env(), start_new_session=True)
 
     def state(self) -> dict[str, Any]:
         if self._state is None:
-            rc = self.proc.wait(timeout=180)
-            self.log.close()
-            out = Path(self.log.name).read_text()
-            assert rc == 0, f"reference run failed:\n{out[-3000:]}"
+            wait_until(f"the reference run {self.run_dir}", self.rc_path.exists, timeout=180)
+            out = self.log_path.read_text() if self.log_path.exists() else ""
+            assert self.rc_path.read_text().strip() == "0", f"reference run failed:\n{out[-3000:]}"
             self._state = checkpoint_state(self.run_dir)
         return self._state
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0) -> None:
+        """End the run if this process trains it: after up to `wait_s` for it to finish (another worker may need it)."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=wait_s)
         if self.proc.poll() is None:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
-        self.log.close()
+
+
+def free_port() -> int:
+    """A port the kernel hands out now (in the ephemeral range: no Slurm job of the test clusters derives one there)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])

@@ -45,7 +45,7 @@ def test_nodes_idle_in_both_partitions(slurm_cluster: SlurmCluster) -> None:
         out = slurm_cluster.run("sinfo", "-h", "-N", "-o", "%N|%P|%T").stdout
         return {tuple(line.replace("*", "").split("|")) for line in out.splitlines()}  # type: ignore[misc]
 
-    want = {(n, p, "idle") for n in ("n1", "n2") for p in ("main", "high")}
+    want = {(n, p, "idle") for n in slurm_cluster.nodes for p in ("main", "high")}
     wait_until(f"sinfo to show {sorted(want)}", lambda: want <= states(), timeout=30)
 
 
@@ -63,7 +63,7 @@ def env_job(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactor
         slurm_cluster.run("scancel", jobid, check=False)
 
 
-def test_two_node_job_environment(env_job: tuple[str, Path]) -> None:
+def test_two_node_job_environment(slurm_cluster: SlurmCluster, env_job: tuple[str, Path]) -> None:
     _, out = env_job
     tasks = {}
     for rank in range(4):
@@ -74,9 +74,10 @@ def test_two_node_job_environment(env_job: tuple[str, Path]) -> None:
     assert [tasks[r]["SLURM_PROCID"] for r in range(4)] == ["0", "1", "2", "3"]
     assert [tasks[r]["SLURM_NODEID"] for r in range(4)] == ["0", "0", "1", "1"]
     assert [tasks[r]["SLURM_LOCALID"] for r in range(4)] == ["0", "1", "0", "1"]
-    assert [tasks[r]["SLURMD_NODENAME"] for r in range(4)] == ["n1", "n1", "n2", "n2"]
+    first, second = slurm_cluster.nodes
+    assert [tasks[r]["SLURMD_NODENAME"] for r in range(4)] == [first, first, second, second]
     for env in tasks.values():
-        assert env["SLURM_JOB_NODELIST"] == "n[1-2]"
+        assert env["SLURM_JOB_NODELIST"] == slurm_cluster.nodelist
         assert env["SLURM_NTASKS"] == "4"
         assert env["CUDA_VISIBLE_DEVICES"] == "0,1"
         assert env["SLURM_GPUS_ON_NODE"] == "2"

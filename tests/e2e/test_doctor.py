@@ -86,8 +86,8 @@ def test_doctor_full_report_default_policy(slurm_cluster: SlurmCluster, slurm_po
     assert pre["observed"] and pre["user_signal"] == "with_term" and pre["requeued"], pre
     assert pre["kill_after_term_s"] is not None, pre  # the probe outlived SIGTERM: it saw when SIGKILL came
     assert "the user signal (USR2) comes with SIGTERM, no earlier" in out
-    # The environment start.sh built: scontrol in jobs, one filesystem, n1/n2 in /etc/hosts.
-    assert env["tasks"] == 2 and sorted(env["nodes"]) == ["n1", "n2"]
+    # The environment start.sh built: scontrol in jobs, one filesystem, the node names in /etc/hosts.
+    assert env["tasks"] == 2 and sorted(env["nodes"]) == list(slurm_cluster.nodes)
     assert all(env["scontrol"].values()), env
     assert env["shared_error"] is None and env["shared_delay_s"] is not None
     assert env["unresolved"] == [] and env["rendezvous"] is None

@@ -1,5 +1,5 @@
 """A drain seen before the signal (issue 32, deliver 2), on the real local cluster: `scontrol update
-nodename=n2 state=drain` while a 2-node job trains; rank 0's minute poll (mgpu.cluster.deadline) sees it, the ranks
+nodename=<the second node> state=drain` while a 2-node job trains; rank 0's minute poll (mgpu.cluster.deadline) sees it, the ranks
 stop at a step boundary, save and requeue the job before Slurm sends any signal; the node is resumed in
 `finally` whatever happens, and the job comes back once it is."""
 
@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 def test_a_drained_node_gets_a_checkpoint_before_any_signal(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
     # 0.2 s steps, 60 epochs of 10 steps: long enough for the clock's next poll (every 60 s) to see the drain.
     jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *SLOW, "train.epochs=60")
+    node = slurm_cluster.nodes[1]
     drained = False
     try:
         wait_steps(run_dir, run=1, steps=2, timeout=120)
-        slurm_cluster.run("scontrol", "update", "nodename=n2", "state=drain", "reason=mgpu-e2e-drain")
+        slurm_cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=mgpu-e2e-drain")
         drained = True
         wait_until("the drain's stop decision", lambda: events(run_dir, "stop_decision"), timeout=150)
         (preempted,) = events(run_dir, "preempted")
@@ -39,10 +40,10 @@ def test_a_drained_node_gets_a_checkpoint_before_any_signal(slurm_cluster: Slurm
         assert saved and saved[-1]["step"] == decision["step"] and saved[-1]["time"] <= decision["time"]
         latest = CheckpointStore(run_dir / "checkpoints").latest()
         assert latest is not None and latest.step == decision["step"]
-        slurm_cluster.run("scontrol", "update", "nodename=n2", "state=resume")
+        slurm_cluster.run("scontrol", "update", f"nodename={node}", "state=resume")
         drained = False
         wait_steps(run_dir, run=2, steps=1, timeout=150)  # back once the node is
     finally:
         if drained:
-            slurm_cluster.run("scontrol", "update", "nodename=n2", "state=resume", check=False)
+            slurm_cluster.run("scontrol", "update", f"nodename={node}", "state=resume", check=False)
         cancel(slurm_cluster, jobid)

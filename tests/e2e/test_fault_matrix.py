@@ -67,7 +67,7 @@ def references(slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFac
     refs = {"ddp": Reference(tmp_path_factory.mktemp("matrix-reference") / "run", 2, [*MATRIX, *quiet])}
     if any(s.parallel == "fsdp" for s in selected(os.environ.get(SELECT_ENV))):
         refs["fsdp"] = Reference(tmp_path_factory.mktemp("matrix-reference-fsdp") / "run", 2,
-                                 [*MATRIX, *quiet, "train.parallel=fsdp"], port_offset=1)
+                                 [*MATRIX, *quiet, "train.parallel=fsdp"])
     try:
         yield refs
     finally:

@@ -40,12 +40,13 @@ def test_a_killed_rank_or_node_loses_at_most_one_step_with_the_defaults(
     jobid, run_dir = submit_one(tmp_path, *FOUR_RANKS, *SLOW4, "checkpoint.every_steps=0")
     try:
         wait_steps(run_dir, run=1, steps=14, when=lambda step: step % 10 >= 4)  # mid-epoch 1: the disk has step 10
-        victims = [1] if lost == "rank" else [2, 3]  # n2's ranks
+        second = slurm_cluster.nodes[1]
+        victims = [1] if lost == "rank" else [2, 3]  # the second node's ranks
         for rank in victims:
             os.kill(rank_record(run_dir, rank)["pid"], 9)
         if lost == "node":
             (job_dir,) = SHM.glob(f"mgpu-{jobid}-*")
-            for name in ("rank2", "rank3", "replica-of-rank0-on-n2", "replica-of-rank1-on-n2"):
+            for name in ("rank2", "rank3", f"replica-of-rank0-on-{second}", f"replica-of-rank1-on-{second}"):
                 shutil.rmtree(job_dir / name, ignore_errors=True)
         wait_until("the step to start again", lambda: events(run_dir, "restarted"), timeout=KILL_WAIT_S + 15,
                    interval=0.2)
@@ -195,8 +196,8 @@ def test_nothing_of_a_run_is_left_in_shared_memory(slurm_cluster: SlurmCluster, 
         slurm_cluster.run("scontrol", "hold", jobid)
         assert left_of(jobid, run_dir / "logs") == [], "snapshots left after the recovery's requeue"
         cleaned = [line for line in output.read_text().splitlines() if "mgpu.state.memory_snapshot: n" in line]
-        assert len(cleaned) == 1 and "mgpu.state.memory_snapshot: n1: " in cleaned[0] and \
-            "mgpu.state.memory_snapshot: n2: " in cleaned[0], output.read_text()[-3000:]
+        assert len(cleaned) == 1 and all(f"mgpu.state.memory_snapshot: {node}: " in cleaned[0]
+                                         for node in slurm_cluster.nodes), output.read_text()[-3000:]
         slurm_cluster.run("scontrol", "release", jobid)
         assert final_state(slurm_cluster, jobid, timeout=180) == "FAILED", output.read_text()[-3000:]
         assert len(runs(slurm_cluster, jobid)) == 2 and len(events(run_dir, "requeued")) == 1
