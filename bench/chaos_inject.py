@@ -1,0 +1,172 @@
+"""The chaos benchmark's hands on the test cluster (bench/chaos.py): Slurm commands, the training ranks' processes,
+and each failure kind's injection, the way tests/e2e does them (tests/e2e/job_helpers.preempt, the fault matrix's
+SIGKILL, test_hangs' SIGSTOP, test_drain's `scontrol update`). `Cluster` remembers everything it changed (jobs
+submitted, nodes drained, the preemption policy, processes frozen) and `restore` puts it back, also after Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+POLICY = ROOT / "slurm" / "cluster" / "policy.sh"
+SHM = Path(os.environ.get("MGPU_SNAPSHOT_DIR", "/dev/shm"))
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
+
+
+def sh(*cmd: str, timeout: float = 60, check: bool = True) -> str:
+    """A Slurm client command, bounded; its stdout (RuntimeError with its output when it fails and `check`)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} -> rc {proc.returncode}: {(proc.stdout + proc.stderr).strip()}")
+    return proc.stdout
+
+
+def job_state(job_id: str) -> str:
+    """Slurm's state of the job (`scontrol show job`), or "" once slurmctld has forgotten it."""
+    out = sh("scontrol", "show", "job", "-o", job_id, check=False)
+    fields = dict(tok.split("=", 1) for tok in out.split() if "=" in tok)
+    return fields.get("JobState", "")
+
+
+def node_state(node: str) -> str:
+    out = sh("scontrol", "show", "node", "-o", node)
+    return next((tok.split("=", 1)[1] for tok in out.split() if tok.startswith("State=")), "")
+
+
+def read_policy() -> tuple[int, bool]:
+    """(GraceTime of partition main, preempt_send_user_signal on)."""
+    part = sh("scontrol", "show", "partition", "main")
+    grace = int(next(tok.split("=", 1)[1] for tok in part.split() if tok.startswith("GraceTime=")))
+    return grace, "preempt_send_user_signal" in sh("scontrol", "show", "config")
+
+
+@dataclass(frozen=True)
+class Rank:
+    rank: int
+    pid: int
+    node: str
+
+
+def _start_time(pid: int) -> str:
+    """The process's start time (field 22 of /proc/PID/stat): a pid reused by another process differs."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def find_ranks(marker: str, plain: bool) -> dict[int, Rank]:
+    """The training ranks whose command line names `marker` (the run's folder): mgpu's are submitit's tasks
+    (rank = SLURM_PROCID), the plain loop's torchrun's workers (rank = RANK; its agents have none)."""
+    found: dict[int, Rank] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if marker.encode() not in cmdline or (not plain and b"submitit.core._submit" not in cmdline):
+                continue
+            if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                continue
+            env = dict(item.split(b"=", 1) for item in (entry / "environ").read_bytes().split(b"\0") if b"=" in item)
+        except (OSError, IndexError, ValueError):
+            continue
+        key = b"RANK" if plain else b"SLURM_PROCID"
+        if key in env and (not plain or b"LOCAL_RANK" in env):
+            rank = int(env[key])
+            found[rank] = Rank(rank, int(entry.name), env.get(b"SLURMD_NODENAME", b"?").decode())
+    return found
+
+
+@dataclass
+class Cluster:
+    """What the benchmark changed on the cluster, to be put back by `restore`."""
+
+    policy: tuple[int, bool] = field(default_factory=read_policy)
+    current: tuple[int, bool] = (-1, False)
+    jobs: set[str] = field(default_factory=set)
+    drained: dict[str, float] = field(default_factory=dict)
+    """node -> when to resume it."""
+    frozen: list[tuple[int, str]] = field(default_factory=list)
+    """(pid, start time) of every process SIGSTOPped."""
+
+    def __post_init__(self) -> None:
+        self.current = self.policy
+
+    def set_policy(self, grace: int, user_signal: bool) -> None:
+        if self.current != (grace, user_signal):
+            sh("bash", str(POLICY), "--grace", str(grace), "--user-signal", "yes" if user_signal else "no", timeout=120)
+            self.current = (grace, user_signal)
+
+    def preempt(self, grace: int) -> str:
+        """A 1-CPU job in partition `high` (tests/e2e/job_helpers.preempt) at this GraceTime, with the user signal."""
+        self.set_policy(grace, True)
+        job = sh("sbatch", "--parsable", "-p", "high", "-N1", "-n1", "-J", "chaos-preemptor", "-o", "/dev/null",
+                 "--wrap", "sleep 1").strip().split(";")[0]
+        self.jobs.add(job)
+        return job
+
+    def drain(self, node: str, for_s: float) -> None:
+        sh("scontrol", "update", f"nodename={node}", "state=drain", "reason=mgpu-chaos-benchmark")
+        self.drained[node] = time.time() + for_s
+
+    def resume_due(self, now: float | None = None) -> list[str]:
+        """Resume the drained nodes whose time has come; their names."""
+        due = [n for n, at in self.drained.items() if now is None or at <= now]
+        for node in due:
+            sh("scontrol", "update", f"nodename={node}", "state=resume", check=False)
+            del self.drained[node]
+        return due
+
+    def freeze(self, pid: int) -> None:
+        self.frozen.append((pid, _start_time(pid)))
+        os.kill(pid, signal.SIGSTOP)
+
+    def restore(self) -> list[str]:
+        """Cancel every job submitted, resume the nodes drained, put the policy back, SIGKILL what is still frozen;
+        what was done, one line each."""
+        said = []
+        for job in sorted(self.jobs):
+            if job_state(job) not in DONE | {""}:
+                sh("scancel", job, check=False)
+                said.append(f"cancelled job {job}")
+        for node in self.resume_due():
+            said.append(f"resumed node {node}")
+        if self.current != self.policy:
+            self.set_policy(*self.policy)
+            said.append(f"preemption policy back to GraceTime {self.policy[0]}, user signal "
+                        f"{'on' if self.policy[1] else 'off'}")
+        for pid, started in self.frozen:
+            if started and _start_time(pid) == started:
+                os.kill(pid, signal.SIGKILL)
+                said.append(f"killed frozen process {pid}")
+        self.frozen.clear()
+        return said
+
+
+def kill(ranks: list[Rank]) -> None:
+    for r in ranks:
+        try:
+            os.kill(r.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wipe_node_memory(job_id: str, ranks: list[Rank], node: str) -> list[str]:
+    """What a node's loss takes of mgpu's memory (docs/memory-snapshots.md): its ranks' snapshots and the replicas
+    it holds for other nodes' ranks, under /dev/shm/mgpu-<job>-<run>/; the names removed."""
+    removed = []
+    for job_dir in SHM.glob(f"mgpu-{job_id}-*"):
+        doomed = [job_dir / f"rank{r.rank}" for r in ranks] + list(job_dir.glob(f"replica-of-rank*-on-{node}"))
+        for path in doomed:
+            if path.exists():
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(f"{job_dir.name}/{path.name}")
+    return removed
