@@ -29,7 +29,6 @@ put back and any process it froze and that still lives is killed.
 from __future__ import annotations
 
 import argparse
-import fcntl
 import json
 import os
 import re
@@ -44,9 +43,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.chaos_inject import DONE, Cluster, find_ranks, job_state, kill, node_state, sh, wipe_node_memory  # noqa: E402
+from bench.chaos_inject import (DONE, Cluster, find_ranks, job_state, kill, node_state, sh, take_lock,  # noqa: E402
+                                wipe_node_memory)
 from bench.chaos_plan import (KINDS, Config, Fired, Injection, Plan, RunResult, make_plan, parse_config,  # noqa: E402
-                              parse_mix, publish, render, run_result)
+                              parse_mix, productive, publish, render, run_result)
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -56,7 +56,13 @@ WORLD, PER_NODE = 4, 2
 DEFAULT_CONFIGS = ("defaults=", "previous=checkpoint.memory_every_steps=100 checkpoint.every_steps=0",
                    "plain=plain save_every=100")
 FULL = {"wall": 600.0, "mtbf": 60.0}
-QUICK = {"wall": 75.0, "mtbf": 20.0}
+QUICK = {"wall": 90.0, "mtbf": 30.0}
+QUICK_MIX = "preempt-grace0,preempt-grace10,kill-rank,kill-node"
+"""--quick's default mix: the kinds a 90 s window can see come back (a frozen rank takes mgpu's watchdog 60 s and the
+plain loop 600 s; a drain 75 s)."""
+SETTLE_S = 90.0
+"""A failure the job has not restarted after in this long while it trains on (a drain the plain loop ignores; mgpu
+looks at its nodes every 60 s) is over: the next may come."""
 MAX_FAILURES = 10000
 """mgpu's failure budget (--max-failures) and torchrun's --max-restarts: a run of failures must not end either."""
 
@@ -69,27 +75,36 @@ def job_config(step_s: float, size: int) -> list[str]:
 
 
 class Ledger:
-    """A run's events.jsonl read as it grows: the time of the newest `progress` event."""
+    """A run's events.jsonl read as it grows: the times of its newest `progress` and `started` events."""
 
     def __init__(self, path: Path) -> None:
-        self.path, self.offset, self.last_progress = path, 0, 0.0
+        self.path, self.offset = path, 0
+        self.newest = {"progress": 0.0, "started": 0.0}
 
-    def poll(self) -> float:
+    def poll(self) -> None:
         try:
             with open(self.path, "rb") as file:
                 file.seek(self.offset)
                 chunk = file.read()
         except FileNotFoundError:
-            return self.last_progress
+            return
         complete = chunk[:chunk.rfind(b"\n") + 1]
         self.offset += len(complete)
         for line in complete.splitlines():
-            if b'"progress"' in line:
-                try:
-                    self.last_progress = max(self.last_progress, float(json.loads(line)["time"]))
-                except (ValueError, KeyError):
-                    pass
-        return self.last_progress
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if event.get("event") in self.newest:
+                self.newest[event["event"]] = max(self.newest[event["event"]], float(event["time"]))
+
+    def ready(self, since: float, now: float) -> bool:
+        """Whether the job is training again after what happened at `since` (a failure, or the submission): it
+        started again since and has trained a step, or it has trained on through it for SETTLE_S."""
+        progress, started = self.newest["progress"], self.newest["started"]
+        if started > since:
+            return progress > started
+        return progress > since and (now - since >= SETTLE_S and progress >= now - 10)
 
 
 class Run:
@@ -188,7 +203,7 @@ def run_config(run: Run, plan: Plan, say: Any) -> tuple[float, float, list[Fired
         now = time.time()
         for node in run.cluster.resume_due(now):
             say(f"[{run.config.name}] {now - start:6.1f} s  resumed {node}")
-        trained = ledger.poll()
+        ledger.poll()
         if now - last_check > 5:
             last_check = now
             if run.ended():
@@ -196,7 +211,8 @@ def run_config(run: Run, plan: Plan, say: Any) -> tuple[float, float, list[Fired
                     "resubmitted")
                 run.submit()
         due = pending and start + pending[0].at_s <= now
-        ready = not run.cluster.drained and trained > (fired[-1].at if fired else start)
+        ready = not run.cluster.drained and (ledger.ready(fired[-1].at, now) if fired else
+                                             ledger.newest["progress"] > start)
         if due and ready:
             detail = run.fire(pending[0], plan.drain_s)
             if detail is not None:
@@ -230,11 +246,12 @@ def reference(config: Config, steps: int, folder: Path, size: int) -> list[dict[
                f"run.dir={run_dir}", *job_config(0.0, size), *config.overrides, "--stop-at-step",
                str(steps)]
     with open(folder / "reference.out", "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
-                            stderr=subprocess.STDOUT, timeout=3600).returncode
-    if rc not in (0, 3):  # jobs/train.py's --stop-at-step exits 3 outside Slurm, as a stop does
-        print(f"[{config.name}] the reference run exited {rc}: see {folder / 'reference.out'}")
-    return read_ledger(run_dir / "events.jsonl")
+        subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
+                       timeout=3600)  # torchrun exits 1 for jobs/train.py's 3 (--stop-at-step stops as a preemption)
+    events = read_ledger(run_dir / "events.jsonl")
+    if not any(e.get("event") == "progress" and e.get("step") == steps for e in events):
+        print(f"[{config.name}] the unbroken run did not reach step {steps}: see {folder / 'reference.out'}")
+    return events
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -245,8 +262,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=44, help="the schedule's seed (default 44)")
     parser.add_argument("--mtbf", type=float, help=f"mean time between failures, s (default {FULL['mtbf']:g})")
     parser.add_argument("--wall", type=float, help=f"wall time per configuration, s (default {FULL['wall']:g})")
-    parser.add_argument("--mix", default="all", help=f"failure kinds and weights, e.g. kill-rank=2,freeze-rank=1, or "
-                        f"all (default); the kinds: {', '.join(KINDS)}")
+    parser.add_argument("--mix", help=f"failure kinds and weights, e.g. kill-rank=2,freeze-rank=1, or all (default; "
+                        f"--quick: {QUICK_MIX}); the kinds: {', '.join(KINDS)}")
     parser.add_argument("--drain-s", type=float, default=75.0,
                         help="how long a drained node stays drained (default 75: mgpu looks every 60 s)")
     parser.add_argument("--step-s", type=float, default=0.2, help="the job's pace, seconds a step (default 0.2)")
@@ -261,7 +278,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.wall = args.wall or (QUICK if args.quick else FULL)["wall"]
     args.mtbf = args.mtbf or (QUICK if args.quick else FULL)["mtbf"]
     try:
-        args.mix = parse_mix(args.mix)
+        args.mix = parse_mix(args.mix or (QUICK_MIX if args.quick else "all"))
         args.configs = [parse_config(c) for c in (args.config or DEFAULT_CONFIGS)]
     except ValueError as error:
         parser.error(str(error))
@@ -292,9 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0 or subprocess.run(["scontrol", "ping"], capture_output=True, timeout=20).returncode != 0:
         print("chaos: needs root and the test cluster running (slurm/cluster/start.sh)", file=sys.stderr)
         return 1
-    lock = open(LOCK, "a")
-    print(f"waiting for {LOCK} (the e2e tests' lock) ...", flush=True)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = take_lock(Path(LOCK), lambda line: print(line, flush=True))  # noqa: F841  # held until the exit
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     busy = [n for n in NODES if node_state(n).split("+")[0] not in ("IDLE", "MIXED", "ALLOCATED")]
     queued = sh("squeue", "-h", "-o", "%i %P %T").split("\n")
@@ -319,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             finished.append((run, start, end))
         for run, start, end in finished:
             events = run.events()
-            steps = max((e["step"] for e in events if e.get("event") == "progress" and e["time"] <= end), default=0)
+            steps = productive(events, start, end)[0]  # the final trajectory's last step
             say(f"[{run.config.name}] the unbroken run of {steps} steps ...")
             ref = reference(run.config, steps, run.folder, 400) if steps else []
             result = run_result(run.config.name, events, fired_by[run.config.name], start, end, ref,

@@ -6,6 +6,7 @@ submitted, nodes drained, the preemption policy, processes frozen) and `restore`
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -13,10 +14,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 POLICY = ROOT / "slurm" / "cluster" / "policy.sh"
 SHM = Path(os.environ.get("MGPU_SNAPSHOT_DIR", "/dev/shm"))
+SLURM_DIR = Path(os.environ.get("MGPU_SLURM_DIR", "/var/tmp/mgpu-slurm"))
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
@@ -170,3 +173,49 @@ def wipe_node_memory(job_id: str, ranks: list[Rank], node: str) -> list[str]:
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(f"{job_dir.name}/{path.name}")
     return removed
+
+
+# ------------------------------------------------------------------------------------------------ the e2e lock
+def stale_lock_holders(path: Path) -> list[int]:
+    """The cluster daemons that alone keep `path`'s flock held after the process that took it has gone (they
+    inherited its descriptor from a start.sh run under `flock`), or [] when it is held as it should be."""
+    inode = os.stat(path).st_ino
+    lines = [line.split() for line in Path("/proc/locks").read_text().splitlines()
+             if "FLOCK" in line and line.split()[-3].endswith(f":{inode}")]
+    holders = [int(f[4]) for f in lines if f[1] != "->"]
+    waiters = {int(f[5]) for f in lines if f[1] == "->"}
+    if not holders or any(Path(f"/proc/{pid}").exists() for pid in holders):
+        return []
+    daemons = {int(p.read_text().strip()) for p in (SLURM_DIR / "pids").glob("*.pid") if p.read_text().strip().isdigit()}
+    having = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if os.readlink(fd) == str(path):
+                having.add(int(fd.parts[2]))
+        except OSError:
+            continue
+    having -= waiters | {os.getpid()}
+    return sorted(having) if having and having <= daemons else []
+
+
+def take_lock(path: Path, say: Callable[[str], None]) -> IO[str]:
+    """Hold `path`'s flock (the e2e tests' lock), waiting for it; a lock only the cluster's daemons still keep
+    (stale_lock_holders: nobody else can take it either) is said and gone ahead without."""
+    file = open(path, "a")
+    said = False
+    while True:
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return file
+        except BlockingIOError:
+            pass
+        stale = stale_lock_holders(path)
+        if stale:
+            say(f"{path} is held only by the cluster's daemons (pids {', '.join(map(str, stale))}: they inherited "
+                "the descriptor of a start.sh run under flock), which nobody can take until they restart: going "
+                "ahead without it")
+            return file
+        if not said:
+            say(f"waiting for {path} (the e2e tests' lock) ...")
+            said = True
+        time.sleep(5)

@@ -250,12 +250,13 @@ def by_kind(costs: Sequence[FailureCost]) -> dict[str, Costs]:
     return out
 
 
-def weights_verdict(events: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The run's weights against the unbroken run's at every step both logged (mgpu.record.goodput's
-    fingerprints: exact bit sums), its final step's included."""
-    mine, ref = fingerprints(events), fingerprints(reference)
-    verdict = compare_fingerprints(mine, ref)
-    final = max(mine, default=0)
+def weights_verdict(events: Sequence[Mapping[str, Any]], reference: Sequence[Mapping[str, Any]],
+                    final: int) -> dict[str, Any]:
+    """The run's weights against the unbroken run's at every step of its final trajectory, up to `final`, that both
+    logged (mgpu.record.goodput's fingerprints, a step's newest: exact bit sums), `final`'s included. Steps a
+    failure threw away beyond `final` are not the run's weights."""
+    mine = {step: value for step, value in fingerprints(events).items() if step <= final}
+    verdict = compare_fingerprints(mine, fingerprints(reference))
     return {"identical": verdict.agree and final in verdict.common, "steps_compared": len(verdict.common),
             "final_step": final, "first_difference": verdict.first_difference}
 
@@ -280,7 +281,7 @@ def run_result(config: str, events: Sequence[Mapping[str, Any]], fired: Sequence
     window = [e for e in events if e["time"] <= end]
     return RunResult(config, round(end - start, 1), steps, round(seconds, 1), round(seconds / (end - start), 4),
                      failure_costs(events, fired, start, end), goodput(window).lost_steps, resubmitted,
-                     weights_verdict(window, reference))
+                     weights_verdict(window, reference, steps))
 
 
 # ------------------------------------------------------------------------------------------------ the table

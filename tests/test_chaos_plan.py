@@ -169,13 +169,18 @@ def test_a_restart_that_fails_again_before_training_counts_from_the_one_that_tra
 
 def test_the_weights_are_compared_at_every_step_both_logged() -> None:
     reference = trained(0, range(1, 300))
-    assert weights_verdict(KILLED, reference) == {"identical": True, "steps_compared": 200, "final_step": 200,
-                                                  "first_difference": None}
+    assert weights_verdict(KILLED, reference, 200) == {"identical": True, "steps_compared": 200, "final_step": 200,
+                                                       "first_difference": None}
     # the plain loop: after its restart, other dropout draws, other weights from step 101 on
     other = [*KILLED[:-100], *trained(178, range(101, 201), prints={s: "bits:0" for s in range(101, 201)})]
-    assert weights_verdict(other, reference)["first_difference"] == 101
+    assert weights_verdict(other, reference, 200)["first_difference"] == 101
+    # steps a failure threw away past the final trajectory's end are not compared: here 121..155, retrained to 120 only
+    cut = [*KILLED[:-80]]
+    assert productive(cut, 0, 300)[0] == 120
+    assert weights_verdict(cut, reference, 120) == {"identical": True, "steps_compared": 120, "final_step": 120,
+                                                    "first_difference": None}
     # no reference (it failed): not identical, nothing compared
-    assert weights_verdict(KILLED, [])["identical"] is False
+    assert weights_verdict(KILLED, [], 200)["identical"] is False
 
 
 def test_the_table_puts_the_configurations_side_by_side_per_kind() -> None:
