@@ -4,7 +4,7 @@ time between failures; per configuration, its ETTR, the steps recomputed and the
 kind, and its weights against an unbroken run of the same steps.
 
     python bench/chaos.py                      # all configurations, ~35 min; docs/chaos.md, bench/results/chaos.json
-    python bench/chaos.py --quick              # ~6 min: a short window each; bench/results/chaos_quick.json
+    python bench/chaos.py --quick              # ~8 min: 120 s each, the fast kinds; bench/results/chaos_quick.json
     python bench/chaos.py --plan-only          # print the failure schedule and the configurations; run nothing
     python bench/chaos.py --config new= --config previous=checkpoint.memory_every_steps=100 --config plain=plain
 
@@ -14,9 +14,10 @@ mgpu (jobs/submit.py --cluster slurm) with those overrides, or the plain DDP loo
 torchrun --max-restarts in bench/chaos_plain.sbatch, `--requeue`). By default: `defaults` (mgpu as it is),
 `previous` (mgpu with the defaults before issue 44 pinned: the lead adds the new ones to `defaults`), and `plain`
 (a torch.save every 100 steps). Every configuration gets the same schedule (bench/chaos_plan.make_plan, seeded),
-back to back. A failure due while the job is not training (it is restarting, pending, or a drained node is not yet
-resumed) waits until the job has trained a step since the last one: failures never overlap, so each one's cost is
-its own, and a configuration that is down longer meets fewer of them (the table counts them). A job that ends by
+back to back, each from an idle cluster. A failure comes only once the last one is over (bench/chaos_plan.may_fire:
+the job started again and trained a step, or trained on through it for 90 s, and no drained node waits): failures
+never overlap, so each one's cost is its own, and a configuration that is down longer meets fewer of them (the table
+counts them). A job that ends by
 itself before the window does (it gave up, or Slurm did not requeue it) is resubmitted at once, as a user watching
 it would, and counted. Then each configuration's unbroken run of the same number of steps (torchrun on this
 machine, no pacing) gives the fingerprints its weights are compared with at every step.
@@ -44,9 +45,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.chaos_inject import (DONE, Cluster, find_ranks, job_state, kill, node_state, sh, take_lock,  # noqa: E402
-                                wipe_node_memory)
+                                wait_idle, wipe_node_memory)
 from bench.chaos_plan import (KINDS, Config, Fired, Injection, Plan, RunResult, make_plan, parse_config,  # noqa: E402
-                              parse_mix, productive, publish, render, run_result)
+                              may_fire, parse_mix, productive, publish, render, run_result)
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -56,13 +57,10 @@ WORLD, PER_NODE = 4, 2
 DEFAULT_CONFIGS = ("defaults=", "previous=checkpoint.memory_every_steps=100 checkpoint.every_steps=0",
                    "plain=plain save_every=100")
 FULL = {"wall": 600.0, "mtbf": 60.0}
-QUICK = {"wall": 90.0, "mtbf": 30.0}
+QUICK = {"wall": 120.0, "mtbf": 50.0}
 QUICK_MIX = "preempt-grace0,preempt-grace10,kill-rank,kill-node"
-"""--quick's default mix: the kinds a 90 s window can see come back (a frozen rank takes mgpu's watchdog 60 s and the
+"""--quick's default mix: the kinds a 120 s window can see come back (a frozen rank takes mgpu's watchdog 60 s and the
 plain loop 600 s; a drain 75 s)."""
-SETTLE_S = 90.0
-"""A failure the job has not restarted after in this long while it trains on (a drain the plain loop ignores; mgpu
-looks at its nodes every 60 s) is over: the next may come."""
 MAX_FAILURES = 10000
 """mgpu's failure budget (--max-failures) and torchrun's --max-restarts: a run of failures must not end either."""
 
@@ -97,14 +95,6 @@ class Ledger:
                 continue
             if event.get("event") in self.newest:
                 self.newest[event["event"]] = max(self.newest[event["event"]], float(event["time"]))
-
-    def ready(self, since: float, now: float) -> bool:
-        """Whether the job is training again after what happened at `since` (a failure, or the submission): it
-        started again since and has trained a step, or it has trained on through it for SETTLE_S."""
-        progress, started = self.newest["progress"], self.newest["started"]
-        if started > since:
-            return progress > started
-        return progress > since and (now - since >= SETTLE_S and progress >= now - 10)
 
 
 class Run:
@@ -191,6 +181,9 @@ class Run:
 
 def run_config(run: Run, plan: Plan, say: Any) -> tuple[float, float, list[Fired]]:
     """Submit, inject the plan's failures for its wall time, cancel; (start, end, the failures as fired)."""
+    waited = wait_idle(NODES)
+    if waited > 2:
+        say(f"[{run.config.name}] waited {waited:.0f} s for the cluster to be idle")
     start = time.time()
     run.submit()
     say(f"[{run.config.name}] job {run.job_id} submitted; run directory {run.run_dir}")
@@ -211,8 +204,8 @@ def run_config(run: Run, plan: Plan, say: Any) -> tuple[float, float, list[Fired
                     "resubmitted")
                 run.submit()
         due = pending and start + pending[0].at_s <= now
-        ready = not run.cluster.drained and (ledger.ready(fired[-1].at, now) if fired else
-                                             ledger.newest["progress"] > start)
+        ready = not run.cluster.drained and may_fire(ledger.newest["progress"], ledger.newest["started"],
+                                                     fired[-1].at if fired else None, start, now)
         if due and ready:
             detail = run.fire(pending[0], plan.drain_s)
             if detail is not None:

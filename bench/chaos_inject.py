@@ -50,6 +50,21 @@ def read_policy() -> tuple[int, bool]:
     return grace, "preempt_send_user_signal" in sh("scontrol", "show", "config")
 
 
+def wait_idle(nodes: tuple[str, ...], timeout: float = 180.0) -> float:
+    """Wait until the queue is empty and every node is IDLE (the last configuration's job gone, its nodes freed), so
+    that each configuration's clock starts on the same idle cluster; the seconds waited (RuntimeError past
+    `timeout`)."""
+    began = time.time()
+    while True:
+        queue = sh("squeue", "-h", "-o", "%i").split()
+        if not queue and all(node_state(n) == "IDLE" for n in nodes):
+            return time.time() - began
+        if time.time() - began > timeout:
+            raise RuntimeError(f"the cluster is not idle after {timeout:.0f} s (queue: {' '.join(queue) or 'empty'}; "
+                               + ", ".join(f"{n} {node_state(n)}" for n in nodes) + ")")
+        time.sleep(1)
+
+
 @dataclass(frozen=True)
 class Rank:
     rank: int

@@ -13,8 +13,8 @@ ones) cut into segments by `mgpu.record.goodput.segments`:
                  a failure counts only the second time); its time is the wall time since the step before it in the
                  same segment (a segment's first step: the segment's median step time)
     ETTR         productive step time / the configuration's wall time (submission to the window's end)
-    recomputed   per failure: the highest step trained before the next segment started minus the step that
-                 segment resumed from
+    recomputed   per failure: the highest step trained between the start it hit and the next start, minus the step
+                 that next start resumed from
     back         per failure: the failure -> the first step of the next segment that trained
 """
 
@@ -29,9 +29,9 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from mgpu.record.goodput import Segment, compare_fingerprints, fingerprints, goodput, segments
 
-__all__ = ["KINDS", "Config", "Costs", "FailureCost", "Fired", "Injection", "Plan", "RunResult", "by_kind",
-           "failure_costs", "make_plan", "parse_config", "parse_mix", "productive", "publish", "render",
-           "run_result", "weights_verdict"]
+__all__ = ["KINDS", "SETTLE_S", "Config", "Costs", "FailureCost", "Fired", "Injection", "Plan", "RunResult",
+           "by_kind", "failure_costs", "make_plan", "may_fire", "parse_config", "parse_mix", "productive", "publish",
+           "render", "run_result", "weights_verdict"]
 
 KINDS = ("preempt-grace0", "preempt-grace10", "kill-rank", "freeze-rank", "drain-node", "kill-node")
 """preempt-grace0 / -grace10: a job in partition `high` preempts it, GraceTime 0 or 10 s (the user signal on);
@@ -120,6 +120,24 @@ def make_plan(seed: int, mtbf_s: float, wall_s: float, mix: Sequence[tuple[str, 
     return Plan(seed, mtbf_s, wall_s, tuple(mix), drain_s, tuple(out))
 
 
+SETTLE_S = 90.0
+"""A failure the job trains on through for this long without starting again is over (a drain the plain loop ignores;
+mgpu looks at its nodes every 60 s): the next may come."""
+
+
+def may_fire(progress: float, started: float, since: float | None, start: float, now: float,
+             settle_s: float = SETTLE_S) -> bool:
+    """Whether the next failure may come, from the times of the ledger's newest `progress` and `started` events:
+    the job has trained since its submission (`start`; no failure yet, `since` None), or since it started again
+    after the last failure (fired at `since`), or it has trained on through that failure for `settle_s` and still
+    does. So failures never overlap: each one's cost is its own."""
+    if since is None:
+        return progress > start
+    if started > since:
+        return progress > started
+    return progress > since and now - since >= settle_s and progress >= now - 10
+
+
 # ------------------------------------------------------------------------------------------------ configurations
 @dataclass(frozen=True)
 class Config:
@@ -200,7 +218,9 @@ def failure_costs(events: Sequence[Mapping[str, Any]], fired: Sequence[Fired], s
         back = after.first_step_time if after is not None else None
         at_s = round(f.at - start, 1)
         if after is not None and back is not None:
-            reached = max((step for t, step in steps if t <= after.start), default=0)
+            # the steps trained since the start the failure hit (not those an earlier failure threw away)
+            hit = max((s.start for s in segs if s.start <= f.at), default=start)
+            reached = max((step for t, step in steps if hit <= t <= after.start), default=0)
             recomputed = max(0, reached - (after.resumed_step or 0))
             out.append(FailureCost(f.kind, f.target, at_s, True, recomputed, round(back - f.at, 1)))
             continue

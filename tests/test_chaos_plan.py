@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from bench.chaos_plan import (BEGIN, END, KINDS, Config, Fired, FailureCost, by_kind, failure_costs, make_plan,
-                              parse_config, parse_mix, productive, publish, render, run_result, weights_verdict)
+                              may_fire, parse_config, parse_mix, productive, publish, render, run_result,
+                              weights_verdict)
 
 
 def ev(t: float, name: str, job: str = "7", restart: int = 0, **fields: Any) -> dict[str, Any]:
@@ -73,6 +74,21 @@ def test_a_mix_is_parsed(text: str, expected: tuple[tuple[str, float], ...]) -> 
 def test_a_bad_mix_is_one_line(text: str, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         parse_mix(text)
+
+
+@pytest.mark.parametrize("progress, started, since, now, may", [
+    (0.0, 5.0, None, 10.0, False),     # submitted at 1, no step yet
+    (12.0, 5.0, None, 13.0, True),     # trained since the submission
+    (52.0, 5.0, 50.0, 53.0, False),    # a step after a failure at 50 but no new start: maybe still stopping (a grace)
+    (80.0, 70.0, 50.0, 81.0, True),    # started again at 70 and trained since
+    (69.0, 70.0, 50.0, 71.0, False),   # started again, no step yet
+    (139.0, 5.0, 50.0, 139.5, False),  # trained through it for 89.5 s: not yet
+    (140.5, 5.0, 50.0, 141.0, True),   # ... for 91 s, and still training: the failure was ignored
+    (100.0, 5.0, 50.0, 141.0, False),  # trained a while, then stopped (a frozen rank found late): not over
+])
+def test_a_failure_waits_until_the_last_one_is_over(progress: float, started: float, since: float | None, now: float,
+                                                    may: bool) -> None:
+    assert may_fire(progress, started, since, 1.0, now) is may
 
 
 # ------------------------------------------------------------------------------------------------ configurations
@@ -165,6 +181,16 @@ def test_a_restart_that_fails_again_before_training_counts_from_the_one_that_tra
               *KILLED[cut:]]
     (cost,) = failure_costs(events, [Fired("kill-node", "n1", 150, 155.5)], 0, 300)
     assert (cost.recomputed, cost.back_s) == (55, 22.5)
+
+
+def test_each_failure_counts_the_steps_trained_since_the_start_it_hit() -> None:
+    # the plain loop before its first save: killed at step 27, back from 0; preempted at step 11, back from 0 again
+    events = [ev(0, "started"), *trained(5, range(1, 28)), ev(40, "started"), *trained(45, range(1, 12)),
+              ev(70, "started", restart=1), *trained(80, range(1, 30), restart=1)]
+    fired = [Fired("kill-rank", "rank 0", 31, 32.0), Fired("preempt-grace0", "job", 55, 56.0)]
+    killed, preempted = failure_costs(events, fired, 0, 120)
+    assert (killed.recomputed, preempted.recomputed) == (27, 11)
+    assert run_result("plain", events, fired, 0, 120, []).lost_steps_ledger == 38  # goodput's count agrees
 
 
 def test_the_weights_are_compared_at_every_step_both_logged() -> None:
