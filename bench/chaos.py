@@ -287,7 +287,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def command_line(argv: list[str]) -> str:
-    return "python bench/chaos.py" + "".join(f" {a}" if re.fullmatch(r"[\w.,=/:-]+", a) else f" '{a}'" for a in argv)
+    """The command that reproduces the run (where its directories were kept left out)."""
+    kept = [a for i, a in enumerate(argv) if not (a == "--keep" or a.startswith("--keep=") or i and argv[i - 1] == "--keep")]
+    return "python bench/chaos.py" + "".join(f" {a}" if re.fullmatch(r"[\w.,=/:-]+", a) else f" '{a}'" for a in kept)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -303,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         print("chaos: needs root and the test cluster running (slurm/cluster/start.sh)", file=sys.stderr)
         return 1
     lock = take_lock(Path(LOCK), lambda line: print(line, flush=True))  # noqa: F841  # held until the exit
+    # Ctrl-C and SIGTERM end the run and put the cluster back (SIGINT too when started in the background, where
+    # the shell has it ignored)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     busy = [n for n in NODES if node_state(n).split("+")[0] not in ("IDLE", "MIXED", "ALLOCATED")]
     queued = sh("squeue", "-h", "-o", "%i %P %T").split("\n")

@@ -155,6 +155,9 @@ class Cluster:
             if job_state(job) not in DONE | {""}:
                 sh("scancel", job, check=False)
                 said.append(f"cancelled job {job}")
+        deadline = time.time() + 90  # mgpu's ranks save and remove their own snapshots as they stop
+        while time.time() < deadline and any(job_state(job) not in DONE | {""} for job in self.jobs):
+            time.sleep(1)
         for node in self.resume_due():
             said.append(f"resumed node {node}")
         if self.current != self.policy:
@@ -166,6 +169,10 @@ class Cluster:
                 os.kill(pid, signal.SIGKILL)
                 said.append(f"killed frozen process {pid}")
         self.frozen.clear()
+        for job in sorted(self.jobs):  # what mgpu left in node memory (a job cancelled while it restarted a step)
+            for left in SHM.glob(f"mgpu-{job}-*"):
+                shutil.rmtree(left, ignore_errors=True)
+                said.append(f"removed {left}, left by job {job}")
         return said
 
 
