@@ -293,15 +293,18 @@ class RunResult:
     """mgpu.record.goodput's own count of lost steps over the whole ledger (a check on `recomputed`'s sum)."""
     resubmitted: int
     weights: dict[str, Any]
+    first_step_s: float | None = None
+    """Submission -> the first step: the start that ETTR's wall time includes even without a failure."""
 
 
 def run_result(config: str, events: Sequence[Mapping[str, Any]], fired: Sequence[Fired], start: float, end: float,
                reference: Sequence[Mapping[str, Any]], resubmitted: int = 0) -> RunResult:
     steps, seconds = productive(events, start, end)
     window = [e for e in events if e["time"] <= end]
+    first = min((t for t, _ in _progress(window) if t >= start), default=None)
     return RunResult(config, round(end - start, 1), steps, round(seconds, 1), round(seconds / (end - start), 4),
                      failure_costs(events, fired, start, end), goodput(window).lost_steps, resubmitted,
-                     weights_verdict(window, reference, steps))
+                     weights_verdict(window, reference, steps), None if first is None else round(first - start, 1))
 
 
 # ------------------------------------------------------------------------------------------------ the table
@@ -317,15 +320,16 @@ def render(plan: Plan, results: Sequence[RunResult], specs: Mapping[str, str]) -
     """The tables: one line per configuration, then per failure kind its count, steps recomputed and time back
     (median, and the range, over that kind's failures), configurations side by side."""
     names = [r.config for r in results]
-    lines = ["| configuration | ETTR | steps | failures | recomputed in all | final weights vs the unbroken run |"
-             " resubmitted by hand |", "|---|---|---|---|---|---|---|"]
+    lines = ["| configuration | ETTR | steps | first step after | failures | recomputed in all | final weights vs the "
+             "unbroken run | resubmitted by hand |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         w = r.weights
         same = (f"identical ({w['steps_compared']} steps)" if w["identical"] else
                 f"differ from step {w['first_difference']}" if w["first_difference"] is not None else
                 f"not compared ({w['steps_compared']} steps in common)")
         total = sum(c.recomputed or 0 for c in r.failures)
-        lines.append(f"| {r.config} (`{specs.get(r.config, '')}`) | {r.ettr:.3f} | {r.steps} | {len(r.failures)} | "
+        first = "-" if r.first_step_s is None else f"{r.first_step_s:.0f} s"
+        lines.append(f"| {r.config} (`{specs.get(r.config, '')}`) | {r.ettr:.3f} | {r.steps} | {first} | {len(r.failures)} | "
                      f"{total} (goodput: {r.lost_steps_ledger}) | {same} | {r.resubmitted} |")
     kinds = [k for k in KINDS if any(c.kind == k for r in results for c in r.failures)]
     per = {r.config: by_kind(r.failures) for r in results}

@@ -216,9 +216,10 @@ def test_the_table_puts_the_configurations_side_by_side_per_kind() -> None:
     b = run_result("plain", KILLED, [Fired("drain-node", "n2", 20, 20.0), Fired("kill-rank", "rank 1", 150.0, 155.5)],
                    0, 300, [])
     table = render(plan, [a, b], {"defaults": "(mgpu's defaults)", "plain": "plain save_every=100"})
-    assert "| defaults (`(mgpu's defaults)`) | 0.667 | 200 | 1 | 55 (goodput: 55) | identical (200 steps) | 0 |" in table
-    assert "| plain (`plain save_every=100`) | 0.667 | 200 | 2 | 55 (goodput: 55) | not compared (0 steps in common)" \
+    assert "| defaults (`(mgpu's defaults)`) | 0.667 | 200 | 5 s | 1 | 55 (goodput: 55) | identical (200 steps) | 0 |" \
         in table
+    assert "| plain (`plain save_every=100`) | 0.667 | 200 | 5 s | 2 | 55 (goodput: 55) | not compared (0 steps in " \
+        "common)" in table
     assert "| kill-rank | 55 [1] | 55 [1] |" in table
     assert "| kill-rank | 22 s [1] | 22 s [1] |" in table  # 22.5 s, to the even second
     assert "| drain-node | - | - [1] (1 ignored) |" in table
