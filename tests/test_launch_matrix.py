@@ -154,9 +154,12 @@ def test_a_stop_mid_epoch_with_workers_resumes_bit_identically(cell: Cell, unbro
     (stopped,) = [e for e in events if e["event"] == "preempted"]
     assert stopped["step"] % STEPS_PER_EPOCH[cell.program], f"{cell.id}: stopped at {stopped['step']}, an epoch's end"
     assert stopped["step"] in {e["step"] for e in events if e["event"] == "checkpoint_saved"}
+    assert stopped["reasons"] == (["interrupt"] if cell.signal == "ctrl-c" else ["sigterm"]), stopped
     if cell.launcher != "torchrun":  # torchrun ends its agent's signal with its own code (1) and report
         assert proc.returncode == 3, out[-3000:]  # stopped and saved, not a Slurm job: the same command resumes
-        assert "to resume:" in out, out[-3000:]
+        resume = re.search(r"to resume: (.+)$", out, re.M)
+        launched = {"submit-local": "jobs/submit.py --cluster local", "spawn": "-m mgpu.run.spawn -n 2"}
+        assert resume and launched[cell.launcher] in resume[1], out[-3000:]  # the command that started it
     assert not left_in_session(proc.pid), f"{cell.id}: processes outlived the launcher: {left_in_session(proc.pid)}"
     again = subprocess.run(cmd, cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

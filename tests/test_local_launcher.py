@@ -54,35 +54,9 @@ def stop(proc: subprocess.Popen[str], how: str) -> str:
     return out
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_submit_local_stops_saves_exits_3_and_resumes(how: str, tmp_path: Path) -> None:
-    args = [str(ROOT / "jobs" / "submit.py"), "--cluster", "local", "--gpus-per-node", "2", "--folder",
-            str(tmp_path / "runs"), *SLOW]
-    run_dir = tmp_path / "runs" / "run"
-    proc = launch(args)
-    wait_for_steps(run_dir, proc)
-    ranks = ranks_of(proc)
-    assert len(ranks) == 2
-    out = stop(proc, how)
-    assert proc.returncode == 3, out[-3000:]
-    assert "Traceback" not in out, out[-3000:]
-    resume = re.search(r"to resume: (.+)$", out, re.M)
-    assert resume and "jobs/submit.py --cluster local" in resume[1], out[-3000:]
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists()], "a rank outlived the launcher"
-    events = read_ledger(run_dir / "events.jsonl")
-    (preempted,) = [e for e in events if e["event"] == "preempted"]
-    saved = {e["step"] for e in events if e["event"] == "checkpoint_saved"}
-    assert preempted["step"] in saved and preempted["reasons"] == (["interrupt"] if how == "ctrl-c" else ["sigterm"])
-    # The same command resumes; it ends 2 steps later (what follows is ~140 sleep-paced steps nobody checks).
-    again = subprocess.run([PYTHON, *args, f"train.max_steps={preempted['step'] + 2}"], cwd=ROOT, env=base_env(),
-                           capture_output=True, text=True, timeout=600)
-    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"resumes from its checkpoint at step {preempted['step']}" in again.stdout
-    resumed = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "resumed"]
-    assert [e["step"] for e in resumed] == [preempted["step"]]
-    assert resumed[0]["epoch"] >= 0 and resumed[0]["position"] >= 0  # where in the data (jobs/status.py, tests)
-    (finished,) = [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "finished"]
-    assert finished["step"] == preempted["step"] + 2
+# Ctrl-C or a SIGTERM to `jobs/submit.py --cluster local` and to `python -m mgpu.run.spawn`: every rank stops at the
+# same step, saves, the launcher exits 3 with the command that resumes it (the launcher's own), nothing is left
+# running, and the same command resumes bit-identically: the launch matrix's local cells (tests/test_launch_matrix.py).
 
 
 def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:
@@ -99,7 +73,7 @@ def test_a_second_launch_on_a_run_in_use_is_refused(tmp_path: Path) -> None:
     assert len(lines) == 1 and "is in use by process" in lines[0], second.stderr
 
 
-@pytest.mark.parametrize("how", ["ctrl-c", "sigusr1"])
+@pytest.mark.parametrize("how", ["sigusr1"])  # Ctrl-C: the launch matrix
 def test_mgpu_spawn_runs_a_script_on_local_ranks_and_a_stop_exits_3(how: str, tmp_path: Path) -> None:
     # SIGUSR1 to the launcher alone killed it (its default action); its ranks, orphaned, stopped on SIGTERM with 12
     # C++ stack dumps. Now passed on to them as a stop like SIGTERM.

@@ -178,7 +178,8 @@ def translate_reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return final_state(run_dir)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM to the parent", "Ctrl-C"])
+# Ctrl-C to mgpu.spawn's process group: the launch matrix's spawn cells (tests/test_launch_matrix.py).
+@pytest.mark.parametrize("signum", [signal.SIGTERM], ids=["SIGTERM to the parent"])
 def test_spawned_ranks_stop_together_and_leave_no_orphan(signum: int, translate_reference: dict,
                                                          tmp_path: Path) -> None:
     # mgpu.spawn, as the converted mp.spawn loop uses it: a SIGTERM to the spawning process alone is passed on
