@@ -496,6 +496,35 @@ def test_a_periodic_save_due_while_the_writer_is_busy_is_deferred_and_the_stops_
     assert gathered == [1, 4, 5, 6] and CheckpointStore(run.checkpoints).list_steps() == [1, 4, 5, 6]
 
 
+def test_under_the_resume_check_every_due_save_reaches_the_disk_however_slow_the_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume check compares two runs' saves step by step: there a due save is neither deferred nor queued to
+    be superseded by the next while the writer is slow (a loaded machine); it waits for the writer, so both runs
+    save the same steps (CI saw the counter row's saved step 8 superseded in one run: the LR went unnamed)."""
+    from mgpu.record import check_hooks
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.record.ledger import Ledger
+    from mgpu.record.rundir import RunDir
+
+    monkeypatch.setenv(check_hooks.CHECK_DIR, str(tmp_path / "check"))
+    run = RunDir(tmp_path / "run")
+    checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0), keep_last=1000)
+    writer = PausedWriter()
+    assert checkpointer.store is not None
+    checkpointer.store._writer = writer
+    checkpointer.save(lambda: _state(1.0), 1, "interval")
+    assert writer.entered.wait(10)
+    due = threading.Thread(target=lambda: [checkpointer.save(lambda s=s: _state(float(s)), s, "interval")
+                                           for s in (2, 3)])
+    due.start()
+    due.join(0.3)
+    assert due.is_alive()  # step 2 waits for step 1's write rather than queue behind it
+    writer.release.set()
+    due.join(10)
+    checkpointer.close()
+    assert CheckpointStore(run.checkpoints).list_steps() == [1, 2, 3]
+
+
 def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
     writer = PausedWriter(fail=True)
     writer.release.set()

@@ -153,6 +153,10 @@ class Checkpointer:
                                   reason=reason)
 
         if self.async_save and not wait:
+            if checking():
+                # The resume check compares the saves of two runs step by step: a save queued behind a slow write
+                # would be superseded by the next (never written) as the machine's timing decides. Wait instead.
+                self.store.settle()
             queued_behind = self.store.in_flight  # this save waits for the writer; training does not
             self.store.save_async(state, step, is_best=is_best, extra=extra, on_done=done)
             blocked = time.perf_counter() - started
