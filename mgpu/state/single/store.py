@@ -1,7 +1,7 @@
 """The on-disk checkpoint store: atomic saves, verified loads, pruning, and an optional background writer.
 
 `directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and checksum:
-mgpu.state.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
+mgpu.state.files.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
 and `latest` / `best`, one-line files naming a step directory (the format, its names and its verification:
 mgpu.state.checkpoint_format). A save is built under a `.tmp-*` name and renamed into place, so a killed writer
 leaves the old checkpoint or the new one, never a torn one. Rank 0 only; call a store from one thread (its own
@@ -30,11 +30,11 @@ from mgpu.state.checkpoint_format import (BEST, FORMAT, LATEST, META_FILE, STATE
                                           InvalidCheckpoint, LoadedCheckpoint, SavedCheckpoint, active_claims,
                                           checked_extra, claimed, describe_os_error, exchange_paths, one_line,
                                           refuse_newer, remove_path, tmp_name, verify_and_load)
-from mgpu.state.digest import DigestingFile, digest_file
-from mgpu.state.direct_io import DirectFile, open_direct
-from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
-from mgpu.state.writeback import WritebackFile
-from mgpu.state.zip_options import holds_storage_of, page_aligned_storages, without_zip_crc32
+from mgpu.state.files.digest import DigestingFile, digest_file
+from mgpu.state.files.direct_io import DirectFile, open_direct
+from mgpu.state.single.host_copy import release_pinned_cache, snapshot_to_cpu
+from mgpu.state.files.writeback import WritebackFile
+from mgpu.state.files.zip_options import holds_storage_of, page_aligned_storages, without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
 
 # The format's names are re-exported: callers of the store take its errors and results from here.
@@ -48,21 +48,22 @@ work is hashing and copying into the page cache, on a CPU, not the GIL (bench/sa
 cores are all busy (a rank per core, DataLoader workers), it then takes what training leaves, about a tenth
 of a core under full contention, instead of slowing the step by its share of a core."""
 DIGEST = "crc32"
-"""The checksum of new saves (mgpu.state.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
-A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
+"""The checksum of new saves (mgpu.state.files.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is
+said there). A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved
+before)."""
 ZIP_CRC32 = False
 """Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json (a sharded
 save's manifests) covers every byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t`
-reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.zip_options wraps:
-torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
-writing thread only (mgpu.state.zip_options)."""
+reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.files.zip_options
+wraps: torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
+writing thread only (mgpu.state.files.zip_options)."""
 DIRECT_IO = True
-"""Whether checkpoint files are written past the page cache (O_DIRECT, mgpu.state.direct_io) where the filesystem
+"""Whether checkpoint files are written past the page cache (O_DIRECT, mgpu.state.files.direct_io) where the filesystem
 takes it: the disk's full speed with a fraction of the CPU and none of the page cache. False, or a filesystem
-without O_DIRECT (tmpfs): through the page cache, with early writeback (mgpu.state.writeback). The same for a
+without O_DIRECT (tmpfs): through the page cache, with early writeback (mgpu.state.files.writeback). The same for a
 sharded save's files."""
 
-log = logging.getLogger("mgpu.state.checkpoint")
+log = logging.getLogger("mgpu.state.single.store")
 
 Writer = Callable[[dict[str, Any], Path], None]
 OnDone = Callable[["SavedCheckpoint | BaseException"], None]
@@ -93,7 +94,7 @@ def _lower_writer_priority() -> None:
 
 
 def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
-    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.zip_options)."""
+    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.files.zip_options)."""
     with without_zip_crc32(not ZIP_CRC32):
         torch.save(state, file)
     file.flush()
@@ -103,7 +104,7 @@ def _save_into(state: dict[str, Any], file: DirectFile | DigestingFile) -> None:
     """save_state_file into a digesting file (O_DIRECT or buffered), closed after (its last block written, its
     digest thread ended); a write's OSError is raised as itself, not as the RuntimeError torch's zip writer turns
     it into. Every storage at a page-aligned offset where the state holds a tensor big enough to be written in place
-    (mgpu.state.direct_io.IN_PLACE_BYTES): an O_DIRECT file can write a snapshot's tensors from where they are;
+    (mgpu.state.files.direct_io.IN_PLACE_BYTES): an O_DIRECT file can write a snapshot's tensors from where they are;
     a state without one keeps torch's 64 bytes (no 4 KiB of padding per record), as a memory snapshot, which
     save_state_file also writes, always does."""
     try:
@@ -296,7 +297,7 @@ class CheckpointStore:
 
     def _write_state(self, state: dict[str, Any], path: Path, in_place: bool = False) -> dict[str, Any]:
         """state.pt, fsynced; returns its checksum (computed while writing with the default writer). `in_place`:
-        `state`'s memory stays allocated and unchanged until this returns (mgpu.state.direct_io.DirectFile)."""
+        `state`'s memory stays allocated and unchanged until this returns (mgpu.state.files.direct_io.DirectFile)."""
         if self._writer is not None:
             self._writer(state, path)
             fsync_path(path)

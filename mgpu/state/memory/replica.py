@@ -4,7 +4,7 @@ so the loss of one node's memory loses no snapshot while the allocation keeps go
 Pairing (`partners`): rank r sends its snapshots to the rank with its local rank on the next node,
 (r + ranks per node) % world, and holds the replica of (r - ranks per node) % world; none on one node. The holder
 keeps it in its node's shared memory, `<job dir>/replica-of-rank<r>-on-<node>/`, with the snapshots' own two slots
-and commit records (mgpu.state.memory_snapshot.SnapshotStore, the sender's identity): a transfer cut short, or
+and commit records (mgpu.state.memory.store.SnapshotStore, the sender's identity): a transfer cut short, or
 whose CRC-32 is not the sender's, is never committed, and the previous replica stays whole.
 
 Transport: a plain TCP socket per pair. Each rank serves the replica it holds on a port of its own, published
@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
-from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, job_dir, safe_name
-from mgpu.state.digest import crc32
+from mgpu.state.memory.store import Identity, Snapshot, SnapshotStore, job_dir, safe_name
+from mgpu.state.files.digest import crc32
 
 __all__ = ["Directory", "Replication", "StoreDirectory", "partners", "replica_dir"]
 
@@ -115,7 +115,7 @@ class ReplicaServer:
         self.store, self.token, self.timeout, self.budget = store, token, timeout, budget
         self.own = own
         """This rank's own snapshots: `own-list` and `own-get` give the ones any rank may resume from (a survivor's
-        save, mgpu.state.step_mark) to the rank whose replica this holds."""
+        save, mgpu.state.memory.step_mark) to the rank whose replica this holds."""
         self.listener = socket.create_server((host, 0))
         self.listener.settimeout(0.2)  # the accept loop looks at `closing` this often
         self.address = f"{host}:{self.listener.getsockname()[1]}"
