@@ -1,10 +1,10 @@
-"""The sharded checkpointer: every rank writes its own shard through torch.distributed.checkpoint into the same
-store (`checkpointer`: `ShardedCheckpointer`), the directory's layout, its verification and the restore (`format`),
-DCP's filesystem that digests every file as it is written (`filesystem`), which rank a save waits for (`arrivals`),
-a resume that reads its files once (`verify`), DCP's files read without running their code (`dcp_safe`), and a
-sharded checkpoint read whole in one process (`export`). Imports `mgpu.state.files`, `mgpu.state.single` (the
-store's pointers, pruning and settings), the modules of `mgpu.state` that a checkpoint holds, and `mgpu.record` and
-below.
+"""The sharded checkpointer: every rank writes its own shard through torch.distributed.checkpoint into the same store
+(`checkpointer`: `ShardedCheckpointer`) and finds the newest that verifies (`find`), the directory's layout, its
+verification and the restore (`format`), DCP's filesystem that digests every file as it is written (`filesystem`),
+which rank a save waits for (`arrivals`), a resume that reads its files once (`verify`), DCP's files read without
+running their code (`dcp_safe`), and a sharded checkpoint read whole in one process (`export`). Imports
+`mgpu.state.files`, `mgpu.state.single` (the store's pointers, pruning and settings), the modules of `mgpu.state` that
+a checkpoint holds, and `mgpu.record` and below.
 
 `from mgpu.state.sharded import ShardedCheckpointer` (the names of `checkpointer`, as when mgpu.state.sharded was that
 one module) still works.
