@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from mgpu.state.memory.replica import (Partner, Refused, Replication, Superseded, _recv_msg, _send_msg, partners,
-                                       replica_dir)
+from mgpu.state.memory.replica import Partner, Refused, Replication, Superseded, partners, replica_dir
+from mgpu.state.memory.replica_wire import recv_msg, send_msg
 from mgpu.state.memory.store import Identity, SnapshotStore, job_dir, remove_job
 from mgpu.state.memory.snapshots import MemorySnapshots
 from tests.test_memory_snapshot import agree_all, dump, load
@@ -113,15 +113,15 @@ def put_raw(replication: Replication, header: dict[str, Any], payload: bytes, de
     entry = partner.entry()
     host, port = entry["address"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as conn:
-        _send_msg(conn, {"op": "put", "token": entry["token"], "identity": dataclasses.asdict(R0),
+        send_msg(conn, {"op": "put", "token": entry["token"], "identity": dataclasses.asdict(R0),
                          "bytes": len(payload) if declared is None else declared, **header})
-        answer = _recv_msg(conn)
+        answer = recv_msg(conn)
         if not answer["ok"]:
             return answer
         conn.sendall(payload)
         conn.shutdown(socket.SHUT_WR)
         try:
-            return _recv_msg(conn)
+            return recv_msg(conn)
         except ConnectionError:
             return None
 
