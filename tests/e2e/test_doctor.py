@@ -75,6 +75,11 @@ def _sacct_states(cluster: SlurmCluster, since: str, pid: int) -> list[str]:
     return [row.split("|")[1] for row in rows if row.startswith("mgpu-doctor-") and row.split("|")[0].endswith(f"-{pid}")]
 
 
+def _ended(states: list[str]) -> list[str]:
+    """`states` when there are some and none is still pending or running; else [] (wait_until's falsy)."""
+    return states if states and not any(s in ("PENDING", "RUNNING", "COMPLETING") for s in states) else []
+
+
 def test_doctor_full_report_default_policy(slurm_cluster: SlurmCluster, slurm_policy: Callable[..., str],
                                            tmp_path: Path) -> None:
     slurm_policy(grace=0, user_signal=True)
@@ -158,8 +163,10 @@ def test_doctor_interrupted_cancels_its_jobs(slurm_cluster: SlurmCluster, tmp_pa
     wait_until("its probe jobs to be gone", lambda: not _doctor_jobs(slurm_cluster, proc.pid), timeout=30)
     assert not (tmp_path / "runs" / ".mgpu-doctor").exists()
     # Gone because the doctor cancelled them (not because their files went with the probe directory).
-    states = wait_until("sacct to record them", lambda: _sacct_states(slurm_cluster, since, proc.pid), timeout=30)
-    assert states and all(state.startswith("CANCELLED") for state in states), states
+    # scancel returns before slurmdbd has the jobs' end (sacct may still say RUNNING for a moment): wait for an end.
+    states = wait_until("sacct to record their end", lambda: _ended(_sacct_states(slurm_cluster, since, proc.pid)),
+                        timeout=30)
+    assert all(state.startswith("CANCELLED") for state in states), states
 
 
 def test_doctor_bad_partition_submits_nothing(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:

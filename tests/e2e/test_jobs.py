@@ -287,7 +287,13 @@ def test_killed_rank_ends_the_step_and_the_job_resumes(world: int, victim: int, 
         everything = events(run_dir)
         first_attempt = everything[:next(i for i, e in enumerate(everything) if e["event"] == "restarted")]
         saved_before = max(e["step"] for e in first_attempt if e["event"] == "checkpoint_saved")
-        assert [e["step"] for e in events(run_dir, "resumed")] == [saved_before]
+        reached = max(e["step"] for e in first_attempt if e["event"] == "progress")
+        # With the defaults the survivors save the step they completed (issue 44): at most one step lost, the
+        # decider's death included; what the disk held is the floor.
+        (resumed,) = events(run_dir, "resumed")
+        assert saved_before <= resumed["step"] and reached - resumed["step"] <= 1, (saved_before, reached, resumed)
+        if resumed["step"] > saved_before:
+            assert resumed.get("memory") is True and resumed["durable_step"] == saved_before, resumed
         assert [(e["step"], e["restart"]) for e in events(run_dir, "finished")] == [(SLOW_STEPS, 0)]
         assert_same_training(run_dir, references[world].state())
     finally:
