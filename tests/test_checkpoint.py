@@ -156,7 +156,7 @@ def test_a_prune_that_fails_leaves_the_durable_save_standing(tmp_path: Path, mon
         raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "step_00000001"))
 
     monkeypatch.setattr(CheckpointStore, "_prune", refused)
-    with caplog.at_level(logging.WARNING, logger="mgpu.state.single.store"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.step_dirs"):
         saved = store.save(_state(2.0), 2)
     assert saved.step == 2 and store.list_steps() == [1, 2]
     assert "could not prune old checkpoints" in caplog.text and "EACCES" in caplog.text
@@ -170,7 +170,7 @@ def test_a_prune_that_fails_leaves_the_durable_save_standing(tmp_path: Path, mon
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_saving_a_step_again_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
     if not exchange:  # as on a platform or filesystem without renameat2
-        monkeypatch.setattr("mgpu.state.single.store.exchange_paths", lambda a, b: False)
+        monkeypatch.setattr("mgpu.state.step_dirs.exchange_paths", lambda a, b: False)
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 3)
     store.save(_state(2.0), 3, is_best=True)
@@ -197,14 +197,14 @@ def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pyt
     store.save(_state(1.0), 1)
     bad = store.save(_state(2.0), 2).path
     damage(bad / "state.pt")
-    with caplog.at_level(logging.WARNING, logger="mgpu.state.single.store"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.step_dirs"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
     _assert_same(loaded.state, _state(1.0))
     [(path, why)] = loaded.skipped
     assert path == bad and str(bad / "state.pt") in why and reason in why
     # (the saves' INFO records are there too where an earlier test in this process left the logger at INFO)
-    [record] = [r for r in caplog.records if r.name == "mgpu.state.single.store" and r.levelno >= logging.WARNING]
+    [record] = [r for r in caplog.records if r.name == "mgpu.state.step_dirs" and r.levelno >= logging.WARNING]
     assert record.levelno == logging.WARNING and str(bad / "state.pt") in record.getMessage()
     assert "\n" not in record.getMessage()
 
@@ -213,7 +213,7 @@ def test_a_checkpoint_that_would_run_code_is_rejected(tmp_path: Path, caplog: py
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 1)
     store.save({"obj": NotAllowed()}, 2)  # checksum and size match: only the weights_only load refuses it
-    with caplog.at_level(logging.WARNING, logger="mgpu.state.single.store"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.step_dirs"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
     assert "weights_only" in loaded.skipped[0][1] and "state.pt" in caplog.text

@@ -1,7 +1,8 @@
 """A run's state on disk and back: one folder per form of a checkpoint, around what every form shares.
 
 Here: what a checkpoint holds (`train_state`, `rng`, `hparams`), one checkpoint directory's layout, shared by both
-formats (`checkpoint_format`), whether a resume could load a state (`loadable`), the save's and the resume's time
+formats (`checkpoint_format`), a run's `checkpoints/` of step directories with its pointers, pruning and newest valid
+checkpoint, also shared (`step_dirs`), whether a resume could load a state (`loadable`), the save's and the resume's time
 budget (`save_budget`), and the way back, above the forms: the coordination across ranks that picks the form
 (`checkpointer`), finding and loading the way back (`resumption`) and a run's weights for inference (`inference`).
 

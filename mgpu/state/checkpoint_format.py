@@ -3,7 +3,8 @@
 `step_XXXXXXXX/` holds `state.pt` and then `meta.json` (format FORMAT: step, size, checksum, extra; a newer format is
 refused as `NewerFormat`, never passed over for an older checkpoint); `latest` and
 `best` are one-line files naming one. A save is built under a claimed `.tmp-*` path and renamed into place
-(`claimed`, `exchange_paths`). What writes and coordinates them is mgpu.state.single.store's CheckpointStore;
+(`claimed`, `exchange_paths`). A run's directory of them is mgpu.state.step_dirs; what writes state.pt into it is
+mgpu.state.single.store's CheckpointStore;
 mgpu.state.sharded.checkpointer's format shares the names, the errors and the claims.
 """
 
