@@ -436,11 +436,11 @@ class HangingBlobTask(SlowBlobTask):
             elif self.mode == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
-                import mgpu.state.digest
-                import mgpu.state.direct_io
+                import mgpu.state.files.digest
+                import mgpu.state.files.direct_io
 
-                mgpu.state.digest.DigestingFile.write = lambda *args: time.sleep(3600)
-                mgpu.state.direct_io.DirectFile.write = lambda *args: time.sleep(3600)
+                mgpu.state.files.digest.DigestingFile.write = lambda *args: time.sleep(3600)
+                mgpu.state.files.direct_io.DirectFile.write = lambda *args: time.sleep(3600)
         return super().loss(model, batch)
 
 
@@ -489,9 +489,9 @@ class SlowHashBlobTask(BlobTask):
         super().__init__(**kwargs)
         pause_s = float(os.environ.get("SLOW_HASH_PAUSE_S", "0"))
         if pause_s > 0:
-            import mgpu.state.digest
+            import mgpu.state.files.digest
 
-            real = mgpu.state.digest.digest_file
+            real = mgpu.state.files.digest.digest_file
 
             def slow_digest_file(path: Path, *args, **kwargs):  # the verification every resume runs
                 with open(path, "rb") as file:
@@ -499,7 +499,7 @@ class SlowHashBlobTask(BlobTask):
                         time.sleep(pause_s)
                 return real(path, *args, **kwargs)
 
-            mgpu.state.digest.digest_file = slow_digest_file  # type: ignore[attr-defined]  # a test's slow disk
+            mgpu.state.files.digest.digest_file = slow_digest_file  # type: ignore[attr-defined]  # a test's slow disk
 
 
 class KilledBlobTask(BlobTask):

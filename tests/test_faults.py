@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env, run_processes, start_ranks, wait_ranks
 

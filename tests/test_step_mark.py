@@ -1,5 +1,5 @@
-"""The marks of every step's end (mgpu.state.step_mark), in one process: what a survivor's save holds of the marked
-step (the small objects as they were at the mark, the parameters and optimizer states as they are, the derived
+"""The marks of every step's end (mgpu.state.memory.step_mark), in one process: what a survivor's save holds of the
+marked step (the small objects as they were at the mark, the parameters and optimizer states as they are, the derived
 RNG), when it can say nothing (no mark yet, an optimizer stepped since), who may take it (a per-rank object makes
 it this rank's alone), and the generators re-seeded from (seed, rank, step) alone; the watchdog's trigger (a stop
 signal whose step does not end) against a fake clock."""
@@ -15,9 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu.state.memory_content import STEP
+from mgpu.state.memory.content import STEP
 from mgpu.state.rng import capture_rng_state, seed_step, step_rng_state
-from mgpu.state.step_mark import StepMarks
+from mgpu.state.memory.step_mark import StepMarks
 
 
 @dataclass

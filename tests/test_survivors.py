@@ -1,5 +1,5 @@
 """A rank that dies costs at most the step it died in, with snapshots in memory at their default cadence: the ranks
-that survive save the last step they completed (mgpu.state.step_mark), and the step started again in place (as
+that survive save the last step they completed (mgpu.state.memory.step_mark), and the step started again in place (as
 mgpu.run.recovery's `restart` does under Slurm) resumes from it; the lost rank takes its state from a survivor's
 save, on its node or over the network from its partner's, with its own generators (re-seeded at every step's end)
 and, for rank 0, its batch-norm buffers as DDP synced them. Ends bit-identical to an unbroken run. Real processes:
@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from mgpu.record.ledger import read_ledger
-from mgpu.state.checkpoint import CheckpointStore
-from mgpu.state.memory_snapshot import BASE_ENV
+from mgpu.state.single.store import CheckpointStore
+from mgpu.state.memory.store import BASE_ENV
 from tests.conftest import start_ranks, wait_ranks
 
 # 40 samples, 4 per rank on 2 ranks: 5 steps an epoch, 20 in all; the durable checkpoint is the epoch end's (step 10);

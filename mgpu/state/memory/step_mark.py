@@ -1,5 +1,5 @@
 """The last step a rank completed, kept at every step's end so that a survivor can save it when a peer dies or hangs
-during the next step (mgpu.state.memory_state.MemorySnapshots.last_words).
+during the next step (mgpu.state.memory.snapshots.MemorySnapshots.last_words).
 
 Under DDP every rank holds the replicated state, and nothing of it changes between a step's end and the next step's
 optimizer step except what is cheap to copy. So at every step's end (`Session.should_stop`) a rank *marks* the step
@@ -12,7 +12,7 @@ changes (batch norm's statistics) are copied at the next step's first forward, r
 what a restarted rank 0 needs. A rank's generators are re-seeded at every step's end from (seed, rank, step)
 (mgpu.state.rng.seed_step): its RNG at the mark is derived, not kept, for itself and for a rank that was lost.
 
-`state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory_content.rank_state), or
+`state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory.content.rank_state), or
 None with the reason: no mark yet, an optimizer stepped since (the failure came after this rank's optimizer step:
 its parameters are no longer the mark's), a DDP comm hook (its state is per rank and gathering it is a collective).
 `Shareable`: whether any rank can resume from it (its content is every rank's but for the derived RNG: no per-rank
@@ -66,7 +66,7 @@ class StepMarks:
         """Held while a survivor's save is said (mgpu.run.session_state.last_words: once, from either thread)."""
         self.said = False
         self.record: Any = None
-        """Rank 0's: its buffers at every step's end (mgpu.state.buffer_record.BufferRecord; None: not kept)."""
+        """Rank 0's: its buffers at every step's end (mgpu.state.memory.buffer_record.BufferRecord; None: not kept)."""
 
     def _hook(self) -> None:
         """Post-hooks on the state's optimizers and pre-hooks on the DDPs' modules, once each."""
@@ -125,7 +125,7 @@ class StepMarks:
     def state(self) -> tuple[dict[str, Any] | None, Shareable | None, str]:
         """(the marked step's state as a snapshot holds it, who may take it, ""), or (None, None, why not)."""
         from mgpu.parallel.ddp import bucket_layout
-        from mgpu.state.memory_content import STEP, _local
+        from mgpu.state.memory.content import STEP, _local
         from mgpu.state.rng import step_rng_state
         from mgpu.state.train_state import FORMAT, unwrapped
 

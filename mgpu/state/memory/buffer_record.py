@@ -1,11 +1,11 @@
 """Rank 0's module buffers at every step's end, kept in its node's memory: what a restarted rank 0 needs when it died
-before the next step's forward, where DDP broadcasts them to the other ranks (mgpu.state.step_mark).
+before the next step's forward, where DDP broadcasts them to the other ranks (mgpu.state.memory.step_mark).
 
 Under DDP a checkpoint holds rank 0's buffers (batch norm's running statistics: each rank's own forward changes its
 copy, and DDP gives every rank rank 0's at the next forward). A survivor's save holds them once that broadcast
 happened; before it, only rank 0 had them. So rank 0 copies them at every step's end (`offer`: a copy on the device,
 microseconds for batch norm's) and a thread of its own writes the newest copy into two slots with commit records
-(mgpu.state.memory_snapshot.SnapshotStore, `<job dir>/rank0-buffers/`), the loop never waiting: from a GPU, once
+(mgpu.state.memory.store.SnapshotStore, `<job dir>/rank0-buffers/`), the loop never waiting: from a GPU, once
 the copy's event has completed. Only where a DDP module has buffers; nothing otherwise.
 """
 
@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from mgpu.state.memory_snapshot import SnapshotStore
+from mgpu.state.memory.store import SnapshotStore
 
 __all__ = ["BufferRecord"]
 
@@ -70,7 +70,7 @@ class BufferRecord:
             self._cond.notify()
 
     def _run(self) -> None:
-        from mgpu.state.checkpoint import save_state_file
+        from mgpu.state.single.store import save_state_file
 
         while True:
             with self._cond:
