@@ -128,3 +128,30 @@ def test_ranks_start_their_workers_as_the_spawning_process_chose_not_by_spawn(tm
     assert result.returncode == 0, result.stderr[-2000:]
     want = "None" if chosen == "none" else chosen
     assert [(tmp_path / f"method.{rank}").read_text() for rank in (0, 1)] == [want, want]
+
+
+class _ExitsWhenLookedAt:
+    """A rank whose process ends between two looks at it: alive at the first `is_alive()`, gone at the next."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        self.looks += 1
+        if self.looks > 1:
+            self.exitcode = 0
+        return self.looks == 1
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_the_wait_for_the_ranks_ends_when_the_last_exits_between_two_looks() -> None:
+    """`python -m mgpu.run.spawn` ended a finished run with a StopIteration traceback (exit 1) when the last rank
+    exited between the wait's check that one lived and its pick of the one to join (bench/failure_overhead.py)."""
+    from mgpu.run.spawn import _wait
+
+    sent: list[int] = []
+    _wait([_ExitsWhenLookedAt()], sent.append, None, 0.0, "USR1")
+    assert sent == []
