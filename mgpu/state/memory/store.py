@@ -239,9 +239,10 @@ class SnapshotStore:
             checksumming = _Checksumming(file)
             dump(checksumming)
             checksumming.flush()
-            file.truncate(file.tell())
+            size = file.tell()
+            file.truncate(size)
         record = {**asdict(self.identity), "step": step, "slot": slot, "crc32": checksumming.digest,
-                  "bytes": data.stat().st_size, **({"share": share} if share else {})}
+                  "bytes": size, **({"share": share} if share else {})}
         tmp = self._record_path(slot).with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self._record_path(slot))  # the commit: last
