@@ -184,7 +184,7 @@ class _Slot:
         finally:
             os.close(fd)
         self.map[HEAD.size:HEAD.size + len(line)] = line
-        self.places = []
+        self.places: list[Any] = []  # a tensor over the mapping per buffer; None for an empty one
         offset = HEAD.size + len(line)
         for (_, _, dtype, shape), size in zip(layout, sizes):
             if size:
