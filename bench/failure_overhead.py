@@ -7,7 +7,7 @@ trainer (mgpu's Trainer on bench.tasks' MLP).
     python bench/failure_overhead.py [--repeats 20] [--steps 200] [--hidden 1024]
 
 The two variants run in the *same* two rank processes (under torchrun), one after the other, each a fresh Session
-(its own process group on a store of its own, run directory and snapshots), their order swapped every repeat. The
+(its own process group, run directory and snapshots), their order swapped every repeat. The
 figure: the ratio of mean step times (mean over a run's steps after a warm-up: the steps with a snapshot are the slow
 ones, a median would hide them), the median of the per-repeat paired ratios and a bootstrap 95 % interval of it
 (repeats resampled as pairs); `median_step_ratio`, the same of median steps (the per-step work alone).
@@ -154,17 +154,11 @@ def worker(args: argparse.Namespace) -> None:
     shares: list[float] = []
     accounting = Accounting()
     accounting.install()
-    # Each Session's process group on a store of its own (rank 0's, on a port of its own): torchrun's agent store
-    # outlives a group, and a second group's rendezvous on it met the first's keys and waited for ever.
-    os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "False"
-    ports = iter(range(int(os.environ["MASTER_PORT"]) + 1, 65536))
     with tempfile.TemporaryDirectory() as workdir:
-        os.environ["MASTER_PORT"] = str(next(ports))
         PROGRAMS[args.program](Path(workdir) / "warmup", 30, args.hidden, None)  # imports, allocator, thread pools
         for repeat in range(args.repeats):
             order = list(VARIANTS) if repeat % 2 == 0 else list(reversed(VARIANTS))
             for name in order:
-                os.environ["MASTER_PORT"] = str(next(ports))
                 run_dir = Path(workdir) / f"r{repeat}-{VARIANTS[name]}"
                 accounting.seconds = 0.0
                 ends = PROGRAMS[args.program](run_dir, args.steps, args.hidden, VARIANTS[name])
