@@ -10,7 +10,7 @@ It runs at every step, so it is kept to a memory copy: each slot is a file in /d
 head (magic, CRC-32, length, step), a JSON line (the snapshots' identity, each tensor's key, dtype and shape) and the
 tensors' bytes, each tensor's place a tensor over the mapping. A step's record clears the head, copies each buffer
 into its place, then writes the head (the commit); a slot whose head does not match what follows it (a rank killed
-mid-copy) is not believed, and the other slot still holds the step before. No file is opened, no `torch.save`, no
+mid-copy) is not believed, and the other slot still holds the step before. No file opened at a step, no `torch.save`, no
 thread on a CPU: a record costs microseconds (with SnapshotStore's write, a thread's 300 us of CPU a step and the GIL:
 bench/failure_overhead.py). From a GPU the copy goes to pinned host memory without waiting and a thread copies it
 into the slot once the copy's event has completed. Only where a DDP module has buffers.
