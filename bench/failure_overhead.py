@@ -115,14 +115,7 @@ class Accounting:
     returns at once)."""
 
     def __init__(self) -> None:
-        import threading
-
         self.seconds = 0.0
-        self._lock = threading.Lock()
-
-    def add(self, seconds: float) -> None:
-        with self._lock:
-            self.seconds += seconds
 
     def install(self) -> None:
         import functools
@@ -137,7 +130,7 @@ class Accounting:
                 try:
                     return fn(*args, **kwargs)
                 finally:
-                    self.add(time.perf_counter() - started)
+                    self.seconds += time.perf_counter() - started
             return wrapper
 
         synced = StepMarks._synced
