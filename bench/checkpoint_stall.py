@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir)")
     args = parser.parse_args()
 
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single.store import CheckpointStore
 
     state, params = build_state(args.layers, args.width)
     root = Path(tempfile.mkdtemp(prefix="mgpu-bench-", dir=args.dir))

@@ -40,7 +40,7 @@ def _sync_file_range() -> Any:
 def plain_write(path: Path, data: memoryview, writeback: bool = False, direct: bool = False) -> tuple[float, float]:
     """Large sequential writes, then fsync (file and directory): (seconds writing, seconds in the fsyncs).
     `direct`: with O_DIRECT (`data` page-aligned, as `aligned_copy` makes it), as `dd oflag=direct` writes;
-    `writeback`: each 64 MiB's writeback started as soon as it is written (mgpu.state.writeback's technique)."""
+    `writeback`: each 64 MiB's writeback started as soon as it is written (mgpu.state.files.writeback's technique)."""
     start_writeback = _sync_file_range() if writeback else None
     started = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
@@ -63,10 +63,10 @@ def plain_write(path: Path, data: memoryview, writeback: bool = False, direct: b
 
 def aligned_copy(data: memoryview, huge_pages: bool = True) -> memoryview:
     """`data` copied into page-aligned memory, for O_DIRECT: by default where mgpu's O_DIRECT writer keeps its
-    buffers (mgpu.state.direct_io.aligned_buffer: transparent huge pages where granted, the device's largest
+    buffers (mgpu.state.files.direct_io.aligned_buffer: transparent huge pages where granted, the device's largest
     requests), else an anonymous shared mapping of 4 KiB pages (`huge_pages=False`: the form before)."""
     if huge_pages:
-        from mgpu.state.direct_io import aligned_buffer
+        from mgpu.state.files.direct_io import aligned_buffer
 
         _, view = aligned_buffer(len(data))
         view[:] = data

@@ -17,7 +17,7 @@ snapshots (steadier still: it needs no difference of two noisy step times). Also
 time, as a copy rate, from which the overhead of another model and step time follows:
 overhead(k) ~ snapshot_s / (k x step_s).
 
-`--replica` adds each k once more with the snapshots also replicated (mgpu.state.memory_replica): this process
+`--replica` adds each k once more with the snapshots also replicated (mgpu.state.memory.replica): this process
 is rank 0 of a world of 2 on "node a", its partner rank 1 on "node b" is a second process (no torch) serving the
 replica over loopback TCP. The loop never waits for a send, so its cost to this process is the sender thread's
 CPU (reading the snapshot back, its CRC-32, the socket), in this process's CPU time; the partner's receiving
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import report  # noqa: E402
 
 if TYPE_CHECKING:
-    from mgpu.state.memory_snapshot import Identity
+    from mgpu.state.memory.store import Identity
 
 WARMUP = 5
 
@@ -74,7 +74,7 @@ import sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from bench.memory_snapshot import _FileDirectory, _identity
-from mgpu.state.memory_replica import Replication
+from mgpu.state.memory.replica import Replication
 base, run_id = Path(sys.argv[2]), sys.argv[3]
 replication = Replication.start(_identity(run_id, 1), node="b", ranks_per_node=1, num_nodes=2, host="127.0.0.1",
                                 directory=lambda: _FileDirectory(base), base=base)
@@ -86,8 +86,8 @@ replication.close()
 
 def _identity(run_id: str, rank: int) -> "Identity":
     """The identity rank `rank` of the bench's world of 2 gives its snapshots (the partner process's too)."""
-    from mgpu.state.memory_snapshot import Identity
-    from mgpu.state.memory_state import config_digest
+    from mgpu.state.memory.store import Identity
+    from mgpu.state.memory.snapshots import config_digest
 
     return Identity("bench", 0, run_id, config_digest({}), 2, rank)
 
@@ -100,7 +100,7 @@ def run(variant: int, steps: int, batch: int, hidden: int, base: Path,
     import torch.nn.functional as F
 
     from bench.tasks import mlp
-    from mgpu.state.memory_state import MemorySnapshots
+    from mgpu.state.memory.snapshots import MemorySnapshots
     from mgpu.state.train_state import Progress
 
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def run(variant: int, steps: int, batch: int, hidden: int, base: Path,
                                   else 1, rank=0, every=variant, version=None, base=base)
     partner = None
     if replica is not None:
-        from mgpu.state.memory_replica import Replication
+        from mgpu.state.memory.replica import Replication
 
         partner = subprocess.Popen([sys.executable, "-c", PARTNER, str(ROOT), str(base), run_id], text=True,
                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
@@ -177,7 +177,7 @@ def main() -> None:
                 times[variant].append(run(k, args.steps, args.batch, args.hidden, base, takes,
                                           replicas[k] if replicated else None))
         from bench.tasks import mlp
-        from mgpu.state.memory_state import MemorySnapshots
+        from mgpu.state.memory.snapshots import MemorySnapshots
         from mgpu.state.train_state import Progress
 
         model = mlp(hidden=args.hidden)

@@ -7,9 +7,9 @@ One process (the single-file `Checkpointer`, rank 0 of a world of one): a stack 
 repeat, alternating: `none` (no checkpoint), `deferred` (a save every N steps, as mgpu saves now: a save that comes
 due while the last is being written is deferred to the first due save after the writer is free) and `blocking`
 (the same saves, each first waiting for the one in flight, as mgpu did before); with `--ab-direct`, also `buffered`
-(`deferred` with its files written through the page cache, mgpu.state.checkpoint.DIRECT_IO off: as mgpu wrote them
+(`deferred` with its files written through the page cache, mgpu.state.single.store.DIRECT_IO off: as mgpu wrote them
 before, and as it still does on a filesystem that refuses O_DIRECT); with `--ab-in-place`, also `copied` (`deferred`
-with the snapshot copied into the O_DIRECT writer's buffers, mgpu.state.direct_io.IN_PLACE_BYTES out of reach, not
+with the snapshot copied into the O_DIRECT writer's buffers, mgpu.state.files.direct_io.IN_PLACE_BYTES out of reach, not
 written from where it is: as before); with `--ab-zlib`, also `zlib` (`deferred` with the digest's
 CRC-32 computed by zlib's own code, as before, not zlib-ng's; the same values); with `--ab-plain`, also `plain` (a hand-written background writer at the
 disk's speed, the peer: at each due save with its thread free, the same host copy into kept huge-page memory, then
@@ -77,9 +77,9 @@ def run(form: str, every: int, steps: int, objects: dict[str, Any], directory: P
     checkpointer = Checkpointer(run_dir, 0, 1, Ledger(ledger_path, "bench", 0), keep_last=1)
     plain = PlainWriter(root / "plain") if form == "plain" else None
     state = {"model": model, "optimizer": optimizer, "progress": {"step": 0}}
-    from mgpu.state import checkpoint as checkpoint_module
+    from mgpu.state.single import store as checkpoint_module
 
-    from mgpu.state import digest, direct_io
+    from mgpu.state.files import digest, direct_io
 
     checkpoint_module.DIRECT_IO = form != "buffered"
     # `copied`: the snapshot copied into the writer's buffers, not written in place (as before)
@@ -140,7 +140,7 @@ class PlainWriter:
         directory.mkdir(parents=True, exist_ok=True)
 
     def offer(self, state: dict[str, Any], step: int) -> bool:
-        from mgpu.state.host_copy import snapshot_to_cpu
+        from mgpu.state.single.host_copy import snapshot_to_cpu
 
         if self.thread is not None and self.thread.is_alive():
             self.deferred += 1
@@ -159,7 +159,7 @@ class PlainWriter:
     def _write_unchecked(self, snapshot: Any, step: int) -> None:
         import torch
 
-        from mgpu.state.direct_io import ALIGN, aligned_buffer
+        from mgpu.state.files.direct_io import ALIGN, aligned_buffer
 
         tensors: list[Any] = []
         _collect(snapshot, tensors)
@@ -233,7 +233,7 @@ def main() -> None:
 
     import torch
 
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single.store import CheckpointStore
     from mgpu.state.train_state import gather_state
 
     torch.set_num_threads(1)  # the step on one core, the writer on the other (a GPU node's spare cores)

@@ -122,8 +122,8 @@ def main() -> None:
 
     import torch
 
-    from mgpu.state import checkpoint
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single import store as checkpoint
+    from mgpu.state.single.store import CheckpointStore
 
     torch.set_num_threads(args.threads)
     state, params = build_state(args.layers, args.width)

@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     from mgpu.parallel.fsdp import shard
     from mgpu.record.ledger import Ledger
     from mgpu.record.rundir import RunDir
-    from mgpu.state.sharded import ShardedCheckpointer
+    from mgpu.state.sharded.checkpointer import ShardedCheckpointer
     from mgpu.state.train_state import gather_state
 
     rows = []
@@ -160,8 +160,8 @@ def _resume_s(form: str, root: Path, rank: int, world: int, mb: int) -> float:
     from mgpu.parallel.fsdp import shard
     from mgpu.record.ledger import Ledger
     from mgpu.record.rundir import RunDir
-    from mgpu.state.sharded import ShardedCheckpointer
-    from mgpu.state.sharded_format import restore_sharded
+    from mgpu.state.sharded.checkpointer import ShardedCheckpointer
+    from mgpu.state.sharded.format import restore_sharded
     from mgpu.state.train_state import restore_state
 
     model = _model(mb)

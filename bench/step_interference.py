@@ -8,7 +8,7 @@ kept: `steady_malloc`) timed over `--steps` steps, per repeat in this order, eac
 - `none`: no thread;
 - `compute`: crc32 of a 64 KiB buffer in a loop (a core's worth of work in its own cache, the GIL released);
 - `memcpy`: a 400 MB copy in a loop (torch, the GIL released): the memory traffic of a save's copies;
-- `direct_write`: O_DIRECT writes of one 8 MiB page-aligned buffer in a loop (mgpu.state.direct_io's unit): the
+- `direct_write`: O_DIRECT writes of one 8 MiB page-aligned buffer in a loop (mgpu.state.files.direct_io's unit): the
   disk's own work, its bytes already in the cache;
 `ratio`: the median step time over `none`'s, `gb_s`: what the thread moved per second. On a 2-core machine the
 step has one core and the thread the other: where a thread slows the step, it does so through what the cores

@@ -14,15 +14,15 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
   world of 1);
 - `sharded_async`: `save_objects` then `settle` (a periodic one: the host copy staged, the write in a thread);
 - with `--ab-direct`, also `single_buffered` and `sharded_buffered`: the saves through the page cache
-  (mgpu.state.checkpoint.DIRECT_IO off), into stores of their own;
+  (mgpu.state.single.store.DIRECT_IO off), into stores of their own;
 - with `--ab-in-place`, also `single_async_copied`: the background save with its snapshot copied into the
-  writer's buffers (mgpu.state.direct_io.IN_PLACE_BYTES out of reach: the form before), not written in place;
+  writer's buffers (mgpu.state.files.direct_io.IN_PLACE_BYTES out of reach: the form before), not written in place;
 - with `--ab-huge-pages`, also `plain_direct_4k`, `single_4k` and `sharded_4k`: an O_DIRECT write and saves from
-  4 KiB pages (mgpu.state.direct_io.HUGE_PAGES off: the form before), into stores of their own;
+  4 KiB pages (mgpu.state.files.direct_io.HUGE_PAGES off: the form before), into stores of their own;
 - with `--ab-zlib`, also `single_zlib` and `sharded_zlib`: the saves with their digest's CRC-32 computed by zlib's
-  own code (the form before; mgpu.state.digest.crc32 is zlib-ng's, the same values), into stores of their own;
+  own code (the form before; mgpu.state.files.digest.crc32 is zlib-ng's, the same values), into stores of their own;
 - with `--ab-writeback`, also `plain_wb` (the buffered write with its writeback started every 64 MiB), and
-  `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.writeback off (`WRITEBACK_BYTES = 0`), into
+  `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.files.writeback off (`WRITEBACK_BYTES = 0`), into
   stores of their own (that technique's share alone).
 Each form's `ratio` is the mean of the two references around it over its own time (1.0 = the disk's speed),
 which follows the disk's drift (other processes' writes) better than comparing the best of each column;
@@ -116,7 +116,7 @@ def profile(directory: Path, state: dict[str, Any], data: memoryview) -> None:
 
     import torch
 
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single.store import CheckpointStore
 
     class Null(io.RawIOBase):
         def writable(self) -> bool:
@@ -147,8 +147,8 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
            closers: list[Callable[[], Any]]) -> dict[str, Callable[[int], float]]:
     """The save forms to time, each `step -> its own time to durable` (in this order per repeat)."""
     from mgpu.record.ledger import Ledger
-    from mgpu.state.checkpoint import CheckpointStore
-    from mgpu.state.sharded import ShardedCheckpointer
+    from mgpu.state.single.store import CheckpointStore
+    from mgpu.state.sharded.checkpointer import ShardedCheckpointer
 
     ledger_path = directory / "ledger.jsonl"
 
@@ -187,23 +187,23 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
     forms = {"single": single("single"), "single_async": single_async("single_async"), "sharded": sharded("sharded"),
              "sharded_async": sharded("sharded_async", async_save=True)}
     if args.ab_direct:
-        from mgpu.state import checkpoint as checkpoint_module
+        from mgpu.state.single import store as checkpoint_module
 
         forms["single_buffered"] = with_setting(checkpoint_module, "DIRECT_IO", False, single("single_buffered"))
         forms["sharded_buffered"] = with_setting(checkpoint_module, "DIRECT_IO", False, sharded("sharded_buffered"))
     if args.ab_writeback:
-        from mgpu.state import writeback
+        from mgpu.state.files import writeback
 
         forms["plain_wb"] = plain("plain_wb", data, writeback=True)
         forms["single_nowb"] = with_setting(writeback, "WRITEBACK_BYTES", 0, single("single_nowb"))
         forms["sharded_nowb"] = with_setting(writeback, "WRITEBACK_BYTES", 0, sharded("sharded_nowb"))
     if args.ab_in_place:
-        from mgpu.state import direct_io
+        from mgpu.state.files import direct_io
 
         forms["single_async_copied"] = with_setting(direct_io, "IN_PLACE_BYTES", 1 << 62,
                                                     single_async("single_async_copied"))
     if args.ab_huge_pages:
-        from mgpu.state import direct_io
+        from mgpu.state.files import direct_io
 
         forms["plain_direct_4k"] = plain("plain_direct_4k", aligned_copy(data, huge_pages=False), direct=True)
         forms["single_4k"] = with_setting(direct_io, "HUGE_PAGES", False, single("single_4k"))
@@ -211,7 +211,7 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
     if args.ab_zlib:
         import zlib
 
-        from mgpu.state import digest
+        from mgpu.state.files import digest
 
         forms["single_zlib"] = with_setting(digest, "crc32", zlib.crc32, single("single_zlib"))
         forms["sharded_zlib"] = with_setting(digest, "crc32", zlib.crc32, sharded("sharded_zlib"))

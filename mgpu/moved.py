@@ -1,8 +1,10 @@
 """Module names from before mgpu/ was grouped into subpackages (issue 35), still importable and runnable.
 
 `import mgpu.checkpoint`, `from mgpu.stream import ShardedStream` and `python -m mgpu.recovery` (a batch script
-written for an older mgpu) keep working: each old name is the new module itself (one module object, not a
-copy), and `python -m OLD` runs the new module. New code uses the new names; `MOVED` is the map. No torch.
+written for an older mgpu) keep working, and so do the names mgpu/state/'s modules had before it was grouped by
+concept (issue 46: `import mgpu.state.checkpoint`, `python -m mgpu.state.memory_snapshot --remove-this-job`): each
+old name is the new module itself (one module object, not a copy), and `python -m OLD` runs the new module. New code
+uses the new names; `MOVED` is the map. No torch.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ MOVED = {
     "precision": "parallel.precision",
     "rundir": "record.rundir", "ledger": "record.ledger", "goodput": "record.goodput", "runview": "record.runview",
     "timeline": "record.timeline", "reporting": "record.reporting", "loop_progress": "record.loop_progress",
-    "checkpoint": "state.checkpoint", "checkpointer": "state.checkpointer", "sharded": "state.sharded",
-    "sharded_export": "state.sharded_export", "train_state": "state.train_state", "rng": "state.rng",
-    "save_budget": "state.save_budget", "shard_arrivals": "state.shard_arrivals", "inference": "state.inference",
+    "checkpoint": "state.single.store", "checkpointer": "state.checkpointer", "sharded": "state.sharded.checkpointer",
+    "sharded_export": "state.sharded.export", "train_state": "state.train_state", "rng": "state.rng",
+    "save_budget": "state.save_budget", "shard_arrivals": "state.sharded.arrivals", "inference": "state.inference",
     "hparams": "state.hparams", "resumption": "state.resumption",
     "preemption": "stop.preemption", "stopping": "stop.stopping", "watchdog": "stop.watchdog",
     "process_exit": "stop.process_exit",
@@ -41,14 +43,26 @@ MOVED = {
     "budgets": "record.budgets", "failures": "record.failures", "save_record": "record.save_record",
     "check_hooks": "record.check_hooks", "uncaught": "run.uncaught",
     "session_start": "run.session_start", "session_state": "run.session_state", "session_end": "run.session_end",
-    "session_wrap": "run.session_wrap", "digest": "state.digest", "shard_digest": "state.shard_digest",
-    "memory_snapshot": "state.memory_snapshot", "memory_state": "state.memory_state",
+    "session_wrap": "run.session_wrap", "digest": "state.files.digest", "shard_digest": "state.sharded.filesystem",
+    "memory_snapshot": "state.memory.store", "memory_state": "state.memory.snapshots",
     "check_resume": "check.resume", "check_runs": "check.runs", "check_plan": "check.plan",
     "state_diff": "check.state_diff", "batch_diff": "check.batch_diff",
+    # mgpu/state/ by concept (issue 46): its modules' names from before, under `mgpu.state.`
+    "state.checkpoint": "state.single.store", "state.host_copy": "state.single.host_copy",
+    "state.digest": "state.files.digest", "state.direct_io": "state.files.direct_io",
+    "state.writeback": "state.files.writeback", "state.zip_options": "state.files.zip_options",
+    "state.sharded": "state.sharded.checkpointer", "state.sharded_format": "state.sharded.format",
+    "state.shard_arrivals": "state.sharded.arrivals", "state.shard_digest": "state.sharded.filesystem",
+    "state.shard_verify": "state.sharded.verify", "state.dcp_safe": "state.sharded.dcp_safe",
+    "state.sharded_export": "state.sharded.export",
+    "state.memory_snapshot": "state.memory.store", "state.memory_state": "state.memory.snapshots",
+    "state.memory_replica": "state.memory.replica", "state.memory_content": "state.memory.content",
+    "state.memory_room": "state.memory.room", "state.memory_cadence": "state.memory.cadence",
+    "state.step_mark": "state.memory.step_mark", "state.buffer_record": "state.memory.buffer_record",
 }
-# Old names that are now packages of their own: `mgpu.config` and `mgpu.data` import as the packages, whose
-# `__init__` hands on the old module's names.
-_PACKAGES_NOW = {"config", "data"}
+# Old names that are now packages of their own: `mgpu.config`, `mgpu.data` and `mgpu.state.sharded` import as the
+# packages, whose `__init__` hands on the old module's names.
+_PACKAGES_NOW = {"config", "data", "state.sharded"}
 
 
 class _Alias(importlib.abc.Loader):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 
 NUMEL = 64 * 1024  # float32: 256 KiB of state.pt
 CHUNK = 4096

@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 3 tests/resume_probe.py RUN_DIR OUT_DIR
 
 Every rank forms a gloo group and calls `Checkpointer.find_latest()` as the trainer does, counting the bytes
-it feeds to a checksum (mgpu.state.digest's, or an older checkpoint's sha256) and how it calls `torch.load` and `CheckpointStore.load_dir`; it writes them to
-`OUT_DIR/rank<N>.json`.
+it feeds to a checksum (mgpu.state.files.digest's, or an older checkpoint's sha256) and how it calls `torch.load` and
+`CheckpointStore.load_dir`; it writes them to `OUT_DIR/rank<N>.json`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 
 import torch
 
-from mgpu.state import checkpoint, digest
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.files import digest
+from mgpu.state.single import store as checkpoint
+from mgpu.state.single.store import CheckpointStore
 from mgpu.state.checkpointer import Checkpointer
 from mgpu.parallel.distributed import process_group
 from mgpu.record.ledger import Ledger

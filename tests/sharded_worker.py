@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from mgpu.parallel.fsdp import shard
 from mgpu.record.ledger import Ledger
-from mgpu.state.sharded import ShardedCheckpointer
-from mgpu.state.sharded_format import restore_sharded
+from mgpu.state.sharded.checkpointer import ShardedCheckpointer
+from mgpu.state.sharded.format import restore_sharded
 
 
 def build() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -109,7 +109,7 @@ def main() -> None:
             original_manifest = ShardedCheckpointer._write_manifest
             ShardedCheckpointer._write_manifest = lambda self, job: (kill(), original_manifest(self, job))[1]  # type: ignore[method-assign]
         elif point == "install":  # rank 0 wrote meta.json, the directory is not renamed into place
-            import mgpu.state.sharded as sharded
+            import mgpu.state.sharded.checkpointer as sharded
 
             original_install = sharded.CheckpointStore.install
             sharded.CheckpointStore.install = lambda self, tmp, final: (kill(), original_install(self, tmp, final))[1]  # type: ignore[method-assign]
@@ -118,7 +118,7 @@ def main() -> None:
     elif mode == "late":
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from mgpu.state.checkpoint import CheckpointError
+        from mgpu.state.single.store import CheckpointError
 
         victim = int(sys.argv[3])
         train_step(model, optimizer, 1)

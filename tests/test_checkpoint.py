@@ -27,12 +27,12 @@ import numpy as np
 import pytest
 import torch
 
-import mgpu.state.checkpoint
-import mgpu.state.zip_options
-from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint
-from mgpu.state.host_copy import snapshot_to_cpu
+import mgpu.state.single.store
+import mgpu.state.files.zip_options
+from mgpu.state.single.store import CheckpointError, CheckpointStore, CheckpointWriteError, SavedCheckpoint
+from mgpu.state.single.host_copy import snapshot_to_cpu
 from mgpu.state.loadable import check_loadable
-from mgpu.state.digest import digest_file
+from mgpu.state.files.digest import digest_file
 from tests.conftest import PYTHON, ROOT, base_env, fill
 
 WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
@@ -156,7 +156,7 @@ def test_a_prune_that_fails_leaves_the_durable_save_standing(tmp_path: Path, mon
         raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "step_00000001"))
 
     monkeypatch.setattr(CheckpointStore, "_prune", refused)
-    with caplog.at_level(logging.WARNING, logger="mgpu.state.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.step_dirs"):
         saved = store.save(_state(2.0), 2)
     assert saved.step == 2 and store.list_steps() == [1, 2]
     assert "could not prune old checkpoints" in caplog.text and "EACCES" in caplog.text
@@ -170,7 +170,7 @@ def test_a_prune_that_fails_leaves_the_durable_save_standing(tmp_path: Path, mon
 @pytest.mark.parametrize("exchange", [True, False], ids=["renameat2", "two-renames"])
 def test_saving_a_step_again_replaces_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exchange: bool) -> None:
     if not exchange:  # as on a platform or filesystem without renameat2
-        monkeypatch.setattr("mgpu.state.checkpoint.exchange_paths", lambda a, b: False)
+        monkeypatch.setattr("mgpu.state.step_dirs.exchange_paths", lambda a, b: False)
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 3)
     store.save(_state(2.0), 3, is_best=True)
@@ -197,14 +197,14 @@ def test_a_damaged_latest_falls_back_to_the_previous(tmp_path: Path, caplog: pyt
     store.save(_state(1.0), 1)
     bad = store.save(_state(2.0), 2).path
     damage(bad / "state.pt")
-    with caplog.at_level(logging.WARNING, logger="mgpu.state.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.step_dirs"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
     _assert_same(loaded.state, _state(1.0))
     [(path, why)] = loaded.skipped
     assert path == bad and str(bad / "state.pt") in why and reason in why
     # (the saves' INFO records are there too where an earlier test in this process left the logger at INFO)
-    [record] = [r for r in caplog.records if r.name == "mgpu.state.checkpoint" and r.levelno >= logging.WARNING]
+    [record] = [r for r in caplog.records if r.name == "mgpu.state.step_dirs" and r.levelno >= logging.WARNING]
     assert record.levelno == logging.WARNING and str(bad / "state.pt") in record.getMessage()
     assert "\n" not in record.getMessage()
 
@@ -213,7 +213,7 @@ def test_a_checkpoint_that_would_run_code_is_rejected(tmp_path: Path, caplog: py
     store = CheckpointStore(tmp_path)
     store.save(_state(1.0), 1)
     store.save({"obj": NotAllowed()}, 2)  # checksum and size match: only the weights_only load refuses it
-    with caplog.at_level(logging.WARNING, logger="mgpu.state.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="mgpu.state.step_dirs"):
         loaded = store.latest()
     assert loaded is not None and loaded.step == 1
     assert "weights_only" in loaded.skipped[0][1] and "state.pt" in caplog.text
@@ -400,7 +400,7 @@ def test_without_cuda_nothing_is_released(tmp_path: Path, monkeypatch: pytest.Mo
 def test_save_async_never_waits_for_the_writer_and_a_newer_save_supersedes_a_queued_one(tmp_path: Path) -> None:
     """Issue 31: a periodic save that comes while the last is being written does not hold the loop: it waits for
     the writer in a queue of one, and a newer one takes its place there (the one being written is finished)."""
-    from mgpu.state.checkpoint import CheckpointSuperseded
+    from mgpu.state.single.store import CheckpointSuperseded
 
     writer = PausedWriter()
     results: list[Any] = []
@@ -430,7 +430,7 @@ def test_save_async_never_waits_for_the_writer_and_a_newer_save_supersedes_a_que
 
 
 def test_the_stops_save_supersedes_a_queued_save_and_waits_for_the_one_being_written(tmp_path: Path) -> None:
-    from mgpu.state.checkpoint import CheckpointSuperseded
+    from mgpu.state.single.store import CheckpointSuperseded
 
     writer = PausedWriter()
     results: list[Any] = []
@@ -494,6 +494,35 @@ def test_a_periodic_save_due_while_the_writer_is_busy_is_deferred_and_the_stops_
     assert events == [("checkpoint_saved", 1, None), ("checkpoint_saved", 4, 2), ("checkpoint_saved", 5, None),
                       ("checkpoint_saved", 6, None)], events
     assert gathered == [1, 4, 5, 6] and CheckpointStore(run.checkpoints).list_steps() == [1, 4, 5, 6]
+
+
+def test_under_the_resume_check_every_due_save_reaches_the_disk_however_slow_the_writer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resume check compares two runs' saves step by step: there a due save is neither deferred nor queued to
+    be superseded by the next while the writer is slow (a loaded machine); it waits for the writer, so both runs
+    save the same steps (CI saw the counter row's saved step 8 superseded in one run: the LR went unnamed)."""
+    from mgpu.record import check_hooks
+    from mgpu.state.checkpointer import Checkpointer
+    from mgpu.record.ledger import Ledger
+    from mgpu.record.rundir import RunDir
+
+    monkeypatch.setenv(check_hooks.CHECK_DIR, str(tmp_path / "check"))
+    run = RunDir(tmp_path / "run")
+    checkpointer = Checkpointer(run, rank=0, world=1, ledger=Ledger(run.ledger, "7", 0), keep_last=1000)
+    writer = PausedWriter()
+    assert checkpointer.store is not None
+    checkpointer.store._writer = writer
+    checkpointer.save(lambda: _state(1.0), 1, "interval")
+    assert writer.entered.wait(10)
+    due = threading.Thread(target=lambda: [checkpointer.save(lambda s=s: _state(float(s)), s, "interval")
+                                           for s in (2, 3)])
+    due.start()
+    due.join(0.3)
+    assert due.is_alive()  # step 2 waits for step 1's write rather than queue behind it
+    writer.release.set()
+    due.join(10)
+    checkpointer.close()
+    assert CheckpointStore(run.checkpoints).list_steps() == [1, 2, 3]
 
 
 def test_wait_reraises_the_writer_error(tmp_path: Path) -> None:
@@ -605,10 +634,10 @@ def _big_state(value: float) -> dict[str, Any]:
     return {"w": torch.full((64 * 1024,), value)}  # 256 KiB of state.pt
 
 
-@pytest.mark.parametrize("kind, direct", [("tmpfs", False), ("ext4", True)])  # mgpu.state.direct_io on a disk's fs
+@pytest.mark.parametrize("kind, direct", [("tmpfs", False), ("ext4", True)])  # files.direct_io on a disk's fs
 def test_a_full_disk_is_named_and_leaves_the_last_checkpoint(kind: str, direct: bool, small_fs: Callable[..., Path],
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgpu.state import checkpoint
+    from mgpu.state.single import store as checkpoint
 
     monkeypatch.setattr(checkpoint, "DIRECT_IO", direct)
     directory = small_fs(1024, kind) / "ckpt"
@@ -660,8 +689,8 @@ class _RefusingFile(io.RawIOBase):
 def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
     """Every state.pt written from now on meets `code` (below torch.save, which would hide it): through the page
     cache, or with O_DIRECT, in the thread that writes the full buffers."""
-    from mgpu.state.digest import DigestingFile
-    from mgpu.state.direct_io import DirectFile
+    from mgpu.state.files.digest import DigestingFile
+    from mgpu.state.files.direct_io import DirectFile
 
     wrap = DigestingFile.__init__
     monkeypatch.setattr(DigestingFile, "__init__", lambda self, file, *args: wrap(self, _RefusingFile(code), *args))
@@ -678,7 +707,7 @@ def _refuse_writes(monkeypatch: pytest.MonkeyPatch, code: int) -> None:
 ])
 def test_a_refused_write_names_the_errno_and_the_path(code: int, words: str, tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    from mgpu.state.checkpoint import describe_os_error
+    from mgpu.state.single.store import describe_os_error
 
     assert describe_os_error(OSError(code, os.strerror(code), "/d/state.pt"), Path("/x")) == f"{words} at /d/state.pt"
     assert describe_os_error(OSError(code, os.strerror(code)), Path("/x")) == f"{words} at /x"  # no file named
@@ -693,7 +722,7 @@ def test_a_refused_write_names_the_errno_and_the_path(code: int, words: str, tmp
 
 
 def test_no_errno_is_said_so() -> None:
-    from mgpu.state.checkpoint import describe_os_error
+    from mgpu.state.single.store import describe_os_error
 
     assert describe_os_error(OSError("torn"), Path("/x")) == "torn (no errno) at /x"
 
@@ -723,7 +752,7 @@ def test_a_failed_background_save_is_in_the_ledger_and_the_next_one_is_tried(tmp
 def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Re-reading a large state.pt for its hash would happen inside the stop's time window.
     monkeypatch.setattr("mgpu.state.checkpoint_format.sha256_file", lambda path: pytest.fail("state.pt read back to hash it"))
-    monkeypatch.setattr("mgpu.state.checkpoint.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
+    monkeypatch.setattr("mgpu.state.single.store.digest_file", lambda *a: pytest.fail("state.pt read back to hash it"))
     saved = CheckpointStore(tmp_path).save(_big_state(5.0), 5)
     meta = json.loads((saved.path / "meta.json").read_text())
     assert meta["checksum"] == digest_file(saved.path / "state.pt")
@@ -732,12 +761,12 @@ def test_the_checksum_is_computed_while_writing(tmp_path: Path, monkeypatch: pyt
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
 def test_a_checkpoint_of_either_checksum_or_an_older_sha256_verifies_and_damage_is_found(
         algorithm: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mgpu.state.checkpoint, "DIGEST", algorithm)
+    monkeypatch.setattr(mgpu.state.single.store, "DIGEST", algorithm)
     store = CheckpointStore(tmp_path, keep_last=3)
     older = store.save(_big_state(1.0), 1).path
     meta = json.loads((older / "meta.json").read_text())
     assert meta["checksum"]["algorithm"] == algorithm
-    # As saved before mgpu.state.digest: the sha256 of the whole file.
+    # As saved before mgpu.state.files.digest: the sha256 of the whole file.
     del meta["checksum"]
     meta["sha256"] = hashlib.sha256((older / "state.pt").read_bytes()).hexdigest()
     (older / "meta.json").write_text(json.dumps(meta))
@@ -774,7 +803,7 @@ def test_the_background_writer_thread_runs_nicer_than_training(tmp_path: Path) -
     store.save_async(_state(), 1,
                      on_done=lambda _: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
     store.close()
-    assert seen == [min(19, main + mgpu.state.checkpoint.WRITER_NICE)] and mgpu.state.checkpoint.WRITER_NICE > 0
+    assert seen == [min(19, main + mgpu.state.single.store.WRITER_NICE)] and mgpu.state.single.store.WRITER_NICE > 0
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
     assert store.save(_state(2.0), 2).step == 2  # a save in the caller's thread leaves it as it is
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main
@@ -800,9 +829,9 @@ def test_state_pt_is_written_without_torchs_crc32_and_still_verifies(tmp_path: P
 @pytest.mark.parametrize("how", ["asked", "a torch without the setting"])
 def test_otherwise_it_is_torch_save_with_its_crc32(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "asked":
-        monkeypatch.setattr(mgpu.state.checkpoint, "ZIP_CRC32", True)
-    else:  # torch.serialization.get_crc32_options absent: nothing to wrap (mgpu.state.zip_options)
-        monkeypatch.setattr(mgpu.state.zip_options, "_install", lambda name, override: False)
+        monkeypatch.setattr(mgpu.state.single.store, "ZIP_CRC32", True)
+    else:  # torch.serialization.get_crc32_options absent: nothing to wrap (mgpu.state.files.zip_options)
+        monkeypatch.setattr(mgpu.state.files.zip_options, "_install", lambda name, override: False)
     saved = CheckpointStore(tmp_path).save(_big_state(4.0), 4)
     assert 0 not in _zip_crcs(saved.path / "state.pt")
     loaded = CheckpointStore(tmp_path).latest()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from tests.conftest import ROOT, start_ranks, wait_ranks
 from tests.test_trainer import assert_identical
 

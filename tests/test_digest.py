@@ -1,4 +1,4 @@
-"""mgpu.state.digest: per-chunk checksums computed while writing equal those of the file read back, whatever the
+"""mgpu.state.files.digest: per-chunk checksums computed while writing equal those of the file read back, whatever the
 write sizes; damage is found and located."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from mgpu.state.digest import ChunkDigest, DigestingFile, digest_bytes, digest_file, mismatch
+from mgpu.state.files.digest import ChunkDigest, DigestingFile, digest_bytes, digest_file, mismatch
 
 
 @pytest.mark.parametrize("algorithm", ["crc32", "sha256"])
@@ -82,7 +82,7 @@ def test_the_crc32_is_zlib_ngs_with_zlibs_values_chained_across_pieces() -> None
     saved with either verifies with the other: the same values, chained across pieces of any size."""
     from zlib_ng import zlib_ng
 
-    from mgpu.state import digest
+    from mgpu.state.files import digest
 
     assert digest.crc32 is zlib_ng.crc32
     data = memoryview(bytearray(os.urandom((2 << 20) + 12_345)))

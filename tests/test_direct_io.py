@@ -1,4 +1,4 @@
-"""mgpu.state.direct_io: checkpoint files written with O_DIRECT hold exactly the bytes written, carry the same
+"""mgpu.state.files.direct_io: checkpoint files written with O_DIRECT hold exactly the bytes written, carry the same
 checksum as a buffered write, raise the writes' errors, and leave nothing in the page cache."""
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu.state import checkpoint as checkpoint_module
-from mgpu.state.checkpoint import CheckpointStore
-from mgpu.state.digest import digest_bytes
-from mgpu.state.direct_io import ALIGN, BUFFER_BYTES, IN_PLACE_BYTES, DirectFile, _address, aligned_buffer, open_direct
+from mgpu.state.single import store as checkpoint_module
+from mgpu.state.single.store import CheckpointStore
+from mgpu.state.files.digest import digest_bytes
+from mgpu.state.files.direct_io import (ALIGN, BUFFER_BYTES, IN_PLACE_BYTES, DirectFile, _address, aligned_buffer,
+                                        open_direct)
 
 _SMALL = 4 * ALIGN  # buffers of 16 KiB: a few bytes span several of them
 
@@ -112,7 +113,7 @@ def test_a_filesystem_that_refuses_the_direct_writes_gets_them_through_the_page_
 
 def _cached_pages(path: Path) -> int:
     """How many of `path`'s pages are in the page cache (mincore of a read-only mapping of it)."""
-    from mgpu.state.direct_io import _address
+    from mgpu.state.files.direct_io import _address
 
     size = path.stat().st_size
     libc = ctypes.CDLL(None, use_errno=True)
@@ -189,7 +190,7 @@ def test_the_write_buffers_are_huge_pages_where_the_system_grants_them() -> None
 
 def test_a_closed_files_buffers_serve_the_next_file(tmp_path: Path) -> None:
     # Faulting huge pages in is where a fragmented host compacts memory: once per process, not per checkpoint.
-    from mgpu.state import direct_io
+    from mgpu.state.files import direct_io
 
     first = _direct(tmp_path / "a")
     first.write(b"x" * 10)
@@ -254,7 +255,7 @@ def test_a_short_write_resumes_where_it_stopped_across_the_pieces(tmp_path: Path
 def test_a_background_save_writes_its_snapshots_big_tensors_in_place(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     addresses = _writes_from(monkeypatch)
-    from mgpu.state.host_copy import _page_aligned_empty
+    from mgpu.state.single.host_copy import _page_aligned_empty
 
     big = _page_aligned_empty(torch.Size([IN_PLACE_BYTES // 4 * 3 + 5]), torch.float32).copy_(
         torch.randn(IN_PLACE_BYTES // 4 * 3 + 5))
@@ -282,8 +283,8 @@ def test_a_save_that_cannot_map_its_buffers_leaks_no_descriptor_and_goes_through
     def no_memory(size: int) -> tuple[mmap.mmap, memoryview]:
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr("mgpu.state.direct_io.aligned_buffer", no_memory)
-    monkeypatch.setattr("mgpu.state.direct_io._spare", {})  # no buffer left by an earlier file: each must be mapped
+    monkeypatch.setattr("mgpu.state.files.direct_io.aligned_buffer", no_memory)
+    monkeypatch.setattr("mgpu.state.files.direct_io._spare", {})  # no buffer left by an earlier file: each is mapped
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         assert open_direct(tmp_path / "state.pt") is None  # the caller writes through the page cache

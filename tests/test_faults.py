@@ -13,7 +13,7 @@ from typing import Callable
 
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env, run_processes, start_ranks, wait_ranks
 
@@ -39,7 +39,8 @@ def test_the_stop_saves_afresh_after_background_saves_failed(small_fs: Callable[
     fs = small_fs(2048)
     run_dir = fs / "run"
     # Steps 3-5 meet a full disk (their background saves fail); space is back at step 6; stop at step 8. From
-    # step 6 on, each step waits for the writer to be free first (settle_dir): the saves due at 6 and 7 are written.
+    # step 3 on, each step waits for the writer to be free first (settle_dir): the saves due at 3-5 meet the full
+    # disk, those due at 6 and 7 are written.
     result = torchrun(run_dir, *FILLING, f"task.args.fill_dir={fs}", "task.args.fill_at=3", "task.args.free_at=6",
                       f"task.args.settle_dir={run_dir / 'checkpoints'}", "--stop-at-step=8")
     assert "exitcode  : 3" in result.stdout, result.stdout[-3000:]  # stopped (not a Slurm job), not crashed

@@ -15,8 +15,8 @@ import mgpu
 from mgpu.data.sampling import epoch_permutation
 from mgpu.record.ledger import Ledger, read_ledger
 from mgpu.record.runview import verify
-from mgpu.state.sharded import ShardedCheckpointer
-from mgpu.state.sharded_export import consolidate
+from mgpu.state.sharded.checkpointer import ShardedCheckpointer
+from mgpu.state.sharded.export import consolidate
 from tests.conftest import start_ranks, wait_ranks
 from tests.test_trainer import BLOBS, assert_identical, train
 

@@ -89,7 +89,7 @@ def test_the_last_rank_to_close_a_directory_board_removes_it(tmp_path: Any) -> N
 
 
 def test_a_directory_board_in_a_slurm_job_is_named_after_the_job() -> None:
-    """So that the job's cleanup on every node (`python -m mgpu.state.memory_snapshot --remove-this-job`) removes
+    """So that the job's cleanup on every node (`python -m mgpu.state.memory.store --remove-this-job`) removes
     the board of a rank that was killed before it could."""
     from mgpu.stop.heartbeat_board import node_local_dir
 

@@ -59,7 +59,7 @@ def command(cell: Cell, run_dir: Path, port: int) -> list[str]:
 
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any]:
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single.store import CheckpointStore
 
     latest = CheckpointStore(run_dir / "checkpoints").latest()
     assert latest is not None and not latest.skipped, run_dir

@@ -1,4 +1,4 @@
-"""When a snapshot in memory is due (mgpu.state.memory_cadence), against a fake clock: every k steps as configured;
+"""When a snapshot in memory is due (mgpu.state.memory.cadence), against a fake clock: every k steps as configured;
 by default the first at step 5, then as many steps apart as keep a snapshot's copy within 0.5 % of the steps' time,
 the most any rank needs (agreed), so every rank takes them at the same steps."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mgpu.state.memory_cadence import BUDGET, FIRST_STEP, MAX_EVERY, Cadence, steps_between
+from mgpu.state.memory.cadence import BUDGET, FIRST_STEP, MAX_EVERY, Cadence, steps_between
 
 
 @pytest.mark.parametrize("snapshot_s, step_s, steps", [

@@ -1,4 +1,4 @@
-"""A snapshot only ever helps (mgpu.state.memory_state.MemorySnapshots.restore_if_newer), in one process: two ranks
+"""A snapshot only ever helps (mgpu.state.memory.snapshots.MemorySnapshots.restore_if_newer), in one process: two ranks
 as threads whose MIN all-reduce meets at a barrier, real torch states in real slots. A snapshot whose CRC-32
 matches but which does not restore (bytes that do not load, another model's state, a content of another step) is
 set aside on its rank in one line naming why, and every rank goes back alike to the next newest step they all
@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu.state.digest import crc32
-from mgpu.state.memory_content import STEP, rank_state
-from mgpu.state.memory_snapshot import SnapshotStore
-from mgpu.state.memory_state import MemorySnapshots
+from mgpu.state.files.digest import crc32
+from mgpu.state.memory.content import STEP, rank_state
+from mgpu.state.memory.store import SnapshotStore
+from mgpu.state.memory.snapshots import MemorySnapshots
 from tests.test_memory_snapshot import as_ranks
 
 WORLD = 2
@@ -191,7 +191,7 @@ def test_a_replica_that_does_not_restore_is_dropped_and_the_next_step_restores(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Rank 1's node lost its memory; its replica of step 2 on rank 0's node is bytes that do not load: it fetches
     them, says so, and both ranks go back to step 1 (its replica of which restores)."""
-    from mgpu.state.memory_replica import Replication, replica_dir
+    from mgpu.state.memory.replica import Replication, replica_dir
     from tests.test_memory_replica import FakeDirectory
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))

@@ -1,4 +1,4 @@
-"""The replica of each rank's snapshots on a partner of another node (mgpu.state.memory_replica), in one process
+"""The replica of each rank's snapshots on a partner of another node (mgpu.state.memory.replica), in one process
 with real sockets on localhost and a dict for the rendezvous store: the pairing, the transfer (a torn one leaves
 the previous replica whole; stale, unknown and superseded ones), a failure said once, the agreement and the
 restore when one node's memory is gone, cleanup. The real-process restart: test_memory_restart.py."""
@@ -15,10 +15,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from mgpu.state.memory_replica import (Partner, Refused, Replication, Superseded, _recv_msg, _send_msg, partners,
-                                       replica_dir)
-from mgpu.state.memory_snapshot import Identity, SnapshotStore, job_dir, remove_job
-from mgpu.state.memory_state import MemorySnapshots
+from mgpu.state.memory.replica import Partner, Refused, Replication, Superseded, partners, replica_dir
+from mgpu.state.memory.replica_wire import recv_msg, send_msg
+from mgpu.state.memory.store import Identity, SnapshotStore, job_dir, remove_job
+from mgpu.state.memory.snapshots import MemorySnapshots
 from tests.test_memory_snapshot import agree_all, dump, load
 
 R0 = Identity(job="123", restart=0, run="run-abc", config="cfg1", world_size=2, rank=0)
@@ -113,15 +113,15 @@ def put_raw(replication: Replication, header: dict[str, Any], payload: bytes, de
     entry = partner.entry()
     host, port = entry["address"].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=5) as conn:
-        _send_msg(conn, {"op": "put", "token": entry["token"], "identity": dataclasses.asdict(R0),
+        send_msg(conn, {"op": "put", "token": entry["token"], "identity": dataclasses.asdict(R0),
                          "bytes": len(payload) if declared is None else declared, **header})
-        answer = _recv_msg(conn)
+        answer = recv_msg(conn)
         if not answer["ok"]:
             return answer
         conn.sendall(payload)
         conn.shutdown(socket.SHUT_WR)
         try:
-            return _recv_msg(conn)
+            return recv_msg(conn)
         except ConnectionError:
             return None
 
@@ -325,7 +325,7 @@ def test_a_snapshot_written_over_is_superseded_and_the_replica_held_stays_whole(
 
 
 def test_a_size_beyond_the_holders_budget_is_refused_before_the_replica_held_is_touched(tmp_path: Path) -> None:
-    """The holder's budget (mgpu.state.memory_state.MemorySnapshots.replica_refusal: the room of its node, twice its
+    """The holder's budget (mgpu.state.memory.snapshots.MemorySnapshots.replica_refusal: the room of its node, twice its
     own snapshot): a put announcing 2**40 bytes, or a step of `true`, is refused before its slot is touched; the
     two replicas held stay whole (the older one used to be overwritten)."""
     directory = FakeDirectory()

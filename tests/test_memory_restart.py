@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
-from mgpu.state.memory_snapshot import BASE_ENV
+from mgpu.state.memory.store import BASE_ENV
 
 # 40 samples, 4 per rank on 2 ranks: 5 steps an epoch, 20 in all; the epoch-end checkpoint of step 10 (or 5) is
 # the durable one when rank 1 dies inside step 12.

@@ -1,4 +1,4 @@
-"""The room for a run's snapshots in memory (mgpu.state.memory_room), per node and from file sizes, in one process
+"""The room for a run's snapshots in memory (mgpu.state.memory.room), per node and from file sizes, in one process
 against a fake filesystem's free space and fake cgroup files: every rank of the node and the replicas counted,
 what the run holds there already counted as used, the margin left for NCCL's and the DataLoader's shared memory,
 and the check made again before every snapshot: no room is one line and snapshots off, never the run's end."""
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from mgpu.state.memory_room import MARGIN_PER_RANK, Room, run_bytes
-from mgpu.state.memory_snapshot import Identity, SnapshotStore
-from mgpu.state.memory_state import MemorySnapshots
+from mgpu.state.memory.room import MARGIN_PER_RANK, Room, run_bytes
+from mgpu.state.memory.store import Identity, SnapshotStore
+from mgpu.state.memory.snapshots import MemorySnapshots
 
 
 class FakeFs:
@@ -156,7 +156,7 @@ SLURM_V1 = "12:pids:/\n4:memory:/slurm/uid_0/job_7/step_0/task_0\n3:cpu,cpuacct:
 ])
 def test_the_memory_headroom_is_the_least_on_the_way_up(tmp_path: Path, proc: str, levels: dict[str, tuple[str, int]],
                                                        v1: bool, headroom: int | None) -> None:
-    from mgpu.state.memory_room import memory_headroom
+    from mgpu.state.memory.room import memory_headroom
 
     _limits(tmp_path, levels, v1)
     assert memory_headroom(proc, tmp_path) == headroom

@@ -14,8 +14,8 @@ from torch import nn
 from mgpu.config.loading import Config, config_to_dict, flatten_config, is_safe_to_change
 from mgpu.record.ledger import read_ledger
 from mgpu.run.session import Session
-from mgpu.state.memory_content import config_digest
-from mgpu.state.memory_snapshot import BASE_ENV
+from mgpu.state.memory.content import config_digest
+from mgpu.state.memory.store import BASE_ENV
 from tests.test_session_api import world_of_one  # noqa: F401  # the fixture: no launcher, a world of one
 
 

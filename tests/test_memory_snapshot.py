@@ -1,5 +1,5 @@
-"""Snapshots in host memory (mgpu.state.memory_snapshot, mgpu.state.memory_state), in one process: what a restore refuses
-(stale, torn), the double buffer after a copy that failed half way, cleanup, the ranks' agreement on a step,
+"""Snapshots in host memory (mgpu.state.memory.store, mgpu.state.memory.snapshots), in one process: what a restore
+refuses (stale, torn), the double buffer after a copy that failed half way, cleanup, the ranks' agreement on a step,
 and a state taken and put back bit for bit. The real-process restart in place: test_memory_restart.py."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import IO, Any, Callable
 
 import pytest
 
-from mgpu.state.memory_snapshot import Identity, SnapshotStore, job_dir, local_job_id, remove_job
-from mgpu.state.memory_state import MemorySnapshots, agree_on_step
+from mgpu.state.memory.store import Identity, SnapshotStore, job_dir, local_job_id, remove_job
+from mgpu.state.memory.snapshots import MemorySnapshots, agree_on_step
 
 ME = Identity(job="123", restart=0, run="run-abc", config="cfg1", world_size=2, rank=1)
 
@@ -104,7 +104,7 @@ def test_cleanup_removes_the_rank_then_the_job_and_only_that_job(tmp_path: Path)
 
 def test_the_batch_scripts_teardown_removes_this_nodes_snapshots_of_the_job(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from mgpu.state.memory_snapshot import BASE_ENV, main
+    from mgpu.state.memory.store import BASE_ENV, main
 
     monkeypatch.setenv(BASE_ENV, str(tmp_path))
     for identity in (ME, dataclasses.replace(ME, run="run-2"), dataclasses.replace(ME, job="77")):
@@ -115,11 +115,11 @@ def test_the_batch_scripts_teardown_removes_this_nodes_snapshots_of_the_job(
     (tmp_path / "mgpu-123-watchdog-0123456789abcdef").mkdir()  # a killed world of one's watchdog board
     assert main(["--remove-this-job"]) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["mgpu-77-run-abc"]
-    assert capsys.readouterr().out == (f"mgpu.state.memory_snapshot: n2: removed {tmp_path}/mgpu-123-run-2, "
+    assert capsys.readouterr().out == (f"mgpu.state.memory.store: n2: removed {tmp_path}/mgpu-123-run-2, "
                                        f"{tmp_path}/mgpu-123-run-abc, {tmp_path}/mgpu-123-watchdog-0123456789abcdef\n")
     assert main(["--remove-job", "77"]) == 0 and list(tmp_path.iterdir()) == []
     assert main(["--remove-job", "77"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1] == (f"mgpu.state.memory_snapshot: n2: nothing of job 77 in "
+    assert capsys.readouterr().out.splitlines()[-1] == (f"mgpu.state.memory.store: n2: nothing of job 77 in "
                                                         f"{tmp_path}")
 
 
@@ -245,7 +245,7 @@ def test_recovery_keeps_the_snapshots_for_a_restart_in_place_and_removes_them_ot
         failures_before: int, kept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mgpu.run import recovery
     from mgpu.record.ledger import Ledger
-    from mgpu.state.memory_snapshot import BASE_ENV
+    from mgpu.state.memory.store import BASE_ENV
     from mgpu.cluster.requeue import JobView
     from mgpu.record.rundir import RunDir
 
@@ -307,7 +307,7 @@ def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, mo
     def full(*args: Any) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("mgpu.state.checkpoint.save_state_file", full)
+    monkeypatch.setattr("mgpu.state.single.store.save_state_file", full)
     calls: list[int] = []
     assert not snapshots.take(2, {"x": 1}, lambda: calls.append(2) or {})
     assert snapshots.disabled == "on this rank: writing one failed: [Errno 28] No space left on device"
@@ -329,7 +329,7 @@ def test_recovery_removes_the_snapshots_on_every_node_before_it_requeues(
     from mgpu.cluster.requeue import JobView, RequeueOutcome
     from mgpu.record.rundir import RunDir
     from mgpu.run import recovery
-    from mgpu.state.memory_snapshot import BASE_ENV
+    from mgpu.state.memory.store import BASE_ENV
 
     for name, value in {"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "0", "SLURM_JOB_NUM_NODES": "2",
                         "MGPU_RESUME_COMMAND": "sbatch again"}.items():
@@ -345,7 +345,7 @@ def test_recovery_removes_the_snapshots_on_every_node_before_it_requeues(
     def srun(command: list[str], **options: Any) -> subprocess.CompletedProcess[str]:
         assert command[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--overlap",
                                "--kill-on-bad-exit=0"] and options["timeout"] == recovery.CLEANUP_S
-        assert command[6:] == [sys.executable, "-m", "mgpu.state.memory_snapshot", "--remove-this-job"]
+        assert command[6:] == [sys.executable, "-m", "mgpu.state.memory.store", "--remove-this-job"]
         out = ""
         for node, shm in nodes.items():
             task = real_run(command[6:], env={**os.environ, BASE_ENV: str(shm), "SLURMD_NODENAME": node},
@@ -361,9 +361,9 @@ def test_recovery_removes_the_snapshots_on_every_node_before_it_requeues(
     assert recovery.main(["--exit-code", "1", "--run-dir", str(RunDir(tmp_path / "run").path)]) == 1
     assert done == ["cleanup", "requeue"]
     assert all(not any(shm.iterdir()) for shm in nodes.values())
-    said = [line for line in capsys.readouterr().err.splitlines() if "memory_snapshot" in line]
-    assert said == [f"mgpu.run.recovery: mgpu.state.memory_snapshot: n1: removed {nodes['n1']}/mgpu-7-run-abc; "
-                    f"mgpu.state.memory_snapshot: n2: removed {nodes['n2']}/mgpu-7-run-abc"], said
+    said = [line for line in capsys.readouterr().err.splitlines() if "mgpu.state.memory.store" in line]
+    assert said == [f"mgpu.run.recovery: mgpu.state.memory.store: n1: removed {nodes['n1']}/mgpu-7-run-abc; "
+                    f"mgpu.state.memory.store: n2: removed {nodes['n2']}/mgpu-7-run-abc"], said
 
 
 @pytest.mark.parametrize("result, said", [

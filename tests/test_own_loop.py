@@ -16,7 +16,7 @@ from typing import Callable
 
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.goodput import segments
 from mgpu.record.ledger import read_ledger
 from mgpu.record.timeline import loss_curves

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env
 from tests.test_environment import srun_task

@@ -18,14 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mgpu.state.checkpoint import CheckpointError
-from mgpu.state.digest import digest_file
+from mgpu.state.single.store import CheckpointError
+from mgpu.state.files.digest import digest_file
 from mgpu.record.ledger import Ledger
-from mgpu.state.dcp_safe import SafeReader
-from mgpu.state.sharded import ShardedCheckpointer
-from mgpu.state.sharded_format import restore_sharded
-from mgpu.state.shard_arrivals import Arrivals, late_line
-from mgpu.state.sharded_export import consolidate
+from mgpu.state.sharded.dcp_safe import SafeReader
+from mgpu.state.sharded.checkpointer import ShardedCheckpointer
+from mgpu.state.sharded.format import restore_sharded
+from mgpu.state.sharded.arrivals import Arrivals, late_line
+from mgpu.state.sharded.export import consolidate
 
 
 @pytest.fixture
@@ -88,13 +88,13 @@ def test_a_save_is_one_verified_step_directory_that_loads_back(group: None, tmp_
 
 def test_a_shard_is_digested_while_it_is_written_not_read_back(group: None, tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import mgpu.state.sharded
-    import mgpu.state.sharded_format
+    import mgpu.state.sharded.checkpointer
+    import mgpu.state.sharded.format
 
     read_back: list[str] = []
-    real_sha, real_digest = mgpu.state.sharded_format.sha256_file, mgpu.state.sharded_format.digest_file
+    real_sha, real_digest = mgpu.state.sharded.format.sha256_file, mgpu.state.sharded.format.digest_file
     # Wherever the save looks them up: the checkpointer (the manifests' sha256) and the layout (each file's line).
-    for module in (mgpu.state.sharded, mgpu.state.sharded_format):
+    for module in (mgpu.state.sharded.checkpointer, mgpu.state.sharded.format):
         monkeypatch.setattr(module, "sha256_file", lambda path: read_back.append(path.name) or real_sha(path))
         if hasattr(module, "digest_file"):
             monkeypatch.setattr(module, "digest_file",
@@ -145,7 +145,7 @@ def test_a_shards_tensors_carry_no_zip_crc32_and_a_changed_byte_is_still_caught(
 
 
 def test_a_checkpoint_whose_manifest_records_sha256s_still_verifies(group: None, tmp_path: Path) -> None:
-    """As saved before mgpu.state.digest: a whole-file sha256 per file."""
+    """As saved before mgpu.state.files.digest: a whole-file sha256 per file."""
     save_steps(tmp_path, [1])[0].close()
     path = tmp_path / "checkpoints" / "step_00000001"
     manifest = json.loads((path / "manifest_0.json").read_text())
@@ -248,7 +248,7 @@ def test_an_async_save_holds_its_steps_state_while_training_goes_on(group: None,
 
 def test_a_sharded_run_exports_and_loads_for_inference(group: None, tmp_path: Path) -> None:
     import mgpu
-    from mgpu.state.sharded_export import main
+    from mgpu.state.sharded.export import main
 
     store, state = save_steps(tmp_path, [1, 2])
     store.close()
@@ -498,7 +498,7 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     import shutil as copying
 
-    from mgpu.state.sharded_export import main
+    from mgpu.state.sharded.export import main
     from tests.test_bad_input import MountUnavailable, _mount
 
     copying.copytree(exported_run, tmp_path, dirs_exist_ok=True)
@@ -517,7 +517,7 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
         code = main([arg.format(t=tmp_path) for arg in argv])
         out, err = capsys.readouterr()
         assert code == 2, (out, err)
-        assert out == "" and len(err.splitlines()) == 1 and err.startswith("mgpu.state.sharded_export: error: "), err
+        assert out == "" and len(err.splitlines()) == 1 and err.startswith("mgpu.state.sharded.export: error: "), err
         assert expect in err, err
         assert snapshot(tmp_path) == before
     finally:
@@ -527,16 +527,16 @@ def test_the_export_refuses_a_bad_argument_in_one_line_and_writes_nothing(
 
 @pytest.mark.multiprocess
 def test_the_export_command_is_one_line_as_a_process(exported_run: Path) -> None:
-    """`python -m mgpu.state.sharded_export` itself: a refusal on stderr in one line, no traceback, exit 2 (an export
+    """`python -m mgpu.state.sharded.export` itself: a refusal on stderr in one line, no traceback, exit 2 (an export
     that works: test_a_sharded_run_exports_and_loads_for_inference)."""
     from tests.conftest import PYTHON, ROOT, base_env
 
     common = exported_run / STEP2 / "common.pt"
     before = common.read_bytes()
-    refused = subprocess.run([PYTHON, "-m", "mgpu.state.sharded_export", str(exported_run / "run"), str(common)], cwd=ROOT,
-                             env=base_env(), capture_output=True, text=True, timeout=120)
+    refused = subprocess.run([PYTHON, "-m", "mgpu.state.sharded.export", str(exported_run / "run"), str(common)],
+                             cwd=ROOT, env=base_env(), capture_output=True, text=True, timeout=120)
     assert (refused.returncode, refused.stdout) == (2, ""), refused
-    assert refused.stderr.startswith("mgpu.state.sharded_export: error: ") and len(refused.stderr.splitlines()) == 1
+    assert refused.stderr.startswith("mgpu.state.sharded.export: error: ") and len(refused.stderr.splitlines()) == 1
     assert "exists: an export never overwrites" in refused.stderr and common.read_bytes() == before
 
 
@@ -562,7 +562,7 @@ def test_load_model_reads_the_models_tensors_alone(group: None, tmp_path: Path, 
         assert torch.equal(weights[key], value), key
     assert read and all(fqn.startswith("model.model.") for fqn in read), read
     with pytest.raises(CheckpointError, match=r"holds no module named 'teacher' \(it has \['model'\]\)"):
-        from mgpu.state.sharded_export import consolidated_model
+        from mgpu.state.sharded.export import consolidated_model
 
         consolidated_model(tmp_path / "checkpoints", "latest", name="teacher")
 
@@ -598,11 +598,11 @@ def test_each_shard_file_is_fsynced_once_after_it_is_closed(group: None, tmp_pat
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     # Each fsync of a file is a journal commit: DCP's, before its O_DIRECT stream had written its last block,
     # and a second after the close cost a 1 GiB save 15 ms of its 360.
-    import mgpu.state.direct_io
+    import mgpu.state.files.direct_io
 
     synced: list[str] = []
     open_files: set[str] = set()
-    real_fsync, real_close = os.fsync, mgpu.state.direct_io.DirectFile.close
+    real_fsync, real_close = os.fsync, mgpu.state.files.direct_io.DirectFile.close
 
     def fsync(fd: int) -> None:
         name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
@@ -614,7 +614,7 @@ def test_each_shard_file_is_fsynced_once_after_it_is_closed(group: None, tmp_pat
         real_close(self)
         open_files.discard(self.name)
 
-    real_init = mgpu.state.direct_io.DirectFile.__init__
+    real_init = mgpu.state.files.direct_io.DirectFile.__init__
 
     def init(self: Any, fd: int, *args: Any, **kwargs: Any) -> None:
         real_init(self, fd, *args, **kwargs)
@@ -622,8 +622,8 @@ def test_each_shard_file_is_fsynced_once_after_it_is_closed(group: None, tmp_pat
         open_files.add(self.name)
 
     monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(mgpu.state.direct_io.DirectFile, "__init__", init)
-    monkeypatch.setattr(mgpu.state.direct_io.DirectFile, "close", close)
+    monkeypatch.setattr(mgpu.state.files.direct_io.DirectFile, "__init__", init)
+    monkeypatch.setattr(mgpu.state.files.direct_io.DirectFile, "close", close)
     save_steps(tmp_path, [1])[0].close()
     assert synced.count("__0_0.distcp") == 1 and synced.count(".metadata") == 1, synced
     # Issue 46: the rank's own files were fsync'd twice each (written durably, then again with the shards).
@@ -665,23 +665,23 @@ def test_a_sessions_resume_reads_each_shard_file_once(group: None, tmp_path: Pat
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 46: a sharded resume hashed every shard file in a pass of its own, then DCP read it again. The session's
     # resume (mgpu.state.resumption) now checks each chunk as the load reads it: no file-level pass, one digest each.
-    import mgpu.state.digest
-    import mgpu.state.sharded_format
+    import mgpu.state.files.digest
+    import mgpu.state.sharded.format
 
     store, state = save_steps(tmp_path, [1, 2])
     store.close()
     whole_file: list[str] = []
-    real_digest_file = mgpu.state.sharded_format.digest_file
-    monkeypatch.setattr(mgpu.state.digest, "digest_file",
+    real_digest_file = mgpu.state.sharded.format.digest_file
+    monkeypatch.setattr(mgpu.state.files.digest, "digest_file",
                         lambda path, *a, **k: whole_file.append(Path(path).name) or real_digest_file(path, *a, **k))
     digested: dict[int, int] = {}
-    real_update = mgpu.state.digest.ChunkDigest.update
+    real_update = mgpu.state.files.digest.ChunkDigest.update
 
     def counting_update(self: Any, data: Any) -> None:
         digested[id(self)] = digested.get(id(self), 0) + memoryview(data).nbytes
         real_update(self, data)
 
-    monkeypatch.setattr(mgpu.state.digest.ChunkDigest, "update", counting_update)
+    monkeypatch.setattr(mgpu.state.files.digest.ChunkDigest, "update", counting_update)
     fresh = objects(seed=1)
     loaded = _resumption(tmp_path, checkpointer(tmp_path)).restore(fresh, set(), None)
     assert loaded.step == 2 and loaded.skipped == ()
@@ -720,7 +720,7 @@ import sys, tempfile, torch, torch.distributed as dist
 from pathlib import Path
 from torch import nn
 from mgpu.record.ledger import Ledger
-from mgpu.state.sharded import ShardedCheckpointer
+from mgpu.state.sharded.checkpointer import ShardedCheckpointer
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 saver = ShardedCheckpointer(Path(tempfile.mkdtemp()) / "checkpoints", 0, 1, Ledger(None, None, 0))
 before = set(sys.modules)

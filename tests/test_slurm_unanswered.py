@@ -19,7 +19,7 @@ from typing import Iterator
 
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.cluster.environment import ProcessEnv
 from mgpu.record.ledger import Ledger, read_ledger
 from mgpu.run.outcome import UNANSWERED_EXIT_CODE, StopBudgets, decide_after_stop, exit_code

@@ -128,3 +128,81 @@ def test_ranks_start_their_workers_as_the_spawning_process_chose_not_by_spawn(tm
     assert result.returncode == 0, result.stderr[-2000:]
     want = "None" if chosen == "none" else chosen
     assert [(tmp_path / f"method.{rank}").read_text() for rank in (0, 1)] == [want, want]
+
+
+class _ExitsWhenLookedAt:
+    """A rank whose process ends between two looks at it: alive at the first `is_alive()`, gone at the next."""
+
+    def __init__(self) -> None:
+        self.looks = 0
+        self.exitcode: int | None = None
+
+    def is_alive(self) -> bool:
+        self.looks += 1
+        if self.looks > 1:
+            self.exitcode = 0
+        return self.looks == 1
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+
+def test_the_wait_for_the_ranks_ends_when_the_last_exits_between_two_looks() -> None:
+    """`python -m mgpu.run.spawn` ended a finished run with a StopIteration traceback (exit 1) when the last rank
+    exited between the wait's check that one lived and its pick of the one to join (bench/failure_overhead.py)."""
+    from mgpu.run.spawn import _wait
+
+    sent: list[int] = []
+    _wait([_ExitsWhenLookedAt()], sent.append, None, 0.0, "USR1")
+    assert sent == []
+
+
+TWO_SESSIONS = r"""
+import sys
+
+import torch
+from torch import nn
+
+import mgpu
+
+def train(rank, out):
+    for attempt in range(2):  # a sweep in one script: one Session after another in the same processes
+        with mgpu.Session(f"{out}/run{attempt}", seed=attempt) as session:
+            model = session.wrap(nn.Linear(4, 2))
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+            session.load({"model": model, "optimizer": optimizer})
+            for _ in range(3):
+                optimizer.zero_grad()
+                model(torch.ones(8, 4)).sum().backward()
+                optimizer.step()
+                session.should_stop()
+            total = session.all_reduce(torch.tensor(float(rank + 1)))
+            print(f"session {attempt} rank {rank} sum {total.item():g}", flush=True)
+
+if __name__ == "__main__":
+    if sys.argv[1] == "spawn":
+        mgpu.spawn(train, args=(sys.argv[2],), nprocs=2)
+    else:
+        import os
+        train(int(os.environ["RANK"]), sys.argv[2])
+"""
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_two_sessions_one_after_the_other_in_the_same_ranks_both_train(tmp_path, launcher: str) -> None:
+    """The second Session's process group meets none of the first's keys on a store that outlives it (the
+    spawning process's, torchrun's agent's): it waited for ever at its rendezvous (the watchdog ended it at 600 s)."""
+    script = tmp_path / "sweep.py"
+    script.write_text(TWO_SESSIONS)
+    cmd = [sys.executable, str(script), "spawn", str(tmp_path)] if launcher == "spawn" else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script), "torchrun",
+         str(tmp_path)]
+    try:
+        result = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired as error:
+        pytest.fail(f"the second Session did not train: {str(error.stdout)[-1500:]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    for attempt in range(2):
+        for rank in range(2):
+            assert f"session {attempt} rank {rank} sum 3" in result.stdout, result.stdout + result.stderr[-2000:]

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
 from tests.conftest import ROOT, start_ranks, wait_ranks
 from tests.test_trainer import assert_identical

@@ -166,7 +166,7 @@ def trained(run_dir: Path) -> list[int]:
 
 
 def model_state(run_dir: Path) -> dict[str, Any]:
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single.store import CheckpointStore
 
     latest = CheckpointStore(run_dir / "checkpoints").latest()
     assert latest is not None

@@ -126,7 +126,7 @@ while :; do
   rc=0; srun "${{MGPU_SRUN_ARGS[@]}}" || rc=$?
 done
 [ "$rc" = 0 ] || command srun --nodes="${{SLURM_JOB_NUM_NODES:-1}}" --ntasks="${{SLURM_JOB_NUM_NODES:-1}}" --ntasks-per-node=1 \
---kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory_snapshot --remove-this-job >/dev/null 2>&1 || true
+--kill-on-bad-exit=0 {q(PYTHON)} -m mgpu.state.memory.store --remove-this-job >/dev/null 2>&1 || true
 exit "$code\""""
 
 

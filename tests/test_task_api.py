@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 import mgpu
 from jobs.tasks.translation import EOS, PAD, Seq2Seq, SyntheticPairs, collate
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
 from mgpu.train.metrics import bleu_statistics, corpus_bleu
 from tests.test_trainer import assert_identical, final_state, train

@@ -15,7 +15,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env, run_processes
 

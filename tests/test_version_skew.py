@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from mgpu.record.ledger import Ledger
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.state.checkpoint_format import FORMAT, CheckpointError, NewerFormat
-from mgpu.state.sharded import ShardedCheckpointer
+from mgpu.state.sharded.checkpointer import ShardedCheckpointer
 from tests.conftest import PYTHON, ROOT, base_env
 
 TRAIN = str(ROOT / "jobs" / "train.py")

@@ -1,4 +1,4 @@
-"""Early writeback (mgpu.state.writeback): the file's bytes are the same, writeback is started for every step's
+"""Early writeback (mgpu.state.files.writeback): the file's bytes are the same, writeback is started for every step's
 worth of bytes written (a large write passed down in pieces), and a filesystem that refuses it is written as
 without it."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-import mgpu.state.writeback as writeback
-from mgpu.state.writeback import WritebackFile
+import mgpu.state.files.writeback as writeback
+from mgpu.state.files.writeback import WritebackFile
 
 
 def _write(path: Path, pieces: list[bytes], step: int) -> None:

@@ -1,4 +1,4 @@
-"""torch.save without its zip CRC32s in one thread only (mgpu.state.zip_options): every other thread's torch.save,
+"""torch.save without its zip CRC32s in one thread only (mgpu.state.files.zip_options): every other thread's torch.save,
 and this thread's outside the block, keeps them; what is written so loads back the same."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import zlib
 
 import torch
 
-from mgpu.state.zip_options import PAGE, available, page_aligned_storages, without_zip_crc32
+from mgpu.state.files.zip_options import PAGE, available, page_aligned_storages, without_zip_crc32
 
 
 def _saved(value: object) -> bytes:
@@ -103,8 +103,8 @@ def test_only_the_blocks_own_thread_aligns_storages_to_a_page() -> None:
 def test_a_checkpoint_pads_its_storages_to_pages_only_when_it_holds_a_tensor_written_in_place(tmp_path: Path) -> None:
     # Issue 46: every record of every state.pt was padded to 4 KiB (a test task's checkpoint: 17.7 kB -> 162 kB),
     # though only a tensor of IN_PLACE_BYTES or more is ever written from where it is.
-    from mgpu.state.checkpoint import CheckpointStore
-    from mgpu.state.direct_io import IN_PLACE_BYTES
+    from mgpu.state.single.store import CheckpointStore
+    from mgpu.state.files.direct_io import IN_PLACE_BYTES
 
     small = {f"layer{i}": {"weight": torch.randn(16, 8), "bias": torch.randn(16)} for i in range(20)}
     big = {**small, "embedding": torch.randn(IN_PLACE_BYTES // 4)}

@@ -12,8 +12,8 @@ compare() {  # two run directories: their latest checkpoints' model and ema, bit
   $PY - "$1" "$2" <<'PYEOF'
 import sys, torch
 from pathlib import Path
-from mgpu.state.checkpoint import CheckpointStore
-from mgpu.state.sharded_export import consolidate, is_sharded_checkpoint
+from mgpu.state.single.store import CheckpointStore
+from mgpu.state.sharded.export import consolidate, is_sharded_checkpoint
 def final(run):
     store = CheckpointStore(Path(run) / "checkpoints"); path = store.latest_path()
     return consolidate(path) if is_sharded_checkpoint(path) else store.latest().state

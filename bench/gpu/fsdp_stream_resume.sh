@@ -26,5 +26,5 @@ ls $R/fsdp-bf16-stopped/checkpoints/ $R/fsdp-bf16-stopped/checkpoints/step_00000
 grep -h -o '"device": *"[^"]*"\|"backend": *"[^"]*"' $R/fsdp-bf16-stopped/logs/rank0.json
 pair fsdp-fp16 120 $M train.precision=fp16
 pair stream 40 --config jobs/configs/gpt_stream.yaml train.max_steps=80 log.every_steps=10 train.deterministic=true
-$PY -m mgpu.state.sharded_export $R/fsdp-bf16-stopped $R/export.pt; echo "export rc=$?"; ls -la $R/export.pt
+$PY -m mgpu.state.sharded.export $R/fsdp-bf16-stopped $R/export.pt; echo "export rc=$?"; ls -la $R/export.pt
 } 2>&1 | tee $OUT/check2.log

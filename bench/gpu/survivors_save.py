@@ -1,6 +1,6 @@
 """The survivors' save of a big state on a GPU (issue 44): a model and its AdamW state on CUDA (default 4.9 GB: 410M
-float32 parameters and two moments), a step marked (mgpu.state.step_mark), then the save a survivor makes when a
-peer fails (mgpu.state.memory_state.MemorySnapshots.last_words: the marked state from the GPU into the node's shared
+float32 parameters and two moments), a step marked (mgpu.state.memory.step_mark), then the save a survivor makes when a
+peer fails (mgpu.state.memory.snapshots.MemorySnapshots.last_words: the marked state from the GPU into the node's shared
 memory), timed; beside it, in the same process, a plain `torch.save` of the same state_dicts into the same memory (the
 peer), and what one step's mark costs. Also rank 0's buffer record from CUDA buffers (pinned copy, event, thread).
 
@@ -29,10 +29,10 @@ def main() -> None:
     import torch
     from torch import nn
 
-    from mgpu.state.buffer_record import BufferRecord
-    from mgpu.state.memory_snapshot import Identity, SnapshotStore
-    from mgpu.state.memory_state import MemorySnapshots
-    from mgpu.state.step_mark import StepMarks
+    from mgpu.state.memory.buffer_record import BufferRecord
+    from mgpu.state.memory.store import Identity, SnapshotStore
+    from mgpu.state.memory.snapshots import MemorySnapshots
+    from mgpu.state.memory.step_mark import StepMarks
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     params = int(args.gb * 1e9 / 12)  # float32 weights + AdamW's two moments: 12 bytes a parameter

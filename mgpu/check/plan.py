@@ -300,8 +300,8 @@ def _checkpoints(run_dir: Path) -> dict[int, Path]:
 
 
 def _load(path: Path) -> dict[str, Any]:
-    from mgpu.state.checkpoint import CheckpointStore
-    from mgpu.state.sharded_export import consolidate, is_sharded_checkpoint
+    from mgpu.state.single.store import CheckpointStore
+    from mgpu.state.sharded.export import consolidate, is_sharded_checkpoint
 
     if is_sharded_checkpoint(path):
         whole = consolidate(path)

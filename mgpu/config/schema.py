@@ -161,10 +161,10 @@ class CheckpointConfig:
     memory_every_steps: int | None = None
     """Every this many optimizer steps, each rank also copies what a checkpoint would hold for it into the
     node's shared memory (/dev/shm, two slots, outliving the process; 0: never; null: as often as a copy costs at
-    most 0.5 % of the steps' time, measured at step 5 and agreed by the ranks, mgpu.state.memory_cadence): a step
+    most 0.5 % of the steps' time, measured at step 5 and agreed by the ranks, mgpu.state.memory.cadence): a step
     that fails and is started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest
     step every rank holds there, when it is newer than the durable checkpoint. Under DDP, with snapshots on, the
-    ranks that survive a failure also save the last step they completed (mgpu.state.step_mark): a lost rank then
+    ranks that survive a failure also save the last step they completed (mgpu.state.memory.step_mark): a lost rank then
     costs at most its step, whatever the cadence. Costs one state per rank in host memory (twice: two slots; under
     FSDP2 its shard) and a host copy every k steps; removed when the run ends. Not with optim.zero (no snapshots,
     said once). See docs/memory-snapshots.md."""

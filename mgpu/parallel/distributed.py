@@ -42,6 +42,9 @@ DEFAULT_INIT_TIMEOUT = timedelta(minutes=30)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+_groups_formed = 0
+"""Default process groups this process formed (one after another: `process_group` refuses a second at once)."""
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -191,14 +194,23 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
                               "timeout": timeout}
     if backend == "nccl":
         kwargs["device_id"] = device
-    if env.world_size == 1:
-        kwargs["store"] = dist.HashStore()  # a world of one needs no port at all
-    else:
-        kwargs["init_method"] = _init_method(env)
+    global _groups_formed
     try:
+        if env.world_size == 1:
+            kwargs["store"] = dist.HashStore()  # a world of one needs no port at all
+        elif _groups_formed == 0:
+            kwargs["init_method"] = _init_method(env)
+        else:
+            # Not the first group this process forms (a sweep of Sessions in one script): its keys in a namespace
+            # of its own. A store that outlives a group (torchrun's agent's, mgpu.run.spawn's) still holds the
+            # first's, and torch names every default group alike: the rendezvous met them and waited for ever.
+            store, _, _ = next(dist.rendezvous(_init_method(env), env.rank, env.world_size, timeout=timeout))
+            store.set_timeout(timeout)
+            kwargs["store"] = dist.PrefixStore(f"mgpu-group-{_groups_formed}", store)
         dist.init_process_group(**kwargs)
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         raise MgpuError(_rendezvous_failure(env, timeout, error, wait_setting)) from None
+    _groups_formed += 1
     try:
         yield DistContext(env=env, device=device, backend=backend)
     finally:

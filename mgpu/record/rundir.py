@@ -5,7 +5,7 @@ launched it, so resubmitting the same config (a new Slurm job id) or running the
 continues the same run. A new run takes a new `run.name`.
 
     <run dir>/config.yaml        the resolved config (rank 0; checked against the checkpoints on resume)
-    <run dir>/checkpoints/       mgpu.state.checkpoint's store
+    <run dir>/checkpoints/       mgpu.state.single.store's store
     <run dir>/tensorboard/       event files
     <run dir>/events.jsonl       the ledger (mgpu.record.ledger)
     <run dir>/logs/rank<N>.log   every rank's log; rank<N>.json: its view of the launcher

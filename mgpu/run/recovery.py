@@ -234,19 +234,19 @@ CLEANUP_S = 30.0
 def remove_on_every_node(job_id: str, environ: Mapping[str, str] | None = None,
                          run: Callable[..., Any] | None = None) -> str:
     """Before a requeue: the job's snapshots in memory (and its watchdog board) removed on every node of the
-    allocation, one srun task per node (`python -m mgpu.state.memory_snapshot --remove-this-job`). The batch
+    allocation, one srun task per node (`python -m mgpu.state.memory.store --remove-this-job`). The batch
     script's own teardown never runs once the job is requeued (Slurm ends it), and the requeued job may start on
     other nodes. Bounded by CLEANUP_S; never raises; what it did, one line per node."""
     environ = os.environ if environ is None else environ
     nodes = environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or "1"
     command = ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--overlap",
-               "--kill-on-bad-exit=0", sys.executable, "-m", "mgpu.state.memory_snapshot", "--remove-this-job"]
+               "--kill-on-bad-exit=0", sys.executable, "-m", "mgpu.state.memory.store", "--remove-this-job"]
     try:
         proc = (run or subprocess.run)(command, capture_output=True, text=True, timeout=CLEANUP_S,
                                        start_new_session=True)
     except (OSError, subprocess.SubprocessError) as error:
         return f"the snapshots in memory of job {job_id} on its other nodes were not removed: {error}"
-    said = [line for line in proc.stdout.splitlines() if line.startswith("mgpu.state.memory_snapshot:")]
+    said = [line for line in proc.stdout.splitlines() if line.startswith("mgpu.state.memory.store:")]
     if proc.returncode != 0 or not said:
         return (f"the snapshots in memory of job {job_id} on its other nodes were not removed: srun exited "
                 f"{proc.returncode}: {' '.join(proc.stderr.split())[:300]}")
@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if action == "restart":
         print("restart", flush=True)
         return 0
-    from mgpu.state.memory_snapshot import remove_job  # [memory snapshots hook] no restart in place: none is needed
+    from mgpu.state.memory.store import remove_job  # [memory snapshots hook] no restart in place: none is needed
 
     remove_job(job_id)
     # The code mgpu set, whatever the launcher made of it (torchrun and submitit exit 1 for any rank's failure).

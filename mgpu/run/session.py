@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-    from mgpu.state.checkpoint import LoadedCheckpoint
+    from mgpu.state.single.store import LoadedCheckpoint
     from mgpu.parallel.ddp import SessionDDPs
     from mgpu.data.loader import ResumableLoader
     from mgpu.data.stream_loader import StatefulStreamLoader
@@ -223,7 +223,7 @@ class Session(SessionBase):
         stopper = self._live("should_stop()")
         self.step = self.step + 1 if step is None else step
         # Every generator re-seeded from (seed, rank, step): a rank's RNG at a step's end is derived, never kept, so
-        # a rank lost with its process resumes that step exactly from a survivor's save (mgpu.state.step_mark).
+        # a rank lost with its process resumes that step exactly from a survivor's save (mgpu.state.memory.step_mark).
         from mgpu.state.rng import seed_step
 
         seed_step(self.cfg.train.seed, self.rank, self.step)
@@ -285,7 +285,8 @@ class Session(SessionBase):
     # ------------------------------------------------------------------ checkpoints
     @property
     def checkpointer(self) -> Any:
-        """The run's checkpoint coordination (mgpu.state.checkpointer; sharded: mgpu.state.sharded), made at first use."""
+        """The run's checkpoint coordination (mgpu.state.checkpointer; sharded: mgpu.state.sharded.checkpointer),
+        made at first use."""
         if self._checkpointer is None:
             self._checkpointer = session_state.open_checkpointer(self)
         return self._checkpointer
@@ -322,7 +323,7 @@ class Session(SessionBase):
     def snapshot(self) -> bool:
         """*Collective* (every rank at the same step, like `save`). When `checkpoint.memory_every_steps` says it
         is due at this step: what a checkpoint now would hold for this rank, into the node's shared memory, from
-        which a step restarted in this allocation resumes (see mgpu.state.memory_state). `should_stop()` calls it;
+        which a step restarted in this allocation resumes (see mgpu.state.memory.snapshots). `should_stop()` calls it;
         a loop that saves its stop itself (`should_stop(save=False)`) calls it where it would save a stop.
         Whether one was taken."""
         return session_state.snapshot(self)

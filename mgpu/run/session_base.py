@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from mgpu.record.rundir import RunDir
     from mgpu.record.stragglers import StragglerWatch
     from mgpu.run.outcome import StopBudgets
-    from mgpu.state.checkpoint import LoadedCheckpoint
+    from mgpu.state.single.store import LoadedCheckpoint
     from mgpu.state.resumption import Resumption
     from mgpu.parallel.sync_wait import SyncWait
     from mgpu.stop.preemption import StopRequest

@@ -28,7 +28,8 @@ log = logging.getLogger("mgpu.train")
 
 
 def open_checkpointer(session: SessionBase) -> Any:
-    """The run's checkpoint coordination (mgpu.state.checkpointer; sharded: mgpu.state.sharded), closed with the session."""
+    """The run's checkpoint coordination (mgpu.state.checkpointer; sharded: mgpu.state.sharded.checkpointer), closed
+    with the session."""
     from mgpu.state.checkpointer import open_checkpointer as open_for_run
     from mgpu.state.save_budget import peer_wait_s
     from mgpu.record.save_record import saving_beat
@@ -167,10 +168,10 @@ def refuse_diverged(objects: Mapping[str, Any], skip: set[int] | frozenset[int] 
 
 
 def memory(session: SessionBase, objects: Mapping[str, Any]) -> Any:
-    """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.state.memory_state) of the
+    """This rank's snapshots in the node's memory (checkpoint.memory_every_steps, mgpu.state.memory.snapshots) of the
     state `objects`, opened at first use; another job's of this run on this node removed."""
     if session._memory is None:
-        from mgpu.state.memory_state import MemorySnapshots
+        from mgpu.state.memory.snapshots import MemorySnapshots
 
         env = session.env
         first = session.rank - env.local_rank  # the node's ranks are consecutive (Slurm's block distribution)
@@ -187,14 +188,14 @@ def memory(session: SessionBase, objects: Mapping[str, Any]) -> Any:
 
 
 def open_marks(session: SessionBase, state: Mapping[str, Any]) -> None:
-    """The marks of every step's end (mgpu.state.step_mark) and the survivor's save they allow
+    """The marks of every step's end (mgpu.state.memory.step_mark) and the survivor's save they allow
     (`last_words`), where one can help: snapshots in memory on, DDP (each rank holds the replicated state; under
     FSDP2 a lost rank's shard comes only from its replica), more than one rank. The watchdog says them too: a peer
     hung (its verdict), or a stop signal came and this rank's step does not end (srun ends a failed step's other
     tasks so: SIGTERM, then SIGKILL after KillWait)."""
     import threading
 
-    from mgpu.state.step_mark import StepMarks
+    from mgpu.state.memory.step_mark import StepMarks
 
     if (session._marks is not None or session.cfg.checkpoint.memory_every_steps == 0 or session.sharded
             or session.world_size < 2 or session._ddps is None):
@@ -219,7 +220,7 @@ def open_marks(session: SessionBase, state: Mapping[str, Any]) -> None:
 
 def last_words(session: SessionBase, why: str) -> None:
     """A survivor's save, once: the last step this rank completed into its node's memory, so that the step started
-    again resumes there (mgpu.state.memory_state.MemorySnapshots.last_words); one line saying `why` and what was
+    again resumes there (mgpu.state.memory.snapshots.MemorySnapshots.last_words); one line saying `why` and what was
     saved. Not a collective: safe from the watchdog's thread while the training thread waits in a collective."""
     marks, snapshots = session._marks, session._memory
     if marks is None or snapshots is None:
@@ -232,11 +233,11 @@ def last_words(session: SessionBase, why: str) -> None:
 
 
 def replication(session: SessionBase, identity: Any, budget: Callable[[int, int], str | None], own: Any = None) -> Any:
-    """This rank's side of the replicas on another node (mgpu.state.memory_replica), or None: one node, or the
+    """This rank's side of the replicas on another node (mgpu.state.memory.replica), or None: one node, or the
     rendezvous store cannot be reached (said; the snapshots stay on their node). `budget`: what the replica it
-    holds may take (mgpu.state.memory_state.MemorySnapshots.replica_refusal)."""
+    holds may take (mgpu.state.memory.snapshots.MemorySnapshots.replica_refusal)."""
     from mgpu.run.runner import node_name
-    from mgpu.state.memory_replica import Replication, StoreDirectory, local_address
+    from mgpu.state.memory.replica import Replication, StoreDirectory, local_address
 
     env = session.env
     node = node_name(env)
@@ -266,12 +267,12 @@ def snapshot(session: SessionBase) -> bool:
 
 def restore_from_memory(session: SessionBase, state: MutableMapping[str, Any], missing_ok: set[str], fresh: bool) -> Any:
     """*Collective.* The snapshots in memory, restored into `state` when every rank has one newer than the
-    durable checkpoint (mgpu.state.memory_state.Restored), else None. `fresh`: none restored, this rank's removed.
+    durable checkpoint (mgpu.state.memory.snapshots.Restored), else None. `fresh`: none restored, this rank's removed.
     With snapshots off (checkpoint.memory_every_steps: 0), this run's on this node are removed: none would go."""
     found = session.resumption.latest()
     session._durable_step = found.step if found is not None else -1
     if session.cfg.checkpoint.memory_every_steps == 0:
-        from mgpu.state.memory_snapshot import remove_run
+        from mgpu.state.memory.store import remove_run
 
         remove_run(session.run_id)  # every rank of the node, alike: whichever comes first removes them
         return None

@@ -153,8 +153,8 @@ def _wait(procs: list[Any], send: Callable[[int], None], time_limit_s: float | N
     due = [] if time_limit_s is None else [(time_limit_s - lead_s, signal_number(requeue_signal)),
                                            (time_limit_s, signal.SIGTERM), (time_limit_s + KILL_AFTER_S, signal.SIGKILL)]
     failed_at: float | None = None
-    while any(proc.is_alive() for proc in procs):
-        next(proc for proc in procs if proc.is_alive()).join(timeout=0.5)
+    while alive := [proc for proc in procs if proc.is_alive()]:
+        alive[0].join(timeout=0.5)  # one look at each rank: the last may exit between two (was a StopIteration)
         now = time.monotonic()
         if failed_at is None and any(proc.exitcode not in (None, 0, STOPPED_EXIT_CODE) for proc in procs):
             failed_at = now

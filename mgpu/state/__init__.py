@@ -1,9 +1,18 @@
-"""A run's state on disk and back: what a checkpoint holds (`train_state`, `rng`, `hparams`), the single-file store
-(`checkpoint`) and sharded one (`sharded`, `shard_arrivals`), checksums taken while writing (`digest`,
-`shard_digest`; torch's redundant zip CRC32 off for those bytes, `zip_options`), the disk's writeback started while
-writing (`writeback`), snapshots in host memory (`memory_snapshot`, `memory_state`, `memory_content`, `memory_room`,
-`memory_replica`), the owner of their coordination
-across ranks (`checkpointer`), the save's time budget (`save_budget`), finding and loading the way back
-(`resumption`), and reading a run for inference (`inference`, `sharded_export`). Imports `mgpu.record` and
-below.
+"""A run's state on disk and back: one folder per form of a checkpoint, around what every form shares.
+
+Here: what a checkpoint holds (`train_state`, `rng`, `hparams`), one checkpoint directory's layout, shared by both
+formats (`checkpoint_format`), a run's `checkpoints/` of step directories with its pointers, pruning and newest valid
+checkpoint, also shared (`step_dirs`), whether a resume could load a state (`loadable`), the save's and the resume's time
+budget (`save_budget`), and the way back, above the forms: the coordination across ranks that picks the form
+(`checkpointer`), finding and loading the way back (`resumption`) and a run's weights for inference (`inference`).
+
+- `files/`: how a checkpoint file is written and checked, for every form (checksums while writing, O_DIRECT,
+  early writeback, torch.save's zip writer).
+- `single/`: the single-file store (`CheckpointStore`, its background writer and host copy).
+- `sharded/`: the sharded checkpointer (every rank its shard through torch.distributed.checkpoint).
+- `memory/`: snapshots in node memory and their replicas on another node.
+
+Imports `mgpu.record` and below. Inside, nothing imports up: `files` imports no other part of `mgpu.state`; the
+modules here that a checkpoint holds import only `files` (and each other); `single`, `sharded` and `memory` import
+those, `files` and `single`, never each other otherwise; `checkpointer`, `resumption` and `inference` import any.
 """

@@ -3,8 +3,9 @@
 `step_XXXXXXXX/` holds `state.pt` and then `meta.json` (format FORMAT: step, size, checksum, extra; a newer format is
 refused as `NewerFormat`, never passed over for an older checkpoint); `latest` and
 `best` are one-line files naming one. A save is built under a claimed `.tmp-*` path and renamed into place
-(`claimed`, `exchange_paths`). What writes and coordinates them is mgpu.state.checkpoint's CheckpointStore;
-mgpu.state.sharded's format shares the names, the errors and the claims.
+(`claimed`, `exchange_paths`). A run's directory of them is mgpu.state.step_dirs; what writes state.pt into it is
+mgpu.state.single.store's CheckpointStore;
+mgpu.state.sharded.checkpointer's format shares the names, the errors and the claims.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from mgpu.errors import MgpuError
-from mgpu.state.digest import mismatch
+from mgpu.state.files.digest import mismatch
 
 __all__ = ["BEST", "FORMAT", "LATEST", "META_FILE", "STATE_FILE", "STEP_DIR", "TMP_PREFIX", "CheckpointError",
            "CheckpointSuperseded", "CheckpointWriteError", "InvalidCheckpoint", "LoadedCheckpoint", "NewerFormat",
@@ -95,8 +96,8 @@ class LoadedCheckpoint:
     meta: dict[str, Any]
     skipped: tuple[tuple[Path, str], ...]  # checkpoints tried first and rejected: (path, reason)
     unverified: Mapping[str, Any] = field(default_factory=dict)
-    """Sharded: the shard files whose checksums the load checks as it reads them (name -> manifest line; mgpu.state.
-    shard_verify), and `own`: those this rank answers for. Empty: every file verified already."""
+    """Sharded: the shard files whose checksums the load checks as it reads them (name -> manifest line;
+    mgpu.state.sharded.verify), and `own`: those this rank answers for. Empty: every file verified already."""
 
 
 class InvalidCheckpoint(Exception):
@@ -154,7 +155,7 @@ def sha256_file(path: Path) -> str:
 
 def checksum_mismatch(path: Path, meta: dict[str, Any]) -> str | None:
     """Why `path` does not match the checksum `meta` records (None: it does): a checkpoint saved before
-    mgpu.state.digest records the sha256 of the whole file."""
+    mgpu.state.files.digest records the sha256 of the whole file."""
     if "checksum" in meta:
         return mismatch(path, meta["checksum"])
     sha = sha256_file(path)

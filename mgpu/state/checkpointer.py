@@ -1,7 +1,7 @@
 """Checkpoints across ranks: the one owner of checkpoint coordination (as torchtitan's checkpoint manager).
 
 Every rank calls `save()` and `find_latest()` at the same points; rank 0 alone holds the store
-(mgpu.state.checkpoint). A save gathers the state (a collective the caller supplies), rank 0 writes it in the
+(mgpu.state.single.store). A save gathers the state (a collective the caller supplies), rank 0 writes it in the
 background or at once (a periodic save never waits for the writer: one that comes due while the last is still
 being written is deferred, on every rank alike, to the first due save after the writer is free, whose
 `checkpoint_saved` says how many were, `deferred`; a best save then waits in the store's queue instead), and
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mgpu.state.checkpoint import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint
+from mgpu.state.single.store import CheckpointError, CheckpointStore, CheckpointSuperseded, LoadedCheckpoint
 from mgpu.state.loadable import check_loadable
 from mgpu.parallel.distributed import broadcast_object
 from mgpu.record.check_hooks import checking
@@ -153,6 +153,10 @@ class Checkpointer:
                                   reason=reason)
 
         if self.async_save and not wait:
+            if checking():
+                # The resume check compares the saves of two runs step by step: a save queued behind a slow write
+                # would be superseded by the next (never written) as the machine's timing decides. Wait instead.
+                self.store.settle()
             queued_behind = self.store.in_flight  # this save waits for the writer; training does not
             self.store.save_async(state, step, is_best=is_best, extra=extra, on_done=done)
             blocked = time.perf_counter() - started
@@ -182,12 +186,12 @@ def open_checkpointer(run: RunDir, rank: int, world: int, ledger: Ledger, config
                       beat: Callable[..., None] = _no_beat, version: str | None = None,
                       wait_s: float | None = None) -> Any:
     """The run's checkpointer for the config's `checkpoint` section: `Checkpointer` (single file), or with
-    `sharded` mgpu.state.sharded's `ShardedCheckpointer` (every rank writes its shard; [fsdp hook]; its ranks wait
-    `wait_s` for each other). Under the resume check every checkpoint is kept (which of the newest `keep_last` a run
+    `sharded` mgpu.state.sharded.checkpointer's `ShardedCheckpointer` (every rank writes its shard; [fsdp hook]; its
+    ranks wait `wait_s` for each other). Under the resume check every checkpoint is kept (which of the newest `keep_last` a run
     still has at its end depends on when its writer pruned: the runs it compares keep every step they saved)."""
     keep_last = CHECKED_KEEP_LAST if checking() else config.keep_last
     if sharded:
-        from mgpu.state.sharded import ShardedCheckpointer
+        from mgpu.state.sharded.checkpointer import ShardedCheckpointer
 
         return ShardedCheckpointer(run.checkpoints, rank, world, ledger, keep_last=keep_last,
                                    async_save=config.async_save, beat=beat, version=version, wait_s=wait_s)

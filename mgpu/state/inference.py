@@ -19,11 +19,11 @@ def load_model(run_dir: str | Path, model: Any = None, which: Literal["best", "l
     `model`, the state dict. A run without a best checkpoint falls back on the latest. `ema=True`: the weights of
     the run's EMA (the state's `"ema"` entry: the trainer's with `train.ema_decay`, or a loop's `mgpu.EMA`; a
     string names another entry) instead of the model's."""
-    from mgpu.state.checkpoint import CheckpointStore
+    from mgpu.state.single.store import CheckpointStore
 
     name = "ema" if ema is True else (ema or "model")
     store = CheckpointStore(RunDir(Path(run_dir)).checkpoints)
-    from mgpu.state.sharded_export import consolidated_model  # [fsdp hook] a sharded run's weights, consolidated
+    from mgpu.state.sharded.export import consolidated_model  # [fsdp hook] a sharded run's weights, consolidated
 
     try:
         weights = consolidated_model(store.directory, which, name)

@@ -135,7 +135,7 @@ class Resumption:
 
     def latest(self, rejected: tuple[tuple[Path, str], ...] = ()) -> Any:
         """*Collective.* The newest valid checkpoint (a LoadedCheckpoint), or None; found once. A sharded one's
-        shard files are checked as `restore` reads them (mgpu.state.shard_verify: read once); `rejected`: those
+        shard files are checked as `restore` reads them (mgpu.state.sharded.verify: read once); `rejected`: those
         found damaged there, looked past."""
         if self.found is UNSEEN or rejected:
             checkpointer = self.checkpointer()
@@ -153,8 +153,9 @@ class Resumption:
         loaded = self.latest()
         if loaded is None:
             return None
-        if loaded.meta.get("kind") == "sharded":  # models and optimizers through DCP, resharded (mgpu.state.sharded)
-            from mgpu.state.sharded_format import DamagedCheckpoint, restore_sharded
+        # models and optimizers through DCP, resharded (mgpu.state.sharded.checkpointer)
+        if loaded.meta.get("kind") == "sharded":
+            from mgpu.state.sharded.format import DamagedCheckpoint, restore_sharded
 
             while True:
                 try:

@@ -83,7 +83,7 @@ def seed_step(seed: int, rank: int, step: int) -> None:
     """Every generator of this rank seeded for what follows optimizer step `step` (a session does it at every step's
     end: mgpu.run.session.Session.should_stop): python's, numpy's, torch's CPU generator and this rank's CUDA
     device's, from (seed, rank, step) alone. So a rank's RNG at a step's end is derived, never needs keeping: a
-    rank lost with its process resumes that step with the draws the unbroken run made (mgpu.state.step_mark).
+    rank lost with its process resumes that step with the draws the unbroken run made (mgpu.state.memory.step_mark).
     Microseconds: the generators are seeded directly (torch.manual_seed looks at every device kind)."""
     value = stream_seed("step", seed, rank, step)
     random.seed(value)

@@ -21,7 +21,7 @@ the ledger is; the ledger's tail for a run from before it) are read back at a ru
   then loaded; a sharded one once) at the slower of the saves' write rate and SLOWEST_READ_BYTES_S; at least as
   long as a resume killed since the last one that succeeded ran;
 - `peer_wait_s`: how long the ranks of a sharded save wait for each other (its own group's timeout): a share
-  of that allowance, so that a late rank ends the save, named (mgpu.state.shard_arrivals), before the watchdog.
+  of that allowance, so that a late rank ends the save, named (mgpu.state.sharded.arrivals), before the watchdog.
 
 Every time is capped at MAX_ALLOWANCE_S (a day): no figure in the record can make a timeout overflow (gloo's
 deadline did at 3e12 s). No torch at import; pure functions but `saves_in_ledger` and `allowances`, which read.
@@ -61,7 +61,7 @@ MAX_ALLOWANCE_S = 86_400.0
 READ_PASSES = 2
 """Reads of a single-file checkpoint per resume, for its first allowance (hashed, then loaded): the same bytes at
 the write rate of its saves, until a resume's read rate is measured. A sharded one is read once (its chunks checked
-as the load reads them: mgpu.state.shard_verify)."""
+as the load reads them: mgpu.state.sharded.verify)."""
 SLOWEST_READ_BYTES_S = 50e6
 """The slowest read rate a first resume is allowed for (50 MB/s: a loaded network filesystem's share per client,
 below the 85 MB/s of a loaded filesystem's writes above): before any resume was measured, the checkpoint's bytes

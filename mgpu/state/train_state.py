@@ -77,7 +77,7 @@ def _all_rank_rng_states() -> list[dict[str, Any]]:
 
 
 # ddp: the session's (mgpu.parallel.ddp.bucket_layout); snapshot_step: a snapshot in memory's
-# (mgpu.state.memory_content.STEP)
+# (mgpu.state.memory.content.STEP)
 RESERVED = ("format", "rng", "world_size", "code_version", "ddp", "snapshot_step")
 """Keys the session adds to every checkpoint; a state of yours cannot use them."""
 

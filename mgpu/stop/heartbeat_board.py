@@ -180,8 +180,8 @@ class StoreBoard:
 
 def node_local_dir(key: str, environ: Mapping[str, str] | None = None) -> Path:
     """A directory on this node's memory (/dev/shm), else $TMPDIR, for this run's attempt `key`. In a Slurm job,
-    `mgpu-<job>-watchdog-<digest>`: the job's cleanup on every node (`python -m mgpu.state.memory_snapshot
-    --remove-this-job`, mgpu.state.memory_snapshot.remove_job) removes it with the job's snapshots when a rank
+    `mgpu-<job>-watchdog-<digest>`: the job's cleanup on every node (`python -m mgpu.state.memory.store
+    --remove-this-job`, mgpu.state.memory.store.remove_job) removes it with the job's snapshots when a rank
     was killed before it could; elsewhere `mgpu-<uid>/watchdog-<digest>`."""
     from mgpu.cluster.environment import SlurmEnvironment
 

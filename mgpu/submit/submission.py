@@ -257,7 +257,8 @@ def teardown_lines() -> list[str]:
     """After srun (mgpu.run.recovery): start the step again in this allocation while recovery says `restart`
     (with the arguments the script's srun ran with, see `setup_lines`), else end with recovery's exit code (the
     code mgpu set for the step, whatever the launcher made of it). A step
-    that failed for good leaves snapshots in memory on every node: removed, one task per node (mgpu.state.memory_snapshot)."""
+    that failed for good leaves snapshots in memory on every node: removed, one task per node
+    (mgpu.state.memory.store)."""
     python = shlex.quote(sys.executable)
     recovery = f'{python} -m mgpu.run.recovery --may-restart --exit-code "$rc" --run-dir "$MGPU_RUN_DIR"'
     # The job ends with recovery's code: the one mgpu set (submitit's process exits 1 for any rank's error).
@@ -269,7 +270,7 @@ def teardown_lines() -> list[str]:
             "done",
             # One task per node: the batch environment's SLURM_NTASKS would otherwise make it one per rank.
             f'[ "$rc" = 0 ] || command srun {_ONE_PER_NODE} {python} -m '
-            'mgpu.state.memory_snapshot --remove-this-job >/dev/null 2>&1 || true',
+            'mgpu.state.memory.store --remove-this-job >/dev/null 2>&1 || true',
             'exit "$code"']
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from mgpu.state.checkpoint import LoadedCheckpoint
+from mgpu.state.single.store import LoadedCheckpoint
 from mgpu.config.loading import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config, grad_accum_for
 from mgpu.data.sampling import MicroBatch, eval_shard, plan_for
 from mgpu.parallel.distributed import all_reduce

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from slurm_helpers import hostnames, sacct, sbatch, wait_until
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.cluster.environment import derive_master_port
 from mgpu.record.ledger import read_ledger
 from tests.conftest import PYTHON, ROOT, base_env
@@ -129,15 +129,15 @@ def mid_epoch(step: int) -> bool:
 
 def checkpoint_state(run_dir: Path) -> dict[str, Any]:
     """The latest valid checkpoint's state: a single file's, or a sharded one's consolidated (model, `optim`
-    keyed by parameter name, scheduler, progress, rng: mgpu.state.sharded_export)."""
+    keyed by parameter name, scheduler, progress, rng: mgpu.state.sharded.export)."""
     return latest_checkpoint(run_dir)[0]
 
 
 def latest_checkpoint(run_dir: Path) -> tuple[dict[str, Any], tuple[Any, ...]]:
     """(state, the newer checkpoints skipped as broken) of the latest valid checkpoint, single-file or sharded."""
     from mgpu.record.ledger import Ledger
-    from mgpu.state.sharded import ShardedCheckpointer
-    from mgpu.state.sharded_export import consolidate, is_sharded_checkpoint
+    from mgpu.state.sharded.checkpointer import ShardedCheckpointer
+    from mgpu.state.sharded.export import consolidate, is_sharded_checkpoint
 
     store = CheckpointStore(run_dir / "checkpoints")
     newest = store.latest_path()

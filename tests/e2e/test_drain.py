@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from job_helpers import SLOW, TWO_RANKS, cancel, events, job_output, submit_one, wait_steps
 from slurm_helpers import wait_until
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 
 if TYPE_CHECKING:
     from conftest import SlurmCluster

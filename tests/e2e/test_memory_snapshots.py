@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 def test_a_killed_rank_or_node_loses_at_most_one_step_with_the_defaults(
         lost: str, slurm_cluster: SlurmCluster, references: dict[int, Reference], tmp_path: Path) -> None:
     # The defaults (checkpoint.memory_every_steps: its cadence from the measured cost): the survivors save the last
-    # step they completed (mgpu.state.step_mark), the lost ranks take theirs from a survivor's save, on their node or
-    # over the network from their partner's (a node's memory lost: its ranks' snapshots and the replicas it held).
+    # step they completed (mgpu.state.memory.step_mark), the lost ranks take theirs from a survivor's save, on their
+    # node or over the network from their partner's (a node's memory lost: its ranks' snapshots and the replicas it held).
     jobid, run_dir = submit_one(tmp_path, *FOUR_RANKS, *SLOW4, "checkpoint.every_steps=0")
     try:
         wait_steps(run_dir, run=1, steps=14, when=lambda step: step % 10 >= 4)  # mid-epoch 1: the disk has step 10
@@ -149,7 +149,7 @@ srun --kill-on-bad-exit=1 {python} jobs/train.py run.dir={run} {args} || rc=$?
 {python} -m mgpu.run.recovery --exit-code "$rc" --run-dir {run}
 if [[ $rc != 0 ]]; then
   srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=0 \\
-    {python} -m mgpu.state.memory_snapshot --remove-this-job
+    {python} -m mgpu.state.memory.store --remove-this-job
 fi
 exit "$rc"
 """
@@ -195,8 +195,8 @@ def test_nothing_of_a_run_is_left_in_shared_memory(slurm_cluster: SlurmCluster, 
                    lambda: (run_dir / "events.jsonl").exists() and events(run_dir, "requeued"), 150, interval=0.2)
         slurm_cluster.run("scontrol", "hold", jobid)
         assert left_of(jobid, run_dir / "logs") == [], "snapshots left after the recovery's requeue"
-        cleaned = [line for line in output.read_text().splitlines() if "mgpu.state.memory_snapshot: n" in line]
-        assert len(cleaned) == 1 and all(f"mgpu.state.memory_snapshot: {node}: " in cleaned[0]
+        cleaned = [line for line in output.read_text().splitlines() if "mgpu.state.memory.store: n" in line]
+        assert len(cleaned) == 1 and all(f"mgpu.state.memory.store: {node}: " in cleaned[0]
                                          for node in slurm_cluster.nodes), output.read_text()[-3000:]
         slurm_cluster.run("scontrol", "release", jobid)
         assert final_state(slurm_cluster, jobid, timeout=180) == "FAILED", output.read_text()[-3000:]

@@ -1,4 +1,4 @@
-"""What a snapshot in memory holds for one rank and how it is put back (mgpu.state.memory_state coordinates them):
+"""What a snapshot in memory holds for one rank and how it is put back (mgpu.state.memory.snapshots coordinates them):
 `rank_state`, what a checkpoint at that step would hold for this rank, taken with no collective (under DDP the whole
 replicated state with this rank's RNG and loader position; under FSDP2 this rank's shard, each DTensor as its local
 tensor), its step beside it (`STEP`: a commit record's step is checked against it), and `put_back`, checking the

@@ -1,6 +1,6 @@
 """torch.save's zip writer set up for mgpu's checkpoint files, in one thread: no zip CRC32s, where mgpu's own
-checksum (mgpu.state.digest) covers the same bytes, and storages at page-aligned file offsets, where an O_DIRECT
-file (mgpu.state.direct_io) can then write a page-aligned tensor straight from its memory.
+checksum (mgpu.state.files.digest) covers the same bytes, and storages at page-aligned file offsets, where an O_DIRECT
+file (mgpu.state.files.direct_io) can then write a page-aligned tensor straight from its memory.
 
 torch reads both from process-wide settings (`torch.serialization.get_crc32_options()` and
 `_get_storage_alignment()`), once per torch.save, when it opens its zip writer. Changing a setting would change
@@ -23,7 +23,7 @@ import torch.serialization
 __all__ = ["PAGE", "available", "holds_storage_of", "page_aligned_storages", "without_zip_crc32"]
 
 PAGE = 4096
-"""The storage alignment inside `page_aligned_storages()`: O_DIRECT's (mgpu.state.direct_io.ALIGN)."""
+"""The storage alignment inside `page_aligned_storages()`: O_DIRECT's (mgpu.state.files.direct_io.ALIGN)."""
 
 _local = threading.local()
 _lock = threading.Lock()
@@ -85,11 +85,11 @@ def page_aligned_storages(enabled: bool = True) -> Iterator[None]:
 
 def holds_storage_of(state: Any, nbytes: int | None = None) -> bool:
     """Whether `state` (nested dicts, lists and tuples) holds a tensor whose storage has at least `nbytes` bytes
-    (None: what an O_DIRECT file writes in place, mgpu.state.direct_io.IN_PLACE_BYTES). Whether to page-align a
+    (None: what an O_DIRECT file writes in place, mgpu.state.files.direct_io.IN_PLACE_BYTES). Whether to page-align a
     state's storages: torch's writer has one alignment per archive and pads every record to it, so a state without
     such a tensor (a test task's: 17.7 kB) grew to 162 kB, with nothing written in place to gain from it."""
     if nbytes is None:
-        from mgpu.state import direct_io
+        from mgpu.state.files import direct_io
 
         nbytes = direct_io.IN_PLACE_BYTES
     stack = [state]

@@ -1,7 +1,7 @@
 """The on-disk checkpoint store: atomic saves, verified loads, pruning, and an optional background writer.
 
 `directory` holds one `step_XXXXXXXX/` per save (`state.pt`, then `meta.json` with its size and checksum:
-mgpu.state.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
+mgpu.state.files.digest's per-chunk crc32, computed while writing; a checkpoint written before records a sha256)
 and `latest` / `best`, one-line files naming a step directory (the format, its names and its verification:
 mgpu.state.checkpoint_format). A save is built under a `.tmp-*` name and renamed into place, so a killed writer
 leaves the old checkpoint or the new one, never a torn one. Rank 0 only; call a store from one thread (its own
@@ -11,7 +11,6 @@ background writer aside).
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -25,17 +24,17 @@ from typing import Any, BinaryIO, Callable
 
 import torch
 
-from mgpu.state.checkpoint_format import (BEST, FORMAT, LATEST, META_FILE, STATE_FILE, STEP_DIR, TMP_PREFIX,
-                                          CheckpointError, CheckpointSuperseded, CheckpointWriteError,
-                                          InvalidCheckpoint, LoadedCheckpoint, SavedCheckpoint, active_claims,
-                                          checked_extra, claimed, describe_os_error, exchange_paths, one_line,
-                                          refuse_newer, remove_path, tmp_name, verify_and_load)
-from mgpu.state.digest import DigestingFile, digest_file
-from mgpu.state.direct_io import DirectFile, open_direct
-from mgpu.state.host_copy import release_pinned_cache, snapshot_to_cpu
-from mgpu.state.writeback import WritebackFile
-from mgpu.state.zip_options import holds_storage_of, page_aligned_storages, without_zip_crc32
 from mgpu.fsutil import fsync_path, write_durably
+from mgpu.state.checkpoint_format import (BEST, FORMAT, LATEST, META_FILE, STATE_FILE, TMP_PREFIX, CheckpointError,
+                                          CheckpointSuperseded, CheckpointWriteError, LoadedCheckpoint,
+                                          SavedCheckpoint, checked_extra, claimed, describe_os_error, one_line,
+                                          tmp_name)
+from mgpu.state.files.digest import DigestingFile, digest_file
+from mgpu.state.files.direct_io import DirectFile, open_direct
+from mgpu.state.files.writeback import WritebackFile
+from mgpu.state.files.zip_options import holds_storage_of, page_aligned_storages, without_zip_crc32
+from mgpu.state.single.host_copy import release_pinned_cache, snapshot_to_cpu
+from mgpu.state.step_dirs import StepDirectories
 
 # The format's names are re-exported: callers of the store take its errors and results from here.
 __all__ = ["CheckpointError", "CheckpointStore", "CheckpointSuperseded", "CheckpointWriteError", "LoadedCheckpoint",
@@ -48,21 +47,22 @@ work is hashing and copying into the page cache, on a CPU, not the GIL (bench/sa
 cores are all busy (a rank per core, DataLoader workers), it then takes what training leaves, about a tenth
 of a core under full contention, instead of slowing the step by its share of a core."""
 DIGEST = "crc32"
-"""The checksum of new saves (mgpu.state.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is said there).
-A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved before)."""
+"""The checksum of new saves (mgpu.state.files.digest: "crc32" or "sha256", per 64 MiB chunk; what each catches is
+said there). A load verifies whichever a checkpoint records, a sha256 of the whole file included (checkpoints saved
+before)."""
 ZIP_CRC32 = False
 """Whether torch.save computes its zip format's CRC32 of every record. The checksum in meta.json (a sharded
 save's manifests) covers every byte already and torch.load does not read the CRC (it is 0 in our files; `unzip -t`
-reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.zip_options wraps:
-torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
-writing thread only (mgpu.state.zip_options)."""
+reports it): a quarter of the writer's CPU saved. True, or a torch without the setting mgpu.state.files.zip_options
+wraps: torch.save as it is. The same for state.pt, a memory snapshot and a sharded save's DCP shards: torch.save of the
+writing thread only (mgpu.state.files.zip_options)."""
 DIRECT_IO = True
-"""Whether checkpoint files are written past the page cache (O_DIRECT, mgpu.state.direct_io) where the filesystem
+"""Whether checkpoint files are written past the page cache (O_DIRECT, mgpu.state.files.direct_io) where the filesystem
 takes it: the disk's full speed with a fraction of the CPU and none of the page cache. False, or a filesystem
-without O_DIRECT (tmpfs): through the page cache, with early writeback (mgpu.state.writeback). The same for a
+without O_DIRECT (tmpfs): through the page cache, with early writeback (mgpu.state.files.writeback). The same for a
 sharded save's files."""
 
-log = logging.getLogger("mgpu.state.checkpoint")
+log = logging.getLogger("mgpu.state.single.store")
 
 Writer = Callable[[dict[str, Any], Path], None]
 OnDone = Callable[["SavedCheckpoint | BaseException"], None]
@@ -93,7 +93,7 @@ def _lower_writer_priority() -> None:
 
 
 def save_state_file(state: dict[str, Any], file: BinaryIO) -> None:
-    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.zip_options)."""
+    """torch.save(state, file), without the zip CRC32s unless ZIP_CRC32 (see there; mgpu.state.files.zip_options)."""
     with without_zip_crc32(not ZIP_CRC32):
         torch.save(state, file)
     file.flush()
@@ -103,7 +103,7 @@ def _save_into(state: dict[str, Any], file: DirectFile | DigestingFile) -> None:
     """save_state_file into a digesting file (O_DIRECT or buffered), closed after (its last block written, its
     digest thread ended); a write's OSError is raised as itself, not as the RuntimeError torch's zip writer turns
     it into. Every storage at a page-aligned offset where the state holds a tensor big enough to be written in place
-    (mgpu.state.direct_io.IN_PLACE_BYTES): an O_DIRECT file can write a snapshot's tensors from where they are;
+    (mgpu.state.files.direct_io.IN_PLACE_BYTES): an O_DIRECT file can write a snapshot's tensors from where they are;
     a state without one keeps torch's 64 bytes (no 4 KiB of padding per record), as a memory snapshot, which
     save_state_file also writes, always does."""
     try:
@@ -130,15 +130,13 @@ class _Queued:
     queued_at: float = 0.0  # when the snapshot was complete
 
 
-class CheckpointStore:
-    """The checkpoints of one run in `directory`: the newest `keep_last`, plus the best and the latest."""
+class CheckpointStore(StepDirectories):
+    """The checkpoints of one run in `directory`: the newest `keep_last`, plus the best and the latest; each save's
+    `state.pt` written here (its directory's pointers, pruning and loading: mgpu.state.step_dirs)."""
 
     def __init__(self, directory: Path, keep_last: int = 2, *, writer: Writer | None = None,
                  keep_snapshot_buffers: bool = True) -> None:
-        if keep_last < 1:
-            raise CheckpointError(f"keep_last must be at least 1, got {keep_last}")
-        self.directory = Path(directory)
-        self.keep_last = keep_last
+        super().__init__(directory, keep_last)
         self._writer = writer  # None: torch.save through a digesting file (no second read for the checksum)
         self._lock = threading.Lock()  # the queue below, between the caller's thread and the writer's
         self._thread: threading.Thread | None = None  # the writer: runs while saves are queued
@@ -296,7 +294,7 @@ class CheckpointStore:
 
     def _write_state(self, state: dict[str, Any], path: Path, in_place: bool = False) -> dict[str, Any]:
         """state.pt, fsynced; returns its checksum (computed while writing with the default writer). `in_place`:
-        `state`'s memory stays allocated and unchanged until this returns (mgpu.state.direct_io.DirectFile)."""
+        `state`'s memory stays allocated and unchanged until this returns (mgpu.state.files.direct_io.DirectFile)."""
         if self._writer is not None:
             self._writer(state, path)
             fsync_path(path)
@@ -337,134 +335,3 @@ class CheckpointStore:
         saved = SavedCheckpoint(path=final, step=step, bytes=size, seconds=time.monotonic() - started)
         log.info("saved checkpoint %s (%d bytes, %.2fs)", final, size, saved.seconds)
         return saved
-
-    def install(self, tmp: Path, final: Path) -> None:
-        """Rename the complete `tmp` to `final`; a step saved again replaces its old directory."""
-        try:
-            os.rename(tmp, final)
-        except OSError as e:
-            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY):
-                raise
-            # Swapped, so that some complete copy of the step sits at `final` at every moment; the old
-            # one ends up at `tmp`, removed with it.
-            if not exchange_paths(tmp, final):
-                # A crash between these renames leaves the step at neither name: a resume then falls
-                # back to an older checkpoint (lost progress, never a torn state).
-                with claimed(tmp.with_name(tmp.name + "-old")) as aside:
-                    os.rename(final, aside)
-                    try:
-                        os.rename(tmp, final)
-                    except OSError:
-                        os.rename(aside, final)
-                        raise
-        fsync_path(self.directory, directory=True)
-
-    def point(self, pointer: str, name: str) -> None:
-        """Make `pointer` (`latest`, `best`) name the step directory `name`, durably and atomically."""
-        with claimed(self.directory / tmp_name(pointer)) as tmp:
-            write_durably(tmp, f"{name}\n".encode())
-            os.replace(tmp, self.directory / pointer)
-        fsync_path(self.directory, directory=True)
-
-    def prune(self) -> None:
-        """Remove the complete checkpoints beyond the newest `keep_last`, the `latest` and `best` ones kept: called
-        once a save is durable and reported, outside the save's time. A failure is logged (the save stands; the next
-        prune tries again)."""
-        try:
-            self._prune()
-        except OSError as error:
-            log.warning("could not prune old checkpoints in %s: %s", self.directory,
-                        describe_os_error(error, self.directory))
-
-    def _prune(self) -> None:
-        complete = [path for _, path in self._step_dirs() if (path / META_FILE).is_file()]
-        keep = {path.name for path in complete[:self.keep_last]}
-        keep |= {name for name in (self.pointer(LATEST), self.pointer(BEST)) if name}
-        for path in complete:
-            if path.name not in keep:
-                # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir.
-                with claimed(self.directory / tmp_name(path.name)) as trash:
-                    os.rename(path, trash)
-        self.remove_stale_tmp()
-
-    def remove_stale_tmp(self) -> None:
-        """Remove the temporary paths no save of this process is writing (a killed save's leftovers)."""
-        # List first, then read the claims: a live temporary path is claimed before it is created.
-        entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(TMP_PREFIX)]
-        active = active_claims()
-        for entry in entries:
-            if entry not in active:
-                remove_path(entry)
-
-    # ------------------------------------------------------------------ loading
-    def latest(self) -> LoadedCheckpoint | None:
-        """The newest checkpoint that verifies: the one `latest` names, then the others newest first.
-
-        None if there is none at all; CheckpointError if there are some but none is valid, NewerFormat where a newer
-        mgpu wrote one of them.
-        """
-        paths = [path for _, path in self._step_dirs()]
-        if not paths:
-            return None
-        refuse_newer(paths, FORMAT)  # never passed over for an older one: the run would save over it
-        pointed = self.pointer(LATEST)
-        return self._first_valid(sorted(paths, key=lambda path: path.name != pointed))
-
-    def best(self) -> LoadedCheckpoint | None:
-        """The checkpoint `best` names (None if no save was marked best); CheckpointError if it is invalid."""
-        name = self.pointer(BEST)
-        return None if name is None else self._first_valid([self.directory / name])
-
-    def latest_path(self) -> Path | None:
-        """The directory the `latest` file names, unverified."""
-        name = self.pointer(LATEST)
-        return None if name is None else self.directory / name
-
-    def list_steps(self) -> list[int]:
-        """Steps of the complete checkpoints, ascending."""
-        return sorted(step for step, path in self._step_dirs() if (path / META_FILE).is_file())
-
-    @staticmethod
-    def load_dir(path: Path, verify: bool = True) -> LoadedCheckpoint:
-        """Load one checkpoint directory. `verify=False`: skip the checksum, for the ranks that load what rank 0
-        has just verified (one verification per job, not one per rank)."""
-        try:
-            return verify_and_load(Path(path), verify=verify)
-        except InvalidCheckpoint as e:
-            raise CheckpointError(f"checkpoint {path} is invalid: {one_line(e)}") from None
-
-    def _first_valid(self, paths: list[Path]) -> LoadedCheckpoint:
-        skipped: list[tuple[Path, str]] = []
-        for path in paths:
-            try:
-                return verify_and_load(path, tuple(skipped))
-            except InvalidCheckpoint as e:
-                reason = one_line(e)
-                log.warning("skipping checkpoint %s: %s", path, reason)
-                skipped.append((path, reason))
-        raise CheckpointError(f"no valid checkpoint in {self.directory}: {len(skipped)} rejected, "
-                              f"the first because {skipped[0][1]}")
-
-    def _step_dirs(self) -> list[tuple[int, Path]]:
-        """Every step_* directory, newest first."""
-        if not self.directory.is_dir():
-            return []
-        found = []
-        for entry in self.directory.iterdir():
-            match = STEP_DIR.fullmatch(entry.name)
-            if match and entry.is_dir():
-                found.append((int(match[1]), entry))
-        return sorted(found, reverse=True)
-
-    def pointer(self, pointer: str) -> str | None:
-        """The step directory `pointer` (`latest`, `best`) names, if any."""
-        try:
-            name = (self.directory / pointer).read_text().strip()
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as e:
-            name = one_line(e)
-        if STEP_DIR.fullmatch(name):
-            return name
-        log.warning("ignoring %s: not a step_XXXXXXXX name (%s)", self.directory / pointer, name)
-        return None

@@ -1,8 +1,8 @@
-"""The checksums of a sharded save's files, computed while DCP writes them (mgpu.state.digest): a rank's manifest
+"""The checksums of a sharded save's files, computed while DCP writes them (mgpu.state.files.digest): a rank's manifest
 then needs no second read of its shard. Which stream wrote which file is recorded by name. DCP's torch.save of each
-tensor into such a stream writes no zip CRC32 (mgpu.state.zip_options: this thread only, while the stream is open):
-the stream's own checksum covers the same bytes. The files are written past the page cache where the filesystem
-takes it (mgpu.state.direct_io), as a single-file save's are."""
+tensor into such a stream writes no zip CRC32 (mgpu.state.files.zip_options: this thread only, while the stream is
+open): the stream's own checksum covers the same bytes. The files are written past the page cache where the filesystem
+takes it (mgpu.state.files.direct_io), as a single-file save's are."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ from typing import Any, Iterator
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from mgpu.state.digest import DigestingFile
-from mgpu.state.direct_io import open_direct
-from mgpu.state.writeback import WritebackFile
-from mgpu.state.zip_options import without_zip_crc32
+from mgpu.state.files.digest import DigestingFile
+from mgpu.state.files.direct_io import open_direct
+from mgpu.state.files.writeback import WritebackFile
+from mgpu.state.files.zip_options import without_zip_crc32
 
 __all__ = ["DigestingFileSystem"]
 
 
 class DigestingFileSystem(FileSystem):
     """DCP's local filesystem, whose written streams are digested on the way: `digests[file name]` is each
-    file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.digest's).
+    file's checksum record once its stream closed without an error (`algorithm`: mgpu.state.files.digest's).
     `zip_crc32`: torch.save into a digested stream computes its zip CRC32s as well (False: it does not).
-    `direct`: written with O_DIRECT where the filesystem takes it (mgpu.state.direct_io). It fsyncs nothing: the
-    caller fsyncs each file once, after its close (mgpu.state.sharded)."""
+    `direct`: written with O_DIRECT where the filesystem takes it (mgpu.state.files.direct_io). It fsyncs nothing: the
+    caller fsyncs each file once, after its close (mgpu.state.sharded.checkpointer)."""
 
     def __init__(self, digests: dict[str, dict[str, Any]], algorithm: str = "crc32", zip_crc32: bool = False,
                  direct: bool = True) -> None:
@@ -48,7 +48,7 @@ class DigestingFileSystem(FileSystem):
             self.digests[Path(path).name] = direct.digest.entry()
             return
         with super().create_stream(path, mode) as raw:
-            digesting = DigestingFile(WritebackFile(raw), self.algorithm)  # (mgpu.state.writeback)
+            digesting = DigestingFile(WritebackFile(raw), self.algorithm)  # (mgpu.state.files.writeback)
             try:
                 with without_zip_crc32(not self.zip_crc32):
                     yield digesting

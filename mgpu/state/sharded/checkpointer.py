@@ -1,19 +1,20 @@
 """Sharded checkpoints inside mgpu's store: every rank writes its own shard through torch.distributed.checkpoint.
 
-A sharded save is one `step_XXXXXXXX/` directory of the same store (mgpu.state.checkpoint: `latest`/`best`, keep-K,
+A sharded save is one `step_XXXXXXXX/` directory of the same store (mgpu.state.single.store: `latest`/`best`, keep-K,
 stale `.tmp-*` removal), built under a temporary name every rank writes into:
 
     .metadata, __R_0.distcp   DCP's metadata (rank 0) and rank R's shard of the models and optimizers
     common.pt                 rank 0: everything else (progress, scheduler, scaler, loader, plain values)
     rank_R.pt                 rank R's own pieces: its RNG state
-    manifest_R.json           rank R's files with their size and checksum (mgpu.state.digest), computed while written
+    manifest_R.json           rank R's files with their size and checksum (mgpu.state.files.digest), computed while
+                              written
     meta.json                 rank 0, last: the step, the world size, every manifest's sha256
 
 Rank 0 renames the directory into place only after every rank reported its manifest durable, so a killed
 save leaves a `.tmp-*` (removed later) and the `latest` of before. A load verifies in parallel (saved rank r's
 files by current rank r % W), falls back to the previous checkpoint when any file is damaged, and never
-unpickles anything but tensors, numbers, strings and DCP's own metadata classes (one process reads a whole
-sharded checkpoint with mgpu.state.sharded_export). DCP reshards the models and
+unpickles anything but tensors, numbers, strings and DCP's own metadata classes (mgpu.state.sharded.find; one
+process reads a whole sharded checkpoint with mgpu.state.sharded.export). DCP reshards the models and
 optimizers onto any world size; a rank the saved run did not have gets a fresh, derived RNG stream.
 
 `async_save`: dcp.async_save copies the state to host memory before `save_objects` returns (a save is a
@@ -46,23 +47,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.state.checkpoint_format import (META_FILE, CheckpointError, LoadedCheckpoint, claimed, describe_os_error,
-                                          one_line, refuse_newer, sha256_file, tmp_name)
+                                          one_line, sha256_file, tmp_name)
 from mgpu.state.loadable import check_loadable
-from mgpu.state import checkpoint as _checkpoint
-from mgpu.state.dcp_safe import SafeReader
-from mgpu.state.shard_digest import DigestingFileSystem
-from mgpu.state.sharded_format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
-                                       rank_file, read_meta, shard_entries, split_objects, sync_buffers, to_bytes,
-                                       verify_rank)
+from mgpu.state.single import store as _checkpoint
+from mgpu.state.sharded.filesystem import DigestingFileSystem
+from mgpu.state.sharded.find import find_latest
+from mgpu.state.sharded.format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
+                                       rank_file, read_meta, split_objects, sync_buffers, to_bytes, verify_rank)
 from mgpu.fsutil import fsync_all, fsync_path, write_durably
 from mgpu.record.ledger import Ledger
 from mgpu.state.rng import capture_rng_state
-from mgpu.state.shard_arrivals import Arrivals, MarkingWriter, late_line
+from mgpu.state.sharded.arrivals import Arrivals, MarkingWriter, late_line
 from mgpu.state.train_state import gather_rank_states
 
-# The layout's names are re-exported: mgpu.state.sharded is where callers take a sharded checkpoint's API.
+# The layout's names are re-exported: mgpu.state.sharded.checkpointer is where callers take a sharded checkpoint's API.
 __all__ = ["KIND", "ShardedCheckpointer", "rank_file", "read_meta", "split_objects", "verify_rank"]
 
 log = logging.getLogger("mgpu.train")
@@ -90,7 +90,7 @@ class ShardedCheckpointer:
         # A gloo one on a world of one too: dcp.async_save refuses a group without a CPU backend (NCCL alone, as
         # one GPU rank's default group is; seen on an H100).
         # `wait_s`: how long its ranks wait for each other (DCP's gathers, the outcome's), so that a late rank ends
-        # the save in that bound, named (mgpu.state.shard_arrivals), not in torch's default 30 minutes (None: that).
+        # the save in that bound, named (mgpu.state.sharded.arrivals), not in torch's default 30 minutes (None: that).
         self.wait_s = wait_s
         self.group = self._new_group() if dist.is_initialized() else None
         self._group_failed = False  # a save failed on this rank since the group was made: replaced at the next
@@ -321,7 +321,7 @@ class ShardedCheckpointer:
 
     def _naming_late(self, job: "_Job", failure: BaseException) -> str:
         """`failure` in one line; when it is a collective's (a wait that ended, not this rank's own write), with
-        the ranks whose shard was not written when this rank stopped waiting (mgpu.state.shard_arrivals)."""
+        the ranks whose shard was not written when this rank stopped waiting (mgpu.state.sharded.arrivals)."""
         error = _describe(failure, job.tmp)
         arrivals = self._arrivals(job)
         if arrivals is None or _os_cause(failure) is not None:
@@ -395,78 +395,12 @@ class ShardedCheckpointer:
     # ------------------------------------------------------------------ resume
     def find_latest(self, defer_shards: bool = False, rejected: tuple[tuple[Path, str], ...] = ()
                     ) -> LoadedCheckpoint | None:
-        """*Collective.* The newest sharded checkpoint whose every file verifies (each rank hashes a share),
-        its common state and this rank's own pieces loaded; None for a new run. `defer_shards`: the shard files'
-        checksums are checked by the load as it reads them (`LoadedCheckpoint.unverified`; restore_sharded), their
-        sizes here: a resume reads them once. `rejected`: checkpoints found damaged since (skipped, and said)."""
-        candidates, refusal = None, None
-        if self.rank == 0:
-            pointed = self.store.pointer("latest")
-            steps = [(step, path) for step, path in self.store._step_dirs() if (path / META_FILE).is_file()]
-            candidates = [(step, str(path)) for step, path in sorted(steps, key=lambda s: s[1].name != pointed)]
-            try:
-                refuse_newer([path for _, path in steps], FORMAT)  # never passed over: the run would save over it
-            except CheckpointError as error:
-                refusal = str(error)
-        if self.world > 1:
-            holder = [(candidates, refusal)]
-            dist.broadcast_object_list(holder, src=0)
-            candidates, refusal = holder[0]
-        if refusal is not None:
-            raise CheckpointError(refusal)  # on every rank alike
-        skipped: list[tuple[Path, str]] = list(rejected)
-        for step, where in candidates or []:
-            path = Path(where)
-            if any(path == bad for bad, _ in rejected):
-                continue
-            unverified: dict[str, Any] | None = {} if defer_shards else None
-            reason, meta = self._verify(path, step, unverified)
-            if reason is None:
-                try:
-                    return self._load(path, step, meta, tuple(skipped), unverified)
-                except Exception as error:  # noqa: BLE001  (alike on every rank: the files verified)
-                    reason = f"does not load safely: {one_line(error, 200)}"
-            if self.rank == 0:
-                log.warning("skipping checkpoint %s: %s", path, reason)
-            skipped.append((path, reason))
-        if skipped:
-            raise CheckpointError(f"no valid checkpoint in {self.directory}: {len(skipped)} rejected, the first "
-                                  f"because {skipped[0][1]}")
-        return None
-
-    def _verify(self, path: Path, step: int, unverified: dict[str, Any] | None = None
-                ) -> tuple[str | None, dict[str, Any]]:
-        """(why `path` is damaged, as every rank sees it; its meta). Saved rank r's files are hashed by rank r % W.
-        `unverified`: filled with the shard files left to the load (`files`: every saved rank's, `own`: this rank's)."""
-        try:
-            meta: dict[str, Any] | None = read_meta(path, step)
-            problem = None
-        except (OSError, ValueError) as error:
-            meta, problem = None, one_line(error, 300)
-        if problem is None and meta is not None:
-            own: dict[str, Any] | None = {} if unverified is not None else None
-            for saved in range(self.rank, meta["world_size"], self.world):
-                problem = verify_rank(path, saved, meta, own)
-                if problem is not None:
-                    break
-            if unverified is not None and own is not None and problem is None:
-                unverified.update(files=shard_entries(path, meta, range(meta["world_size"])), own=set(own))
-        problems: list[Any] = [problem]
-        if self.world > 1:
-            problems = [None] * self.world
-            dist.all_gather_object(problems, problem)
-        first = next((p for p in problems if p is not None), None)
-        return first, meta or {}
-
-    def _load(self, path: Path, step: int, meta: dict[str, Any], skipped: tuple[tuple[Path, str], ...],
-              unverified: dict[str, Any] | None = None) -> LoadedCheckpoint:
-        SafeReader(path).read_metadata()  # DCP's pickle read through the allow-list now: a refusal falls back
-        state = torch.load(path / COMMON, map_location="cpu", weights_only=True)
-        own = path / rank_file(self.rank)
-        state["rank_pieces"] = torch.load(own, map_location="cpu", weights_only=True) if own.is_file() else None
-        self.last_saved_step = step
-        return LoadedCheckpoint(path=path, step=step, state=state, meta=meta, skipped=skipped,
-                                unverified=unverified or {})
+        """*Collective.* The newest sharded checkpoint whose every file verifies, loaded (mgpu.state.sharded.find);
+        None for a new run. Saves after it continue from its step."""
+        loaded = find_latest(self.store, self.rank, self.world, defer_shards, rejected)
+        if loaded is not None:
+            self.last_saved_step = loaded.step
+        return loaded
 
 
 def _import_dynamo() -> None:

@@ -1,8 +1,8 @@
 """When a snapshot in memory is due (checkpoint.memory_every_steps): every k steps as configured, or, by default, as
 often as its cost allows: the time a snapshot holds the loop (its copy into the node's memory) at most BUDGET of the
-steps' time. Pure: the steps' times and the snapshots' costs are given (mgpu.state.memory_state measures them).
+steps' time. Pure: the steps' times and the snapshots' costs are given (mgpu.state.memory.snapshots measures them).
 
-Under DDP a survivor's save (mgpu.state.step_mark) makes a lost rank cost at most its step whatever the cadence;
+Under DDP a survivor's save (mgpu.state.memory.step_mark) makes a lost rank cost at most its step whatever the cadence;
 the periodic snapshots are what a restart falls back to where no survivor could save (the whole step's ranks
 lost at once, an optimizer already stepped, a rank whose per-rank state is not derivable), and under FSDP2 (each
 rank's shard is its own) what bounds the steps a lost rank costs: at most k.

@@ -4,21 +4,21 @@ so the loss of one node's memory loses no snapshot while the allocation keeps go
 Pairing (`partners`): rank r sends its snapshots to the rank with its local rank on the next node,
 (r + ranks per node) % world, and holds the replica of (r - ranks per node) % world; none on one node. The holder
 keeps it in its node's shared memory, `<job dir>/replica-of-rank<r>-on-<node>/`, with the snapshots' own two slots
-and commit records (mgpu.state.memory_snapshot.SnapshotStore, the sender's identity): a transfer cut short, or
-whose CRC-32 is not the sender's, is never committed, and the previous replica stays whole.
+and commit records (mgpu.state.memory.store.SnapshotStore, the sender's identity): a transfer cut short, or
+whose CRC-32 is not the sender's, is never committed, and the previous replica stays whole (the holder's side:
+mgpu.state.memory.replica_server). Here: the pairing, the client that asks the partner, the sender, and `Replication`,
+one rank's side of both.
 
-Transport: a plain TCP socket per pair. Each rank serves the replica it holds on a port of its own, published
-with a random token in a directory (the rendezvous TCPStore the job already has, `StoreDirectory`); a daemon
-thread sends the newest snapshot (one in flight, one waiting that a newer one replaces: the loop never waits),
-and a restore asks the partner for the steps it holds and fetches one back over the same kind of connection.
-Not a gloo group on a thread: that would still be a collective, which a dead or slow partner turns into a hang
-of both; a socket fails alone, within its timeout. No torch here except in `StoreDirectory`.
+Transport: a plain TCP socket per pair (mgpu.state.memory.replica_wire). Each rank serves the replica it holds on a
+port of its own, published with a random token in a directory (the rendezvous TCPStore the job already has,
+`StoreDirectory`); a daemon thread sends the newest snapshot (one in flight, one waiting that a newer one replaces:
+the loop never waits), and a restore asks the partner for the steps it holds and fetches one back over the same kind
+of connection. Not a gloo group on a thread: that would still be a collective, which a dead or slow partner turns
+into a hang of both; a socket fails alone, within its timeout. No torch here except in `StoreDirectory`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hmac
 import io
 import json
 import logging
@@ -29,19 +29,15 @@ import socket
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Protocol
 
-from mgpu.state.memory_snapshot import Identity, Snapshot, SnapshotStore, job_dir, safe_name
-from mgpu.state.digest import crc32
+from mgpu.state.memory.replica_server import Budget, ReplicaServer
+from mgpu.state.memory.replica_wire import TIMEOUT_S, Refused, crc_text, recv_exact, recv_msg, send_msg
+from mgpu.state.memory.store import Identity, Snapshot, SnapshotStore, job_dir, safe_name
 
-__all__ = ["Directory", "Replication", "StoreDirectory", "partners", "replica_dir"]
+__all__ = ["Directory", "Refused", "ReplicaServer", "Replication", "StoreDirectory", "partners", "replica_dir"]
 
 log = logging.getLogger("mgpu.train")
-
-TIMEOUT_S = 60.0
-"""Each socket operation's bound (a connect, a send or receive of one chunk), and a partner's address lookup's."""
-CHUNK = 1 << 20
-_MAX_HEADER = 1 << 16
 
 
 class Directory(Protocol):
@@ -64,157 +60,6 @@ def replica_dir(job: str, run: str, rank: int, node: str, base: Path | None = No
     """Where `node` holds the replica of `rank`'s snapshots: the node's name keeps the nodes' files apart where
     two share one /dev/shm (the test cluster)."""
     return job_dir(job, run, base) / f"replica-of-rank{rank}-on-{safe_name(node)}"
-
-
-class Refused(Exception):
-    """The partner refused a request (a stale identity, a bad token, no such step, closing), or its answer was torn."""
-
-
-def _recv_exact(conn: socket.socket, size: int) -> bytes:
-    parts, left = [], size
-    while left:
-        chunk = conn.recv(min(left, CHUNK))
-        if not chunk:
-            raise ConnectionError(f"the connection closed {left} of {size} bytes short")
-        parts.append(chunk)
-        left -= len(chunk)
-    return b"".join(parts)
-
-
-def _send_msg(conn: socket.socket, message: dict[str, Any]) -> None:
-    data = json.dumps(message).encode()
-    conn.sendall(len(data).to_bytes(4, "big") + data)
-
-
-def _recv_msg(conn: socket.socket) -> dict[str, Any]:
-    size = int.from_bytes(_recv_exact(conn, 4), "big")
-    if size > _MAX_HEADER:
-        raise Refused(f"a header of {size} bytes")
-    message = json.loads(_recv_exact(conn, size))
-    if not isinstance(message, dict):
-        raise Refused("a header that is not an object")
-    return message
-
-
-def _crc(data: bytes) -> str:
-    return f"{crc32(data):08x}"
-
-
-Budget = Optional[Callable[[int, int], Optional[str]]]
-"""Why a replica of `size` bytes cannot go into a slot whose file is `reused` bytes now (None: it can); None: any."""
-
-
-class ReplicaServer:
-    """Holds the replica of one rank (`store`, with that rank's identity) and serves that rank, one connection at
-    a time on a daemon thread: `put` (a snapshot, written into the older slot, committed only whole and with the
-    sender's CRC-32; an announced size its `budget` refuses is refused before the slot is touched), `list` (the
-    valid steps), `get` (one step's file)."""
-
-    def __init__(self, store: SnapshotStore, host: str, token: str, timeout: float = TIMEOUT_S,
-                 budget: Budget = None, own: SnapshotStore | None = None) -> None:
-        self.store, self.token, self.timeout, self.budget = store, token, timeout, budget
-        self.own = own
-        """This rank's own snapshots: `own-list` and `own-get` give the ones any rank may resume from (a survivor's
-        save, mgpu.state.step_mark) to the rank whose replica this holds."""
-        self.listener = socket.create_server((host, 0))
-        self.listener.settimeout(0.2)  # the accept loop looks at `closing` this often
-        self.address = f"{host}:{self.listener.getsockname()[1]}"
-        self.closing = False
-        self._active: socket.socket | None = None
-        self._failed = False
-        self._thread = threading.Thread(target=self._serve, name="mgpu-replica-server", daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self.closing:
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return  # closed
-            with conn:
-                self._active = conn
-                try:
-                    conn.settimeout(self.timeout)
-                    self._handle(conn)
-                except Exception as error:  # noqa: BLE001  # a bad or torn request ends its connection, never the server
-                    if not self.closing and not self._failed:  # a sender killed mid-transfer, mostly: no warning
-                        self._failed = True
-                        log.info("replica of rank %d: a request failed, the previous replica kept: %s: %s (said once)",
-                                 self.store.identity.rank, type(error).__name__, error)
-                finally:
-                    self._active = None
-
-    def _handle(self, conn: socket.socket) -> None:
-        request = _recv_msg(conn)
-        _send_msg(conn, self._answer(conn, request))
-
-    def _answer(self, conn: socket.socket, request: dict[str, Any]) -> dict[str, Any]:
-        """The answer to `request` (a `get`'s content sent already after its own header; a `put`'s received)."""
-        if not hmac.compare_digest(str(request.get("token", "")), self.token):
-            return {"ok": False, "why": "bad token"}
-        asked = request.get("identity")
-        if asked != asdict(self.store.identity):
-            return {"ok": False, "why": f"stale: this holds {asdict(self.store.identity)}, asked for {asked}"}
-        if self.closing:
-            return {"ok": False, "why": "closing"}
-        op = request.get("op")
-        if op == "list":
-            return {"ok": True, "steps": self.store.restorable(self._say)}
-        if op == "own-list":
-            return {"ok": True, "steps": self.own.shared_steps(bool(request.get("rank0"))) if self.own else []}
-        if op in ("get", "own-get"):
-            source = self.store if op == "get" else self.own
-            try:
-                if source is None or (op == "own-get" and int(request["step"]) not in
-                                      source.shared_steps(bool(request.get("rank0")))):
-                    raise FileNotFoundError(f"no snapshot of step {request.get('step')} to share")
-                content = source.read(int(request["step"]), lambda file: file.read())
-            except FileNotFoundError as error:
-                return {"ok": False, "why": str(error)}
-            _send_msg(conn, {"ok": True, "bytes": len(content), "crc32": _crc(content)})
-            conn.sendall(content)
-            return {"ok": True}
-        if op == "put":
-            size, crc, step = request.get("bytes"), request.get("crc32"), request.get("step")
-            if not (type(size) is int and size >= 0 and type(step) is int and step >= 0 and isinstance(crc, str)):
-                return {"ok": False, "why": f"a put of step {step!r} announcing {size!r} bytes"}
-            reused = self.store.slot_bytes(self.store.next_slot())
-            if self.budget is not None and (refusal := self.budget(size, reused)) is not None:  # before the slot is touched: the replica it holds stays whole
-                log.warning("checkpoint.memory_every_steps: replica of rank %d: step %d refused: %s",
-                            self.store.identity.rank, step, refusal)
-                return {"ok": False, "why": f"refused by its holder: {refusal}"}
-            _send_msg(conn, {"ok": True})
-
-            def receive(file: Any) -> None:
-                left, mine = size, 0
-                while left:
-                    chunk = conn.recv(min(left, CHUNK))
-                    if not chunk:
-                        raise ConnectionError(f"the sender closed the connection {left} of {size} bytes short")
-                    file.write(chunk)
-                    mine, left = crc32(chunk, mine), left - len(chunk)
-                if f"{mine:08x}" != crc:
-                    raise Refused("torn: the bytes received are not the sender's CRC-32")
-
-            self.store.write(step, receive)  # raises before its commit record on a torn transfer
-            return {"ok": True}
-        return {"ok": False, "why": f"unknown op {op!r}"}
-
-    def _say(self, line: str) -> None:
-        log.warning("checkpoint.memory_every_steps: replica of rank %d held here: %s", self.store.identity.rank, line)
-
-    def close(self, timeout: float = 5.0) -> None:
-        """Stop serving: a transfer under way is cut (never committed), the thread joined (bounded)."""
-        self.closing = True
-        with contextlib.suppress(OSError):
-            self.listener.close()
-        active = self._active
-        if active is not None:
-            with contextlib.suppress(OSError):
-                active.shutdown(socket.SHUT_RDWR)
-        self._thread.join(timeout)
 
 
 class Partner:
@@ -241,8 +86,8 @@ class Partner:
         host, port = entry["address"].rsplit(":", 1)
         conn = socket.create_connection((host, int(port)), timeout=self.timeout)
         try:
-            _send_msg(conn, {**message, "token": entry["token"], "identity": asdict(self.identity)})
-            answer = _recv_msg(conn)
+            send_msg(conn, {**message, "token": entry["token"], "identity": asdict(self.identity)})
+            answer = recv_msg(conn)
             if not answer.get("ok"):
                 raise Refused(str(answer.get("why")))
         except BaseException:
@@ -266,9 +111,9 @@ class Partner:
         against the CRC-32 its holder read it with."""
         conn, answer = self._request({"op": "own-get" if own else "get", "step": step, "rank0": rank0})
         with conn:
-            content = _recv_exact(conn, int(answer["bytes"]))
-            _recv_msg(conn)  # the server's end of the request
-        if _crc(content) != answer["crc32"]:
+            content = recv_exact(conn, int(answer["bytes"]))
+            recv_msg(conn)  # the server's end of the request
+        if crc_text(content) != answer["crc32"]:
             raise Refused(f"torn: the replica of step {step} received is not its CRC-32")
         return content
 
@@ -292,7 +137,7 @@ class Partner:
                 try:
                     if conn.sendfile(file, 0, size) != size:  # the file was cut short under it: the holder sees a close
                         raise superseded()
-                    answer = _recv_msg(conn)  # a holder that found the bytes torn closes without one
+                    answer = recv_msg(conn)  # a holder that found the bytes torn closes without one
                 except OSError:
                     if not snapshot.still_committed():
                         raise superseded() from None

@@ -1,7 +1,7 @@
 """The layout of a sharded checkpoint's directory: which of a run's objects go through DCP and which into
 common.pt, each file's name, the manifests' lines and their verification, and the restore (the files are
-described in mgpu.state.sharded, whose ShardedCheckpointer writes them; mgpu.state.sharded_export reads them
-in one process)."""
+described in mgpu.state.sharded.checkpointer, whose ShardedCheckpointer writes them; mgpu.state.sharded.export reads
+them in one process)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from mgpu.errors import MgpuError
-from mgpu.state import checkpoint as checkpoint_settings
+from mgpu.state.single import store as checkpoint_settings
 from mgpu.state.checkpoint_format import META_FILE, CheckpointError, LoadedCheckpoint, newer_format, one_line, sha256_file
-from mgpu.state.dcp_safe import SafeLoadPlanner, SafeReader
-from mgpu.state.shard_verify import ChunkChecks, VerifyingReader, deferrable
-from mgpu.state.digest import digest_bytes, digest_file, mismatch
+from mgpu.state.sharded.dcp_safe import SafeLoadPlanner, SafeReader
+from mgpu.state.sharded.verify import ChunkChecks, VerifyingReader, deferrable
+from mgpu.state.files.digest import digest_bytes, digest_file, mismatch
 from mgpu.state.rng import derived_seed, restore_rng_state, seed_everything
 from mgpu.state.train_state import unwrapped
 
@@ -122,7 +122,7 @@ def entry_problem(file: Path, entry: Mapping[str, Any]) -> str | None:
 def verify_rank(path: Path, saved_rank: int, meta: Mapping[str, Any],
                 deferred: dict[str, Any] | None = None) -> str | None:
     """Why saved rank `saved_rank`'s files in `path` are damaged (None: intact). `deferred`: its shard files'
-    checksums are left to the load, which checks them as it reads them (mgpu.state.shard_verify): their manifest
+    checksums are left to the load, which checks them as it reads them (mgpu.state.sharded.verify): their manifest
     lines go into `deferred` by name, their sizes are checked here, every other file is verified whole."""
     manifest_path = path / manifest_name(saved_rank)
     try:
@@ -222,7 +222,7 @@ class DamagedCheckpoint(CheckpointError):
 
 def _load_verified(loaded: LoadedCheckpoint, state: dict[str, Any]) -> None:
     """*Collective.* DCP's load of `state`; where the shard files' checksums were left to it (`loaded.unverified`),
-    each chunk checked as the load reaches it, then the rest of this rank's files (mgpu.state.shard_verify)."""
+    each chunk checked as the load reaches it, then the rest of this rank's files (mgpu.state.sharded.verify)."""
     if not loaded.unverified:
         dcp.load(state, storage_reader=SafeReader(loaded.path), planner=SafeLoadPlanner())
         return

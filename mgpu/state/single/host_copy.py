@@ -10,11 +10,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from mgpu.state.direct_io import ALIGN, IN_PLACE_BYTES, aligned_buffer
+from mgpu.state.files.direct_io import ALIGN, IN_PLACE_BYTES, aligned_buffer
 
 __all__ = ["release_pinned_cache", "snapshot_to_cpu"]
 
-log = logging.getLogger("mgpu.state.checkpoint")
+log = logging.getLogger("mgpu.state.single.store")
 
 T = TypeVar("T")
 
@@ -38,8 +38,8 @@ def release_pinned_cache() -> None:
 
 def _page_aligned_empty(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """An empty CPU tensor; of IN_PLACE_BYTES or more, in page-aligned memory on huge pages where granted
-    (mgpu.state.direct_io.aligned_buffer): an O_DIRECT checkpoint file writes it from there, without a copy, in the
-    device's largest requests. torch's own allocator aligns to 64 bytes."""
+    (mgpu.state.files.direct_io.aligned_buffer): an O_DIRECT checkpoint file writes it from there, without a copy, in
+    the device's largest requests. torch's own allocator aligns to 64 bytes."""
     size = math.prod(shape) * dtype.itemsize
     if size < IN_PLACE_BYTES:
         return torch.empty(shape, dtype=dtype)

@@ -35,11 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from mgpu.state.digest import ChunkDigest
+from mgpu.state.files.digest import ChunkDigest
 
 __all__ = ["ALIGN", "BUFFER_BYTES", "DirectFile", "aligned_buffer", "open_direct"]
 
-_log = logging.getLogger("mgpu.state.direct_io")
+_log = logging.getLogger("mgpu.state.files.direct_io")
 
 ALIGN = 4096
 """The alignment of every O_DIRECT write's address, offset and length (a page: every Linux block device's
@@ -151,13 +151,13 @@ def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False) ->
 
 class DirectFile(io.RawIOBase):
     """A write-only O_DIRECT file (`fd`, which it owns and closes) that digests what it writes (`digest`:
-    mgpu.state.digest's record, complete once closed). Each full buffer is digested in one thread and written
+    mgpu.state.files.digest's record, complete once closed). Each full buffer is digested in one thread and written
     in another while the caller fills the next. The first OSError of the writes below is kept (`error`) and
     raised again by the next write or the close: torch's zip writer would swallow it.
 
     `in_place`: the caller promises that the memory of every piece it writes stays allocated and unchanged until
     the close (a snapshot of its own, not torch.save's temporary copy of a GPU storage). Then a page-aligned piece
-    of IN_PLACE_BYTES or more at an aligned file offset (torch.save's storages, with mgpu.state.zip_options'
+    of IN_PLACE_BYTES or more at an aligned file offset (torch.save's storages, with mgpu.state.files.zip_options'
     page_aligned_storages) is digested and written from there, in one request with the buffer before it: one
     pass over memory fewer, a copy the size of the state."""
 

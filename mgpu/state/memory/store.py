@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import IO, Any, Callable
 
-from mgpu.state.digest import crc32
+from mgpu.state.files.digest import crc32
 
 __all__ = ["BASE_ENV", "SHARE_KEYS", "Identity", "Snapshot", "SnapshotStore", "job_dir", "local_job_id", "record_problem",
            "remove_job", "remove_run", "safe_name"]
@@ -38,14 +38,14 @@ SET_ASIDE = "set-aside-step"
 _SAFE = re.compile(r"[^A-Za-z0-9_.-]")
 _CRC = re.compile(r"[0-9a-f]{8}")
 SHARE_KEYS = ("any_rank", "rank0_buffers")
-"""A commit record's `share`: who else may resume from the snapshot (mgpu.state.step_mark.Shareable)."""
+"""A commit record's `share`: who else may resume from the snapshot (mgpu.state.memory.step_mark.Shareable)."""
 
 
 @dataclass(frozen=True)
 class Identity:
     """What a snapshot must match to be restored: the job (and its restart count: a requeued job's snapshots
     from before the requeue are not restored) and run it belongs to, the config it ran under (the keys a resume
-    may not change: mgpu.state.memory_state.config_digest), the world it was taken in, the rank that took it and
+    may not change: mgpu.state.memory.snapshots.config_digest), the world it was taken in, the rank that took it and
     the shape of the state."""
 
     job: str
@@ -55,8 +55,9 @@ class Identity:
     world_size: int
     rank: int
     structure: str = ""
-    """A digest of the state's shape (its modules' tensors, its optimizers' parameter groups: mgpu.state.memory_state
-    .structure_digest): a snapshot of another model or optimizer is refused as stale, not loaded into this one."""
+    """A digest of the state's shape (its modules' tensors, its optimizers' parameter groups:
+    mgpu.state.memory.content.structure_digest): a snapshot of another model or optimizer is refused as stale, not
+    loaded into this one."""
 
 
 @dataclass(frozen=True)
@@ -238,9 +239,10 @@ class SnapshotStore:
             checksumming = _Checksumming(file)
             dump(checksumming)
             checksumming.flush()
-            file.truncate(file.tell())
+            size = file.tell()
+            file.truncate(size)
         record = {**asdict(self.identity), "step": step, "slot": slot, "crc32": checksumming.digest,
-                  "bytes": data.stat().st_size, **({"share": share} if share else {})}
+                  "bytes": size, **({"share": share} if share else {})}
         tmp = self._record_path(slot).with_suffix(".json.tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self._record_path(slot))  # the commit: last
@@ -369,13 +371,13 @@ class SnapshotStore:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mgpu.state.memory_snapshot --remove-job JOB` (or `--remove-this-job`, the job of the Slurm task it
+    """`python -m mgpu.state.memory.store --remove-job JOB` (or `--remove-this-job`, the job of the Slurm task it
     runs in): this node's snapshots of the job (and its watchdog board), removed, in one line naming the node (the
     batch script's teardown, and mgpu.run.recovery before a requeue: one task per node, when the job ends without
     its ranks' own cleanup)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m mgpu.state.memory_snapshot", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m mgpu.state.memory.store", description=main.__doc__)
     which = parser.add_mutually_exclusive_group(required=True)
     which.add_argument("--remove-job", metavar="JOB", help="the Slurm job id (an array task's: JOB_TASK)")
     which.add_argument("--remove-this-job", action="store_true", help="the job in SLURM_JOB_ID (and its array task)")
@@ -390,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
     removed = remove_job(args.remove_job)
     node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-    print(f"mgpu.state.memory_snapshot: {node}: " + (f"removed {', '.join(map(str, removed))}" if removed else
+    print(f"mgpu.state.memory.store: {node}: " + (f"removed {', '.join(map(str, removed))}" if removed else
                                                      f"nothing of job {args.remove_job} in {base_dir()}"), flush=True)
     return 0
 

@@ -3,7 +3,7 @@ snapshot a rank takes and every replica it receives, from what the node holds no
 walk and one statvfs: cheap), never from what a state would weigh in tensors alone.
 
 Per node, not per rank: at steady state a node holds two slots of each of its ranks' snapshots and, with
-replicas, two of each partner's (mgpu.state.memory_replica); what this run already holds there counts as used.
+replicas, two of each partner's (mgpu.state.memory.replica); what this run already holds there counts as used.
 Snapshots never take the last `margin` of the node's shared memory: NCCL's intra-node buffers and the DataLoader
 workers' batches go through /dev/shm too, and a full one fails them (a bus error in a worker, an NCCL error),
 which would end the run that the snapshots were to protect. The memory cgroups' headroom is checked the same way
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from mgpu.state.memory_snapshot import SLOTS
+from mgpu.state.memory.store import SLOTS
 
 __all__ = ["MARGIN_FRACTION", "MARGIN_PER_RANK", "Room", "memory_headroom", "run_bytes"]
 

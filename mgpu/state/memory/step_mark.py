@@ -1,5 +1,5 @@
 """The last step a rank completed, kept at every step's end so that a survivor can save it when a peer dies or hangs
-during the next step (mgpu.state.memory_state.MemorySnapshots.last_words).
+during the next step (mgpu.state.memory.snapshots.MemorySnapshots.last_words).
 
 Under DDP every rank holds the replicated state, and nothing of it changes between a step's end and the next step's
 optimizer step except what is cheap to copy. So at every step's end (`Session.should_stop`) a rank *marks* the step
@@ -12,7 +12,7 @@ changes (batch norm's statistics) are copied at the next step's first forward, r
 what a restarted rank 0 needs. A rank's generators are re-seeded at every step's end from (seed, rank, step)
 (mgpu.state.rng.seed_step): its RNG at the mark is derived, not kept, for itself and for a rank that was lost.
 
-`state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory_content.rank_state), or
+`state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory.content.rank_state), or
 None with the reason: no mark yet, an optimizer stepped since (the failure came after this rank's optimizer step:
 its parameters are no longer the mark's), a DDP comm hook (its state is per rank and gathering it is a collective).
 `Shareable`: whether any rank can resume from it (its content is every rank's but for the derived RNG: no per-rank
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import copy
 import logging
-from dataclasses import asdict, dataclass, is_dataclass
+import pickle
+from dataclasses import asdict, dataclass, fields, is_dataclass
 from typing import Any, Callable, Mapping
 
 __all__ = ["Shareable", "StepMarks"]
@@ -59,6 +60,9 @@ class StepMarks:
         """Per DDP (by id): its module's buffers as synced at the first forward after the mark."""
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()
+        self._seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._pickled: dict[str, tuple[bytes, Any]] = {}
+        """Per small object: its bytes at the last mark and the copy made of them."""
         self._places: dict[int, list[tuple[str, Any, str]]] = {}
         self._optimizer_type = torch.optim.Optimizer
         self._module_type = torch.nn.Module
@@ -66,18 +70,23 @@ class StepMarks:
         """Held while a survivor's save is said (mgpu.run.session_state.last_words: once, from either thread)."""
         self.said = False
         self.record: Any = None
-        """Rank 0's: its buffers at every step's end (mgpu.state.buffer_record.BufferRecord; None: not kept)."""
+        """Rank 0's: its buffers at every step's end (mgpu.state.memory.buffer_record.BufferRecord; None: not kept)."""
 
-    def _hook(self) -> None:
-        """Post-hooks on the state's optimizers and pre-hooks on the DDPs' modules, once each."""
+    def _hook(self, objects: Mapping[str, Any], ddps: list[Any]) -> None:
+        """Post-hooks on the state's optimizers and pre-hooks on the DDPs' modules, once each (looked at again only
+        when the state's objects or the DDPs are others than at the last mark: this runs at every step)."""
         from mgpu.state.train_state import unwrapped
 
-        for value in self.objects().values():
+        seen = (tuple(map(id, objects.values())), tuple(map(id, ddps)))
+        if seen == self._seen:
+            return
+        self._seen = seen
+        for value in objects.values():
             target = unwrapped(value)
             if isinstance(target, self._optimizer_type) and id(target) not in self._hooked:
                 self._hooked.add(id(target))
                 self._hooks.append(target.register_step_post_hook(self._optimizer_stepped))
-        for ddp in self.ddps():
+        for ddp in ddps:
             if id(ddp) not in self._hooked:
                 self._hooked.add(id(ddp))
                 self._places[id(ddp)] = places = _buffer_places(ddp.module)
@@ -90,8 +99,8 @@ class StepMarks:
     def _synced(self, ddp: Any, places: list[tuple[str, Any, str]]) -> Callable[..., None]:
         def take(module: Any, args: Any) -> None:
             # The inner module's first forward after the mark runs after DDP's buffer broadcast: rank 0's buffers.
-            if self.step is not None and id(ddp) not in self.buffers:
-                self.buffers[id(ddp)] = {key: getattr(owner, attr).detach().clone() for key, owner, attr in places}
+            if self.step is not None and id(ddp) not in self.buffers:  # buffers need no detach: never in a graph
+                self.buffers[id(ddp)] = {key: getattr(owner, attr).clone() for key, owner, attr in places}
 
         return take
 
@@ -99,33 +108,48 @@ class StepMarks:
         """Step `step` ended on this rank (every rank at the same step): copy what the next step may change."""
         from mgpu.state.train_state import unwrapped
 
-        self._hook()
+        objects, ddps = self.objects(), self.ddps()
+        self._hook(objects, ddps)
         small: dict[str, Any] = {}
         own_buffers: dict[str, dict[str, Any]] = {}
-        places = {id(ddp.module): self._places.get(id(ddp)) for ddp in self.ddps()}
-        for name, value in self.objects().items():
-            if self.record is not None and (where := places.get(id(unwrapped(value)))):
+        places = {id(ddp.module): self._places.get(id(ddp)) for ddp in ddps} if self.record is not None else {}
+        for name, value in objects.items():
+            target = unwrapped(value)
+            if places and (where := places.get(id(target))):
                 own_buffers[name] = {key: getattr(owner, attr) for key, owner, attr in where}
             if callable(getattr(value, "rank_state_dict", None)):
-                small[name] = {"rank_state": copy.deepcopy(value.rank_state_dict())}
+                small[name] = {"rank_state": self._copy(name, value.rank_state_dict())}
                 continue
-            target = unwrapped(value)
             if isinstance(target, (self._module_type, self._optimizer_type)):
                 continue  # the step's own until an optimizer steps
             if hasattr(target, "state_dict"):
-                small[name] = copy.deepcopy(target.state_dict())
+                small[name] = self._copy(name, target.state_dict())
             elif is_dataclass(target) and not isinstance(target, type):
-                small[name] = asdict(target)
+                small[name] = self._copy(name, _fields(target))
             else:
-                small[name] = copy.deepcopy(value)
+                small[name] = self._copy(name, value)
         self.step, self.small, self.stepped, self.buffers = step, small, False, {}
         if own_buffers:
             self.record.offer(step, own_buffers)  # rank 0's, for a restart of rank 0 before the next broadcast
 
+    def _copy(self, name: str, value: Any) -> Any:
+        """A deep copy of `value` as it is now: pickled (C code: a state dict's copy took most of a mark's time with
+        copy.deepcopy), and unpickled only where its bytes differ from the last mark's (the copy made then is kept:
+        nothing changes it); copy.deepcopy where it does not pickle. Type-exact: 1, 1.0 and True pickle apart."""
+        try:
+            data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001  # what pickle refuses (a lambda, a lock): deepcopy's rules, as before
+            self._pickled.pop(name, None)
+            return copy.deepcopy(value)
+        kept = self._pickled.get(name)
+        if kept is None or kept[0] != data:
+            kept = self._pickled[name] = (data, pickle.loads(data))
+        return kept[1]
+
     def state(self) -> tuple[dict[str, Any] | None, Shareable | None, str]:
         """(the marked step's state as a snapshot holds it, who may take it, ""), or (None, None, why not)."""
         from mgpu.parallel.ddp import bucket_layout
-        from mgpu.state.memory_content import STEP, _local
+        from mgpu.state.memory.content import STEP, _local
         from mgpu.state.rng import step_rng_state
         from mgpu.state.train_state import FORMAT, unwrapped
 
@@ -174,6 +198,17 @@ class StepMarks:
             hook.remove()
         self._hooks.clear()
         self._hooked.clear()
+        self._seen = None
+        self._pickled.clear()
+
+
+def _fields(target: Any) -> dict[str, Any]:
+    """A dataclass's fields as a dict, as `dataclasses.asdict` gives them (which deep-copies every value: the copy
+    is `StepMarks._copy`'s); asdict itself where a field holds a dataclass (it makes that a dict too)."""
+    values = {field.name: getattr(target, field.name) for field in fields(target)}
+    if any(is_dataclass(value) for value in values.values()):
+        return asdict(target)
+    return values
 
 
 def _buffer_places(module: Any) -> list[tuple[str, Any, str]]:

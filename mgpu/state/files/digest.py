@@ -8,7 +8,7 @@ zlib-ng where installed: 21 GB/s on one core of the CI machine, against 6.8 GB/s
 zeros or of an older file's bytes) and any accidental change (every burst of up to 32 bits, all 1- and 2-bit
 errors, any other with probability 1 - 2^-32 per chunk). It does not resist a deliberate forger; neither did the
 sha256 before it, stored unsigned beside the file it covers. `sha256` (per chunk) can be chosen
-(mgpu.state.checkpoint.DIGEST). A large write is digested in a second thread while the writing thread copies it out
+(mgpu.state.single.store.DIGEST). A large write is digested in a second thread while the writing thread copies it out
 (both release the GIL), so the digest costs no wall time while it is faster than the write.
 """
 

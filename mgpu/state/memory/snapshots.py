@@ -1,9 +1,9 @@
 """A session's snapshots in host memory (checkpoint.memory_every_steps): every k steps each rank writes what a
-checkpoint at that step would hold for it (mgpu.state.memory_content) into node-local shared memory
-(mgpu.state.memory_snapshot), when its node has room for them (mgpu.state.memory_room, asked before every one);
+checkpoint at that step would hold for it (mgpu.state.memory.content) into node-local shared memory
+(mgpu.state.memory.store), when its node has room for them (mgpu.state.memory.room, asked before every one);
 when the step is started again in the same allocation (a killed rank, a crash, a hang), the ranks agree on the
 newest step every one of them holds (its own, or the replica its partner on another node holds:
-mgpu.state.memory_replica) and restore it when it is newer than the durable checkpoint.
+mgpu.state.memory.replica) and restore it when it is newer than the durable checkpoint.
 
 A snapshot only ever helps: one that does not restore on some rank (bytes that do not load although their CRC-32
 matches, another model's state) is set aside there, in one line naming why, and every rank goes back alike to the
@@ -25,16 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
-from mgpu.state.memory_content import (STEP, check_content, config_digest, estimated_bytes, put_back, rank_state,
+from mgpu.state.memory.content import (STEP, check_content, config_digest, estimated_bytes, put_back, rank_state,
                                        structure_digest, unsupported)
-from mgpu.state.memory_cadence import BUDGET, Cadence
-from mgpu.state.memory_room import Room
-from mgpu.state.memory_snapshot import SLOTS, Identity, SnapshotStore, local_job_id, safe_name
+from mgpu.state.memory.cadence import BUDGET, Cadence
+from mgpu.state.memory.room import Room
+from mgpu.state.memory.store import SLOTS, Identity, SnapshotStore, local_job_id, safe_name
 
 if TYPE_CHECKING:
-    from mgpu.state.buffer_record import BufferRecord
-    from mgpu.state.memory_replica import Replication
-    from mgpu.state.step_mark import StepMarks
+    from mgpu.state.memory.buffer_record import BufferRecord
+    from mgpu.state.memory.replica import Replication
+    from mgpu.state.memory.step_mark import StepMarks
 
 __all__ = ["MemorySnapshots", "Restored", "agree_on_step", "config_digest", "rank_state"]
 
@@ -90,7 +90,7 @@ def _load(file: IO[bytes]) -> Any:
 
 class MemorySnapshots:
     """One rank's snapshots for its session. `every`: steps between snapshots (0: none; None: the default cadence,
-    mgpu.state.memory_cadence). `room`: its node's room
+    mgpu.state.memory.cadence). `room`: its node's room
     for them (default: the store's base directory, one rank per node)."""
 
     def __init__(self, store: SnapshotStore, every: int | None, version: str | None, room: Room | None = None,
@@ -131,8 +131,8 @@ class MemorySnapshots:
         even where this rank takes no snapshot), and at the default cadence's first snapshot (`reduce_max`: the
         steps between snapshots agreed, the most any rank needs, so that every rank takes them at the same steps).
         Called at every step (the cadence measures the steps' time). This rank's state at `step`, written now (the
-        loop waits for this copy alone) when due (mgpu.state.memory_cadence). Whether one was taken. Before each,
-        the node's room for the run's snapshots is checked (mgpu.state.memory_room, from the files' sizes); a rank
+        loop waits for this copy alone) when due (mgpu.state.memory.cadence). Whether one was taken. Before each,
+        the node's room for the run's snapshots is checked (mgpu.state.memory.room, from the files' sizes); a rank
         without room, or whose write fails, takes none from then on and says so in one line; the run goes on."""
         if not self.cadence.due(step):
             return False
@@ -158,7 +158,7 @@ class MemorySnapshots:
         extra = layouts()
         if self.disabled is not None:
             return False
-        from mgpu.state.checkpoint import save_state_file
+        from mgpu.state.single.store import save_state_file
 
         started = time.perf_counter()
         state = rank_state(objects, self.store.identity.rank, self.store.identity.world_size, self.version)
@@ -180,8 +180,8 @@ class MemorySnapshots:
         return True
 
     def buffer_record(self) -> BufferRecord:
-        """Rank 0's buffers at every step's end, beside its snapshots (mgpu.state.buffer_record), opened once."""
-        from mgpu.state.buffer_record import BufferRecord
+        """Rank 0's buffers at every step's end, beside its snapshots (mgpu.state.memory.buffer_record), opened once."""
+        from mgpu.state.memory.buffer_record import BufferRecord
 
         if self._record is None:
             self._record = BufferRecord(SnapshotStore(self.store.directory.parent / "rank0-buffers",
@@ -189,11 +189,11 @@ class MemorySnapshots:
         return self._record
 
     def last_words(self, marks: StepMarks) -> str:
-        """A survivor's save: the last step this rank completed (`marks`, mgpu.state.step_mark), written to its node's
-        memory as a snapshot that the ranks lost with their processes may resume from too (its commit record says
+        """A survivor's save: the last step this rank completed (`marks`, mgpu.state.memory.step_mark), written to its
+        node's memory as a snapshot that the ranks lost with their processes may resume from too (its commit record says
         who may: `share`), unless this rank holds that step already. Not a collective: a peer is dead or hung. One
         line saying what was done, or why not (no room, an optimizer stepped since, ...); never raises."""
-        from mgpu.state.checkpoint import save_state_file
+        from mgpu.state.single.store import save_state_file
 
         rank = self.store.identity.rank
         try:
@@ -317,7 +317,7 @@ class MemorySnapshots:
 
     def restore(self, step: int, objects: MutableMapping[str, Any], seed: int,
                 missing_ok: frozenset[str] | set[str] = frozenset()) -> dict[str, Any]:
-        """Put this rank's snapshot of `step` into `objects` (mgpu.state.memory_content.put_back); its content."""
+        """Put this rank's snapshot of `step` into `objects` (mgpu.state.memory.content.put_back); its content."""
         state, _, why = self._read(step, seed)
         if why is not None:
             raise ValueError(f"the snapshot of step {step} does not restore: {why}")

@@ -1,7 +1,7 @@
-"""A sharded checkpoint (mgpu.state.sharded) read whole in one process, without a process group: for inference
-(`mgpu.load_model`), another tool, or a look inside.
+"""A sharded checkpoint (mgpu.state.sharded.checkpointer) read whole in one process, without a process group: for
+inference (`mgpu.load_model`), another tool, or a look inside.
 
-    python -m mgpu.state.sharded_export RUN_DIR_OR_STEP_DIR OUT.pt    # one torch.save file, weights_only-loadable
+    python -m mgpu.state.sharded.export RUN_DIR_OR_STEP_DIR OUT.pt    # one torch.save file, weights_only-loadable
 
 The export never writes into a checkpoint (a file there breaks its verification) nor over an existing file;
 every argument it cannot use is one line, exit 2, nothing written. `consolidated_model` reads one module's
@@ -19,19 +19,19 @@ from typing import Any
 
 import torch
 
-from mgpu.state.checkpoint import CheckpointStore
+from mgpu.state.single.store import CheckpointStore
 from mgpu.state.checkpoint_format import (META_FILE, STATE_FILE, TMP_PREFIX, CheckpointError, describe_os_error,
                                           one_line)
 from mgpu.errors import MgpuError
 from mgpu.fsutil import fsync_path
 from mgpu.record.ledger import Ledger
-from mgpu.state.dcp_safe import SafeEmptyPlanner, SafeReader, module_of
-from mgpu.state.sharded import ShardedCheckpointer
-from mgpu.state.sharded_format import COMMON, KIND, rank_file, read_meta, verify_rank
+from mgpu.state.sharded.dcp_safe import SafeEmptyPlanner, SafeReader, module_of
+from mgpu.state.sharded.checkpointer import ShardedCheckpointer
+from mgpu.state.sharded.format import COMMON, KIND, rank_file, read_meta, verify_rank
 
 __all__ = ["consolidate", "consolidated_model", "is_sharded_checkpoint", "main"]
 
-PROG = "mgpu.state.sharded_export"
+PROG = "mgpu.state.sharded.export"
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
@@ -198,7 +198,7 @@ class _Refused(Exception):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m mgpu.state.sharded_export CHECKPOINT_DIR OUT.pt`: a sharded checkpoint (a step directory, or a run's
+    """`python -m mgpu.state.sharded.export CHECKPOINT_DIR OUT.pt`: a sharded checkpoint (a step directory, or a run's
     checkpoints/ for its latest) consolidated into one torch.save file (weights_only-loadable). Exit 2, one
     line and nothing written for an argument it cannot use."""
     import argparse

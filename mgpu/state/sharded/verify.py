@@ -1,5 +1,6 @@
 """A sharded resume that reads its files once: each shard file's checksum, recorded per chunk when it was written
-(mgpu.state.digest), is checked chunk by chunk as DCP's load reaches the chunk, not in a pass of its own before it.
+(mgpu.state.files.digest), is checked chunk by chunk as DCP's load reaches the chunk, not in a pass of its own before
+it.
 
 DCP reads a shard file item by item, and torch.load reads inside an item out of order (the zip's directory at its
 end first). So a shard file is memory-mapped (`MappedStream`): the first read that reaches a chunk digests that
@@ -23,8 +24,8 @@ from typing import Any, Iterator, Mapping
 
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from mgpu.state.dcp_safe import SafeReader
-from mgpu.state.digest import ALGORITHMS, ChunkDigest
+from mgpu.state.sharded.dcp_safe import SafeReader
+from mgpu.state.files.digest import ALGORITHMS, ChunkDigest
 
 __all__ = ["ChunkChecks", "MappedStream", "ShardDamaged", "VerifyingReader", "deferrable"]
 
@@ -34,7 +35,7 @@ class ShardDamaged(OSError):
 
 
 def deferrable(entry: Mapping[str, Any]) -> bool:
-    """Whether a manifest line's checksum can be checked chunk by chunk (mgpu.state.digest's record; a whole-file
+    """Whether a manifest line's checksum can be checked chunk by chunk (mgpu.state.files.digest's record; a whole-file
     sha256 from before it cannot)."""
     checksum = entry.get("checksum")
     return (isinstance(checksum, dict) and checksum.get("algorithm") in ALGORITHMS
@@ -179,8 +180,8 @@ class _VerifyingFileSystem(FileSystem):
 
 
 class VerifyingReader(SafeReader):
-    """mgpu.state.dcp_safe's reader (its `.metadata` through the allow-list) whose shard files are checked chunk by
-    chunk as they are read (`checks`)."""
+    """mgpu.state.sharded.dcp_safe's reader (its `.metadata` through the allow-list) whose shard files are checked
+    chunk by chunk as they are read (`checks`)."""
 
     def __init__(self, path: Path, checks: ChunkChecks) -> None:
         super().__init__(path)
