@@ -2,7 +2,7 @@
 
 Slurm kills a job at its time limit whether or not the user signal came (`--signal` may be missing,
 stripped by a wrapper, or too short for a slow save). Rank 0 reads the job's end time from Slurm when the
-run starts (in the clock's thread: a hanging squeue does not delay the start) and again every minute (a time limit can be changed while the job runs: `scontrol update
+run starts (in the clock's thread: a hanging squeue does not delay the start) and again every `preemption.slurm_poll_s` (a minute by default; a time limit can be changed while the job runs: `scontrol update
 TimeLimit=`), and the session compares it at every step with what a stop still needs: the agreement's
 delay (its interval plus one step, at the slowest step seen lately), the longest checkpoint write seen,
 and a margin (at most a tenth of the job's time limit). When that reaches the end, rank 0 requests a stop

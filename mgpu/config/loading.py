@@ -153,6 +153,7 @@ _RULES: dict[str, Callable[[Any], str | None]] = {
     "distributed.init_timeout_s": lambda v: None if 0 < v <= MAX_INIT_TIMEOUT_S else (
         f"must be in (0, {MAX_INIT_TIMEOUT_S}]"),
     "preemption.check_every_steps": _ge(1), "preemption.deadline_margin_s": _between(0, 86_400, True),
+    "preemption.slurm_poll_s": _between(1, 3600, True),
     "log.wandb_project": lambda v: None if _RUN_NAME.fullmatch(v) else "must be a wandb project name (no '/')",
     "watchdog.step_multiple": _between(2, 10_000, True), "watchdog.floor_s": _between(1, 86_400, True),
     "watchdog.first_step_s": _between(1, 604_800, True), "watchdog.checkpoint_s": _between(1, 604_800, True),

@@ -224,6 +224,10 @@ class PreemptionConfig:
     left is less than this margin (at most a tenth of the limit) plus the longest checkpoint write so far
     plus the agreement's delay (mgpu.cluster.deadline); the write time of earlier runs counts too (the ledger's saves).
     0: rely on the signal alone."""
+    slurm_poll_s: float = 60.0
+    """Under Slurm, seconds between rank 0's questions about the job's end time and its nodes (squeue, scontrol show
+    node, in a background thread): how soon a changed time limit or a node set to drain is seen. Each asks
+    slurmctld twice; lower it only where a drain must be seen sooner."""
 
 
 @dataclass

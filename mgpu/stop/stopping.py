@@ -118,7 +118,7 @@ class StopController:
         if slurm_job and preemption.deadline_margin_s > 0:
             from mgpu.cluster.deadline import JobClock
 
-            clock = JobClock(slurm_job, nodes=nodes).start()
+            clock = JobClock(slurm_job, poll_s=preemption.slurm_poll_s, nodes=nodes).start()
             cleanup.callback(clock.stop)
         return cls(flags, agreement, clock=clock, check_every=preemption.check_every_steps, stop_at_step=stop_at_step,
                    margin_s=preemption.deadline_margin_s, longest_write_s=longest_write_s, stragglers=stragglers,

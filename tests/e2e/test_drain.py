@@ -1,5 +1,5 @@
 """A drain seen before the signal (issue 32, deliver 2), on the real local cluster: `scontrol update
-nodename=<the second node> state=drain` while a 2-node job trains; rank 0's minute poll (mgpu.cluster.deadline) sees it, the ranks
+nodename=<the second node> state=drain` while a 2-node job trains; rank 0's poll of Slurm (mgpu.cluster.deadline; every 5 s here, `preemption.slurm_poll_s`) sees it, the ranks
 stop at a step boundary, save and requeue the job before Slurm sends any signal; the node is resumed in
 `finally` whatever happens, and the job comes back once it is."""
 
@@ -18,15 +18,16 @@ if TYPE_CHECKING:
 
 
 def test_a_drained_node_gets_a_checkpoint_before_any_signal(slurm_cluster: SlurmCluster, tmp_path: Path) -> None:
-    # 0.2 s steps, 60 epochs of 10 steps: long enough for the clock's next poll (every 60 s) to see the drain.
-    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *SLOW, "train.epochs=60")
+    # 0.2 s steps, 60 epochs of 10 steps; rank 0 asks Slurm every 5 s (preemption.slurm_poll_s; 60 s by default), so
+    # the drain is seen within 5 s and a poll's answer (scontrol, seconds on a loaded machine): 30 s is the bound.
+    jobid, run_dir = submit_one(tmp_path, *TWO_RANKS, *SLOW, "train.epochs=60", "preemption.slurm_poll_s=5")
     node = slurm_cluster.nodes[1]
     drained = False
     try:
         wait_steps(run_dir, run=1, steps=2, timeout=120)
         slurm_cluster.run("scontrol", "update", f"nodename={node}", "state=drain", "reason=mgpu-e2e-drain")
         drained = True
-        wait_until("the drain's stop decision", lambda: events(run_dir, "stop_decision"), timeout=150)
+        wait_until("the drain's stop decision", lambda: events(run_dir, "stop_decision"), timeout=30)
         (preempted,) = events(run_dir, "preempted")
         assert preempted["reasons"] == ["drain"] and preempted["signals"] == [], (preempted, job_output(tmp_path, jobid))
         (decision,) = events(run_dir, "stop_decision")
