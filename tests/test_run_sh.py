@@ -66,7 +66,8 @@ def test_says_what_it_installs_and_starts_first(tmp_path: Path) -> None:
     skip = next(i for i, line in enumerate(out) if "MGPU_SKIP_SLURM=1 bash tests/run.sh" in line)
     first_call = next(i for i, line in enumerate(out) if line.startswith("CALLED"))
     assert max(install, start, skip) < first_call, out  # said before anything ran
-    assert [c.split()[1] for c in calls] == ["python", "start.sh", "python", "python"]
+    assert [c.split()[1] for c in calls] == ["python", "python", "start.sh", "python", "python"]
+    assert calls[1].startswith("CALLED python -m compileall")  # after pip: the project's modules byte-compiled
     assert "CALLED start.sh cluster=a" in calls  # one pytest: cluster a's alone
     assert calls[-2:] == ["CALLED python -m mypy", "CALLED python -m pytest -q"]
 
@@ -75,7 +76,7 @@ def test_skip_slurm_starts_no_cluster_and_leaves_out_e2e(tmp_path: Path) -> None
     result, calls = _run(tmp_path, MGPU_SKIP_SLURM="1")
     assert result.returncode == 0, result.stderr
     assert "MGPU_SKIP_SLURM=1: no Slurm cluster is installed or started; tests/e2e is not run" in result.stdout
-    assert [c.split()[1] for c in calls] == ["python", "python", "python"]  # pip, mypy, pytest: no start.sh
+    assert [c.split()[1] for c in calls] == ["python"] * 4  # pip, compileall, mypy, pytest: no start.sh
     assert calls[-2:] == ["CALLED python -m mypy", "CALLED python -m pytest --ignore=tests/e2e -q"]
 
 
