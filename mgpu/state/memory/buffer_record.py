@@ -184,21 +184,33 @@ class _Slot:
         finally:
             os.close(fd)
         self.map[HEAD.size:HEAD.size + len(line)] = line
-        self.places: list[Any] = []  # a tensor over the mapping per buffer; None for an empty one
+        self.places: list[Any] = []  # a tensor over the mapping per non-empty buffer
+        self.filled: list[int] | None = None
+        """The indices of the non-empty buffers among the layout's (None: all of them)."""
         offset = HEAD.size + len(line)
         for (_, _, dtype, shape), size in zip(layout, sizes):
             if size:
                 self.places.append(torch.frombuffer(self.map, dtype=torch.uint8, count=size, offset=offset)
                                    .view(dtype).view(shape))
-            else:
-                self.places.append(None)
             offset += size
+        if len(self.places) < len(layout):
+            self.filled = [index for index, size in enumerate(sizes) if size]
+        self._copy = torch._foreach_copy_
+        self._grad_enabled, self._set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
     def write(self, step: int, tensors: list[Any]) -> None:
         HEAD.pack_into(self.map, 0, bytes(4), 0, 0, 0)  # uncommitted first: a torn slot is never believed
-        for place, tensor in zip(self.places, tensors):
-            if place is not None:
-                place.copy_(tensor.detach())
+        if self.filled is not None:
+            tensors = [tensors[index] for index in self.filled]
+        if self.places:
+            # One call for all (a copy_ each cost ~8 us at a step's end), its data alone (no graph on the slot):
+            # grad mode off as torch.no_grad sets it, without its Python context manager (~20 us at a step's end).
+            enabled = self._grad_enabled()
+            self._set_grad_enabled(False)
+            try:
+                self._copy(self.places, tensors)
+            finally:
+                self._set_grad_enabled(enabled)
         body = memoryview(self.map)[HEAD.size:HEAD.size + self.length]
         crc = zlib.crc32(body, zlib.crc32(STEP.pack(step)))
         body.release()
