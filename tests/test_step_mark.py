@@ -208,3 +208,38 @@ def test_a_mark_copies_nested_plain_values_and_objects_deep_even_one_that_holds_
     saved = marks.state()[0]
     assert saved["history"]["losses"] == [1.0, 2.0, 3.0, 5.0] and type(saved["tokens"]) is float
     marks.close()
+
+
+def test_plain_data_is_copied_as_deep_as_the_pickled_copy_and_as_type_exact() -> None:
+    """A mark copies plain data (atoms, and lists, tuples and dicts of them, one level down in a dict) without
+    pickling it: still nothing done in place after the mark reaches the save, 1, 1.0 and True stay apart, a tuple
+    that holds a list is not shared, and an object that stops being plain data is copied as deep from then on."""
+    state, _, optimizer = loop()
+    plain: dict[str, Any] = {"losses": [1.0, 2.0], "best": {"acc": 1}, "flag": True, "pair": (1, 2)}
+    held = ([1], 2)
+    state.update(plain=plain, held=held, counts=[1, 2])
+    marks = marks_of(state)
+    step(state, optimizer)
+    marks.mark(1)
+    plain["losses"].append(3.0)
+    plain["best"]["acc"] = 1.0
+    plain["flag"] = 1
+    held[0].append(2)
+    state["counts"].append(3)
+    saved = marks.state()[0]
+    assert saved is not None
+    assert saved["plain"] == {"losses": [1.0, 2.0], "best": {"acc": 1}, "flag": True, "pair": (1, 2)}
+    assert type(saved["plain"]["best"]["acc"]) is int and type(saved["plain"]["flag"]) is bool
+    assert saved["held"] == ([1], 2) and saved["counts"] == [1, 2]
+    marks.mark(2)
+    saved = marks.state()[0]
+    assert type(saved["plain"]["best"]["acc"]) is float and type(saved["plain"]["flag"]) is int
+    plain["best"]["acc"] = [7]  # no longer plain data one level down: copied deep
+    marks.mark(3)
+    plain["best"]["acc"].append(8)
+    assert marks.state()[0]["plain"]["best"] == {"acc": [7]}
+    marks.mark(4)
+    plain["losses"].clear()
+    saved = marks.state()[0]
+    assert saved["plain"]["best"] == {"acc": [7, 8]} and saved["plain"]["losses"] == [1.0, 2.0, 3.0]
+    marks.close()

@@ -60,38 +60,58 @@ class StepMarks:
         """Per DDP (by id): its module's buffers as synced at the first forward after the mark."""
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()
-        self._seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._ddps: list[Any] | None = None
+        self._plan: dict[str, tuple[Any, int, Any, list[tuple[str, Any, str]] | None]] = {}
+        """Per object of the state: (the object, how it is copied, what is copied, its buffers for the record)."""
         self._pickled: dict[str, tuple[bytes, Any]] = {}
         """Per small object: its bytes at the last mark and the copy made of them."""
+        self._not_plain: set[str] = set()
+        """The small objects that were not plain data at a mark: pickled from then on without trying."""
         self._places: dict[int, list[tuple[str, Any, str]]] = {}
         self._optimizer_type = torch.optim.Optimizer
         self._module_type = torch.nn.Module
+        from mgpu.state.train_state import unwrapped
+
+        self._unwrapped = unwrapped
         self.lock: Any = None
         """Held while a survivor's save is said (mgpu.run.session_state.last_words: once, from either thread)."""
         self.said = False
         self.record: Any = None
         """Rank 0's: its buffers at every step's end (mgpu.state.memory.buffer_record.BufferRecord; None: not kept)."""
 
-    def _hook(self, objects: Mapping[str, Any], ddps: list[Any]) -> None:
-        """Post-hooks on the state's optimizers and pre-hooks on the DDPs' modules, once each (looked at again only
-        when the state's objects or the DDPs are others than at the last mark: this runs at every step)."""
-        from mgpu.state.train_state import unwrapped
-
-        seen = (tuple(map(id, objects.values())), tuple(map(id, ddps)))
-        if seen == self._seen:
-            return
-        self._seen = seen
-        for value in objects.values():
-            target = unwrapped(value)
-            if isinstance(target, self._optimizer_type) and id(target) not in self._hooked:
-                self._hooked.add(id(target))
-                self._hooks.append(target.register_step_post_hook(self._optimizer_stepped))
+    def _hook_ddps(self, ddps: list[Any]) -> None:
+        """A pre-hook on each DDP's module, once each (looked at again only when the DDPs are others than at the
+        last mark: this runs at every step); the plan made anew (an object's buffers may be a new DDP's)."""
+        self._ddps = ddps
+        self._plan.clear()
         for ddp in ddps:
             if id(ddp) not in self._hooked:
                 self._hooked.add(id(ddp))
                 self._places[id(ddp)] = places = _buffer_places(ddp.module)
                 if places:  # a model without buffers needs no copy
                     self._hooks.append(ddp.module.register_forward_pre_hook(self._synced(ddp, places)))
+
+    def _planned(self, value: Any) -> tuple[Any, int, Any, list[tuple[str, Any, str]] | None]:
+        """How an object of the state is copied at a mark (kept while the object is the same one: its kind does
+        not change); a post-hook on an optimizer, once."""
+        target = self._unwrapped(value)
+        where = None
+        if self.record is not None and self._ddps:
+            where = next((self._places.get(id(ddp)) for ddp in self._ddps if ddp.module is target), None) or None
+        if callable(getattr(value, "rank_state_dict", None)):
+            return value, _RANK_STATE, value, where
+        if isinstance(target, self._optimizer_type):
+            if id(target) not in self._hooked:
+                self._hooked.add(id(target))
+                self._hooks.append(target.register_step_post_hook(self._optimizer_stepped))
+            return value, _KEPT, target, where
+        if isinstance(target, self._module_type):
+            return value, _KEPT, target, where  # the step's own until an optimizer steps
+        if hasattr(target, "state_dict"):
+            return value, _STATE_DICT, target, where
+        if is_dataclass(target) and not isinstance(target, type):
+            return value, _FIELDS, target, where
+        return value, _VALUE, value, where
 
     def _optimizer_stepped(self, *args: Any) -> None:
         self.stepped = True
@@ -106,25 +126,29 @@ class StepMarks:
 
     def mark(self, step: int) -> None:
         """Step `step` ended on this rank (every rank at the same step): copy what the next step may change."""
-        from mgpu.state.train_state import unwrapped
-
         objects, ddps = self.objects(), self.ddps()
-        self._hook(objects, ddps)
+        if ddps != self._ddps:
+            self._hook_ddps(ddps)
+        plan = self._plan
+        if len(plan) > len(objects):  # an object gone from the state: not kept alive by its plan
+            for name in [name for name in plan if name not in objects]:
+                del plan[name]
         small: dict[str, Any] = {}
         own_buffers: dict[str, dict[str, Any]] = {}
-        places = {id(ddp.module): self._places.get(id(ddp)) for ddp in ddps} if self.record is not None else {}
         for name, value in objects.items():
-            target = unwrapped(value)
-            if places and (where := places.get(id(target))):
+            planned = plan.get(name)
+            if planned is None or planned[0] is not value:
+                planned = plan[name] = self._planned(value)
+            _, how, target, where = planned
+            if where:
                 own_buffers[name] = {key: getattr(owner, attr) for key, owner, attr in where}
-            if callable(getattr(value, "rank_state_dict", None)):
-                small[name] = {"rank_state": self._copy(name, value.rank_state_dict())}
+            if how == _KEPT:
                 continue
-            if isinstance(target, (self._module_type, self._optimizer_type)):
-                continue  # the step's own until an optimizer steps
-            if hasattr(target, "state_dict"):
+            if how == _STATE_DICT:
                 small[name] = self._copy(name, target.state_dict())
-            elif is_dataclass(target) and not isinstance(target, type):
+            elif how == _RANK_STATE:
+                small[name] = {"rank_state": self._copy(name, target.rank_state_dict())}
+            elif how == _FIELDS:
                 small[name] = self._copy(name, _fields(target))
             else:
                 small[name] = self._copy(name, value)
@@ -135,7 +159,13 @@ class StepMarks:
     def _copy(self, name: str, value: Any) -> Any:
         """A deep copy of `value` as it is now: pickled (C code: a state dict's copy took most of a mark's time with
         copy.deepcopy), and unpickled only where its bytes differ from the last mark's (the copy made then is kept:
-        nothing changes it); copy.deepcopy where it does not pickle. Type-exact: 1, 1.0 and True pickle apart."""
+        nothing changes it); copy.deepcopy where it does not pickle. Type-exact: 1, 1.0 and True pickle apart.
+        Plain data (`_plain`: a loader's position, a scheduler's state) is copied as it is, in fewer calls."""
+        if name not in self._not_plain:
+            copied = _plain(value)
+            if copied is not _NOT_PLAIN:
+                return copied
+            self._not_plain.add(name)
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001  # what pickle refuses (a lambda, a lock): deepcopy's rules, as before
@@ -198,8 +228,55 @@ class StepMarks:
             hook.remove()
         self._hooks.clear()
         self._hooked.clear()
-        self._seen = None
+        self._ddps = None
+        self._plan.clear()
         self._pickled.clear()
+        self._not_plain.clear()
+
+
+_KEPT, _STATE_DICT, _RANK_STATE, _FIELDS, _VALUE = range(5)
+"""How a mark copies an object: not at all (a module, an optimizer), its state_dict, its rank_state_dict, its fields
+(a dataclass), the object itself."""
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+"""Immutable: a copy may share them (their exact type: a subclass may be mutable)."""
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    """A copy of `value` where it is plain data: an atom, a list, tuple or dict of atoms, or a dict whose values are
+    those (keys atoms); `_NOT_PLAIN` where it is not. Exact: the atoms are shared, the containers new, of their
+    exact type."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is dict:
+        copied = {}
+        for key, item in value.items():
+            if type(key) not in _ATOMS:
+                return _NOT_PLAIN
+            if type(item) not in _ATOMS and (item := _flat(item)) is _NOT_PLAIN:
+                return _NOT_PLAIN
+            copied[key] = item
+        return copied
+    return _flat(value)
+
+
+def _flat(value: Any) -> Any:
+    """A copy of a list, tuple or dict of atoms (`_plain`'s inner level), else `_NOT_PLAIN`."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        for item in value:
+            if type(item) not in _ATOMS:
+                return _NOT_PLAIN
+        return list(value) if kind is list else value
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) not in _ATOMS or type(item) not in _ATOMS:
+                return _NOT_PLAIN
+        return dict(value)
+    if kind in _ATOMS:
+        return value
+    return _NOT_PLAIN
 
 
 def _fields(target: Any) -> dict[str, Any]:
