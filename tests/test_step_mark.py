@@ -243,3 +243,42 @@ def test_plain_data_is_copied_as_deep_as_the_pickled_copy_and_as_type_exact() ->
     saved = marks.state()[0]
     assert saved["plain"]["best"] == {"acc": [7, 8]} and saved["plain"]["losses"] == [1.0, 2.0, 3.0]
     marks.close()
+
+
+class FakeDDP:
+    """What the marks use of a DDP: its module (a single process has no process group to wrap one)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["record written", "record failing"])
+def test_rank_0s_save_holds_its_buffers_of_the_mark_after_the_next_forward(tmp_path: Any, recorded: bool) -> None:
+    """Rank 0's buffers at the mark are in its save though the next forward changed them: read back from its record
+    where the mark wrote it (no copy at that forward), else copied at that forward as on every other rank."""
+    from mgpu.state.memory.buffer_record import BufferRecord
+    from mgpu.state.memory.store import Identity, SnapshotStore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    ddp = FakeDDP(model)
+    marks = StepMarks(lambda: state, lambda: [ddp], rank=0, world_size=2, seed=7, version="v")
+    directory = tmp_path / "rank0-buffers" if recorded else tmp_path / "file"
+    if not recorded:
+        directory.write_text("")  # a file where its directory would be: the record cannot be written
+    marks.record = BufferRecord(SnapshotStore(directory, Identity("7", 0, "run", "cfg", 2, 0, "shape")))
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    marks.mark(1)
+    mean, count = model[1].running_mean.clone(), model[1].num_batches_tracked.clone()
+    model(torch.randn(5, 4)).sum().backward()  # the next step's forward: batch norm's statistics move on
+    assert not torch.equal(model[1].running_mean, mean)
+    saved, share, why = marks.state()
+    assert why == "" and saved is not None and share is not None and share.rank0_buffers
+    assert torch.equal(saved["model"]["1.running_mean"], mean) and torch.equal(saved["model"]["1.num_batches_tracked"],
+                                                                                count)
+    assert (marks.buffers == {}) is recorded  # no copy at the forward where the record holds them
+    marks.record.close()
+    marks.close()

@@ -63,12 +63,12 @@ class BufferRecord:
         self._closing = False
         self._thread: threading.Thread | None = None
 
-    def offer(self, step: int, buffers: dict[str, dict[str, Any]]) -> None:
+    def offer(self, step: int, buffers: dict[str, dict[str, Any]]) -> bool:
         """Step `step`'s buffers ({state key: {buffer name: tensor}}): written now from the CPU; from a GPU, copied to
-        pinned host memory without waiting and written by the thread (a newer offer replaces one not yet written)."""
+        pinned host memory without waiting and written by the thread (a newer offer replaces one not yet written).
+        Whether they were written now (`read(step)` gives them back)."""
         if not any(tensor.is_cuda for tensors in buffers.values() for tensor in tensors.values()):
-            self._write(step, buffers)
-            return
+            return self._write(step, buffers)
         import torch
 
         with self._cond:
@@ -92,6 +92,7 @@ class BufferRecord:
                 self._thread = threading.Thread(target=self._run, name="mgpu-buffer-record", daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return False
 
     def _run(self) -> None:
         while True:
@@ -109,7 +110,7 @@ class BufferRecord:
                 with self._cond:
                     self._writing = None
 
-    def _write(self, step: int, buffers: dict[str, dict[str, Any]]) -> None:
+    def _write(self, step: int, buffers: dict[str, dict[str, Any]]) -> bool:
         try:
             layout = [(name, key, tensor.dtype, tuple(tensor.shape)) for name, tensors in buffers.items()
                       for key, tensor in tensors.items()]
@@ -129,6 +130,8 @@ class BufferRecord:
                 self._failed = True
                 log.warning("rank 0's buffers could not be kept in memory (a restarted rank 0 falls back to the "
                             "snapshots or the durable checkpoint): %s: %s", type(error).__name__, error)
+            return False
+        return True
 
     def _close_slots(self) -> None:
         for slot in self._slots:

@@ -9,7 +9,8 @@ change) and notes that no optimizer has stepped since (a post-hook on each optim
 optimizers' states are not copied: they are the step's until an optimizer steps. Module buffers that a forward
 changes (batch norm's statistics) are copied at the next step's first forward, right after DDP has broadcast rank
 0's (`buffers_synced`): every rank then holds rank 0's of the marked step, which is what a checkpoint of it holds and
-what a restarted rank 0 needs. A rank's generators are re-seeded at every step's end from (seed, rank, step)
+what a restarted rank 0 needs; rank 0 copies none there where its buffer record (mgpu.state.memory.buffer_record)
+holds them from the mark, the very ones DDP broadcasts, and reads them back for a save. A rank's generators are re-seeded at every step's end from (seed, rank, step)
 (mgpu.state.rng.seed_step): its RNG at the mark is derived, not kept, for itself and for a rank that was lost.
 
 `state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory.content.rank_state), or
@@ -17,7 +18,8 @@ None with the reason: no mark yet, an optimizer stepped since (the failure came 
 its parameters are no longer the mark's), a DDP comm hook (its state is per rank and gathering it is a collective).
 `Shareable`: whether any rank can resume from it (its content is every rank's but for the derived RNG: no per-rank
 object in the state) and whether its buffers are rank 0's (a restarted rank 0 may use it). Costs: microseconds a
-step for the copies of small objects (bench/loop_overhead.py), one clone of the buffers a step where DDP syncs them.
+step for the copies of small objects, one clone of the buffers a step where DDP syncs them (on the other ranks than 0;
+rank 0's record instead), bench/failure_overhead.py.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class StepMarks:
         self.said = False
         self.record: Any = None
         """Rank 0's: its buffers at every step's end (mgpu.state.memory.buffer_record.BufferRecord; None: not kept)."""
+        self._recorded: int | None = None
+        """The mark whose buffers `record` holds, written at the mark (rank 0 on a CPU): no copy at the forward."""
 
     def _hook_ddps(self, ddps: list[Any]) -> None:
         """A pre-hook on each DDP's module, once each (looked at again only when the DDPs are others than at the
@@ -118,8 +122,10 @@ class StepMarks:
 
     def _synced(self, ddp: Any, places: list[tuple[str, Any, str]]) -> Callable[..., None]:
         def take(module: Any, args: Any) -> None:
-            # The inner module's first forward after the mark runs after DDP's buffer broadcast: rank 0's buffers.
-            if self.step is not None and id(ddp) not in self.buffers:  # buffers need no detach: never in a graph
+            # The inner module's first forward after the mark runs after DDP's buffer broadcast: rank 0's buffers
+            # (rank 0's own, which its record holds already where it was written at the mark).
+            if self.step is not None and id(ddp) not in self.buffers and self._recorded != self.step:
+                # buffers need no detach: never in a graph
                 self.buffers[id(ddp)] = {key: getattr(owner, attr).clone() for key, owner, attr in places}
 
         return take
@@ -153,8 +159,8 @@ class StepMarks:
             else:
                 small[name] = self._copy(name, value)
         self.step, self.small, self.stepped, self.buffers = step, small, False, {}
-        if own_buffers:
-            self.record.offer(step, own_buffers)  # rank 0's, for a restart of rank 0 before the next broadcast
+        if own_buffers:  # rank 0's, for a restart of rank 0 before the next broadcast, and for `state()`
+            self._recorded = step if self.record.offer(step, own_buffers) else None
 
     def _copy(self, name: str, value: Any) -> Any:
         """A deep copy of `value` as it is now: pickled (C code: a state dict's copy took most of a mark's time with
@@ -198,6 +204,8 @@ class StepMarks:
                                  "code_version": self.version, STEP: self.step}
         per_rank = False
         synced = {id(ddp.module): self.buffers.get(id(ddp)) for ddp in ddps}
+        # Rank 0's buffers at the mark, read back from its record (what DDP broadcasts at the next forward).
+        recorded = self.record.read(self.step) if self._recorded == self.step and self.record is not None else {}
         for name, value in self.objects().items():
             target = unwrapped(value)
             if name in self.small:
@@ -211,7 +219,7 @@ class StepMarks:
                     state[name] = saved
             elif isinstance(target, self._module_type):
                 module_state = dict(_local(target.state_dict()))
-                module_state.update(synced.get(id(target)) or {})
+                module_state.update(synced.get(id(target)) or recorded.get(name) or {})
                 state[name] = module_state
             else:
                 state[name] = _local(target.state_dict())
