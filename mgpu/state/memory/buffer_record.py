@@ -25,11 +25,11 @@ import mmap
 import os
 import struct
 import threading
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from mgpu.state.files.digest import crc32  # zlib's CRC-32, by zlib-ng where installed (6x as fast)
 from mgpu.state.memory.store import SLOTS, SnapshotStore
 
 __all__ = ["BufferRecord"]
@@ -215,7 +215,7 @@ class _Slot:
             finally:
                 self._set_grad_enabled(enabled)
         body = memoryview(self.map)[HEAD.size:HEAD.size + self.length]
-        crc = zlib.crc32(body, zlib.crc32(STEP.pack(step)))
+        crc = crc32(body, crc32(STEP.pack(step)))
         body.release()
         HEAD.pack_into(self.map, 0, MAGIC, crc, self.length, step)  # the commit: last
 
@@ -235,7 +235,7 @@ def _read(path: Path, identity: dict[str, Any]) -> tuple[int, dict[str, Any], by
         return None
     magic, crc, length, step = HEAD.unpack_from(content)
     body = content[HEAD.size:HEAD.size + length]
-    if magic != MAGIC or len(body) != length or zlib.crc32(body, zlib.crc32(STEP.pack(step))) != crc:
+    if magic != MAGIC or len(body) != length or crc32(body, crc32(STEP.pack(step))) != crc:
         return None
     line, _, data = body.partition(b"\n")
     try:
