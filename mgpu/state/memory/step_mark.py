@@ -10,8 +10,9 @@ optimizers' states are not copied: they are the step's until an optimizer steps.
 changes (batch norm's statistics) are copied at the next step's first forward, right after DDP has broadcast rank
 0's (`buffers_synced`): every rank then holds rank 0's of the marked step, which is what a checkpoint of it holds and
 what a restarted rank 0 needs; rank 0 copies none there where its buffer record (mgpu.state.memory.buffer_record)
-holds them from the mark, the very ones DDP broadcasts, and reads them back for a save. A rank's generators are re-seeded at every step's end from (seed, rank, step)
-(mgpu.state.rng.seed_step): its RNG at the mark is derived, not kept, for itself and for a rank that was lost.
+holds them from the mark, the very ones DDP broadcasts, and reads them back for a save. A rank's generators are
+re-seeded at every step's end from (seed, rank, step) (mgpu.state.rng.seed_step): its RNG at the mark is derived, not
+kept, for itself and for a rank that was lost.
 
 `state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory.content.rank_state), or
 None with the reason: no mark yet, an optimizer stepped since (the failure came after this rank's optimizer step:
@@ -63,6 +64,7 @@ class StepMarks:
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()
         self._ddps: list[Any] | None = None
+        self._planned_record: Any = None
         self._plan: dict[str, tuple[Any, int, Any, list[tuple[str, Any, str]] | None]] = {}
         """Per object of the state: (the object, how it is copied, what is copied, its buffers for the record)."""
         self._pickled: dict[str, tuple[bytes, Any]] = {}
@@ -84,9 +86,9 @@ class StepMarks:
         """The mark whose buffers `record` holds, written at the mark (rank 0 on a CPU): no copy at the forward."""
 
     def _hook_ddps(self, ddps: list[Any]) -> None:
-        """A pre-hook on each DDP's module, once each (looked at again only when the DDPs are others than at the
-        last mark: this runs at every step); the plan made anew (an object's buffers may be a new DDP's)."""
-        self._ddps = ddps
+        """A pre-hook on each DDP's module, once each (looked at again only when the DDPs or the record are others
+        than at the last mark: this runs at every step); the plan made anew (an object's buffers may be a new DDP's)."""
+        self._ddps, self._planned_record = ddps, self.record
         self._plan.clear()
         for ddp in ddps:
             if id(ddp) not in self._hooked:
@@ -133,7 +135,7 @@ class StepMarks:
     def mark(self, step: int) -> None:
         """Step `step` ended on this rank (every rank at the same step): copy what the next step may change."""
         objects, ddps = self.objects(), self.ddps()
-        if ddps != self._ddps:
+        if ddps != self._ddps or self.record is not self._planned_record:
             self._hook_ddps(ddps)
         plan = self._plan
         if len(plan) > len(objects):  # an object gone from the state: not kept alive by its plan
