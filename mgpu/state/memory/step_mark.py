@@ -69,6 +69,7 @@ class StepMarks:
         """Per object of the state: (the object, how it is copied, what is copied, its buffers for the record)."""
         self._pickled: dict[str, tuple[bytes, Any]] = {}
         """Per small object: its bytes at the last mark and the copy made of them."""
+        self._field_names: dict[type, tuple[str, ...]] = {}
         self._not_plain: set[str] = set()
         """The small objects that were not plain data at a mark: pickled from then on without trying."""
         self._places: dict[int, list[tuple[str, Any, str]]] = {}
@@ -157,7 +158,7 @@ class StepMarks:
             elif how == _RANK_STATE:
                 small[name] = {"rank_state": self._copy(name, target.rank_state_dict())}
             elif how == _FIELDS:
-                small[name] = self._copy(name, _fields(target))
+                small[name] = self._copy(name, _fields(target, self._field_names))
             else:
                 small[name] = self._copy(name, value)
         self.step, self.small, self.stepped, self.buffers = step, small, False, {}
@@ -289,12 +290,17 @@ def _flat(value: Any) -> Any:
     return _NOT_PLAIN
 
 
-def _fields(target: Any) -> dict[str, Any]:
+def _fields(target: Any, names: dict[type, tuple[str, ...]]) -> dict[str, Any]:
     """A dataclass's fields as a dict, as `dataclasses.asdict` gives them (which deep-copies every value: the copy
-    is `StepMarks._copy`'s); asdict itself where a field holds a dataclass (it makes that a dict too)."""
-    values = {field.name: getattr(target, field.name) for field in fields(target)}
-    if any(is_dataclass(value) for value in values.values()):
-        return asdict(target)
+    is `StepMarks._copy`'s); asdict itself where a field holds a dataclass (it makes that a dict too). `names`: the
+    field names per dataclass, filled here (a class's fields do not change)."""
+    kind = type(target)
+    if (own := names.get(kind)) is None:
+        own = names[kind] = tuple(field.name for field in fields(target))
+    values = {name: getattr(target, name) for name in own}
+    for value in values.values():
+        if type(value) not in _ATOMS and is_dataclass(value):
+            return asdict(target)
     return values
 
 
