@@ -1,12 +1,15 @@
 """When a snapshot in memory is due (mgpu.state.memory.cadence), against a fake clock: every k steps as configured;
 by default the first at step 5, then as many steps apart as keep a snapshot's copy within 0.5 % of the steps' time,
-the most any rank needs (agreed), so every rank takes them at the same steps."""
+the most any rank needs (agreed), so every rank takes them at the same steps; within 0.3 % beside survivors' saves
+(DDP), whose fallback they are."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from mgpu.state.memory.cadence import BUDGET, FIRST_STEP, MAX_EVERY, Cadence, steps_between
+from mgpu.state.memory.cadence import BUDGET, FALLBACK_BUDGET, FIRST_STEP, MAX_EVERY, Cadence, steps_between
 
 
 @pytest.mark.parametrize("snapshot_s, step_s, steps", [
@@ -68,3 +71,26 @@ def test_every_rank_takes_the_most_any_rank_needs() -> None:
         clock = Clock()
         taken.append(run(Cadence(None, clock), clock, 70, 0.035, snapshot_s, agree=29))
     assert taken[0] == taken[1] == [5, 34, 63]
+
+
+@pytest.mark.parametrize("sharded, budget", [(False, FALLBACK_BUDGET), (True, BUDGET)], ids=["DDP", "FSDP2"])
+def test_beside_survivors_saves_the_default_spends_the_fallback_budget(tmp_path: Path, sharded: bool,
+                                                                       budget: float) -> None:
+    """Under DDP every step's marks let a survivor save (mgpu.run.session_state.open_marks): the snapshots are their
+    fallback, at FALLBACK_BUDGET (5 ms copies against 35 ms steps: every 48 steps, not 29); under FSDP2 there are no
+    survivors' saves and they keep BUDGET."""
+    from types import SimpleNamespace
+
+    from mgpu.config.schema import Config
+    from mgpu.run.session_state import open_marks
+    from mgpu.state.memory.snapshots import MemorySnapshots
+    from mgpu.state.memory.store import Identity, SnapshotStore
+
+    snapshots = MemorySnapshots(SnapshotStore(tmp_path / "r", Identity("7", 0, "run", "cfg", 2, 1, "")), None, "v")
+    session = SimpleNamespace(_marks=None, cfg=Config(), sharded=sharded, world_size=2, rank=1, version="v",
+                              _ddps=SimpleNamespace(live=lambda: []), _memory=snapshots, _state=None, watchdog=None)
+    open_marks(session, {})  # type: ignore[arg-type]  # what open_marks reads of a session
+    assert (session._marks is not None) is not sharded and snapshots.cadence.budget == budget
+    clock = Clock()
+    snapshots.cadence.clock = clock
+    assert run(snapshots.cadence, clock, 70, 0.035, 0.005) == ([5, 53] if not sharded else [5, 34, 63])

@@ -208,3 +208,77 @@ def test_a_mark_copies_nested_plain_values_and_objects_deep_even_one_that_holds_
     saved = marks.state()[0]
     assert saved["history"]["losses"] == [1.0, 2.0, 3.0, 5.0] and type(saved["tokens"]) is float
     marks.close()
+
+
+def test_plain_data_is_copied_as_deep_as_the_pickled_copy_and_as_type_exact() -> None:
+    """A mark copies plain data (atoms, and lists, tuples and dicts of them, one level down in a dict) without
+    pickling it: still nothing done in place after the mark reaches the save, 1, 1.0 and True stay apart, a tuple
+    that holds a list is not shared, and an object that stops being plain data is copied as deep from then on."""
+    state, _, optimizer = loop()
+    plain: dict[str, Any] = {"losses": [1.0, 2.0], "best": {"acc": 1}, "flag": True, "pair": (1, 2)}
+    held = ([1], 2)
+    state.update(plain=plain, held=held, counts=[1, 2])
+    marks = marks_of(state)
+    step(state, optimizer)
+    marks.mark(1)
+    plain["losses"].append(3.0)
+    plain["best"]["acc"] = 1.0
+    plain["flag"] = 1
+    held[0].append(2)
+    state["counts"].append(3)
+    saved = marks.state()[0]
+    assert saved is not None
+    assert saved["plain"] == {"losses": [1.0, 2.0], "best": {"acc": 1}, "flag": True, "pair": (1, 2)}
+    assert type(saved["plain"]["best"]["acc"]) is int and type(saved["plain"]["flag"]) is bool
+    assert saved["held"] == ([1], 2) and saved["counts"] == [1, 2]
+    marks.mark(2)
+    saved = marks.state()[0]
+    assert type(saved["plain"]["best"]["acc"]) is float and type(saved["plain"]["flag"]) is int
+    plain["best"]["acc"] = [7]  # no longer plain data one level down: copied deep
+    marks.mark(3)
+    plain["best"]["acc"].append(8)
+    assert marks.state()[0]["plain"]["best"] == {"acc": [7]}
+    marks.mark(4)
+    plain["losses"].clear()
+    saved = marks.state()[0]
+    assert saved["plain"]["best"] == {"acc": [7, 8]} and saved["plain"]["losses"] == [1.0, 2.0, 3.0]
+    marks.close()
+
+
+class FakeDDP:
+    """What the marks use of a DDP: its module (a single process has no process group to wrap one)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["record written", "record failing"])
+def test_rank_0s_save_holds_its_buffers_of_the_mark_after_the_next_forward(tmp_path: Any, recorded: bool) -> None:
+    """Rank 0's buffers at the mark are in its save though the next forward changed them: read back from its record
+    where the mark wrote it (no copy at that forward), else copied at that forward as on every other rank."""
+    from mgpu.state.memory.buffer_record import BufferRecord
+    from mgpu.state.memory.store import Identity, SnapshotStore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    state: dict[str, Any] = {"model": model, "optimizer": optimizer}
+    ddp = FakeDDP(model)
+    marks = StepMarks(lambda: state, lambda: [ddp], rank=0, world_size=2, seed=7, version="v")
+    directory = tmp_path / "rank0-buffers" if recorded else tmp_path / "file"
+    if not recorded:
+        directory.write_text("")  # a file where its directory would be: the record cannot be written
+    marks.record = BufferRecord(SnapshotStore(directory, Identity("7", 0, "run", "cfg", 2, 0, "shape")))
+    model(torch.randn(5, 4)).sum().backward()
+    optimizer.step()
+    marks.mark(1)
+    mean, count = model[1].running_mean.clone(), model[1].num_batches_tracked.clone()
+    model(torch.randn(5, 4)).sum().backward()  # the next step's forward: batch norm's statistics move on
+    assert not torch.equal(model[1].running_mean, mean)
+    saved, share, why = marks.state()
+    assert why == "" and saved is not None and share is not None and share.rank0_buffers
+    assert torch.equal(saved["model"]["1.running_mean"], mean) and torch.equal(saved["model"]["1.num_batches_tracked"],
+                                                                                count)
+    assert (marks.buffers == {}) is recorded  # no copy at the forward where the record holds them
+    marks.record.close()
+    marks.close()

@@ -209,6 +209,7 @@ def open_marks(session: SessionBase, state: Mapping[str, Any]) -> None:
     session._marks = marks = StepMarks(objects, session._ddps.live, session.rank, session.world_size,
                                        session.cfg.train.seed, session.version)
     marks.lock = threading.Lock()
+    session._memory.fallback()  # the marks' saves bound a lost rank's cost: the snapshots are their fallback
     if session.rank == 0:
         marks.record = session._memory.buffer_record()
     watchdog = session.watchdog

@@ -25,11 +25,11 @@ import mmap
 import os
 import struct
 import threading
-import zlib
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from mgpu.state.files.digest import crc32  # zlib's CRC-32, by zlib-ng where installed (6x as fast)
 from mgpu.state.memory.store import SLOTS, SnapshotStore
 
 __all__ = ["BufferRecord"]
@@ -63,12 +63,12 @@ class BufferRecord:
         self._closing = False
         self._thread: threading.Thread | None = None
 
-    def offer(self, step: int, buffers: dict[str, dict[str, Any]]) -> None:
+    def offer(self, step: int, buffers: dict[str, dict[str, Any]]) -> bool:
         """Step `step`'s buffers ({state key: {buffer name: tensor}}): written now from the CPU; from a GPU, copied to
-        pinned host memory without waiting and written by the thread (a newer offer replaces one not yet written)."""
+        pinned host memory without waiting and written by the thread (a newer offer replaces one not yet written).
+        Whether they were written now (`read(step)` gives them back)."""
         if not any(tensor.is_cuda for tensors in buffers.values() for tensor in tensors.values()):
-            self._write(step, buffers)
-            return
+            return self._write(step, buffers)
         import torch
 
         with self._cond:
@@ -92,6 +92,7 @@ class BufferRecord:
                 self._thread = threading.Thread(target=self._run, name="mgpu-buffer-record", daemon=True)
                 self._thread.start()
             self._cond.notify()
+        return False
 
     def _run(self) -> None:
         while True:
@@ -109,7 +110,7 @@ class BufferRecord:
                 with self._cond:
                     self._writing = None
 
-    def _write(self, step: int, buffers: dict[str, dict[str, Any]]) -> None:
+    def _write(self, step: int, buffers: dict[str, dict[str, Any]]) -> bool:
         try:
             layout = [(name, key, tensor.dtype, tuple(tensor.shape)) for name, tensors in buffers.items()
                       for key, tensor in tensors.items()]
@@ -129,6 +130,8 @@ class BufferRecord:
                 self._failed = True
                 log.warning("rank 0's buffers could not be kept in memory (a restarted rank 0 falls back to the "
                             "snapshots or the durable checkpoint): %s: %s", type(error).__name__, error)
+            return False
+        return True
 
     def _close_slots(self) -> None:
         for slot in self._slots:
@@ -184,23 +187,35 @@ class _Slot:
         finally:
             os.close(fd)
         self.map[HEAD.size:HEAD.size + len(line)] = line
-        self.places: list[Any] = []  # a tensor over the mapping per buffer; None for an empty one
+        self.places: list[Any] = []  # a tensor over the mapping per non-empty buffer
+        self.filled: list[int] | None = None
+        """The indices of the non-empty buffers among the layout's (None: all of them)."""
         offset = HEAD.size + len(line)
         for (_, _, dtype, shape), size in zip(layout, sizes):
             if size:
                 self.places.append(torch.frombuffer(self.map, dtype=torch.uint8, count=size, offset=offset)
                                    .view(dtype).view(shape))
-            else:
-                self.places.append(None)
             offset += size
+        if len(self.places) < len(layout):
+            self.filled = [index for index, size in enumerate(sizes) if size]
+        self._copy = torch._foreach_copy_
+        self._grad_enabled, self._set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
     def write(self, step: int, tensors: list[Any]) -> None:
         HEAD.pack_into(self.map, 0, bytes(4), 0, 0, 0)  # uncommitted first: a torn slot is never believed
-        for place, tensor in zip(self.places, tensors):
-            if place is not None:
-                place.copy_(tensor.detach())
+        if self.filled is not None:
+            tensors = [tensors[index] for index in self.filled]
+        if self.places:
+            # One call for all (a copy_ each cost ~8 us at a step's end), its data alone (no graph on the slot):
+            # grad mode off as torch.no_grad sets it, without its Python context manager (~20 us at a step's end).
+            enabled = self._grad_enabled()
+            self._set_grad_enabled(False)
+            try:
+                self._copy(self.places, tensors)
+            finally:
+                self._set_grad_enabled(enabled)
         body = memoryview(self.map)[HEAD.size:HEAD.size + self.length]
-        crc = zlib.crc32(body, zlib.crc32(STEP.pack(step)))
+        crc = crc32(body, crc32(STEP.pack(step)))
         body.release()
         HEAD.pack_into(self.map, 0, MAGIC, crc, self.length, step)  # the commit: last
 
@@ -220,7 +235,7 @@ def _read(path: Path, identity: dict[str, Any]) -> tuple[int, dict[str, Any], by
         return None
     magic, crc, length, step = HEAD.unpack_from(content)
     body = content[HEAD.size:HEAD.size + length]
-    if magic != MAGIC or len(body) != length or zlib.crc32(body, zlib.crc32(STEP.pack(step))) != crc:
+    if magic != MAGIC or len(body) != length or crc32(body, crc32(STEP.pack(step))) != crc:
         return None
     line, _, data = body.partition(b"\n")
     try:

@@ -27,7 +27,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Mapping, MutableMapping
 
 from mgpu.state.memory.content import (STEP, check_content, config_digest, estimated_bytes, put_back, rank_state,
                                        structure_digest, unsupported)
-from mgpu.state.memory.cadence import BUDGET, Cadence
+from mgpu.state.memory.cadence import FALLBACK_BUDGET, Cadence
 from mgpu.state.memory.room import Room
 from mgpu.state.memory.store import SLOTS, Identity, SnapshotStore, local_job_id, safe_name
 
@@ -97,7 +97,8 @@ class MemorySnapshots:
                  node_peers: tuple[int, ...] = ()) -> None:
         self.store, self.version = store, version
         self.cadence = Cadence(every)
-        """When one is due: every `every` steps (0: never), or None: as often as costs at most BUDGET of a step."""
+        """When one is due: every `every` steps (0: never), or None: as often as costs at most its budget of a step
+        (mgpu.state.memory.cadence.BUDGET; FALLBACK_BUDGET beside survivors' saves: `fallback`)."""
         self.node_peers = node_peers
         """The other ranks on this node: their shareable snapshots are read from their files here."""
         self._record: BufferRecord | None = None
@@ -143,7 +144,7 @@ class MemorySnapshots:
             if self.store.identity.rank == 0:
                 log.info("a snapshot in memory every %d step(s): %.1f MB per rank in %.3f s, at most %.1f %% of the "
                          "steps' time (%s)", self.cadence.current, self.last_bytes / 1e6, self.last_seconds,
-                         100 * BUDGET, self.store.directory)
+                         100 * self.cadence.budget, self.store.directory)
         elif taken:
             self.cadence.taken(step)
         return taken
@@ -178,6 +179,12 @@ class MemorySnapshots:
                      self.last_bytes / 1e6, self.last_seconds, self.store.directory)
         self.taken += 1
         return True
+
+    def fallback(self) -> None:
+        """Survivors' saves bound a lost rank's cost (mgpu.state.memory.step_mark): these snapshots are only their
+        fallback, at its budget (mgpu.state.memory.cadence.FALLBACK_BUDGET). Before the first snapshot, on every
+        rank alike."""
+        self.cadence.budget = FALLBACK_BUDGET
 
     def buffer_record(self) -> BufferRecord:
         """Rank 0's buffers at every step's end, beside its snapshots (mgpu.state.memory.buffer_record), opened once."""

@@ -9,15 +9,18 @@ change) and notes that no optimizer has stepped since (a post-hook on each optim
 optimizers' states are not copied: they are the step's until an optimizer steps. Module buffers that a forward
 changes (batch norm's statistics) are copied at the next step's first forward, right after DDP has broadcast rank
 0's (`buffers_synced`): every rank then holds rank 0's of the marked step, which is what a checkpoint of it holds and
-what a restarted rank 0 needs. A rank's generators are re-seeded at every step's end from (seed, rank, step)
-(mgpu.state.rng.seed_step): its RNG at the mark is derived, not kept, for itself and for a rank that was lost.
+what a restarted rank 0 needs; rank 0 copies none there where its buffer record (mgpu.state.memory.buffer_record)
+holds them from the mark, the very ones DDP broadcasts, and reads them back for a save. A rank's generators are
+re-seeded at every step's end from (seed, rank, step) (mgpu.state.rng.seed_step): its RNG at the mark is derived, not
+kept, for itself and for a rank that was lost.
 
 `state()` is then the marked step's state as a memory snapshot holds it (mgpu.state.memory.content.rank_state), or
 None with the reason: no mark yet, an optimizer stepped since (the failure came after this rank's optimizer step:
 its parameters are no longer the mark's), a DDP comm hook (its state is per rank and gathering it is a collective).
 `Shareable`: whether any rank can resume from it (its content is every rank's but for the derived RNG: no per-rank
 object in the state) and whether its buffers are rank 0's (a restarted rank 0 may use it). Costs: microseconds a
-step for the copies of small objects (bench/loop_overhead.py), one clone of the buffers a step where DDP syncs them.
+step for the copies of small objects, one clone of the buffers a step where DDP syncs them (on the other ranks than 0;
+rank 0's record instead), bench/failure_overhead.py.
 """
 
 from __future__ import annotations
@@ -60,32 +63,34 @@ class StepMarks:
         """Per DDP (by id): its module's buffers as synced at the first forward after the mark."""
         self._hooks: list[Any] = []
         self._hooked: set[int] = set()
-        self._seen: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        self._ddps: list[Any] | None = None
+        self._planned_record: Any = None
+        self._plan: dict[str, tuple[Any, int, Any, list[tuple[str, Any, str]] | None]] = {}
+        """Per object of the state: (the object, how it is copied, what is copied, its buffers for the record)."""
         self._pickled: dict[str, tuple[bytes, Any]] = {}
         """Per small object: its bytes at the last mark and the copy made of them."""
+        self._field_names: dict[type, tuple[str, ...]] = {}
+        self._not_plain: set[str] = set()
+        """The small objects that were not plain data at a mark: pickled from then on without trying."""
         self._places: dict[int, list[tuple[str, Any, str]]] = {}
         self._optimizer_type = torch.optim.Optimizer
         self._module_type = torch.nn.Module
+        from mgpu.state.train_state import unwrapped
+
+        self._unwrapped = unwrapped
         self.lock: Any = None
         """Held while a survivor's save is said (mgpu.run.session_state.last_words: once, from either thread)."""
         self.said = False
         self.record: Any = None
         """Rank 0's: its buffers at every step's end (mgpu.state.memory.buffer_record.BufferRecord; None: not kept)."""
+        self._recorded: int | None = None
+        """The mark whose buffers `record` holds, written at the mark (rank 0 on a CPU): no copy at the forward."""
 
-    def _hook(self, objects: Mapping[str, Any], ddps: list[Any]) -> None:
-        """Post-hooks on the state's optimizers and pre-hooks on the DDPs' modules, once each (looked at again only
-        when the state's objects or the DDPs are others than at the last mark: this runs at every step)."""
-        from mgpu.state.train_state import unwrapped
-
-        seen = (tuple(map(id, objects.values())), tuple(map(id, ddps)))
-        if seen == self._seen:
-            return
-        self._seen = seen
-        for value in objects.values():
-            target = unwrapped(value)
-            if isinstance(target, self._optimizer_type) and id(target) not in self._hooked:
-                self._hooked.add(id(target))
-                self._hooks.append(target.register_step_post_hook(self._optimizer_stepped))
+    def _hook_ddps(self, ddps: list[Any]) -> None:
+        """A pre-hook on each DDP's module, once each (looked at again only when the DDPs or the record are others
+        than at the last mark: this runs at every step); the plan made anew (an object's buffers may be a new DDP's)."""
+        self._ddps, self._planned_record = ddps, self.record
+        self._plan.clear()
         for ddp in ddps:
             if id(ddp) not in self._hooked:
                 self._hooked.add(id(ddp))
@@ -93,49 +98,83 @@ class StepMarks:
                 if places:  # a model without buffers needs no copy
                     self._hooks.append(ddp.module.register_forward_pre_hook(self._synced(ddp, places)))
 
+    def _planned(self, value: Any) -> tuple[Any, int, Any, list[tuple[str, Any, str]] | None]:
+        """How an object of the state is copied at a mark (kept while the object is the same one: its kind does
+        not change); a post-hook on an optimizer, once."""
+        target = self._unwrapped(value)
+        where = None
+        if self.record is not None and self._ddps:
+            where = next((self._places.get(id(ddp)) for ddp in self._ddps if ddp.module is target), None) or None
+        if callable(getattr(value, "rank_state_dict", None)):
+            return value, _RANK_STATE, value, where
+        if isinstance(target, self._optimizer_type):
+            if id(target) not in self._hooked:
+                self._hooked.add(id(target))
+                self._hooks.append(target.register_step_post_hook(self._optimizer_stepped))
+            return value, _KEPT, target, where
+        if isinstance(target, self._module_type):
+            return value, _KEPT, target, where  # the step's own until an optimizer steps
+        if hasattr(target, "state_dict"):
+            return value, _STATE_DICT, target, where
+        if is_dataclass(target) and not isinstance(target, type):
+            return value, _FIELDS, target, where
+        return value, _VALUE, value, where
+
     def _optimizer_stepped(self, *args: Any) -> None:
         self.stepped = True
 
     def _synced(self, ddp: Any, places: list[tuple[str, Any, str]]) -> Callable[..., None]:
         def take(module: Any, args: Any) -> None:
-            # The inner module's first forward after the mark runs after DDP's buffer broadcast: rank 0's buffers.
-            if self.step is not None and id(ddp) not in self.buffers:  # buffers need no detach: never in a graph
+            # The inner module's first forward after the mark runs after DDP's buffer broadcast: rank 0's buffers
+            # (rank 0's own, which its record holds already where it was written at the mark).
+            if self.step is not None and id(ddp) not in self.buffers and self._recorded != self.step:
+                # buffers need no detach: never in a graph
                 self.buffers[id(ddp)] = {key: getattr(owner, attr).clone() for key, owner, attr in places}
 
         return take
 
     def mark(self, step: int) -> None:
         """Step `step` ended on this rank (every rank at the same step): copy what the next step may change."""
-        from mgpu.state.train_state import unwrapped
-
         objects, ddps = self.objects(), self.ddps()
-        self._hook(objects, ddps)
+        if ddps != self._ddps or self.record is not self._planned_record:
+            self._hook_ddps(ddps)
+        plan = self._plan
+        if len(plan) > len(objects):  # an object gone from the state: not kept alive by its plan
+            for name in [name for name in plan if name not in objects]:
+                del plan[name]
         small: dict[str, Any] = {}
         own_buffers: dict[str, dict[str, Any]] = {}
-        places = {id(ddp.module): self._places.get(id(ddp)) for ddp in ddps} if self.record is not None else {}
         for name, value in objects.items():
-            target = unwrapped(value)
-            if places and (where := places.get(id(target))):
+            planned = plan.get(name)
+            if planned is None or planned[0] is not value:
+                planned = plan[name] = self._planned(value)
+            _, how, target, where = planned
+            if where:
                 own_buffers[name] = {key: getattr(owner, attr) for key, owner, attr in where}
-            if callable(getattr(value, "rank_state_dict", None)):
-                small[name] = {"rank_state": self._copy(name, value.rank_state_dict())}
+            if how == _KEPT:
                 continue
-            if isinstance(target, (self._module_type, self._optimizer_type)):
-                continue  # the step's own until an optimizer steps
-            if hasattr(target, "state_dict"):
+            if how == _STATE_DICT:
                 small[name] = self._copy(name, target.state_dict())
-            elif is_dataclass(target) and not isinstance(target, type):
-                small[name] = self._copy(name, _fields(target))
+            elif how == _RANK_STATE:
+                small[name] = {"rank_state": self._copy(name, target.rank_state_dict())}
+            elif how == _FIELDS:
+                small[name] = self._copy(name, _fields(target, self._field_names))
             else:
                 small[name] = self._copy(name, value)
         self.step, self.small, self.stepped, self.buffers = step, small, False, {}
-        if own_buffers:
-            self.record.offer(step, own_buffers)  # rank 0's, for a restart of rank 0 before the next broadcast
+        if own_buffers:  # rank 0's, for a restart of rank 0 before the next broadcast, and for `state()`
+            self._recorded = step if self.record.offer(step, own_buffers) else None
 
     def _copy(self, name: str, value: Any) -> Any:
         """A deep copy of `value` as it is now: pickled (C code: a state dict's copy took most of a mark's time with
         copy.deepcopy), and unpickled only where its bytes differ from the last mark's (the copy made then is kept:
-        nothing changes it); copy.deepcopy where it does not pickle. Type-exact: 1, 1.0 and True pickle apart."""
+        nothing changes it); copy.deepcopy where it does not pickle. Type-exact: 1, 1.0 and True pickle apart.
+        Plain data (`_plain`: a loader's position, a scheduler's state) is copied as it is, in fewer calls."""
+        if name not in self._not_plain:
+            copied = _plain(value)
+            if copied is not _NOT_PLAIN:
+                return copied
+            self._not_plain.add(name)
         try:
             data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         except Exception:  # noqa: BLE001  # what pickle refuses (a lambda, a lock): deepcopy's rules, as before
@@ -168,6 +207,8 @@ class StepMarks:
                                  "code_version": self.version, STEP: self.step}
         per_rank = False
         synced = {id(ddp.module): self.buffers.get(id(ddp)) for ddp in ddps}
+        # Rank 0's buffers at the mark, read back from its record (what DDP broadcasts at the next forward).
+        recorded = self.record.read(self.step) if self._recorded == self.step and self.record is not None else {}
         for name, value in self.objects().items():
             target = unwrapped(value)
             if name in self.small:
@@ -181,7 +222,7 @@ class StepMarks:
                     state[name] = saved
             elif isinstance(target, self._module_type):
                 module_state = dict(_local(target.state_dict()))
-                module_state.update(synced.get(id(target)) or {})
+                module_state.update(synced.get(id(target)) or recorded.get(name) or {})
                 state[name] = module_state
             else:
                 state[name] = _local(target.state_dict())
@@ -198,16 +239,68 @@ class StepMarks:
             hook.remove()
         self._hooks.clear()
         self._hooked.clear()
-        self._seen = None
+        self._ddps = None
+        self._plan.clear()
         self._pickled.clear()
+        self._not_plain.clear()
 
 
-def _fields(target: Any) -> dict[str, Any]:
+_KEPT, _STATE_DICT, _RANK_STATE, _FIELDS, _VALUE = range(5)
+"""How a mark copies an object: not at all (a module, an optimizer), its state_dict, its rank_state_dict, its fields
+(a dataclass), the object itself."""
+_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
+"""Immutable: a copy may share them (their exact type: a subclass may be mutable)."""
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    """A copy of `value` where it is plain data: an atom, a list, tuple or dict of atoms, or a dict whose values are
+    those (keys atoms); `_NOT_PLAIN` where it is not. Exact: the atoms are shared, the containers new, of their
+    exact type."""
+    kind = type(value)
+    if kind in _ATOMS:
+        return value
+    if kind is dict:
+        copied = {}
+        for key, item in value.items():
+            if type(key) not in _ATOMS:
+                return _NOT_PLAIN
+            if type(item) not in _ATOMS and (item := _flat(item)) is _NOT_PLAIN:
+                return _NOT_PLAIN
+            copied[key] = item
+        return copied
+    return _flat(value)
+
+
+def _flat(value: Any) -> Any:
+    """A copy of a list, tuple or dict of atoms (`_plain`'s inner level), else `_NOT_PLAIN`."""
+    kind = type(value)
+    if kind is list or kind is tuple:
+        for item in value:
+            if type(item) not in _ATOMS:
+                return _NOT_PLAIN
+        return list(value) if kind is list else value
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) not in _ATOMS or type(item) not in _ATOMS:
+                return _NOT_PLAIN
+        return dict(value)
+    if kind in _ATOMS:
+        return value
+    return _NOT_PLAIN
+
+
+def _fields(target: Any, names: dict[type, tuple[str, ...]]) -> dict[str, Any]:
     """A dataclass's fields as a dict, as `dataclasses.asdict` gives them (which deep-copies every value: the copy
-    is `StepMarks._copy`'s); asdict itself where a field holds a dataclass (it makes that a dict too)."""
-    values = {field.name: getattr(target, field.name) for field in fields(target)}
-    if any(is_dataclass(value) for value in values.values()):
-        return asdict(target)
+    is `StepMarks._copy`'s); asdict itself where a field holds a dataclass (it makes that a dict too). `names`: the
+    field names per dataclass, filled here (a class's fields do not change)."""
+    kind = type(target)
+    if (own := names.get(kind)) is None:
+        own = names[kind] = tuple(field.name for field in fields(target))
+    values = {name: getattr(target, name) for name in own}
+    for value in values.values():
+        if type(value) not in _ATOMS and is_dataclass(value):
+            return asdict(target)
     return values
 
 
