@@ -161,7 +161,8 @@ class CheckpointConfig:
     memory_every_steps: int | None = None
     """Every this many optimizer steps, each rank also copies what a checkpoint would hold for it into the
     node's shared memory (/dev/shm, two slots, outliving the process; 0: never; null: as often as a copy costs at
-    most 0.5 % of the steps' time, measured at step 5 and agreed by the ranks, mgpu.state.memory.cadence): a step
+    most 0.5 % of the steps' time, 0.3 % under DDP where survivors' saves (below) come first, measured at step 5 and
+    agreed by the ranks, mgpu.state.memory.cadence): a step
     that fails and is started again in the same allocation (a killed rank, a crash, a hang) resumes from the newest
     step every rank holds there, when it is newer than the durable checkpoint. Under DDP, with snapshots on, the
     ranks that survive a failure also save the last step they completed (mgpu.state.memory.step_mark): a lost rank then
