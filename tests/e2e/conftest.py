@@ -131,16 +131,12 @@ def slurm_cluster() -> Iterator[SlurmCluster]:
                            timeout=30).stdout.split()
     cluster = SlurmCluster(name=name, state_dir=conf.parent.parent, conf=conf, env=env, nodes=tuple(nodes),
                            nodelist=nodelist)
-    saved = {key: os.environ.get(key) for key in BOUND}
-    os.environ.update({key: env[key] for key in BOUND})
     try:
-        yield cluster
+        with pytest.MonkeyPatch.context() as patch:  # os.environ as it was once the session ends
+            for key in BOUND:
+                patch.setenv(key, env[key])
+            yield cluster
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
         if os.environ.get("MGPU_SLURM_STOP_AFTER") == "1":
             _run_script("stop.sh", 120, env)
 
