@@ -1,5 +1,5 @@
 """Shared fixtures. Every test runs under `no_leaks`: it fails a test that leaves behind changed
-environment variables, an initialised default process group, or live child processes."""
+environment variables or signal handlers, an initialised default process group, or live child processes."""
 
 from __future__ import annotations
 
@@ -14,10 +14,16 @@ from typing import Callable, Iterator
 
 import pytest
 
+from tests import warm_start
+
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
+_SESSION_ENVIRON = dict(os.environ)  # as the session started: the warm-start server's environment comes from it
+
+
+Rank = warm_start.WarmProcess | subprocess.Popen[str]  # a rank started by start_ranks or run_processes
 
 
 def live_children(pid: int | None = None) -> set[int]:
@@ -40,6 +46,16 @@ def live_children(pid: int | None = None) -> set[int]:
     return alive
 
 
+# The dispositions a test may not leave changed: a process started afterwards inherits an ignored one (SIG_IGN
+# survives fork and exec), so a leaked one silently changes what later tests' processes do with that signal.
+GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT,
+                   signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGCONT)
+
+
+def _dispositions() -> dict[int, object]:
+    return {signum: signal.getsignal(signum) for signum in GUARDED_SIGNALS}
+
+
 def _environ() -> dict[str, str]:
     # pytest itself sets PYTEST_CURRENT_TEST for each phase of a test.
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
@@ -47,10 +63,15 @@ def _environ() -> dict[str, str]:
 
 @pytest.fixture(autouse=True)
 def no_leaks() -> Iterator[None]:
-    env_before = _environ()
-    children_before = live_children()
+    env_before, dispositions_before = _environ(), _dispositions()
+    children_before, ranks_before = live_children(), _warm_ranks()
     yield
     problems = []
+    changed_signals = [signum for signum, handler in _dispositions().items() if handler != dispositions_before[signum]]
+    for signum in changed_signals:
+        signal.signal(signum, dispositions_before[signum])  # type: ignore[arg-type]
+    if changed_signals:
+        problems.append(f"signal handlers leaked: {[signal.Signals(s).name for s in changed_signals]}")
     env_after = _environ()
     if env_after != env_before:
         changed = sorted(k for k in set(env_after) | set(env_before) if env_after.get(k) != env_before.get(k))
@@ -64,7 +85,9 @@ def no_leaks() -> Iterator[None]:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
             problems.append("a default process group was left initialised")
-    leaked = live_children() - children_before
+    server = warm_start.current()
+    leaked = live_children() - children_before - ({server.proc.pid} if server else set())
+    leaked |= _warm_ranks() - ranks_before
     for child in leaked:
         try:
             os.kill(child, signal.SIGKILL)
@@ -74,6 +97,12 @@ def no_leaks() -> Iterator[None]:
         problems.append(f"child processes left running: {sorted(leaked)}")
     if problems:
         pytest.fail("; ".join(problems), pytrace=False)
+
+
+def _warm_ranks() -> set[int]:
+    """The warm-start server's children still running (ranks it forked for this process's tests)."""
+    server = warm_start.current()
+    return live_children(server.proc.pid) if server and server.proc.poll() is None else set()
 
 
 def ensure_resolvable(names: list[str]) -> None:
@@ -95,26 +124,35 @@ def ensure_resolvable(names: list[str]) -> None:
 def run_processes(commands: list[tuple[list[str], dict[str, str]]], timeout: float, cwd: Path = ROOT
                   ) -> list[subprocess.CompletedProcess[str]]:
     """Start every command at once, wait for all with one deadline, kill any left at the end."""
-    procs = [subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    procs = [popen_rank(cmd[1:], env, cwd) if cmd[0] == PYTHON else
+             subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for cmd, env in commands]
     return [subprocess.CompletedProcess(cmd, rc, out, None)
             for (cmd, _), (rc, out) in zip(commands, wait_ranks(procs, timeout))]
 
 
-def base_env(**extra: str) -> dict[str, str]:
-    """The test process's environment without any launcher variables, plus `extra`. SLURM_CONF stays: it names the
-    cluster (tests/e2e binds each pytest process to its own), it does not describe a launch."""
+def base_env(environ: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The test process's environment (or `environ`) without any launcher variables, plus `extra`. SLURM_CONF
+    stays: it names the cluster (tests/e2e binds each pytest process to its own), it does not describe a launch."""
     launcher_prefixes = ("SLURM_", "SUBMITIT_", "TORCHELASTIC_")
     launcher_names = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT"}
-    env = {k: v for k, v in os.environ.items()
+    env = {k: v for k, v in (os.environ if environ is None else environ).items()
            if (k == "SLURM_CONF" or not k.startswith(launcher_prefixes)) and k not in launcher_names}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env.update(extra)
     return env
 
 
-def _stacks(procs: list[subprocess.Popen[str]]) -> str:
+def popen_rank(argv: list[str], env: dict[str, str], cwd: Path = ROOT, process_group: int | None = None
+               ) -> Rank:
+    """`python argv...` with exactly `env`, its output (stdout and stderr together) as text: forked by this pytest
+    process's warm-start server (tests/warm_start.py: torch already imported) where the environment allows."""
+    return warm_start.popen(PYTHON, argv, env, cwd, process_group, server_env=base_env(_SESSION_ENVIRON),
+                            server_cwd=ROOT)
+
+
+def _stacks(procs: list[Rank]) -> str:
     """SIGABRT to every rank still running (faulthandler prints every thread's stack), then each one's output's tail."""
     for proc in procs:
         if proc.poll() is None:
@@ -130,7 +168,7 @@ def _stacks(procs: list[subprocess.Popen[str]]) -> str:
     return "\n".join(parts)
 
 
-def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[subprocess.Popen[str]]:
+def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[Rank]:
     """`world` ranks of `python argv...` in one process group, as slurmstepd runs a step's tasks: a signal to
     the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent).
     `nodes`: the ranks split over that many "nodes" of this host, named n1, n2, ... (MGPU_NODE_NAME)."""
@@ -142,13 +180,12 @@ def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[subprocess.
         env = base_env(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
                        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONFAULTHANDLER="1",
                        **({"MGPU_NODE_NAME": f"n{rank // per_node + 1}"} if nodes > 1 else {}))
-        procs.append(subprocess.Popen([PYTHON, *argv], env=env, cwd=ROOT, process_group=group,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        procs.append(popen_rank(argv, env, ROOT, process_group=group))
         group = group or procs[0].pid
     return procs
 
 
-def wait_ranks(procs: list[subprocess.Popen[str]], timeout: float = 120) -> list[tuple[int, str]]:
+def wait_ranks(procs: list[Rank], timeout: float = 120) -> list[tuple[int, str]]:
     """(exit code, output) of every rank, one deadline each; any left at the end are killed. A rank still running
     at its deadline fails the test with the Python stacks of every rank still running (SIGABRT: faulthandler,
     which start_ranks enables), so that a rare hang in CI says where it was."""

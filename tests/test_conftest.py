@@ -13,8 +13,14 @@ from tests.conftest import ROOT
     ("import subprocess; subprocess.Popen(['sleep', '30'])", "child processes left running"),
     ("import torch.distributed as dist; dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)",
      "process group was left initialised"),
+    ("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)", "signal handlers leaked: *SIGTERM"),
+    ("import conftest; conftest.popen_rank(['-c', 'import time; time.sleep(30)'], conftest.base_env())",
+     "child processes left running"),  # a rank forked by the warm-start server (tests/warm_start.py)
 ])
-def test_leak_guard_fails_a_leaking_test(pytester: pytest.Pytester, body: str, message: str) -> None:
+def test_leak_guard_fails_a_leaking_test(pytester: pytest.Pytester, body: str, message: str,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))  # the copied conftest imports tests.warm_start
+    monkeypatch.delenv("MGPU_TEST_COLD_START", raising=False)
     pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text().replace('pytest_plugins = ["pytester"]', ""))
     pytester.makepyfile(test_leaky=textwrap.dedent(f"""
         def test_leaks():

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import signal
 import subprocess
 import threading
 from pathlib import Path
-from typing import IO, Any, Callable
+from typing import IO, Any, Callable, Iterator
 
 import pytest
 
@@ -240,7 +241,17 @@ def test_no_snapshots_with_a_zero_optimizer_and_it_says_so(tmp_path: Path, monke
         f"checkpoint.memory_every_steps: no snapshots in memory: {snapshots.disabled}") == 1
 
 
+@pytest.fixture
+def sigterm_restored() -> Iterator[None]:
+    """mgpu.run.recovery.main ignores SIGTERM for the rest of its process (`scontrol requeue` signals the batch
+    script too, and its exit code must still be the step's): here the process is the test's, so it comes back."""
+    previous = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
 @pytest.mark.parametrize("failures_before, kept", [(0, True), (1, False)])  # restarted in place; the budget spent
+@pytest.mark.usefixtures("sigterm_restored")
 def test_recovery_keeps_the_snapshots_for_a_restart_in_place_and_removes_them_otherwise(
         failures_before: int, kept: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from mgpu.run import recovery
@@ -317,6 +328,7 @@ def test_a_failed_write_ends_this_ranks_snapshots_not_the_run(tmp_path: Path, mo
     assert sum("takes no more snapshots" in r.message for r in caplog.records) == 1
 
 
+@pytest.mark.usefixtures("sigterm_restored")
 def test_recovery_removes_the_snapshots_on_every_node_before_it_requeues(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """A batch script that cannot start the step again (no --may-restart): recovery requeues, which ends the batch
