@@ -23,6 +23,7 @@ import array
 import json
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
@@ -208,6 +209,7 @@ def serve(path: str) -> None:
             os.read(wake_r, 4096)
         _reap(waiting)
         if sys.stdin in ready and not os.read(sys.stdin.fileno(), 4096):
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)  # its socket and log
             os._exit(0)  # the test process has exited
         if listener in ready:
             conn, _ = listener.accept()
