@@ -1,8 +1,8 @@
-"""Run under torchrun: for each SCHEDULE in turn, on one process group, rank 1 raises a stop flag at step
-FLAG_AT; every rank reports where the agreement stopped it in OUT/<i>-rank<N>.json (i: the schedule's
-index), and what the agreement's timing slots said (every step rank 1 works SLOW_S longer, and each rank
-waits WAITED_S[rank] as if in a synchronisation, which it reports: mgpu.stop.rank_timing). Used by tests/test_preemption.py: one launch for
-every schedule, not one each.
+"""Run on 2 ranks (RANK/WORLD_SIZE/MASTER_*: tests.conftest.run_world, or torchrun): for each SCHEDULE in turn, on
+one process group, rank 1 raises a stop flag at step FLAG_AT; every rank reports where the agreement stopped it
+in OUT/<i>-rank<N>.json (i: the schedule's index), and what the agreement's timing slots said (every step rank 1
+works SLOW_S longer, and each rank waits WAITED_S[rank] as if in a synchronisation, which it reports:
+mgpu.stop.rank_timing). Used by tests/test_preemption.py: one launch for every schedule, not one each.
 
     torchrun --nproc-per-node 2 tests/agreement_steps.py OUT EVERY,FLAG_AT[,LATER_EVERY,FROM_STEP] ...
 

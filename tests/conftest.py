@@ -168,21 +168,40 @@ def _stacks(procs: list[Rank]) -> str:
     return "\n".join(parts)
 
 
-def start_ranks(argv: list[str], world: int, nodes: int = 1) -> list[Rank]:
+def start_ranks(argv: list[str], world: int, nodes: int = 1, env: dict[str, str] | None = None) -> list[Rank]:
     """`world` ranks of `python argv...` in one process group, as slurmstepd runs a step's tasks: a signal to
     the group reaches every rank and every DataLoader worker they fork (RANK/WORLD_SIZE, no launcher agent).
-    `nodes`: the ranks split over that many "nodes" of this host, named n1, n2, ... (MGPU_NODE_NAME)."""
+    `nodes`: the ranks split over that many "nodes" of this host, named n1, n2, ... (MGPU_NODE_NAME). `env`: added
+    to every rank's environment."""
     import random
 
     port, procs, group = str(random.SystemRandom().randint(20000, 32000)), [], 0
     per_node = world // nodes
     for rank in range(world):
-        env = base_env(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
-                       LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONFAULTHANDLER="1",
-                       **({"MGPU_NODE_NAME": f"n{rank // per_node + 1}"} if nodes > 1 else {}))
-        procs.append(popen_rank(argv, env, ROOT, process_group=group))
+        env_ = base_env(RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(world),
+                        LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                        PYTHONFAULTHANDLER="1", **({"MGPU_NODE_NAME": f"n{rank // per_node + 1}"} if nodes > 1 else {}),
+                        **(env or {}))
+        procs.append(popen_rank(argv, env_, ROOT, process_group=group))
         group = group or procs[0].pid
     return procs
+
+
+def run_world(argv: list[str], world: int, timeout: float = 120, env: dict[str, str] | None = None
+              ) -> subprocess.CompletedProcess[str]:
+    """`world` ranks of `python argv...` (start_ranks) to their end, as one result: every rank's output in rank
+    order, and the one exit code other than 0 that ranks ended with (0 if none did; a stop ends rank 0 alone with 3),
+    or -1 where ranks ended with different ones (each rank's code is then the output's last line). For the tests
+    where the launcher is not the claim: torchrun's and mgpu.run.spawn's own handling is the launch matrix's
+    (tests/test_launch_matrix.py) and tests/test_spawn.py's."""
+    results = wait_ranks(start_ranks(argv, world, env=env), timeout)
+    codes = [rc for rc, _ in results]
+    failed = set(codes) - {0}
+    out = "".join(out for _, out in results)
+    if len(failed) > 1:
+        out += f"\nrun_world: the ranks ended with different exit codes: {codes}\n"
+    return subprocess.CompletedProcess([PYTHON, *argv], failed.pop() if len(failed) == 1 else -1 if failed else 0,
+                                       out, None)
 
 
 def wait_ranks(procs: list[Rank], timeout: float = 120) -> list[tuple[int, str]]:

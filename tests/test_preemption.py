@@ -4,17 +4,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from mgpu.stop.preemption import StopRequest
-from tests.conftest import PYTHON, ROOT, base_env
+from tests.conftest import ROOT, run_world
 
-TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 
 
 def test_a_signal_only_sets_a_flag_and_the_time() -> None:
@@ -57,13 +54,11 @@ SCHEDULES = [
 
 @pytest.fixture(scope="module")
 def agreement_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every schedule in turn on one real 2-rank gloo group: one torchrun launch, not one per schedule."""
+    """Every schedule in turn on one real 2-rank gloo group: one launch, not one per schedule."""
     out = tmp_path_factory.mktemp("agreement")
     schedules = [",".join(map(str, (every, flag_at, *change))) for every, flag_at, _, change in SCHEDULES]
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.SystemRandom().randint(20000, 32000)),
-           str(ROOT / "tests" / "agreement_steps.py"), str(out), *schedules]
-    proc = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_world([str(ROOT / "tests" / "agreement_steps.py"), str(out), *schedules], 2, timeout=180)
+    assert proc.returncode == 0, proc.stdout
     return out
 
 

@@ -15,32 +15,19 @@ import pytest
 
 from mgpu.state.single.store import CheckpointStore
 from mgpu.record.ledger import read_ledger
-from tests.conftest import PYTHON, ROOT, base_env
+from tests.conftest import PYTHON, ROOT, Rank, base_env, start_ranks, wait_ranks
 from tests.test_environment import srun_task
 
 TRAIN = str(ROOT / "jobs" / "train.py")
-TORCHRUN = str(Path(PYTHON).parent / "torchrun")
 SLOW = ["task.target=tests.tasks:SlowBlobTask", "task.args.step_s=0.1", "train.epochs=50", "data.batch_size=4",
         "log.every_steps=1"]
 
 
-def rank_pid(run_dir: Path, rank: int, timeout: float = 60) -> int:
-    deadline = time.monotonic() + timeout
-    log = run_dir / "logs" / f"rank{rank}.log"
-    while time.monotonic() < deadline:
-        if log.exists():
-            match = re.search(r"\(pid (\d+)\)", log.read_text())
-            if match:
-                return int(match.group(1))
-        time.sleep(0.1)
-    raise AssertionError(f"rank {rank} never logged its pid in {log}")
-
-
-def trained(run_dir: Path, proc: subprocess.Popen[str], timeout: float = 60) -> None:
+def trained(run_dir: Path, procs: list[Rank], timeout: float = 60) -> None:
     """Wait until the ranks have trained a step (its progress event is in the ledger)."""
     deadline = time.monotonic() + timeout
     while not [e for e in read_ledger(run_dir / "events.jsonl") if e["event"] == "progress"]:
-        assert proc.poll() is None and time.monotonic() < deadline, "no step trained"
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "no step trained"
         time.sleep(0.05)
 
 
@@ -53,18 +40,20 @@ def stop_steps(run_dir: Path, world: int) -> list[int]:
     return steps
 
 
-def start_torchrun(run_dir: Path, *args: str) -> subprocess.Popen[str]:
-    cmd = [TORCHRUN, "--nproc-per-node", "2", "--master-port", str(random.SystemRandom().randint(20000, 32000)), TRAIN,
-           f"run.dir={run_dir}", *args]
-    return subprocess.Popen(cmd, env=base_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
+def start(run_dir: Path, *args: str) -> list[Rank]:
+    """Two ranks of jobs/train.py, as srun starts a step's tasks (tests.conftest.start_ranks)."""
+    return start_ranks([TRAIN, f"run.dir={run_dir}", *args], 2)
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        return out
-    finally:
+def finish(procs: list[Rank], timeout: float = 120) -> tuple[list[int], str]:
+    """Each rank's exit code, and their output."""
+    results = wait_ranks(procs, timeout)
+    return [rc for rc, _ in results], "".join(out for _, out in results)
+
+
+def end(procs: list[Rank]) -> None:
+    """Kill the ranks still running (a test that failed before they finished)."""
+    for proc in procs:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
@@ -73,14 +62,13 @@ def finish(proc: subprocess.Popen[str], timeout: float = 120) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("signame", ["SIGUSR2", "SIGTERM"])
 def test_signal_to_one_rank_stops_all_at_the_same_step(signame: str, tmp_path: Path) -> None:
-    proc = start_torchrun(tmp_path, *SLOW)
+    procs = start(tmp_path, *SLOW)
     try:
-        pid = rank_pid(tmp_path, 1)
-        trained(tmp_path, proc)  # mid-training, not during start-up: no fixed sleep
-        os.kill(pid, getattr(signal, signame))
-        out = finish(proc)
+        trained(tmp_path, procs)  # mid-training, not during start-up: no fixed sleep
+        procs[1].send_signal(getattr(signal, signame))
+        codes, out = finish(procs)
     finally:
-        finish(proc, 5)
+        end(procs)
     steps = stop_steps(tmp_path, 2)
     assert steps[0] == steps[1] > 0, out
     events = read_ledger(tmp_path / "events.jsonl")
@@ -89,24 +77,23 @@ def test_signal_to_one_rank_stops_all_at_the_same_step(signame: str, tmp_path: P
     assert len(saves_at_stop) == 1 and CheckpointStore(tmp_path / "checkpoints").latest().step == steps[0]
     assert [e["step"] for e in events if e["event"] == "stop_decision"] == [steps[0]]
     assert [e["signals"] for e in events if e["event"] == "preempted"] == [[]]  # rank 0 got no signal itself
-    assert "exitcode  : 3" in out  # not a Slurm job: stopped, not requeued
+    assert codes == [3, 0], out  # not a Slurm job: stopped, not requeued
 
 
 @pytest.mark.multiprocess
 def test_signals_during_checkpoint_writes_do_not_corrupt(tmp_path: Path) -> None:
     # A 40 MB buffer makes every save take a while; async saves every step, signals every 20 ms.
-    proc = start_torchrun(tmp_path, *SLOW, "task.args.step_s=0.02", "task.args.ballast_mb=40",
-                          "checkpoint.every_steps=1", "checkpoint.keep_last=3")
+    procs = start(tmp_path, *SLOW, "task.args.step_s=0.02", "task.args.ballast_mb=40", "checkpoint.every_steps=1",
+                  "checkpoint.keep_last=3")
     try:
-        pid = rank_pid(tmp_path, 0)
         deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and proc.poll() is None:
+        while time.monotonic() < deadline and procs[0].poll() is None:
             if any(p.name.startswith(".tmp-") for p in (tmp_path / "checkpoints").glob(".tmp-*")):
-                os.kill(pid, signal.SIGUSR2)
+                procs[0].send_signal(signal.SIGUSR2)
             time.sleep(0.02)
-        out = finish(proc)
+        _, out = finish(procs)
     finally:
-        finish(proc, 5)
+        end(procs)
     steps = stop_steps(tmp_path, 2)
     store = CheckpointStore(tmp_path / "checkpoints")
     latest = store.latest()
