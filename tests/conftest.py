@@ -48,8 +48,10 @@ def live_children(pid: int | None = None) -> set[int]:
 
 # The dispositions a test may not leave changed: a process started afterwards inherits an ignored one (SIG_IGN
 # survives fork and exec), so a leaked one silently changes what later tests' processes do with that signal.
+# SIGALRM is pytest-timeout's: it installs a handler for each test and resets it when the test fails, before this
+# guard's teardown (which then reported a failed test's own SIGALRM as leaked, and put back a finished test's handler).
 GUARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT,
-                   signal.SIGALRM, signal.SIGCHLD, signal.SIGPIPE, signal.SIGCONT)
+                   signal.SIGCHLD, signal.SIGPIPE, signal.SIGCONT)
 
 
 def _dispositions() -> dict[int, object]:

@@ -9,8 +9,8 @@
 # skip with the reason; with CI=true they fail, and MGPU_SKIP_SLURM is refused: CI runs everything.
 # Without arguments the end-to-end lane (tests/e2e: mostly waiting on Slurm) runs as a second pytest beside
 # the rest; its output follows the first lane's, and the script fails if either lane (or mypy) does. The
-# end-to-end lane runs as two streams, two pytest-xdist workers each bound to a cluster of its own (a: n1, n2;
-# b: n3, n4; slurm/cluster/clusters.sh), a test file at a time. The rest runs in MGPU_TEST_WORKERS pytest-xdist
+# end-to-end lane runs as three streams, three pytest-xdist workers each bound to a cluster of its own (a: n1, n2;
+# b: n3, n4; c: n5, n6; slurm/cluster/clusters.sh), a test file at a time. The rest runs in MGPU_TEST_WORKERS pytest-xdist
 # workers (default 3, one test file each at a time: a file's shared reference runs stay in one worker): its
 # real-process tests mostly wait (watchdog allowances, sleep-paced steps, a process's start), so 3 workers keep
 # 2 cores busy; 1 runs each lane in one process (the end-to-end lane on cluster a alone).
@@ -32,8 +32,8 @@ workers=${MGPU_TEST_WORKERS:-3}
 case $workers in *[!0-9]* | "" | 0) echo "tests/run.sh: MGPU_TEST_WORKERS=$workers: a number of workers >= 1" >&2; exit 2 ;; esac
 parallel=()
 [ "$workers" -gt 1 ] && parallel=(-n "$workers" --dist loadfile)
-streams=() clusters=(a)  # the end-to-end lane: two streams (a pytest-xdist worker per cluster) when it runs beside the rest
-[ "$workers" -gt 1 ] && [ $# -eq 0 ] && streams=(-n 2 --dist loadfile) clusters=(a b)
+streams=() clusters=(a)  # the end-to-end lane: three streams (a pytest-xdist worker per cluster) beside the rest
+[ "$workers" -gt 1 ] && [ $# -eq 0 ] && streams=(-n 3 --dist loadfile) clusters=(a b c)
 
 # ----------------------------------------------------------------------------- what it will do
 venv_note="creates .venv (python3 -m venv) and"
@@ -59,9 +59,10 @@ elif [ "$(id -u)" = 0 ] && [ -x slurm/cluster/start.sh ]; then
     "(--skip-networking), slurmdbd, slurmctld, slurmd -N n1, slurmd -N n2 (cluster a, state in" \
     "${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}; '127.0.0.1 n1 n2' added to /etc/hosts if they do not resolve)"
   if [ ${#clusters[@]} -gt 1 ]; then
-    echo "tests/run.sh: and a second one beside it for the end-to-end lane's second stream: slurmctld, slurmd -N n3," \
-      "slurmd -N n4 (cluster b, state in ${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}-b, '127.0.0.1 n3 n4' added to" \
-      "/etc/hosts likewise; it uses cluster a's munged and slurmdbd)"
+    echo "tests/run.sh: and two more beside it for the end-to-end lane's other streams: slurmctld, slurmd -N n3," \
+      "slurmd -N n4 (cluster b, state in ${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}-b) and slurmctld, slurmd -N n5," \
+      "slurmd -N n6 (cluster c, in ${MGPU_SLURM_DIR:-/var/tmp/mgpu-slurm}-c); '127.0.0.1 n3 n4 n5 n6' added to" \
+      "/etc/hosts likewise; they use cluster a's munged and slurmdbd"
   fi
   echo "tests/run.sh: they keep running after the tests: stop them with bash slurm/cluster/stop.sh"
   echo "tests/run.sh: to skip all of that and the real-Slurm tests: MGPU_SKIP_SLURM=1 bash tests/run.sh"
@@ -101,7 +102,7 @@ fi
 # Two lanes at once: the end-to-end tests mostly wait on Slurm while the CPUs idle. The end-to-end lane, the
 # longer one, starts first; the type checker runs beside it, and its failure ends the script (and that lane).
 e2e_log=$(mktemp "${TMPDIR:-/tmp}/mgpu-e2e-lane.XXXXXX")
-.venv/bin/python -m pytest "${streams[@]}" tests/e2e >"$e2e_log" 2>&1 &
+.venv/bin/python -m pytest "${streams[@]}" --durations=12 tests/e2e >"$e2e_log" 2>&1 &
 e2e_pid=$!
 trap 'kill "$e2e_pid" 2>/dev/null || true; rm -f "$e2e_log"' EXIT
 echo "tests/run.sh: the end-to-end lane (pytest ${streams[*]} tests/e2e) runs beside this one; its output follows"
@@ -111,7 +112,7 @@ if ! .venv/bin/python -m mypy; then
   exit 1
 fi
 rc_rest=0
-.venv/bin/python -m pytest --ignore=tests/e2e "${parallel[@]}" || rc_rest=$?
+.venv/bin/python -m pytest --ignore=tests/e2e "${parallel[@]}" --durations=12 || rc_rest=$?
 rc_e2e=0
 wait "$e2e_pid" || rc_e2e=$?
 echo

@@ -37,7 +37,8 @@ def _earlier_sessions_state(state_dir: Path) -> None:
 
 
 ALL = ("munged", "mariadbd", "slurmdbd", "slurmctld", "slurmd-n1", "slurmd-n2")
-ALL_B = ("slurmctld", "slurmd-n3", "slurmd-n4")  # cluster b's own: munged, mariadbd and slurmdbd are a's
+OWN = {"b": ("slurmctld", "slurmd-n3", "slurmd-n4"),  # b's and c's own: munged, mariadbd and slurmdbd are a's
+       "c": ("slurmctld", "slurmd-n5", "slurmd-n6")}
 
 
 def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0, cluster: str = "a",
@@ -47,7 +48,7 @@ def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0,
     start.sh writes (same_config stubbed), else it writes that config into the state dir (start.sh's own check)."""
     # Without its guard, sourcing start.sh would start a real cluster in tmp_path and point /etc/slurm at it.
     assert '[[ ${BASH_SOURCE[0]} == "$0" ]] || return 0' in START.read_text().splitlines()
-    state_dir, log = tmp_path / ("slurm" if cluster == "a" else "slurm-b"), tmp_path / "steps.log"
+    state_dir, log = tmp_path / ("slurm" if cluster == "a" else f"slurm-{cluster}"), tmp_path / "steps.log"
     _earlier_sessions_state(state_dir)
     if config is not None:
         config(state_dir)
@@ -59,7 +60,7 @@ def _start(tmp_path: Path, running: bool | tuple[str, ...], ping_fails: int = 0,
     pings = tmp_path / "pings"
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho x >> {pings}\n[ "$(wc -l < {pings})" -gt {ping_fails} ]\n')
     (bin_dir / "scontrol").chmod(0o755)
-    alive = (ALL if cluster == "a" else ALL_B) if running is True else () if running is False else running
+    alive = (ALL if cluster == "a" else OWN[cluster]) if running is True else () if running is False else running
     stubs = "\n".join(f'{name}() {{ echo {name} >>"{log}"; }}' for name in STUBBED)
     script = f"""
 source {START}
@@ -126,16 +127,18 @@ def test_the_daemons_inherit_no_descriptor_of_whoever_started_the_script(tmp_pat
     assert sorted(int(fd) for fd in result.stdout.split() if int(fd) > 2 and int(fd) != 255) == [], result.stdout
 
 
-def test_cluster_b_starts_beside_a_with_a_shared_daemons_and_keeps_its_jobs_when_running(tmp_path: Path) -> None:
-    steps = _start(tmp_path, running=False, cluster="b")
+@pytest.mark.parametrize("cluster", ["b", "c"])
+def test_clusters_b_and_c_start_beside_a_with_a_shared_daemons_and_keep_their_jobs_when_running(
+        tmp_path: Path, cluster: str) -> None:
+    steps = _start(tmp_path, running=False, cluster=cluster)
     # a's munged, mariadbd and slurmdbd (ensure_shared starts cluster a if one is missing); no /etc/slurm link
     assert steps == ["install_packages", "ensure_shared", "ensure_hosts", "stop.sh", "write_config", "start_slurm",
                      "wait_nodes", "summary"]
-    assert list((tmp_path / "slurm-b" / "state").iterdir()) == []
+    assert list((tmp_path / f"slurm-{cluster}" / "state").iterdir()) == []
     (tmp_path / "steps.log").unlink()
-    steps = _start(tmp_path / "again", running=True, cluster="b")
+    steps = _start(tmp_path / "again", running=True, cluster=cluster)
     assert steps == ["install_packages", "ensure_shared", "ensure_hosts", "realign_job_ids", "wait_nodes", "summary"]
-    assert (tmp_path / "again" / "slurm-b" / "state" / "job_state").read_bytes() == b"617"
+    assert (tmp_path / "again" / f"slurm-{cluster}" / "state" / "job_state").read_bytes() == b"617"
 
 
 def _config(tmp_path: Path, cluster: str) -> dict[str, str]:
@@ -185,7 +188,7 @@ def _written(cluster: str, edits: list[Callable[[Path], None]]) -> Callable[[Pat
     return write
 
 
-@pytest.mark.parametrize("cluster", ["a", "b"])
+@pytest.mark.parametrize("cluster", ["a", "b", "c"])
 @pytest.mark.parametrize("change", [*SAME, *CHANGED])
 def test_a_running_cluster_is_kept_while_its_config_says_the_same(tmp_path: Path, cluster: str, change: str) -> None:
     # start.sh kept a running cluster only when a hash of its own text was the one that started it: every developer's
@@ -207,57 +210,64 @@ def test_a_missing_config_file_is_not_the_same_config(tmp_path: Path) -> None:
     assert "stop.sh" in steps and "start_slurm-with-old-jobs" in steps, steps
 
 
-def test_the_two_clusters_configs_share_no_node_port_or_state(tmp_path: Path) -> None:
-    a, b = _config(tmp_path, "a"), _config(tmp_path, "b")
-    assert sorted(a) == ["gres.conf", "slurm.conf", "slurmdbd.conf"] and sorted(b) == ["gres.conf", "slurm.conf"]
+def test_the_three_clusters_configs_share_no_node_port_or_state(tmp_path: Path) -> None:
+    a, b, c = (_config(tmp_path, name) for name in "abc")
+    assert sorted(a) == ["gres.conf", "slurm.conf", "slurmdbd.conf"] and sorted(b) == sorted(c) == ["gres.conf",
+                                                                                                     "slurm.conf"]
 
     def settings(text: str, key: str) -> list[str]:
         return [line.split(None, 1)[0].split("=", 1)[1] if key != "NodeName" else line
                 for line in text.splitlines() if line.startswith(f"{key}=")]
 
-    assert settings(a["slurm.conf"], "ClusterName") == ["mgpu"] and settings(b["slurm.conf"], "ClusterName") == ["mgpub"]
-    assert settings(a["slurm.conf"], "SlurmctldPort") == ["6817"] and settings(b["slurm.conf"], "SlurmctldPort") == ["6827"]
-    assert settings(b["slurm.conf"], "NodeName") == [
-        "NodeName=n3 NodeAddr=127.0.0.1 Port=6841 CPUs=4 Gres=gpu:2 State=UNKNOWN",
-        "NodeName=n4 NodeAddr=127.0.0.1 Port=6842 CPUs=4 Gres=gpu:2 State=UNKNOWN"]
-    assert settings(a["slurm.conf"], "NodeName") == [
-        "NodeName=n1 NodeAddr=127.0.0.1 Port=6831 CPUs=4 Gres=gpu:2 State=UNKNOWN",
-        "NodeName=n2 NodeAddr=127.0.0.1 Port=6832 CPUs=4 Gres=gpu:2 State=UNKNOWN"]
-    for conf, nodes in ((a, "n[1-2]"), (b, "n[3-4]")):
+    confs = {"a": a["slurm.conf"], "b": b["slurm.conf"], "c": c["slurm.conf"]}
+    assert {k: settings(v, "ClusterName") for k, v in confs.items()} == {"a": ["mgpu"], "b": ["mgpub"], "c": ["mgpuc"]}
+    assert {k: settings(v, "SlurmctldPort") for k, v in confs.items()} == {"a": ["6817"], "b": ["6827"], "c": ["6837"]}
+    line = "NodeName={} NodeAddr=127.0.0.1 Port={} CPUs=4 Gres=gpu:2 State=UNKNOWN"
+    assert settings(confs["a"], "NodeName") == [line.format("n1", 6831), line.format("n2", 6832)]
+    assert settings(confs["b"], "NodeName") == [line.format("n3", 6841), line.format("n4", 6842)]
+    assert settings(confs["c"], "NodeName") == [line.format("n5", 6851), line.format("n6", 6852)]
+    for conf, nodes in ((a, "n[1-2]"), (b, "n[3-4]"), (c, "n[5-6]")):
         partitions = [line.split()[:2] for line in conf["slurm.conf"].splitlines() if line.startswith("PartitionName=")]
         assert partitions == [["PartitionName=main", f"Nodes={nodes}"], ["PartitionName=high", f"Nodes={nodes}"]]
         assert f"NodeName={nodes} Name=gpu " in conf["gres.conf"]
-    # each its own state, logs and pids; one slurmdbd (a's) for both
-    assert str(tmp_path / "slurm-b" / "state") in b["slurm.conf"] and str(tmp_path / "slurm" / "state") in a["slurm.conf"]
-    assert settings(a["slurm.conf"], "AccountingStoragePort") == settings(b["slurm.conf"], "AccountingStoragePort")
-    assert "DbdPort=6819" in a["slurmdbd.conf"] and "AccountingStoragePort=6819" in a["slurm.conf"]
+    # each its own state, logs and pids; one slurmdbd (a's) for all
+    for name, suffix in (("a", ""), ("b", "-b"), ("c", "-c")):
+        assert str(tmp_path / f"slurm{suffix}" / "state") in confs[name]
+        assert settings(confs[name], "AccountingStoragePort") == ["6819"]
+    assert "DbdPort=6819" in a["slurmdbd.conf"]
 
 
-def _aligned(own: int, a_next: int) -> int:
+def _aligned(cluster: str, own: int, a_next: int) -> int:
     script = f"source {START}; aligned_job_id {own} {a_next}"
-    result = subprocess.run(["bash", "-c", script], env=dict(os.environ, MGPU_SLURM_CLUSTER="b"),
+    result = subprocess.run(["bash", "-c", script], env=dict(os.environ, MGPU_SLURM_CLUSTER=cluster),
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     return int(result.stdout)
 
 
-@pytest.mark.parametrize("own, a_next, first", [
-    (1, 236, 1_002_236),            # a fresh cluster b: from 1000000 up to a's next id + 6000 (mod 12000)
-    (1_002_236, 236, 1_002_236),    # already aligned: unchanged
-    (1_002_250, 250, 1_002_250),    # both ran 14 jobs since: still aligned
-    (1_002_237, 236, 1_014_236),    # b one ahead: the next aligned id, never one b has handed out
-    (1_002_301, 240, 1_014_240),
-    (1, 7_000, 1_009_000),          # a past 6000: its id + 6000 wraps (13000 -> 1000)
-    (1, 3_999, 1_005_999),
+@pytest.mark.parametrize("cluster, own, a_next, first", [
+    ("b", 1, 236, 1_000_236),            # a fresh cluster b: from 1000000 up to a's next id + 4000 (mod 12000)
+    ("b", 1_000_236, 236, 1_000_236),    # already aligned: unchanged
+    ("b", 1_000_250, 250, 1_000_250),    # both ran 14 jobs since: still aligned
+    ("b", 1_000_237, 236, 1_012_236),    # b one ahead: the next aligned id, never one b has handed out
+    ("b", 1_002_236, 236, 1_012_236),    # aligned as before (+ 6000, for two clusters): the next + 4000
+    ("b", 1, 9_000, 1_009_000),          # a past 8000: its id + 4000 wraps (13000 -> 1000)
+    ("c", 1, 236, 2_000_236),            # a fresh cluster c: from 2000000 up to a's next id + 8000 (mod 12000)
+    ("c", 2_000_250, 250, 2_000_250),
+    ("c", 2_000_237, 236, 2_012_236),
+    ("c", 1, 5_000, 2_005_000),          # a past 4000: its id + 8000 wraps
 ])
-def test_cluster_b_job_ids_never_meet_as(own: int, a_next: int, first: int) -> None:
-    # Both clusters' jobs run on this host: a job's /dev/shm snapshots are named by its id, and its rendezvous port is
-    # derived from it (20000 + id % 12000). b's ids are never a's, and b's ports stay half the span from a's.
+def test_the_job_ids_of_clusters_b_and_c_never_meet_as(cluster: str, own: int, a_next: int, first: int) -> None:
+    # All clusters' jobs run on this host: a job's /dev/shm snapshots are named by its id, and its rendezvous port is
+    # derived from it (20000 + id % 12000). b's and c's ids are never a's nor each other's, and their ports stay a
+    # third of the span from a's and from each other's.
     from mgpu.cluster.environment import MASTER_PORT_SPAN, derive_master_port
 
-    got = _aligned(own, a_next)
+    index = "abc".index(cluster)
+    got = _aligned(cluster, own, a_next)
     assert got == first
-    assert got >= max(own, 1_000_000) and got - max(own, 1_000_000) < MASTER_PORT_SPAN
-    for step in (0, 99):  # both clusters 99 jobs on: their ports still half the span apart
+    assert index * 1_000_000 <= got < (index + 1) * 1_000_000
+    assert got >= own and got - max(own, index * 1_000_000) < MASTER_PORT_SPAN
+    for step in (0, 99):  # both clusters 99 jobs on: their ports still a third of the span apart
         gap = (derive_master_port(str(got + step)) - derive_master_port(str(a_next + step))) % MASTER_PORT_SPAN
-        assert gap == MASTER_PORT_SPAN // 2
+        assert gap == index * MASTER_PORT_SPAN // 3

@@ -29,3 +29,17 @@ def test_leak_guard_fails_a_leaking_test(pytester: pytest.Pytester, body: str, m
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines([f"*{message}*"])
+
+
+@pytest.mark.multiprocess
+def test_a_failing_test_is_reported_once_under_pytest_timeout(pytester: pytest.Pytester,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # pytest-timeout (setup.cfg: timeout) resets SIGALRM when a test fails, before the guard's teardown: the guard
+    # added an error ("signal handlers leaked: ['SIGALRM']") to every failed test, and put back a finished test's
+    # timeout handler.
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makeconftest((ROOT / "tests" / "conftest.py").read_text().replace('pytest_plugins = ["pytester"]', ""))
+    pytester.makepyfile(test_failing="def test_fails():\n    assert False\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--timeout", "600", "--timeout-method", "signal")
+    result.assert_outcomes(failed=1, errors=0)
+    assert "leaked" not in result.stdout.str()

@@ -11,7 +11,7 @@
 # Default of the cluster (start.sh): --grace 0 --user-signal yes.
 #
 # Both knobs are written into slurm.conf (so a reconfigure or restart keeps them) and applied live. The cluster:
-# MGPU_SLURM_CLUSTER (a, the default, or b: clusters.sh); each has its own policy.
+# MGPU_SLURM_CLUSTER (a, the default, b or c: clusters.sh); each has its own policy.
 set -euo pipefail
 
 # shellcheck source=clusters.sh

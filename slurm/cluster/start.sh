@@ -2,13 +2,14 @@
 # Start a real 2-node Slurm 22.05 cluster (Debian packages) on this one machine, for the e2e tests.
 #
 #   slurm/cluster/start.sh                         # cluster a (n1, n2); idempotent; prints `export SLURM_CONF=...`
-#   MGPU_SLURM_CLUSTER=b slurm/cluster/start.sh    # cluster b (n3, n4), beside a (clusters.sh)
+#   MGPU_SLURM_CLUSTER=b slurm/cluster/start.sh    # cluster b (n3, n4), beside a (clusters.sh); c (n5, n6) likewise
 #
 # Daemons: munged, mariadbd (--skip-networking), slurmdbd, slurmctld, and two slurmd (`-N n1`,
-# `-N n2`), each slurmd in its own UTS namespace so `hostname` in a job prints n1/n2. Cluster b has its own
-# slurmctld and two slurmd (n3, n4) and uses a's munged, mariadbd and slurmdbd (started first if they are not running).
-# Everything lives under $MGPU_SLURM_DIR (default /var/tmp/mgpu-slurm; b: $MGPU_SLURM_DIR-b); /etc/slurm/slurm.conf
-# is a symlink to cluster a's generated config so plain sbatch/srun/sacct (and submitit) need no SLURM_CONF.
+# `-N n2`), each slurmd in its own UTS namespace so `hostname` in a job prints n1/n2. Clusters b and c have their own
+# slurmctld and two slurmd each (n3, n4; n5, n6) and use a's munged, mariadbd and slurmdbd (started first if they
+# are not running). Everything lives under $MGPU_SLURM_DIR (default /var/tmp/mgpu-slurm; b: $MGPU_SLURM_DIR-b, c: -c);
+# /etc/slurm/slurm.conf is a symlink to cluster a's generated config so plain sbatch/srun/sacct (and submitit) need
+# no SLURM_CONF.
 # Second run: if every recorded daemon is alive, answers and the config is unchanged, it does nothing;
 # otherwise it stops what it started before (stop.sh) and starts again: with no job of the earlier daemons
 # (forget_jobs) only when none of them was alive (a fresh machine), else keeping them. `source start.sh` defines the functions and starts nothing (tests use that).
@@ -217,7 +218,7 @@ ensure_hosts() {  # node names must resolve (MASTER_ADDR=n1 in jobs)
 }
 
 SHARED=(munged mariadbd slurmdbd)
-ensure_shared() {  # cluster b: a's munged, mariadbd and slurmdbd, started (as cluster a) when one is not running
+ensure_shared() {  # cluster b or c: a's munged, mariadbd and slurmdbd, started (as cluster a) when one is not running
   local n
   for n in "${SHARED[@]}"; do
     alive "$n" "$SHARED_DIR" && continue
@@ -270,15 +271,16 @@ next_job_id() {  # next_job_id [CLUSTER_NAME]: 1 + the highest job id the accoun
   echo $((${max:-0} + 1))
 }
 
-# Cluster b's job ids: both clusters' jobs run on this one host, where mgpu names what a job leaves in /dev/shm by its
-# id and derives its rendezvous port from it, 20000 + id % 12000 (mgpu.cluster.environment). So b's ids start at
-# B_FIRST_ID (a never gets there) and stay half the port span from a's: the two streams' ports collide only after one
-# cluster has run 6000 jobs more than the other since b's ids were last aligned (at each start.sh of b).
-B_FIRST_ID=1000000
+# The job ids of clusters b and c: all clusters' jobs run on this one host, where mgpu names what a job leaves in
+# /dev/shm by its id and derives its rendezvous port from it, 20000 + id % 12000 (mgpu.cluster.environment). So the
+# cluster of INDEX i (clusters.sh) hands out ids from i x ID_BLOCK on (a never gets to b's, nor b to c's), kept a third
+# of the port span from a's next one per index: two streams' ports collide only after one cluster has run 4000 jobs
+# more than another since their ids were last aligned (at each start.sh of b or c).
+ID_BLOCK=1000000
 PORT_SPAN=12000
-aligned_job_id() {  # aligned_job_id OWN_NEXT A_NEXT: the least id >= OWN_NEXT, B_FIRST_ID, = A_NEXT + 6000 mod 12000
-  local own=$1 want=$((($2 + PORT_SPAN / 2) % PORT_SPAN))
-  ((own >= B_FIRST_ID)) || own=$B_FIRST_ID
+aligned_job_id() {  # aligned_job_id OWN_NEXT A_NEXT: the least id >= OWN_NEXT, INDEX x ID_BLOCK, = A_NEXT + INDEX x
+  local own=$1 want=$((($2 + INDEX * PORT_SPAN / 3) % PORT_SPAN))  # 4000 (mod 12000)
+  ((own >= INDEX * ID_BLOCK)) || own=$((INDEX * ID_BLOCK))
   echo $((own + ((want - own % PORT_SPAN) % PORT_SPAN + PORT_SPAN) % PORT_SPAN))
 }
 
@@ -295,7 +297,7 @@ set_first_job_id() {  # FirstJobId= in the config; fails when it is unchanged
   sed "s/^FirstJobId=.*/FirstJobId=$first/" "$CONF" >"$CONF.new" && mv "$CONF.new" "$CONF"
 }
 
-realign_job_ids() {  # cluster b, running: its next ids moved up to the alignment with a's, live
+realign_job_ids() {  # cluster b or c, running: its next ids moved up to the alignment with a's, live
   set_first_job_id || return 0
   scontrol reconfigure || fail "scontrol reconfigure (FirstJobId) failed"
 }

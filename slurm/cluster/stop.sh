@@ -3,8 +3,8 @@
 # $DIR/pids/ (never by name). SIGTERM, wait (bounded), SIGKILL what is left.
 # Job steps (slurmstepd) that are still running are left alone, as slurmd itself would.
 #
-#   slurm/cluster/stop.sh                        # cluster a, and b first if it runs (b uses a's munged, slurmdbd)
-#   MGPU_SLURM_CLUSTER=b slurm/cluster/stop.sh   # cluster b alone
+#   slurm/cluster/stop.sh                        # cluster a, and b and c first if they run (they use a's munged, slurmdbd)
+#   MGPU_SLURM_CLUSTER=b slurm/cluster/stop.sh   # cluster b alone (c likewise)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -13,8 +13,12 @@ source "$HERE/clusters.sh"
 WAIT_S=${MGPU_SLURM_STOP_WAIT_S:-20}
 
 [[ $(id -u) -eq 0 ]] || { echo "stop.sh: not root" >&2; exit 1; }
-if [[ $CLUSTER == a ]] && compgen -G "$B_DIR/pids/*.pid" >/dev/null; then
-  MGPU_SLURM_CLUSTER=b "$HERE/stop.sh"
+if [[ $CLUSTER == a ]]; then
+  for other in "${OTHERS[@]}"; do
+    if compgen -G "$BASE_DIR-$other/pids/*.pid" >/dev/null; then
+      MGPU_SLURM_CLUSTER=$other "$HERE/stop.sh"
+    fi
+  done
 fi
 [[ -d $DIR/pids ]] || { echo "nothing to stop ($DIR/pids missing)"; exit 0; }
 

@@ -2,10 +2,10 @@
 
 `slurm_cluster` (session, autouse): the cluster this process runs on, started once (a no-op when it already runs)
 and left running afterwards -- unless MGPU_SLURM_STOP_AFTER=1, then stop.sh runs at session end. When the cluster
-cannot be started the tests SKIP with the reason, or FAIL when CI=true. Two clusters run side by side
-(slurm/cluster/clusters.sh: a with nodes n1, n2; b with n3, n4): under pytest-xdist worker gwN runs on the N-th
-(`pytest -n 2 --dist loadfile tests/e2e`: two streams at once, neither touching the other's cluster); one process
-runs on MGPU_SLURM_CLUSTER (default a). Before any test runs, this process's SLURM_CONF (and MGPU_SLURM_CLUSTER,
+cannot be started the tests SKIP with the reason, or FAIL when CI=true. Three clusters run side by side
+(slurm/cluster/clusters.sh: a with nodes n1, n2; b with n3, n4; c with n5, n6): under pytest-xdist worker gwN runs
+on the N-th (`pytest -n 3 --dist loadfile tests/e2e`: three streams at once, none touching another's cluster); one
+process runs on MGPU_SLURM_CLUSTER (default a). Before any test runs, this process's SLURM_CONF (and MGPU_SLURM_CLUSTER,
 which policy.sh reads) are its cluster's, so every subprocess a test starts -- sbatch, srun, scontrol, submitit,
 jobs/submit.py -- reaches that cluster. A test asks `slurm_cluster.nodes` for the node names, never spells them.
 
@@ -40,7 +40,7 @@ CLUSTER = E2E.parent.parent / "slurm" / "cluster"
 START_TIMEOUT_S = 900  # the first start installs ~28 Debian packages
 DEFAULT_GRACE = 0
 DEFAULT_USER_SIGNAL = True
-CLUSTERS = ("a", "b")  # slurm/cluster/clusters.sh; xdist worker gwN runs on CLUSTERS[N]
+CLUSTERS = ("a", "b", "c")  # slurm/cluster/clusters.sh; xdist worker gwN runs on CLUSTERS[N]
 BOUND = ("SLURM_CONF", "MGPU_SLURM_CLUSTER")  # what binds this process's subprocesses to its cluster
 
 
