@@ -112,7 +112,7 @@ if ! .venv/bin/python -m mypy; then
   exit 1
 fi
 rc_rest=0
-.venv/bin/python -m pytest --ignore=tests/e2e "${parallel[@]}" --durations=12 || rc_rest=$?
+.venv/bin/python -m pytest --ignore=tests/e2e --durations=12 "${parallel[@]}" || rc_rest=$?
 rc_e2e=0
 wait "$e2e_pid" || rc_e2e=$?
 echo

@@ -18,7 +18,7 @@ from tests.conftest import ROOT
 LOG_STUB = '#!/bin/sh\necho "CALLED {name} $*" | tee -a "{log}"\n'
 # The python stub fails (exit 1) when its arguments end with $FAIL_ON: one lane or mypy failing.
 FAILING = 'case "$*" in *"$FAIL_ON") [ -n "$FAIL_ON" ] && exit 1 ;; esac\nexit 0\n'
-E2E_LANE = "CALLED python -m pytest -n 2 --dist loadfile tests/e2e"
+E2E_LANE = "CALLED python -m pytest -n 3 --dist loadfile --durations=12 tests/e2e"
 
 
 def _tree(tmp_path: Path) -> tuple[Path, Path]:
@@ -97,13 +97,15 @@ def test_refused_switch_runs_nothing(tmp_path: Path, env: dict[str, str], expect
 @pytest.mark.parametrize("fail_on, rc", [("", 0), (" tests/e2e", 1), ("--dist loadfile", 1), ("mypy", 1)])
 def test_without_arguments_two_lanes_run_side_by_side_and_either_fails_it(tmp_path: Path, fail_on: str,
                                                                            rc: int) -> None:
-    """What CI runs: both clusters started, the end-to-end lane first (two streams: a pytest-xdist worker per
+    """What CI runs: the three clusters started, the end-to-end lane first (three streams: a pytest-xdist worker per
     cluster), mypy beside it (its failure ends the script before the rest runs), then the rest: two pytest
     processes at once; the script fails if either does, and ends with the end-to-end lane's output."""
     result, calls = _run(tmp_path, (), FAIL_ON=fail_on)
     assert result.returncode == rc, result.stdout + result.stderr
-    assert [c for c in calls if "start.sh" in c] == ["CALLED start.sh cluster=a", "CALLED start.sh cluster=b"]
+    assert [c for c in calls if "start.sh" in c] == ["CALLED start.sh cluster=a", "CALLED start.sh cluster=b",
+                                                     "CALLED start.sh cluster=c"]
     assert "slurmctld, slurmd -N n3, slurmd -N n4 (cluster b" in result.stdout
+    assert "slurmctld, slurmd -N n5, slurmd -N n6 (cluster c" in result.stdout
     pytests = sorted(c for c in calls if " -m pytest" in c)
     if fail_on == "mypy":
         # the rest never runs; the end-to-end lane, started first in the background, is killed (its stub may not
@@ -111,8 +113,9 @@ def test_without_arguments_two_lanes_run_side_by_side_and_either_fails_it(tmp_pa
         assert "CALLED python -m mypy" in calls and pytests in ([], [E2E_LANE]), calls
         assert "tests/run.sh: mypy failed: the end-to-end lane is stopped, the rest not run" in result.stderr
         return
-    # the rest in 3 pytest-xdist workers (a file at a time each); the end-to-end lane in 2, one per cluster
-    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e -n 3 --dist loadfile", E2E_LANE]
+    # the rest in 3 pytest-xdist workers (a file at a time each); the end-to-end lane in 3, one per cluster; each
+    # lane names its slowest tests
+    assert pytests == ["CALLED python -m pytest --ignore=tests/e2e --durations=12 -n 3 --dist loadfile", E2E_LANE]
     out = result.stdout.splitlines()
     first = 1 if fail_on == "--dist loadfile" else 0
     second = 1 if fail_on == " tests/e2e" else 0
@@ -126,5 +129,5 @@ def test_one_worker_runs_each_lane_in_one_process_on_cluster_a_alone(tmp_path: P
     result, calls = _run(tmp_path, (), MGPU_TEST_WORKERS="1")
     assert result.returncode == 0, result.stdout + result.stderr
     assert [c for c in calls if "start.sh" in c] == ["CALLED start.sh cluster=a"]
-    assert sorted(c for c in calls if " -m pytest" in c) == ["CALLED python -m pytest --ignore=tests/e2e",
-                                                             "CALLED python -m pytest tests/e2e"]
+    assert sorted(c for c in calls if " -m pytest" in c) == ["CALLED python -m pytest --durations=12 tests/e2e",
+                                                             "CALLED python -m pytest --ignore=tests/e2e --durations=12"]
