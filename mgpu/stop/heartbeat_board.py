@@ -2,7 +2,8 @@
 whose one stalled `open()` would blind every rank's watchdog at once.
 
 - `StoreBoard`: the c10d rendezvous store (a TCPStore: memory, no cache), through a connection of the
-  watchdog's own whose every operation times out after STORE_TIMEOUT_S; for a world of several ranks.
+  watchdog's own whose every operation times out after STORE_TIMEOUT_S (and is counted: mgpu.stop.store_calls);
+  for a world of several ranks.
 - `DirBoard`: files in a node-local tmpfs directory, for a world of one (or no store to be found).
 
 Every rank of a job must use the same board: a rank on another one is invisible to the rest, and a hang's
@@ -23,6 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Mapping, Protocol
 
+from mgpu.stop.store_calls import CountedStore, call, new_connections, socket_fds
+
 __all__ = ["STACKS_REQUESTED", "STORE_TIMEOUT_S", "Board", "DirBoard", "StoreBoard", "default_board",
            "node_local_dir"]
 
@@ -32,7 +35,9 @@ STACKS_REQUESTED = ".stacks-requested"
 """On the board: the wall time at which a rank found a hang; a later one than a watchdog's start asks it for
 its stacks."""
 STORE_TIMEOUT_S = 5.0
-"""Every operation of the watchdog on the rendezvous store (its own connection) ends within this."""
+"""The timeout of the watchdog's own connection to the rendezvous store: a connection, and an operation on a host
+that is gone, end within this; one waiting for the answer of a host that is alive but stopped waits until the host
+goes on (each runs on a thread of its own: mgpu.stop.watchdog's `_bounded`)."""
 RECONNECT_EVERY_S = 2.0
 """A board not yet connected to the store tries again at most this often (the publisher's interval)."""
 
@@ -119,7 +124,9 @@ class StoreBoard:
 
     def __init__(self, store: Any = None, connect: Callable[[], Any] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self._store, self._connect, self._clock = store, connect, clock
+        # Every call into the store counted, so that the interpreter's exit waits for those in flight (store_calls).
+        self._store = CountedStore(store) if store is not None else None
+        self._connect, self._clock = connect, clock
         self._tried = -RECONNECT_EVERY_S
         self._lock = threading.Lock()
 
@@ -129,8 +136,10 @@ class StoreBoard:
         def open_store() -> Any:
             import torch.distributed as dist
 
+            before = socket_fds()
             client = dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=timeout_s or STORE_TIMEOUT_S))
+            new_connections(before, port)  # the interpreter's exit may shut it down (mgpu.stop.store_calls)
             return dist.PrefixStore(namespace, client)
 
         board = cls(connect=open_store)
@@ -152,7 +161,7 @@ class StoreBoard:
                 if now - self._tried < RECONNECT_EVERY_S:
                     raise RuntimeError("the rendezvous store is not reachable yet")
                 self._tried = now
-                self._store = self._connect()
+                self._store = CountedStore(call(self._connect))  # the connection's own wait, counted too
             return self._store
 
     def publish(self, rank: int, beat: str) -> None:
