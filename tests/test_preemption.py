@@ -75,7 +75,7 @@ def test_every_rank_stops_at_the_same_step(index: int, agreement_runs: Path) -> 
 @pytest.mark.multiprocess
 def test_the_agreement_carries_every_ranks_compute_and_wait(agreement_runs: Path) -> None:
     # The same reductions as the stop flags (no other collective): every rank reads every rank's median compute and
-    # wait of the interval; rank 1 works SLOW_S (20 ms) a step longer, and each rank reports its own wait.
+    # wait of the interval; rank 1 works SLOW_S (100 ms) a step longer, and each rank reports its own wait.
     from tests.agreement_steps import SLOW_S, WAITED_S
 
     for index in range(len(SCHEDULES)):
@@ -84,4 +84,4 @@ def test_the_agreement_carries_every_ranks_compute_and_wait(agreement_runs: Path
         assert timing == results[1]["timing"] and results[0]["readings"] == results[1]["readings"] >= 1, results
         # Each rank's own wait, and rank 0's time blocked on the agreement's reduction that rank 1 joined late.
         assert timing["wait"][0] >= WAITED_S[0] and timing["wait"][1] >= WAITED_S[1], timing
-        assert timing["compute"][1] - timing["compute"][0] > SLOW_S / 2, timing  # rank 1 works 20 ms longer
+        assert timing["compute"][1] - timing["compute"][0] > SLOW_S / 2, timing  # rank 1 works 100 ms longer
