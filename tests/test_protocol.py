@@ -86,6 +86,7 @@ def test_signals_during_checkpoint_writes_do_not_corrupt(tmp_path: Path) -> None
     procs = start(tmp_path, *SLOW, "task.args.step_s=0.02", "task.args.ballast_mb=40", "checkpoint.every_steps=1",
                   "checkpoint.keep_last=3")
     try:
+        trained(tmp_path, procs)  # the window below starts once the ranks train (and save), not at their start
         deadline = time.monotonic() + 3
         while time.monotonic() < deadline and procs[0].poll() is None:
             if any(p.name.startswith(".tmp-") for p in (tmp_path / "checkpoints").glob(".tmp-*")):
