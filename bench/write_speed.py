@@ -29,9 +29,12 @@ which follows the disk's drift (other processes' writes) better than comparing t
 `ratio_best`, `ratio_median` and `ratio_min` over the repeats; `vs_buffered` and `vs_direct`: the same against
 each plain write alone (median). `cpu_s`: the process's CPU seconds during the form (all threads), a figure the
 disk's noise does not move. `durable_s`: the save's own time to durable as it reports it (SavedCheckpoint.seconds,
-the ledger's `checkpoint_saved`): the call's time less what follows durability (pruning the previous step), and
-`ratio_durable` its ratio (best: `ratio_durable_best`); `first_gb_s`: the first repeat's rate, the process's first
-save of that form (what a fresh process pays once: imports, buffers faulted in); `request_kib`: the mean size of the write requests the device took during the form
+the ledger's `checkpoint_saved`): the call's time less what follows durability (pruning: renaming the previous
+step away), and `ratio_durable` its ratio (best: `ratio_durable_best`); `removal_s`: the previous step's deletion,
+which runs in the background after the call returns (mgpu.state.files.removal), waited for before the next reference
+and form, so that no write shares the disk with it (the references' own files are unlinked outside their time too);
+`first_gb_s`: the first repeat's rate, the process's first save of that form (what a fresh process pays once:
+imports, buffers faulted in); `request_kib`: the mean size of the write requests the device took during the form
 (/sys/dev/block/M:N/stat; other processes' writes included), median. The rows `reference_buffered` and
 `reference_direct` give the references themselves (their rates; the buffered one's write and fsync phases apart:
 `write_s`, `fsync_s`), and the report's `why` line says which one is the disk's speed here and why the other is
@@ -252,6 +255,8 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
+    from mgpu.state.files.removal import wait_removed
+
     base = args.dir or Path.cwd()
     base.mkdir(parents=True, exist_ok=True)
     directory = Path(tempfile.mkdtemp(prefix="write-speed-", dir=base))
@@ -274,6 +279,7 @@ def main() -> None:
         durable: dict[str, list[float]] = {form: [] for form in forms}
         around: dict[str, list[tuple[Point, Point]]] = {form: [] for form in forms}
         requests: dict[str, list[float]] = {form: [] for form in forms}
+        removal: dict[str, list[float]] = {form: [] for form in forms}
         counters = device_writes(directory)
         points.append(reference_point(directory, data, aligned))
         for step in range(1, args.repeats + 1):
@@ -284,6 +290,9 @@ def main() -> None:
                 if counters and counted:
                     writes, written = (now - then for now, then in zip(counters(), counted))
                     requests[form].append(written / max(writes, 1) / 1024)
+                # The previous step's deletion runs in the background after the save returns: done before the
+                # next write, so that no write shares the disk with it (its own time: `removal_s`).
+                removal[form].append(timed(lambda: wait_removed()))
                 points.append(reference_point(directory, data, aligned))
                 times[form].append(seconds)
                 durable[form].append(reported[0])
@@ -309,6 +318,7 @@ def main() -> None:
                          "ratio_durable": median(ratios(lambda p: p.faster_s, durable[form])),
                          "ratio_durable_best": max(ratios(lambda p: p.faster_s, durable[form])),
                          "request_kib": round(median(requests[form]), 1) if requests[form] else None,
+                         "removal_s": round(median(removal[form]), 3),
                          "all_s": [round(s, 3) for s in seconds]})
         why = _why(points, total)
         print(f"why: {why}")

@@ -33,6 +33,7 @@ from mgpu.state.single.store import CheckpointError, CheckpointStore, Checkpoint
 from mgpu.state.single.host_copy import snapshot_to_cpu
 from mgpu.state.loadable import check_loadable
 from mgpu.state.files.digest import digest_file
+from mgpu.state.files.removal import wait_removed
 from tests.conftest import PYTHON, ROOT, base_env, fill
 
 WRITER_SCRIPT = str(ROOT / "tests" / "checkpoint_writer.py")
@@ -138,9 +139,10 @@ def test_a_save_is_reported_durable_before_the_older_ones_are_pruned(tmp_path: P
     [(outcome, steps_when_reported)] = seen
     assert isinstance(outcome, SavedCheckpoint) and outcome.step == 2
     assert steps_when_reported == [1, 2]  # reported first: step 2 durable and pointed at, step 1 not yet pruned
-    assert store.list_steps() == [2] and _tmp_entries(tmp_path) == []  # pruned before the writer was free
+    assert store.list_steps() == [2]  # pruned (renamed away) before the writer was free
     saved = store.save(_state(3.0), 3)
     assert store.list_steps() == [3] and saved.step == 3  # the stop's save: pruned before it returns
+    assert wait_removed(30) and _tmp_entries(tmp_path) == []  # and deleted in the background
     loaded = store.latest()
     assert loaded is not None and loaded.step == 3
     _assert_same(loaded.state, _state(3.0))
@@ -238,7 +240,7 @@ def test_incomplete_dirs_are_skipped_and_stale_tmp_removed(tmp_path: Path) -> No
     assert loaded is not None and loaded.step == 1
     assert loaded.skipped == ((no_meta, f"{no_meta / 'meta.json'} is missing (incomplete save)"),)
     store.save(_state(2.0), 2)
-    assert _tmp_entries(tmp_path) == []
+    assert wait_removed(30) and _tmp_entries(tmp_path) == []
 
 
 def test_no_checkpoint_is_none_and_all_bad_is_one_line_error(tmp_path: Path) -> None:
@@ -611,6 +613,7 @@ def test_kill_during_save_never_loses_a_complete_checkpoint(tmp_path: Path) -> N
                     CheckpointStore.load_dir(step_dir)
                 store = CheckpointStore(directory)
                 store.save({"w": torch.zeros(1)}, 3)
+                assert wait_removed(30)  # (the pruned step is deleted in the background)
                 assert _tmp_entries(directory) == [] and store.list_steps()[-1] == 3
             except Exception as e:
                 failures.append(f"trial {trial} (delay {delay:.3f}s, {phases}): {e!r}")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mgpu.state.files.removal import wait_removed
 from mgpu.state.single.store import CheckpointError
 from mgpu.state.files.digest import digest_file
 from mgpu.record.ledger import Ledger
@@ -227,6 +228,7 @@ def test_keep_last_and_best(group: None, tmp_path: Path) -> None:
         step(state)
         store.save_objects(state, n, "periodic", wait=True, is_best=n == 2)
     store.close()
+    assert wait_removed(30)  # the pruned steps are deleted in the background (mgpu.state.files.removal)
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == ["best", "latest", "step_00000002", "step_00000004", "step_00000005"]
 

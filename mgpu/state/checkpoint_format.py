@@ -31,8 +31,8 @@ from mgpu.state.files.digest import mismatch
 
 __all__ = ["BEST", "FORMAT", "LATEST", "META_FILE", "STATE_FILE", "STEP_DIR", "TMP_PREFIX", "CheckpointError",
            "CheckpointSuperseded", "CheckpointWriteError", "InvalidCheckpoint", "LoadedCheckpoint", "NewerFormat",
-           "SavedCheckpoint", "active_claims", "checked_extra", "claimed", "describe_os_error", "exchange_paths",
-           "newer_format", "one_line", "refuse_newer", "remove_path",
+           "SavedCheckpoint", "active_claims", "checked_extra", "claim", "claimed", "describe_os_error", "exchange_paths",
+           "newer_format", "one_line", "refuse_newer", "release", "remove_path",
            "sha256_file", "tmp_name", "verify_and_load"]
 
 FORMAT = 1
@@ -180,19 +180,28 @@ def active_claims() -> set[Path]:
         return set(_ACTIVE)
 
 
+def claim(path: Path) -> None:
+    """Mark a temporary path as this process's until `release(path)`: a stale-file cleanup leaves it alone."""
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(path)
+
+
+def release(path: Path) -> None:
+    with _ACTIVE_LOCK:
+        _ACTIVE.discard(path)
+
+
 @contextmanager
 def claimed(path: Path) -> Iterator[Path]:
     """Mark a temporary path as this process's while the block runs, and remove whatever is left at it."""
-    with _ACTIVE_LOCK:
-        _ACTIVE.add(path)
+    claim(path)
     try:
         yield path
     finally:
         try:
             remove_path(path)
         finally:
-            with _ACTIVE_LOCK:
-                _ACTIVE.discard(path)
+            release(path)
 
 
 def exchange_paths(a: Path, b: Path) -> bool:

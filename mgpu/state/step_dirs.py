@@ -13,9 +13,10 @@ from pathlib import Path
 
 from mgpu.fsutil import fsync_path, write_durably
 from mgpu.state.checkpoint_format import (BEST, FORMAT, LATEST, META_FILE, STEP_DIR, TMP_PREFIX, CheckpointError,
-                                          InvalidCheckpoint, LoadedCheckpoint, active_claims, claimed,
-                                          describe_os_error, exchange_paths, one_line, refuse_newer, remove_path,
-                                          tmp_name, verify_and_load)
+                                          InvalidCheckpoint, LoadedCheckpoint, active_claims, claim, claimed,
+                                          describe_os_error, exchange_paths, one_line, refuse_newer, release,
+                                          remove_path, tmp_name, verify_and_load)
+from mgpu.state.files.removal import remove_later
 
 log = logging.getLogger("mgpu.state.step_dirs")
 
@@ -60,8 +61,9 @@ class StepDirectories:
 
     def prune(self) -> None:
         """Remove the complete checkpoints beyond the newest `keep_last`, the `latest` and `best` ones kept: called
-        once a save is durable and reported, outside the save's time. A failure is logged (the save stands; the next
-        prune tries again)."""
+        once a save is durable and reported, outside the save's time. Each is renamed away here and deleted in the
+        background (mgpu.state.files.removal): the caller does not wait for the filesystem to free its blocks. A
+        failure is logged (the save stands; the next prune tries again)."""
         try:
             self._prune()
         except OSError as error:
@@ -74,9 +76,16 @@ class StepDirectories:
         keep |= {name for name in (self.pointer(LATEST), self.pointer(BEST)) if name}
         for path in complete:
             if path.name not in keep:
-                # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir.
-                with claimed(self.directory / tmp_name(path.name)) as trash:
+                # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir. Claimed
+                # until deleted: a save's stale-file cleanup in another thread leaves it to the remover.
+                trash = self.directory / tmp_name(path.name)
+                claim(trash)
+                try:
                     os.rename(path, trash)
+                except BaseException:
+                    release(trash)
+                    raise
+                remove_later(trash, done=lambda trash=trash: release(trash))
         self.remove_stale_tmp()
 
     def remove_stale_tmp(self) -> None:
