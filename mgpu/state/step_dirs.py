@@ -7,6 +7,7 @@ store (mgpu.state.single.store) writes into it; the sharded checkpointer install
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 from pathlib import Path
@@ -85,7 +86,7 @@ class StepDirectories:
                 except BaseException:
                     release(trash)
                     raise
-                remove_later(trash, done=lambda trash=trash: release(trash))
+                remove_later(trash, done=functools.partial(release, trash))
         self.remove_stale_tmp()
 
     def remove_stale_tmp(self) -> None:
