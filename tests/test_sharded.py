@@ -284,19 +284,28 @@ def test_a_sharded_saves_ledger_entry_says_how_long_it_held_the_loop(group: None
     assert saved[1]["blocked_s"] >= saved[1]["seconds"], saved[1]
 
 
-def test_every_async_save_stages_through_a_stager_of_its_own(group: None, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reuse", [True, False], ids=["one-stager", "a-stager-per-save"])
+def test_async_saves_stage_through_one_stager_without_cuda_and_each_save_holds_its_step(
+        reuse: bool, group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # torch's DefaultStager, reused, fails every save after its first on CUDA tensors (KeyError: <class 'type'>,
-    # seen on an H100 with torch 2.11; a CPU tensor does not show it): each save gets a new one, the old one closed.
-    store, state = checkpointer(tmp_path, async_save=True), objects()
-    stagers = []
+    # seen on an H100 with torch 2.11; a CPU tensor does not show it): where CUDA is, each save gets a new one, the
+    # old one closed (REUSE_STAGER off here: this machine has no CUDA). Without it, one stager keeps its host
+    # copy's buffers, and the next save copies into them: each checkpoint must still hold its own step.
+    monkeypatch.setattr("mgpu.state.sharded.checkpointer.REUSE_STAGER", reuse)
+    store, state = checkpointer(tmp_path, keep_last=3, async_save=True), objects()
+    stagers, weights = [], []
     for at in (1, 2, 3):
         step(state)
+        weights.append({k: v.clone() for k, v in state["model"].state_dict().items()})
         store.save_objects(state, at, "periodic")
         stagers.append(store._stager)
         assert store.settle() is None
     store.close()
-    assert len({id(stager) for stager in stagers}) == 3 and all(stager is not None for stager in stagers)
-    assert [p.name for p in sorted((tmp_path / "checkpoints").glob("step_*"))][-2:] == ["step_00000002", "step_00000003"]
+    assert all(stager is not None for stager in stagers)
+    assert len({id(stager) for stager in stagers}) == (1 if reuse else 3)
+    for at, expected in zip((1, 2, 3), weights):
+        saved = consolidate(tmp_path / "checkpoints" / f"step_{at:08d}")
+        assert all(torch.equal(saved["model"][k], v) for k, v in expected.items()), at
 
 
 class _CudaMachine:
