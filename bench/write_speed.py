@@ -33,7 +33,9 @@ the ledger's `checkpoint_saved`): the call's time less what follows durability (
 step away), and `ratio_durable` its ratio (best: `ratio_durable_best`); `removal_s`: the previous step's deletion,
 which runs in the background after the call returns (mgpu.state.files.removal), waited for before the next reference
 and form, so that no write shares the disk with it (the references' own files are unlinked outside their time too);
-`first_gb_s`: the first repeat's rate, the process's first save of that form (what a fresh process pays once:
+for a background save (`single_async`, `sharded_async`) its two parts apart: `blocked_s`, the loop blocked (the
+snapshot to host memory; each repeat's: `blocked_all_s`), and `write_ratio` (best: `write_ratio_best`), the write after it, to durable, against the
+disk; `first_gb_s`: the first repeat's rate, the process's first save of that form (what a fresh process pays once:
 imports, buffers faulted in); `request_kib`: the mean size of the write requests the device took during the form
 (/sys/dev/block/M:N/stat; other processes' writes included), median. The rows `reference_buffered` and
 `reference_direct` give the references themselves (their rates; the buffered one's write and fsync phases apart:
@@ -79,9 +81,14 @@ def build_module(total_bytes: int) -> Any:
     return module
 
 
-def with_setting(module: Any, name: str, value: Any, save: Callable[[int], float]) -> Callable[[int], float]:
+Timing = tuple[float, float | None]
+"""A save form's (time to durable as it reports it, time until its call returned where that is earlier: the
+loop's blocked time of a background save; None for a synchronous one)."""
+
+
+def with_setting(module: Any, name: str, value: Any, save: Callable[[int], Timing]) -> Callable[[int], Timing]:
     """`save` run with `module.name` set to `value` (restored after): a save form with one mgpu setting changed."""
-    def run(step: int) -> float:
+    def run(step: int) -> Timing:
         kept = getattr(module, name)
         setattr(module, name, value)
         try:
@@ -147,7 +154,7 @@ def profile(directory: Path, state: dict[str, Any], data: memoryview) -> None:
 
 
 def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[str, Any], data: memoryview,
-           closers: list[Callable[[], Any]]) -> dict[str, Callable[[int], float]]:
+           closers: list[Callable[[], Any]]) -> dict[str, Callable[[int], Timing]]:
     """The save forms to time, each `step -> its own time to durable` (in this order per repeat)."""
     from mgpu.record.ledger import Ledger
     from mgpu.state.single.store import CheckpointStore
@@ -158,33 +165,39 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
     def ledger_seconds() -> float:
         return float(json.loads(ledger_path.read_text().splitlines()[-1])["seconds"])
 
-    def single(name: str) -> Callable[[int], float]:
+    def single(name: str) -> Callable[[int], Timing]:
         store = CheckpointStore(directory / name, keep_last=1)
         closers.append(store.close)
-        return lambda step: store.save(state, step).seconds
+        return lambda step: (store.save(state, step).seconds, None)
 
-    def single_async(name: str) -> Callable[[int], float]:
+    def single_async(name: str) -> Callable[[int], Timing]:
         store = CheckpointStore(directory / name, keep_last=1)
         closers.append(store.close)
-        return lambda step: (store.save_async(state, step), store.wait())[1].seconds  # type: ignore[union-attr]
 
-    def sharded(name: str, async_save: bool = False) -> Callable[[int], float]:
+        def save(step: int) -> Timing:
+            blocked = timed(lambda: store.save_async(state, step))
+            saved = store.wait()
+            assert saved is not None
+            return saved.seconds, blocked
+        return save
+
+    def sharded(name: str, async_save: bool = False) -> Callable[[int], Timing]:
         saver = ShardedCheckpointer(directory / name, 0, 1, Ledger(ledger_path, "", 0), keep_last=1,
                                     async_save=async_save)
         closers.append(saver.close)
 
-        def save(step: int) -> float:
-            saver.save_objects({"model": module}, step, "bench", wait=not async_save)
+        def save(step: int) -> Timing:
+            blocked = timed(lambda: saver.save_objects({"model": module}, step, "bench", wait=not async_save))
             if async_save and saver.settle() is not None:
                 raise RuntimeError("the background sharded save failed")
-            return ledger_seconds()
+            return ledger_seconds(), blocked if async_save else None
         return save
 
-    def plain(name: str, source: memoryview, **options: Any) -> Callable[[int], float]:
-        def write(step: int) -> float:
+    def plain(name: str, source: memoryview, **options: Any) -> Callable[[int], Timing]:
+        def write(step: int) -> Timing:
             seconds = sum(plain_write(directory / f"{name}.bin", source, **options))
             (directory / f"{name}.bin").unlink()
-            return seconds
+            return seconds, None
         return write
 
     forms = {"single": single("single"), "single_async": single_async("single_async"), "sharded": sharded("sharded"),
@@ -280,11 +293,12 @@ def main() -> None:
         around: dict[str, list[tuple[Point, Point]]] = {form: [] for form in forms}
         requests: dict[str, list[float]] = {form: [] for form in forms}
         removal: dict[str, list[float]] = {form: [] for form in forms}
+        blocked: dict[str, list[float]] = {form: [] for form in forms}
         counters = device_writes(directory)
         points.append(reference_point(directory, data, aligned))
         for step in range(1, args.repeats + 1):
             for form, save in forms.items():
-                reported: list[float] = []
+                reported: list[Timing] = []
                 counted = counters() if counters else None
                 seconds = timed(lambda: reported.append(save(step)), cpu[form])
                 if counters and counted:
@@ -295,7 +309,9 @@ def main() -> None:
                 removal[form].append(timed(lambda: wait_removed()))
                 points.append(reference_point(directory, data, aligned))
                 times[form].append(seconds)
-                durable[form].append(reported[0])
+                durable[form].append(reported[0][0])
+                if reported[0][1] is not None:
+                    blocked[form].append(reported[0][1])
                 around[form].append((points[-2], points[-1]))
             print(f"repeat {step}: reference {total / points[-1].faster_s / 1e9:.2f} GB/s, " + ", ".join(
                 f"{k} {total / v[-1] / 1e9:.2f} GB/s" for k, v in times.items()), flush=True)
@@ -308,6 +324,7 @@ def main() -> None:
                 return [(a + b) / 2 / s for a, b, s in pairs if a is not None and b is not None]
 
             faster = ratios(lambda p: p.faster_s, seconds)
+            writes = [whole - held for whole, held in zip(durable[form], blocked[form])]
             rows.append({"form": form, "bytes": total, "best_gb_s": total / min(seconds) / 1e9,
                          "median_gb_s": total / median(seconds) / 1e9, "first_gb_s": total / seconds[0] / 1e9,
                          "ratio_best": max(faster),
@@ -319,6 +336,7 @@ def main() -> None:
                          "ratio_durable_best": max(ratios(lambda p: p.faster_s, durable[form])),
                          "request_kib": round(median(requests[form]), 1) if requests[form] else None,
                          "removal_s": round(median(removal[form]), 3),
+                         **(_after_snapshot(ratios(lambda p: p.faster_s, writes), blocked[form]) if writes else {}),
                          "all_s": [round(s, 3) for s in seconds]})
         why = _why(points, total)
         print(f"why: {why}")
@@ -330,6 +348,11 @@ def main() -> None:
             dist.destroy_process_group()
             os.unlink(store_file.name)  # (made just before the group)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def _after_snapshot(ratios: list[float], blocked: list[float]) -> dict[str, float]:
+    """A background save's two parts apart: the loop blocked (the snapshot), and the write after it against the disk."""
+    return {"blocked_s": round(median(blocked), 4), "blocked_all_s": [round(b, 3) for b in blocked], "write_ratio_best": max(ratios), "write_ratio": median(ratios)}
 
 
 def _reference_row(form: str, total: int, seconds: list[float], **phases: float) -> dict[str, Any]:
