@@ -1,7 +1,7 @@
 """Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
-                                [--ab-huge-pages] [--ab-zlib] [--profile]
+                                [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
 checkpoints would be on). The disk's speed is one reference (bench/disk_speed.py, which says why): the faster of a
@@ -21,6 +21,9 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
   4 KiB pages (mgpu.state.files.direct_io.HUGE_PAGES off: the form before), into stores of their own;
 - with `--ab-zlib`, also `single_zlib` and `sharded_zlib`: the saves with their digest's CRC-32 computed by zlib's
   own code (the form before; mgpu.state.files.digest.crc32 is zlib-ng's, the same values), into stores of their own;
+- with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
+  core (no memory traffic): how much CPU beside a write slows this disk. On the CI VM it did, 1.5-2.4x: the
+  "disk" is the host copying guest memory, so a save's own copy and checksum cost it more than their CPU time;
 - with `--ab-writeback`, also `plain_wb` (the buffered write with its writeback started every 64 MiB), and
   `single_nowb` and `sharded_nowb`: the same saves with mgpu.state.files.writeback off (`WRITEBACK_BYTES = 0`), into
   stores of their own (that technique's share alone).
@@ -224,6 +227,8 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
         forms["plain_direct_4k"] = plain("plain_direct_4k", aligned_copy(data, huge_pages=False), direct=True)
         forms["single_4k"] = with_setting(direct_io, "HUGE_PAGES", False, single("single_4k"))
         forms["sharded_4k"] = with_setting(direct_io, "HUGE_PAGES", False, sharded("sharded_4k"))
+    if args.ab_busy_core:
+        forms["plain_direct_busy"] = _beside_a_busy_core(plain("plain_direct_busy", aligned_copy(data), direct=True))
     if args.ab_zlib:
         import zlib
 
@@ -232,6 +237,28 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
         forms["single_zlib"] = with_setting(digest, "crc32", zlib.crc32, single("single_zlib"))
         forms["sharded_zlib"] = with_setting(digest, "crc32", zlib.crc32, sharded("sharded_zlib"))
     return forms
+
+
+def _spin(stop: Any) -> None:
+    while not stop.is_set():
+        sum(range(100_000))
+
+
+def _beside_a_busy_core(save: Callable[[int], Timing]) -> Callable[[int], Timing]:
+    """`save` run while another process keeps one core busy with arithmetic alone (no memory traffic)."""
+    import multiprocessing
+
+    def run(step: int) -> Timing:
+        stop = multiprocessing.get_context("spawn").Event()
+        spinner = multiprocessing.get_context("spawn").Process(target=_spin, args=(stop,), daemon=True)
+        spinner.start()
+        time.sleep(1.0)  # (a spawned interpreter's start: spinning before the write starts)
+        try:
+            return save(step)
+        finally:
+            stop.set()
+            spinner.join()
+    return run
 
 
 def _why(points: list[Point], total: int) -> str:
@@ -259,6 +286,8 @@ def main() -> None:
                         help="also the background save with its snapshot copied into the buffers (no in-place writes)")
     parser.add_argument("--ab-huge-pages", action="store_true",
                         help="also an O_DIRECT plain write and saves from 4 KiB pages (direct_io.HUGE_PAGES off)")
+    parser.add_argument("--ab-busy-core", action="store_true",
+                        help="also the O_DIRECT plain write with another process spinning on one core")
     parser.add_argument("--ab-zlib", action="store_true",
                         help="also the saves with the digest's CRC-32 by zlib's code instead of zlib-ng's")
     parser.add_argument("--profile", action="store_true")
