@@ -40,7 +40,7 @@ def test_a_prune_returns_before_the_old_step_is_deleted(tmp_path: Path, monkeypa
         assert saved.step == 2 and store.list_steps() == [2]
         assert removal.wait_removed(0.2) is False
         [trash] = deleting
-        assert trash.name.startswith(".tmp-step_00000001-") and (trash / "state.pt").is_file()
+        assert trash.name.startswith(".tmp-pruned-step_00000001-") and (trash / "state.pt").is_file()
         assert trash in active_claims()
         store.remove_stale_tmp()  # a save's cleanup in another thread leaves it to the remover
         assert trash.is_dir()
@@ -64,11 +64,36 @@ def test_a_deletion_that_fails_is_logged_and_its_claim_released(tmp_path: Path, 
         store.save(_state(2.0), 2)
         assert removal.wait_removed(30)
     assert "could not remove the old checkpoint" in caplog.text and "Permission denied" in caplog.text
-    [left] = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-step_00000001-")]
+    [left] = [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-pruned-step_00000001-")]
     assert left not in active_claims()
     monkeypatch.undo()
     store.save(_state(3.0), 3)  # the next save's cleanup takes what was left
     assert removal.wait_removed(30) and not left.exists() and store.list_steps() == [3]
+
+
+def test_an_earlier_processs_pruned_step_is_deleted_in_the_background_and_a_killed_save_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pruned, killed = tmp_path / ".tmp-pruned-step_00000001-999999-ab", tmp_path / ".tmp-step_00000003-999999-cd"
+    for leftover in (pruned, killed):
+        leftover.mkdir(parents=True)
+        (leftover / "state.pt").write_bytes(b"x" * 4096)
+    release = threading.Event()
+    real = removal._delete
+
+    def slow(path: Path) -> None:
+        release.wait(30)
+        real(path)
+
+    monkeypatch.setattr(removal, "_delete", slow)
+    store = CheckpointStore(tmp_path, keep_last=1)
+    try:
+        store.save(_state(2.0), 2)
+        assert not killed.exists()  # its space back before the save's own write
+        assert pruned.is_dir() and pruned in active_claims()  # complete and superseded: not on the save's path
+    finally:
+        release.set()
+    assert removal.wait_removed(30) and not pruned.exists() and pruned not in active_claims()
+    assert store.list_steps() == [2]
 
 
 _EXITING = """

@@ -21,6 +21,9 @@ from mgpu.state.files.removal import remove_later
 
 log = logging.getLogger("mgpu.state.step_dirs")
 
+PRUNED = "pruned-"
+"""The label of a pruned step's temporary name (`.tmp-pruned-step_...`): deleted in the background wherever found."""
+
 
 class StepDirectories:
     """The checkpoints of one run in `directory`: the newest `keep_last` complete ones kept, plus `latest` and
@@ -79,7 +82,7 @@ class StepDirectories:
             if path.name not in keep:
                 # Renamed away first: a kill mid-delete then leaves a stale .tmp-*, not a half step dir. Claimed
                 # until deleted: a save's stale-file cleanup in another thread leaves it to the remover.
-                trash = self.directory / tmp_name(path.name)
+                trash = self.directory / tmp_name(f"{PRUNED}{path.name}")
                 claim(trash)
                 try:
                     os.rename(path, trash)
@@ -90,12 +93,19 @@ class StepDirectories:
         self.remove_stale_tmp()
 
     def remove_stale_tmp(self) -> None:
-        """Remove the temporary paths no save of this process is writing (a killed save's leftovers)."""
+        """Remove the temporary paths no save of this process is writing: a killed save's leftovers now (their space
+        back before the save that calls this needs it), a pruned step an earlier process had no time to delete in
+        the background (mgpu.state.files.removal: it was complete and superseded, the caller does not wait for it)."""
         # List first, then read the claims: a live temporary path is claimed before it is created.
         entries = [entry for entry in self.directory.iterdir() if entry.name.startswith(TMP_PREFIX)]
         active = active_claims()
         for entry in entries:
-            if entry not in active:
+            if entry in active:
+                continue
+            if entry.name.startswith(TMP_PREFIX + PRUNED):
+                claim(entry)
+                remove_later(entry, done=functools.partial(release, entry))
+            else:
                 remove_path(entry)
 
     # ------------------------------------------------------------------ loading

@@ -5,9 +5,11 @@ process deletes it. Freeing a file's blocks is the filesystem's slowest metadata
 the CI machine, a third of the time that GiB took to write. In the saving thread it held the stop's save (and so
 the requeue that follows it) and kept a periodic writer from the next save. Here it runs beside the next steps.
 
-At the interpreter's exit, what is queued is given at most EXIT_WAIT_S to finish; what is left then stays behind
-under its temporary name, which the next save's stale-file cleanup (mgpu.state.step_dirs) removes. A kill leaves the
-same. The thread is a daemon: it holds no exit past that wait, and it runs only in os calls (no C++ below it).
+At the interpreter's exit, what is queued is given at most EXIT_WAIT_S to finish: a trainer's whole exit work has a
+second (mgpu.stop.process_exit), and the other atexit handlers come after this one. What is left then stays behind
+under its temporary name, and the next save's stale-file cleanup (mgpu.state.step_dirs) hands it back here. A kill
+leaves the same. The thread is a daemon: it holds no exit past that wait, and it runs only in os calls (no C++
+below it).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ __all__ = ["EXIT_WAIT_S", "remove_later", "wait_removed"]
 
 log = logging.getLogger("mgpu.state.files.removal")
 
-EXIT_WAIT_S = 10.0
-"""How long the interpreter's exit waits for the queued deletions (at 0.13 s per GiB, ~75 GiB)."""
+EXIT_WAIT_S = 0.4
+"""How long the interpreter's exit waits for the queued deletions (at 0.13 s per GiB, ~3 GiB)."""
 
 _queue: "queue.Queue[tuple[Path, Callable[[], None]]]" = queue.Queue()
 _lock = threading.Lock()
