@@ -17,7 +17,8 @@ import torch.distributed as dist
 from mgpu.config.loading import load_config
 from mgpu.config.schema import WatchdogConfig
 from mgpu.record.ledger import read_ledger
-from mgpu.stop.watchdog import EVIDENCE_S, HANG_EXIT_CODE, SECOND_LOOK_MAX_S, STALE_AFTER_S, Heartbeat, Watchdog, blame
+from mgpu.stop.hang_evidence import Heartbeat, blame
+from mgpu.stop.watchdog import EVIDENCE_S, HANG_EXIT_CODE, SECOND_LOOK_MAX_S, STALE_AFTER_S, Watchdog
 from tests.tasks import BlobTask
 from tests.test_faults import finish_step, start_step
 

@@ -13,7 +13,8 @@ import pytest
 
 import mgpu.stop.watchdog as watchdog
 from mgpu.record.runview import hang_line
-from mgpu.stop.watchdog import LOOK_SLACK_S, SECOND_LOOK_MAX_S, STALE_AFTER_S, Heartbeat, Watchdog, second_look_s, still_silent
+from mgpu.stop.hang_evidence import Heartbeat, still_silent
+from mgpu.stop.watchdog import LOOK_SLACK_S, SECOND_LOOK_MAX_S, STALE_AFTER_S, Watchdog, second_look_s
 
 
 def hb(rank: int, written: float, step: int = 5, phase: str = "backward", stacks: bool = False,

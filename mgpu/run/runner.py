@@ -121,7 +121,8 @@ def start_watchdog(cfg: Config, env: ProcessEnv, run: RunDir, backend: str, chec
                    resume_s: float | None = None) -> Any:
     """This rank's watchdog, started; `checkpoint_s`, `resume_s`: its allowances for a save and for a resume
     (default: the config's checkpoint_s and first_step_s; mgpu.state.save_budget)."""
-    from mgpu.stop.watchdog import Watchdog, report_hang
+    from mgpu.stop.hang_evidence import report_hang
+    from mgpu.stop.watchdog import Watchdog
 
     def on_hang(beats: Any, stuck: list[int], waited: float, detected: float) -> None:
         if backend == "nccl":

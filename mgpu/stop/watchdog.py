@@ -26,14 +26,14 @@ Past the allowance, the rank:
 1. writes the Python stack of every thread (faulthandler) to its log, and asks every other rank to do the
    same (`.stacks-requested` on the board, looked at once a poll): it leaves only once every live rank has, since
    its exit ends the step (srun --kill-on-bad-exit) before a rank that waits for it would see its own hang;
-2. reads every rank's heartbeat and names the stuck ranks: a heartbeat that stopped changing (a frozen
-   process: SIGSTOP, a D-state read, C code holding the GIL), or ranks behind the others (still in a
-   forward while the others wait in the gradient all-reduce of that step). Frozen means no new heartbeat since
+2. reads every rank's heartbeat and names the stuck ranks (mgpu.stop.hang_evidence): a heartbeat that stopped
+   changing (a frozen process: SIGSTOP, a D-state read, C code holding the GIL), or ranks behind the others (still in
+   a forward while the others wait in the gradient all-reduce of that step). Frozen means no new heartbeat since
    the hang was found, by the rank's own clock (`still_silent`: no two machines' clocks are compared), within
    STALE_AFTER_S and then a second look as long as the machine's load makes a live publisher slow
    (`second_look_s`, from the load each heartbeat reports): an overloaded but live rank is not blamed;
-3. one rank (the first to claim `.hang-<job>-<restart>`) writes a `hang` event to the ledger: the stuck
-   ranks, their hosts, the last step every rank completed, each rank's phase (steps 1-3 on a helper thread,
+3. one rank (the first to claim `.hang-<job>-<restart>`) writes a `hang` event to the ledger (`report_hang`): the
+   stuck ranks, their hosts, the last step every rank completed, each rank's phase (steps 1-3 on a helper thread,
    bounded: on a filesystem that does not answer they are cut short, never the exit);
 4. exits with HANG_EXIT_CODE: srun ends the step (--kill-on-bad-exit), and the batch script excludes a
    node that alone is to blame and requeues, or starts the step again in the same allocation.
@@ -60,28 +60,21 @@ import statistics
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
+from mgpu.stop.hang_evidence import Heartbeat, blame, still_silent
 from mgpu.stop.heartbeat_board import STORE_TIMEOUT_S, Board, DirBoard, StoreBoard, default_board
 from mgpu.stop.phase_progress import LongPhases, ThreadsProgress, process_threads, thread_progress
 
 if TYPE_CHECKING:
     from mgpu.config.schema import WatchdogConfig
 
-__all__ = ["ENDED_TEARDOWN_S", "HANG_EXIT_CODE", "PHASES", "TEARDOWN_S", "Board", "DirBoard", "Heartbeat", "StoreBoard",
-           "Watchdog", "blame", "default_board"]
+__all__ = ["ENDED_TEARDOWN_S", "HANG_EXIT_CODE", "TEARDOWN_S", "Board", "DirBoard", "StoreBoard", "Watchdog",
+           "default_board"]
 
 log = logging.getLogger("mgpu.train")
 HANG_EXIT_CODE = 4
-PHASES = ("start", "resume", "data", "forward", "model", "backward", "optimizer", "eval", "agree", "checkpoint", "write",
-          "checkpoint-wait")
-"""A step's phases in order: a rank in an earlier phase of the same step is behind the others. `forward` is
-the task's loss, `model` the DDP forward inside it (whose buffer broadcast waits for every rank), so a
-rank stuck in its own code before the model is behind those waiting in DDP; `agree` (an evaluation's stop
-agreement) waits for the others; rank 0 `write`s a checkpoint while the others wait (`checkpoint-wait`); `resume`:
-finding, hashing and loading the checkpoint a run resumes from."""
 WRITE_EVERY_S = 2.0
 STALE_AFTER_S = 4 * WRITE_EVERY_S
 SECOND_LOOK_MAX_S = 2 * STALE_AFTER_S
@@ -99,56 +92,10 @@ ENDED_TEARDOWN_S = 5.0
 """The same once the run's outcome is recorded (checkpoint, ledger, loggers): cutting it short loses nothing,
 and Slurm's KillWait (often 5-30 s after a stop's signal) is near."""
 EVAL_PHASES = ("eval", "agree")
-WAITING_PHASES = ("model", "agree", "checkpoint-wait")
-"""Phases in which a rank waits for the others in a collective."""
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 MAX_ALLOWANCE_S = 86_400.0
 """No allowance, and no collective timeout derived from one, is longer (mgpu.state.save_budget.MAX_ALLOWANCE_S): a
 step or save timed across a suspended job must not make a timeout overflow."""
-
-
-@dataclass(frozen=True)
-class Heartbeat:
-    """What a rank's heartbeat file says."""
-
-    rank: int
-    host: str
-    pid: int
-    step: int
-    """Optimizer steps this rank completed."""
-    phase: str
-    since: float
-    """Wall time of this rank's last beat (its last progress)."""
-    written: float
-    """Wall time the watchdog thread wrote the file (it stops changing when the process is frozen)."""
-    stacks: bool = False
-    """This rank's stacks are in its log (for this hang)."""
-    load: float = 0.0
-    """Its machine's load average per CPU when it was written (how slow a live publisher may be there)."""
-
-
-def blame(beats: Sequence[Heartbeat], fresh_after: float, world: int | None = None,
-          frozen_ranks: Sequence[int] | None = None) -> list[int]:
-    """The ranks that hold the others up: frozen ones (a file not rewritten since `fresh_after`, or none at
-    all; `frozen_ranks`, when given, is the verdict of the second look instead of the clocks), else those
-    behind the rest."""
-    seen = {b.rank for b in beats}
-    frozen = set(frozen_ranks) if frozen_ranks is not None else {b.rank for b in beats if b.written < fresh_after}
-    frozen |= {rank for rank in range(world or 0) if rank not in seen}  # the second look counts these already
-    if frozen:
-        return sorted(frozen)
-    if not beats:
-        return []
-    order = {phase: i for i, phase in enumerate(PHASES)}
-    position = {b.rank: (b.step, order.get(b.phase, 0)) for b in beats}
-    furthest, least = max(position.values()), min(position.values())
-    phase = {b.rank: b.phase for b in beats}
-    # A rank waiting in a collective may look behind: gloo's broadcast (DDP's forward) ends on some ranks before
-    # others (seen at 8 ranks: one rank still in `model` beside the culprit in its loss). Such a rank is to
-    # blame only if nobody is further behind than it.
-    behind = [rank for rank, where in position.items()
-              if where < furthest and (where == least or phase[rank] not in WAITING_PHASES)]
-    return sorted(behind)
 
 
 def machine_load() -> float:
@@ -164,21 +111,6 @@ def second_look_s(load_per_cpu: float) -> float:
     CPU per runnable thread, STALE_AFTER_S per unit of load beyond that, at most SECOND_LOOK_MAX_S. At 32 ranks
     on 2 cores (load ~20 per CPU) a live rank's publisher went unscheduled for more than 8 s and was blamed."""
     return min(SECOND_LOOK_MAX_S, max(0.0, load_per_cpu - 1.0) * STALE_AFTER_S)
-
-
-def still_silent(first: Mapping[int, float], beats: Sequence[Heartbeat], world: int, detected: float) -> list[int]:
-    """The ranks that showed no sign of life since the hang was found: none at all, or a heartbeat written before
-    `detected` (this machine's clock) and unchanged since `first` (the rank's own clock: a rank whose clock is
-    behind this one's is alive once its heartbeat changes)."""
-    now = {b.rank: b for b in beats}
-    silent = []
-    for rank in range(world):
-        beat = now.get(rank)
-        if beat is None:
-            silent.append(rank)
-        elif beat.written < detected and (rank not in first or beat.written == first[rank]):
-            silent.append(rank)
-    return silent
 
 
 def attempt_key(logs: Path, environ: Mapping[str, str] | None = None) -> str:
@@ -527,40 +459,3 @@ class Watchdog:
         _bounded(read, STORE_TIMEOUT_S, "mgpu-watchdog-first-look")
         return found[0] if found else {}
 
-
-def report_hang(run: Any, job_id: str, restart: int, rank: int, beats: Sequence[Heartbeat], stuck: list[int],
-                waited: float, allowance: float, detected: float) -> bool:
-    """Write the `hang` event (the first rank to claim `.hang-<job>-<restart>` does); True if this rank did.
-
-    `run` is the mgpu.record.rundir.RunDir. The event: the stuck ranks and their hosts (all ranks' hosts when none
-    can be blamed), the last step every rank completed, each rank's phase, who saw it and after how long."""
-    from mgpu.record.ledger import Ledger
-
-    try:
-        fd = os.open(run.path / f".hang-{job_id}-{restart}", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    except OSError:
-        return False
-    os.close(fd)
-    by_rank = {b.rank: b for b in beats}
-    hosts = sorted({by_rank[r].host if r in by_rank else _recorded_host(run, r) for r in stuck} - {None})  # type: ignore[type-var]  # None is taken out
-    frozen = [r for r in stuck if r not in by_rank or by_rank[r].written < detected]
-    live = [b for b in beats if b.rank not in frozen] or list(beats)  # a frozen rank's file is out of date
-    completed = min((b.step - 1 for b in live), default=None)  # a beat's step is the one in progress
-    Ledger(run.ledger, job_id, restart).write(
-        "hang", ranks=stuck, hosts=hosts, step=completed, phases={str(b.rank): b.phase for b in beats},
-        steps={str(b.rank): b.step for b in beats}, frozen=frozen,
-        missing=[r for r in stuck if r not in by_rank], detected_by=rank,
-        waited_s=round(waited, 1), allowance_s=round(allowance, 1))
-    log.error("hung: rank(s) %s on %s hold the others up (phases %s)", stuck or "none identified", hosts or "?",
-              {b.rank: f"{b.phase}@{b.step}" for b in beats})
-    return True
-
-
-def _recorded_host(run: Any, rank: int) -> str | None:
-    """The host a rank recorded at its start (logs/rank<N>.json), for a rank without a heartbeat."""
-    try:
-        return str(json.loads(run.rank_record(rank).read_text())["hostname"])
-    except (OSError, ValueError, KeyError):
-        return None
