@@ -35,8 +35,9 @@ from mgpu.errors import MgpuError, exit_with  # noqa: E402  (no torch anywhere o
 from mgpu.cluster.kill_time import cluster_exports  # noqa: E402
 from mgpu.config.loading import Config  # noqa: E402
 from mgpu.record.exclusion import NodeMemory  # noqa: E402
-from mgpu.submit.submission import (Resources, Submission, build_submission, check_line, check_resumable,  # noqa: E402
-                             run_dir_for, sbatch_script, slurm_parameters, submitit_command, submitit_folder)
+from mgpu.submit.script_line import check_line  # noqa: E402
+from mgpu.submit.submission import (Resources, Submission, build_submission, check_resumable, run_dir_for,  # noqa: E402
+                             sbatch_script, slurm_parameters, submitit_command, submitit_folder)
 
 PROG = "submit"
 _NODE = re.compile(r"[A-Za-z0-9_.-]+")

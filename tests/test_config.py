@@ -16,16 +16,14 @@ from mgpu.config.loading import (
     Config,
     ConfigError,
     apply_overrides,
-    check_resume_compatible,
     config_from_dict,
     config_to_dict,
-    diff_configs,
     dump_config,
     grad_accum_for,
-    is_safe_to_change,
     load_config,
     save_config,
 )
+from mgpu.config.resume_compat import check_resume_compatible, diff_configs, is_safe_to_change
 from mgpu.errors import MgpuError
 
 ROOT = Path(__file__).resolve().parent.parent

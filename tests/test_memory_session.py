@@ -11,7 +11,8 @@ import pytest
 import torch
 from torch import nn
 
-from mgpu.config.loading import Config, config_to_dict, flatten_config, is_safe_to_change
+from mgpu.config.loading import Config, config_to_dict, flatten_config
+from mgpu.config.resume_compat import is_safe_to_change
 from mgpu.record.ledger import read_ledger
 from mgpu.run.session import Session
 from mgpu.state.memory.content import config_digest
@@ -90,7 +91,7 @@ def test_a_restart_with_snapshots_off_removes_them(tmp_path: Path) -> None:
 
 def test_the_digest_leaves_out_exactly_the_keys_a_durable_resume_accepts() -> None:
     """Every key of the config, changed alone: the snapshots' config digest changes where the durable resume
-    refuses the change (mgpu.config.loading.check_resume_compatible), and only there."""
+    refuses the change (mgpu.config.resume_compat.check_resume_compatible), and only there."""
     default = config_to_dict(Config())
     before = config_digest(default)
     for key in flatten_config(default):

@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from mgpu.errors import MgpuError
-from mgpu.submit.submission import (Resources, build_submission, check_run_root, check_task_target, expand_sweep,
-                             parse_slurm_time, parse_sweep, sbatch_script, setup_lines, slurm_parameters,
-                             submitit_command, submitit_folder)
+from mgpu.submit.submission import (Resources, build_submission, check_run_root, parse_slurm_time, sbatch_script,
+                             setup_lines, slurm_parameters, submitit_command, submitit_folder)
+from mgpu.submit.sweep import expand_sweep, parse_sweep
+from mgpu.submit.task_target import check_task_target
 from tests.conftest import PYTHON, ROOT, base_env
 
 SUBMIT = str(ROOT / "jobs" / "submit.py")

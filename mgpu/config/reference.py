@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from mgpu.config import schema as config_schema
-from mgpu.config.loading import is_safe_to_change
+from mgpu.config.resume_compat import is_safe_to_change
 
 __all__ = ["field_docs", "render"]
 

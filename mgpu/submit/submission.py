@@ -1,16 +1,15 @@
-"""Building and validating a submission: resources, sweeps, executor parameters and the sbatch text.
+"""Building and validating a submission: resources, executor parameters and the sbatch text.
 
 Everything a submission can get wrong (the config, the task's import path, the resources, the sweep)
-is checked here before anything is created or submitted, with one-line errors naming the flag.
+is checked here before anything is created or submitted, with one-line errors naming the flag: the sweep
+by mgpu.submit.sweep, the task's import path by mgpu.submit.task_target, every value's one line by
+mgpu.submit.script_line.
 Nothing here imports torch, and submitit only inside the functions that need it, so that
 `jobs/submit.py --help` and `--dry-run` start fast.
 """
 
 from __future__ import annotations
 
-import ast
-import importlib.util
-import itertools
 import math
 import os
 import re
@@ -21,17 +20,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from mgpu.config.loading import Config, ConfigError, check_resume_compatible, config_to_dict, control_problem, load_config
+from mgpu.config.loading import Config, ConfigError, config_to_dict, load_config
+from mgpu.config.resume_compat import check_resume_compatible
 from mgpu.errors import MgpuError
 from mgpu.cluster.hostlist import MAX_HOSTS, HostlistError, expand_hostlist
 from mgpu.cluster.kill_time import GRACE_VARIABLE, KILL_WAIT_VARIABLE
 from mgpu.record.rundir import RunDir
+from mgpu.submit.script_line import check_line
+from mgpu.submit.sweep import expand_sweep, parse_sweep, sweep_names
+from mgpu.submit.task_target import check_task_target
 
 __all__ = [
-    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_line",
-    "check_resumable", "check_run_root", "check_task_target", "expand_sweep", "parse_slurm_time", "parse_sweep",
-    "run_dir_for", "sbatch_script", "setup_lines", "slurm_parameters", "submitit_command", "submitit_folder",
-    "teardown_lines",
+    "MAX_ARRAY_SIZE", "MAX_TIME_MIN", "Resources", "Submission", "build_submission", "check_resumable",
+    "check_run_root", "parse_slurm_time", "run_dir_for", "sbatch_script", "setup_lines", "slurm_parameters",
+    "submitit_command", "submitit_folder", "teardown_lines",
 ]
 
 MAX_ARRAY_SIZE = 1000  # below Slurm's default MaxArraySize (1001)
@@ -88,16 +90,6 @@ def _mem_mb(text: str) -> int | None:
         return None
     shift = {"K": -10, "": 0, "M": 0, "G": 10, "T": 20}[match["unit"].upper()]
     return int(match["n"]) << shift if shift >= 0 else int(match["n"]) >> -shift
-
-
-def check_line(flag: str, value: str) -> None:
-    """MgpuError if `value` holds a control character: it would end the #SBATCH or shell line it is on.
-
-    Every value that reaches the batch script goes through here: the resources, the overrides, the
-    folder, the sweep and the resume command (each of submit.py's arguments), so a newline never
-    splits a line of the script (`MGPU_RESUME_COMMAND='...'` spanning two lines would run the second)."""
-    if problem := control_problem(value):
-        raise MgpuError(f"{flag} {value!r}: {problem}; give it on one line")
 
 
 @dataclass(frozen=True)
@@ -316,102 +308,6 @@ def sbatch_script(res: Resources, command: str, folder: str | Path, array_size: 
     return _make_sbatch_string(command=command, folder=Path(folder).expanduser().absolute(), **params)
 
 
-def _split_values(text: str) -> list[str]:
-    """`1,2` -> ['1', '2']; commas inside brackets or quotes (`[0.9,0.95]`) do not split."""
-    values, depth, quote, current = [], 0, "", ""
-    for char in text:
-        if quote:
-            quote = "" if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "[{":
-            depth += 1
-        elif char in "]}":
-            depth -= 1
-        elif char == "," and depth == 0:
-            values.append(current.strip())
-            current = ""
-            continue
-        current += char
-    values.append(current.strip())
-    return values
-
-
-def parse_sweep(items: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """`["optim.lr=1e-3,3e-4", ...]` -> `[("optim.lr", ["1e-3", "3e-4"]), ...]`, with one-line errors."""
-    parsed: list[tuple[str, list[str]]] = []
-    for item in items:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        values = _split_values(text)
-        if not sep or not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", key) or not all(values):
-            raise MgpuError(f"--sweep {item!r}: expected dotted.key=v1,v2,... (e.g. optim.lr=1e-3,3e-4)")
-        check_line("--sweep", item)
-        if any(key == seen for seen, _ in parsed):
-            raise MgpuError(f"--sweep {item!r}: {key} is swept twice; give all its values in one --sweep")
-        parsed.append((key, values))
-    return parsed
-
-
-def expand_sweep(sweep: Sequence[tuple[str, Sequence[str]]]) -> list[list[str]]:
-    """The cartesian product as override lists, first key slowest: [["a=1", "b=x"], ["a=1", "b=y"], ...]."""
-    return [[f"{key}={value}" for (key, _), value in zip(sweep, combo)]
-            for combo in itertools.product(*(values for _, values in sweep))]
-
-
-def _sweep_names(base: str, combos: list[list[str]]) -> list[str]:
-    """Readable distinct run names (`base_lr0.001_bs32`); numbered (`base_0`, ...) if those collide."""
-    def part(override: str) -> str:
-        key, _, value = override.partition("=")
-        return key.rsplit(".", 1)[-1] + re.sub(r"[^A-Za-z0-9.+-]+", "", value)
-
-    names = [f"{base}_" + "_".join(part(o) for o in combo) for combo in combos]
-    if len(set(names)) < len(names) or any(len(name) > 100 for name in names):
-        names = [f"{base}_{i}" for i in range(len(combos))]
-    return names
-
-
-def _defined_names(tree: ast.Module) -> set[str]:
-    """Names bound at a module's top level (also inside top-level if/try blocks)."""
-    names: set[str] = set()
-    nodes: list[ast.stmt] = list(tree.body)
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, ast.ClassDef):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names.update(t.id for t in targets if isinstance(t, ast.Name))
-        elif isinstance(node, (ast.If, ast.Try)):
-            nodes.extend(node.body + node.orelse + getattr(node, "finalbody", []))
-            nodes.extend(s for h in getattr(node, "handlers", []) for s in h.body)
-    return names
-
-
-def check_task_target(target: str) -> None:
-    """The module of `package.module:Class` can be found and binds the class; without importing it."""
-    module, _, name = target.partition(":")
-    fix = "run from the repository root or install the package that defines it"
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):  # a missing parent package
-        spec = None
-    except Exception as error:  # noqa: BLE001  (a parent package's __init__ that fails to run)
-        raise ConfigError(f"task.target={target!r}: importing the package of {module!r} failed: {error}") from None
-    if spec is None:
-        raise ConfigError(f"task.target={target!r}: no module named {module!r} ({fix})")
-    if not (spec.origin and spec.origin.endswith(".py")):
-        return  # compiled or namespace module: only importing would tell
-    try:
-        tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"), spec.origin)
-    except (OSError, SyntaxError, UnicodeDecodeError) as error:
-        raise ConfigError(f"task.target={target!r}: cannot read {spec.origin}: {error}") from None
-    if name not in _defined_names(tree):
-        raise ConfigError(f"task.target={target!r}: {spec.origin} defines no {name!r}")
-
-
 @dataclass(frozen=True)
 class Submission:
     """Validated configs (one per array task) and the overrides that made each."""
@@ -481,7 +377,7 @@ def build_submission(config_path: str | None, overrides: Sequence[str], sweep: S
     keys = [key for key, _ in parsed]
     if base.run.dir and "run.dir" not in keys:
         raise MgpuError(f"run.dir={base.run.dir!r}: a sweep needs one directory per task; remove run.dir")
-    names = [base.run.name] * len(combos) if "run.name" in keys else _sweep_names(base.run.name, combos)
+    names = [base.run.name] * len(combos) if "run.name" in keys else sweep_names(base.run.name, combos)
     configs = []
     for i, (combo, name) in enumerate(zip(combos, names)):
         extra = combo if "run.name" in keys else [*combo, f"run.name={name}"]

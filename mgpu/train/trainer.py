@@ -27,7 +27,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from mgpu.state.single.store import LoadedCheckpoint
-from mgpu.config.loading import Config, check_resume_compatible, config_to_dict, dump_config, flatten_config, grad_accum_for
+from mgpu.config.loading import Config, config_to_dict, dump_config, flatten_config, grad_accum_for
+from mgpu.config.resume_compat import check_resume_compatible
 from mgpu.data.sampling import MicroBatch, eval_shard, plan_for
 from mgpu.parallel.distributed import all_reduce
 from mgpu.errors import MgpuError

@@ -25,7 +25,8 @@ def config_digest(config: Any) -> str:
     """A digest of the config's keys a resume may not change (a dataclass or a mapping; the keys of
     mgpu.config.schema.SAFE_TO_CHANGE left out: the durable resume accepts a change of `optim.lr`, `train.epochs`,
     `data.num_workers`, ..., so a snapshot does too): a snapshot taken under another is stale."""
-    from mgpu.config.loading import flatten_config, is_safe_to_change
+    from mgpu.config.loading import flatten_config
+    from mgpu.config.resume_compat import is_safe_to_change
 
     plain = asdict(config) if is_dataclass(config) and not isinstance(config, type) else dict(config)
     kept = {key: value for key, value in flatten_config(plain).items() if not is_safe_to_change(key)}
