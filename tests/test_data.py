@@ -161,7 +161,7 @@ def test_only_this_ranks_cuda_generator_is_saved_and_restored(monkeypatch: pytes
 def test_to_device_moves_every_tensor_and_keeps_every_type() -> None:
     import torch
 
-    from mgpu.train.trainer import to_device
+    from mgpu.train.step_batches import to_device
     from tests.tasks import Inputs, Pair
 
     meta = torch.device("meta")  # a device other than the CPU that needs no GPU
@@ -182,7 +182,7 @@ def test_to_device_moves_mappings_of_every_kind_and_every_dataclass_field() -> N
 
     import torch
 
-    from mgpu.train.trainer import to_device
+    from mgpu.train.step_batches import to_device
 
     @dataclasses.dataclass(frozen=True)
     class Derived:

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
-import dataclasses
 import logging
 import math
 import os
@@ -24,20 +22,18 @@ from typing import Any, Iterator, Literal, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import Dataset
 
 from mgpu.state.single.store import LoadedCheckpoint
 from mgpu.config.loading import Config, config_to_dict, dump_config, flatten_config, grad_accum_for
 from mgpu.config.resume_compat import check_resume_compatible
 from mgpu.data.sampling import MicroBatch, eval_shard, plan_for
-from mgpu.parallel.distributed import all_reduce
 from mgpu.errors import MgpuError
 from mgpu.train.evaluation import EvalInterrupted, check_metrics, evaluate
 from mgpu.parallel.ema import EMA
 from mgpu.parallel.fsdp import local_grads, no_sync, plain, weights_fingerprint
-from mgpu.record.check_hooks import record_batch
-from mgpu.data.loader import Batches, make_loader
-from mgpu.train.metrics import LossSum, Sums
+from mgpu.train.log_window import LogWindow
+from mgpu.train.metrics import LossSum
 from mgpu.train.optim import build_optimizer, build_scheduler
 from mgpu.parallel.precision import resolve_precision
 from mgpu.record.reporting import Reporter, TaskLog, format_metrics
@@ -45,7 +41,7 @@ from mgpu.record.stragglers import rank_scalars
 from mgpu.state.rng import seed_everything
 from mgpu.run.session import Session
 from mgpu.data.stream import ShardedStream, StreamFiles
-from mgpu.data.stream_loader import StatefulStreamLoader
+from mgpu.train.step_batches import Step, StepBatches, to_device
 from mgpu.train.task import Task, sized_dataset
 from mgpu.state.train_state import Progress
 
@@ -71,29 +67,6 @@ class FitResult:
     best_step: int | None = None
 
 
-def to_device(batch: Any, device: torch.device) -> Any:
-    """`batch` with every tensor in it on `device`: tensors, lists, tuples, namedtuples, mappings (dict,
-    defaultdict, OrderedDict, UserDict such as Hugging Face's BatchEncoding, updated in a copy), dataclasses
-    (every field, `init=False` ones too)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple takes its fields positionally
-        return type(batch)(*(to_device(item, device) for item in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(item, device) for item in batch)
-    if isinstance(batch, (dict, collections.UserDict)):
-        moved = copy.copy(batch)  # keeps the type and what its constructor needs (a defaultdict's factory)
-        for key, value in batch.items():
-            moved[key] = to_device(value, device)
-        return moved
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        moved = copy.copy(batch)  # type: ignore[assignment]  # a dataclass here, the Mapping branch above
-        for f in dataclasses.fields(batch):
-            object.__setattr__(moved, f.name, to_device(getattr(batch, f.name), device))  # frozen ones too
-        return moved
-    return batch
-
-
 class Trainer:
     def __init__(self, cfg: Config, task: Task, session: Session) -> None:
         self.cfg, self.task, self.session, self.run = cfg, task, session, session.run
@@ -111,7 +84,8 @@ class Trainer:
         self.accum = grad_accum_for(cfg, self.world)
         # A Stateful IterableDataset walks itself (its loader); anything else mgpu plans: a stream (mgpu.data.stream) is
         # trained as its samples by id, in the stream's own order per epoch.
-        self.stream = self._stateful_stream(train_set)
+        self.feed = StepBatches(cfg, task, self.rank, self.world, self.device, lambda: session.stop_requested)
+        self.stream = self.feed.stateful_stream(train_set)
         self.stream_files = StreamFiles(train_set, log.warning) if isinstance(train_set, ShardedStream) else None
         if self.stream is None:
             self.train_set, self.plan = plan_for(train_set, cfg.data.batch_size, self.rank, self.world,
@@ -162,12 +136,7 @@ class Trainer:
         self.reporter = Reporter(self.is_main, self.run.tensorboard if cfg.log.tensorboard else None,
                                  self.total_steps, self.resume_step, cfg.log.progress_bar, wandb=wandb)
         self.version = session.version
-        self._window_start = time.perf_counter()
-        self._window_steps = 0
-        self._window_samples = 0
-        self._loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._loss_count = torch.zeros((), dtype=torch.float64, device=self.device)
-        self._train_sums = Sums()  # the task's training metrics beside its loss, over the log interval
+        self.window = LogWindow(self.device)  # the training metrics since the last log line
         task.log = TaskLog(self.reporter, lambda: self.progress.step)
         self._grad_norm = torch.zeros((), device=self.device)
         self._step_lr = self.optimizer.param_groups[0]["lr"]
@@ -262,68 +231,10 @@ class Trainer:
         return max(total, p.step)
 
     # ------------------------------------------------------------------ data
-    def _stateful_stream(self, dataset: Any) -> StatefulStreamLoader | None:
-        """For an IterableDataset with state_dict()/load_state_dict() (mgpu.train.task.sized_dataset let it through):
-        its loader, checkpointed per rank and worker; None for a map-style dataset or a ShardedStream."""
-        if not isinstance(dataset, IterableDataset) or isinstance(dataset, ShardedStream):
-            return None
-        cfg = self.cfg
-        if cfg.train.max_steps is None:
-            raise MgpuError(f"{type(self.task).__name__}.train_dataset() is a stream without a length "
-                            f"({type(dataset).__name__}): set train.max_steps (the run's optimizer steps; the LR "
-                            f"schedule needs them); train.epochs stays an upper bound")
-        return StatefulStreamLoader(dataset, cfg.data.batch_size, rank=self.rank, world_size=self.world,
-                                    seed=cfg.train.seed, num_workers=cfg.data.num_workers,
-                                    collate_fn=self.task.collate_fn(), requeue_signal=cfg.preemption.signal,
-                                    **self._loader_options())
-
-    def _loader(self, dataset: Dataset, batches: list[list[int]], workers: int | None = None) -> DataLoader:
-        return make_loader(dataset, batches, num_workers=self.cfg.data.num_workers if workers is None else workers,
-                           seed=self.cfg.train.seed, epoch=self.progress.epoch, rank=self.rank,
-                           requeue_signal=self.cfg.preemption.signal, collate_fn=self.task.collate_fn(),
-                           **self._loader_options())
-
-    def _loader_options(self) -> dict[str, Any]:
-        """The DataLoader options of the config: pinned memory on a GPU, the workers' start method."""
-        options: dict[str, Any] = {"pin_memory": self.device.type == "cuda"}
-        if self.cfg.data.worker_start_method != "default":
-            options["multiprocessing_context"] = self.cfg.data.worker_start_method
-        return options
-
-    def _batches(self, dataset: Dataset, indices: list[list[int]]) -> Batches:
-        return Batches(lambda start, workers: self._loader(dataset, indices[start:], workers), len(indices),
-                       self.cfg.data.num_workers, lambda: self.session.stop_requested)
-
-    def _optimizer_steps(self) -> Iterator[list[tuple[MicroBatch, Any]]]:
-        """Groups of `accum` micro-batches, epoch after epoch, from the current position."""
-        if self.stream is not None:
-            yield from self._stream_steps(self.stream)
-            return
-        while self.progress.epoch < self.cfg.train.epochs:
-            micro = list(self.plan.micro_batches(self.progress.epoch, self.progress.position))
-            indices = [m.indices for m in micro]
-            batches = self._batches(self.train_set, indices)
-            group: list[tuple[MicroBatch, Any]] = []
-            for index, (mb, batch) in enumerate(zip(micro, batches)):
-                record_batch(self.rank, self.progress.epoch, mb.end_position, batch, mb.indices,
-                             self.cfg.data.num_workers)  # check_resume only
-                group.append((mb, batch))
-                if len(group) == self.accum or index == len(micro) - 1:
-                    yield group
-                    group = []
-
-    def _stream_steps(self, stream: StatefulStreamLoader) -> Iterator[list[tuple[MicroBatch, Any]]]:
-        """As _optimizer_steps, for a stateful stream: its position counts this rank's batches of the epoch, and
-        it says at an epoch's last batch that it is the last (it looks one batch ahead)."""
-        while stream.epoch < self.cfg.train.epochs:
-            group: list[tuple[MicroBatch, Any]] = []
-            for batch in stream:
-                # A streamed sample has no index: `indices` are its places in the batch; all are real.
-                group.append((MicroBatch(list(range(stream.last_size)), stream.last_size, stream.last_global_size,
-                                         stream.position, stream.position == 0), batch))
-                if len(group) == self.accum or stream.position == 0:
-                    yield group
-                    group = []
+    def _optimizer_steps(self) -> Iterator[Step]:
+        """Groups of `accum` micro-batches, epoch after epoch, from the current position (mgpu.train.step_batches)."""
+        plan, train_set = (None, None) if self.stream is not None else (self.plan, self.train_set)
+        return self.feed.steps(self.progress, self.accum, plan, train_set, self.stream)
 
     # ------------------------------------------------------------------ the loop
     def fit(self) -> FitResult:
@@ -402,7 +313,7 @@ class Trainer:
                                    else f"batch per rank {p.position}), {self.accum} micro-step(s) a step"))
         log.info("rank %d (pid %d) on %s starts at step %d", self.rank, os.getpid(), self.device, p.step)
 
-    def _forward_backward(self, group: list[tuple[MicroBatch, Any]]) -> int:
+    def _forward_backward(self, group: Step) -> int:
         """Forward, loss and backward over the step's micro-batches, the gradients accumulated locally until the
         last (no_sync), then made the mean over every real sample (or, for a LossSum, every unit) of the step.
         Returns the step's samples over all ranks."""
@@ -425,7 +336,7 @@ class Trainer:
                 else:
                     self._backward_per_sample(loss, mb, total)
             if extras:
-                self._add_train_metrics(extras, mb.real)
+                self.window.add_metrics(extras, mb.real, type(self.task).__name__)
         if weight is not None:
             if reduction is not None:
                 reduction.wait()
@@ -449,8 +360,8 @@ class Trainer:
             weight = weight.clone()
             reduction = dist.all_reduce(weight, async_op=True)
         self.scaler.scale(summed).backward()
-        self._loss_sum += summed.detach()
-        self._loss_count += units
+        self.window.loss_sum += summed.detach()
+        self.window.loss_count += units
         return weight, reduction
 
     def _backward_per_sample(self, loss: Any, mb: MicroBatch, total: int) -> None:
@@ -463,8 +374,8 @@ class Trainer:
         # DDP averages gradients over ranks: scaling by world/total makes that average the exact
         # mean over every real sample of the step, however unevenly the samples were split.
         self.scaler.scale(real.sum() * (self.world / total)).backward()
-        self._loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
-        self._loss_count += mb.real
+        self.window.loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
+        self.window.loss_count += mb.real
 
     def _clip_gradients(self) -> None:
         """Unscaled gradients, clipped to train.clip_grad_norm; their norm kept for the log line."""
@@ -476,13 +387,12 @@ class Trainer:
             self._grad_norm = plain(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                                                    max_norm if max_norm is not None else math.inf))
 
-    def _advance(self, group: list[tuple[MicroBatch, Any]], samples: int) -> bool:
+    def _advance(self, group: Step, samples: int) -> bool:
         """The step done: its end time, the step, the position in the data, the log window. Whether it ended an
         epoch."""
         p = self.progress
         self.step_ends.append(time.perf_counter())
-        self._window_steps += 1
-        self._window_samples += samples
+        self.window.step_done(samples)
         p.step += 1
         p.position = group[-1][0].end_position
         p.samples_seen += sum(mb.global_count for mb, _ in group)
@@ -491,12 +401,6 @@ class Trainer:
             p.epoch, p.position = p.epoch + 1, 0
         return epoch_end
 
-    def _add_train_metrics(self, extras: Mapping[str, Any], real: int) -> None:
-        try:
-            self._train_sums.add(extras, real=real)
-        except ValueError as error:
-            raise MgpuError(f"{type(self.task).__name__}.loss: {error}") from None
-
     # ------------------------------------------------------------------ logging
     def _log_due(self, step: int) -> bool:
         every = self.cfg.log.every_steps
@@ -504,22 +408,7 @@ class Trainer:
 
     def _log_train(self) -> None:
         # The only host sync of the step path: once per log interval, not per step.
-        elapsed = time.perf_counter() - self._window_start
-        step_time = elapsed / max(self._window_steps, 1)
-        own = torch.tensor([self._loss_sum.item(), float(self._loss_count), step_time], dtype=torch.float64,
-                           device=self.device)
-        totals = all_reduce(torch.cat([own, self._train_sums.vector(self.device)]))
-        metrics = {
-            "loss": (totals[0] / totals[1].clamp(min=1)).item(),
-            "lr": self._step_lr,
-            "grad_norm": float(self._grad_norm),
-            "samples_per_s": self._window_samples / max(elapsed, 1e-9),
-            "step_time_s": step_time,
-        }
-        tokens = self.task.tokens_per_sample()
-        if tokens:
-            metrics["tokens_per_s"] = metrics["samples_per_s"] * tokens
-        metrics.update(self._train_sums.compute(totals[3:].tolist()))
+        metrics = self.window.metrics(self._step_lr, float(self._grad_norm), self.task.tokens_per_sample())
         p = self.progress
         # [fsdp hook] sharded weights: every rank takes part in the fingerprint
         fingerprint = weights_fingerprint(self.model) if self.fsdp or self.is_main else None
@@ -535,10 +424,7 @@ class Trainer:
                               fingerprint=fingerprint, **({"ranks": ranks} if ranks is not None else {}))
         if not self.reporter.bar:
             self.reporter.line(f"step {p.step}/{self.total_steps} epoch {p.epoch}  {format_metrics(metrics)}")
-        self._loss_sum.zero_()
-        self._loss_count.zero_()
-        self._train_sums.reset()
-        self._window_start, self._window_steps, self._window_samples = time.perf_counter(), 0, 0
+        self.window.reset()
 
     # ------------------------------------------------------------------ evaluation
     def _eval_due(self, epoch_end: bool) -> bool:
@@ -553,7 +439,7 @@ class Trainer:
         if self.eval_set is None:
             return
         probe = list(range(min(2, len(self.eval_set))))  # type: ignore[arg-type]  # torch's Dataset declares no __len__
-        batch = next(iter(self._loader(self.eval_set, [probe], workers=0)))
+        batch = next(iter(self.feed.loader(self.eval_set, [probe], self.progress.epoch, workers=0)))
         self.model.eval()
         log, self.task.log = self.task.log, None  # the probe's texts are not an evaluation's
         with torch.no_grad(), self._autocast():
@@ -571,7 +457,8 @@ class Trainer:
         batch_size = self.cfg.data.eval_batch_size or self.cfg.data.batch_size
         batches = [indices[i:i + batch_size] for i in range(0, len(indices), batch_size)]
         common = -(-(size // self.world) // batch_size)  # batches of the rank with the fewest samples
-        on_device = (to_device(batch, self.device) for batch in self._batches(self.eval_set, batches))
+        on_device = (to_device(batch, self.device)
+                     for batch in self.feed.batches(self.eval_set, batches, self.progress.epoch))
         # [fsdp hook] a sharded model's forward is a collective: every rank runs as many as rank 0 has batches
         most = math.ceil(math.ceil(size / self.world) / batch_size) if self.fsdp else 0
         # train.ema_decay: the average is evaluated (the model holds its weights inside the block, its own after it)
