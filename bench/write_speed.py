@@ -1,7 +1,8 @@
 """Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
-                                [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--profile]
+                                [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager]
+                                [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
 checkpoints would be on). The disk's speed is one reference (bench/disk_speed.py, which says why): the faster of a
@@ -21,6 +22,8 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
   4 KiB pages (mgpu.state.files.direct_io.HUGE_PAGES off: the form before), into stores of their own;
 - with `--ab-zlib`, also `single_zlib` and `sharded_zlib`: the saves with their digest's CRC-32 computed by zlib's
   own code (the form before; mgpu.state.files.digest.crc32 is zlib-ng's, the same values), into stores of their own;
+- with `--ab-stager`, also `sharded_async_fresh_stager`: the periodic sharded save with a new DCP stager per save
+  (mgpu.state.sharded.checkpointer.REUSE_STAGER off: what a save does where CUDA is, and did everywhere before);
 - with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
   core (no memory traffic): how much CPU beside a write slows this disk. On the CI VM it did, 1.5-2.4x: the
   "disk" is the host copying guest memory, so a save's own copy and checksum cost it more than their CPU time;
@@ -227,6 +230,11 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
         forms["plain_direct_4k"] = plain("plain_direct_4k", aligned_copy(data, huge_pages=False), direct=True)
         forms["single_4k"] = with_setting(direct_io, "HUGE_PAGES", False, single("single_4k"))
         forms["sharded_4k"] = with_setting(direct_io, "HUGE_PAGES", False, sharded("sharded_4k"))
+    if args.ab_stager:
+        from mgpu.state.sharded import checkpointer as sharded_module
+
+        forms["sharded_async_fresh_stager"] = with_setting(sharded_module, "REUSE_STAGER", False,
+                                                           sharded("sharded_async_fresh_stager", async_save=True))
     if args.ab_busy_core:
         forms["plain_direct_busy"] = _beside_a_busy_core(plain("plain_direct_busy", aligned_copy(data), direct=True))
     if args.ab_zlib:
@@ -286,6 +294,8 @@ def main() -> None:
                         help="also the background save with its snapshot copied into the buffers (no in-place writes)")
     parser.add_argument("--ab-huge-pages", action="store_true",
                         help="also an O_DIRECT plain write and saves from 4 KiB pages (direct_io.HUGE_PAGES off)")
+    parser.add_argument("--ab-stager", action="store_true",
+                        help="also the periodic sharded save with a new DCP stager per save (REUSE_STAGER off)")
     parser.add_argument("--ab-busy-core", action="store_true",
                         help="also the O_DIRECT plain write with another process spinning on one core")
     parser.add_argument("--ab-zlib", action="store_true",
