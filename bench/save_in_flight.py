@@ -133,10 +133,10 @@ def main() -> None:
     train_profile = cProfile.Profile() if args.profile else None
 
     class Store(CheckpointStore):
-        def _write_state(self, state: dict[str, Any], path: Path) -> str:
+        def _write_state(self, state: dict[str, Any], path: Path, snapshot: Any = None) -> dict[str, Any]:
             if writer_profile is None:
-                return super()._write_state(state, path)
-            return writer_profile.runcall(super()._write_state, state, path)  # type: ignore[no-any-return]
+                return super()._write_state(state, path, snapshot)
+            return writer_profile.runcall(super()._write_state, state, path, snapshot)  # type: ignore[no-any-return]
 
     store = Store(root / "store", keep_last=1)
     # variant -> [(idle steps around the write, steps while writing)]

@@ -1,7 +1,7 @@
 """Does a checkpoint write at the disk's speed? mgpu's saves beside a plain sequential write of the same bytes.
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
-                                [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager]
+                                [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager] [--ab-pipeline]
                                 [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
@@ -22,6 +22,8 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
   4 KiB pages (mgpu.state.files.direct_io.HUGE_PAGES off: the form before), into stores of their own;
 - with `--ab-zlib`, also `single_zlib` and `sharded_zlib`: the saves with their digest's CRC-32 computed by zlib's
   own code (the form before; mgpu.state.files.digest.crc32 is zlib-ng's, the same values), into stores of their own;
+- with `--ab-pipeline`, also `single_async_copied_first`: the periodic single-file save with its whole snapshot
+  copied before the writer takes it (mgpu.state.single.store.PIPELINED_SNAPSHOT off: the form before);
 - with `--ab-stager`, also `sharded_async_fresh_stager`: the periodic sharded save with a new DCP stager per save
   (mgpu.state.sharded.checkpointer.REUSE_STAGER off: what a save does where CUDA is, and did everywhere before);
 - with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
@@ -41,7 +43,8 @@ which runs in the background after the call returns (mgpu.state.files.removal), 
 and form, so that no write shares the disk with it (the references' own files are unlinked outside their time too);
 for a background save (`single_async`, `sharded_async`) its two parts apart: `blocked_s`, the loop blocked (the
 snapshot to host memory; each repeat's: `blocked_all_s`), and `write_ratio` (best: `write_ratio_best`), the write after it, to durable, against the
-disk; `first_gb_s`: the first repeat's rate, the process's first save of that form (what a fresh process pays once:
+disk (not for a save whose writer starts while its snapshot is still copied: `single_async`, its two parts overlap);
+`first_gb_s`: the first repeat's rate, the process's first save of that form (what a fresh process pays once:
 imports, buffers faulted in); `request_kib`: the mean size of the write requests the device took during the form
 (/sys/dev/block/M:N/stat; other processes' writes included), median. The rows `reference_buffered` and
 `reference_direct` give the references themselves (their rates; the buffered one's write and fsync phases apart:
@@ -87,9 +90,10 @@ def build_module(total_bytes: int) -> Any:
     return module
 
 
-Timing = tuple[float, float | None]
+Timing = tuple[float, float | None, bool]
 """A save form's (time to durable as it reports it, time until its call returned where that is earlier: the
-loop's blocked time of a background save; None for a synchronous one)."""
+loop's blocked time of a background save, None for a synchronous one; whether its write starts only once the call
+returned, so that the two are phases apart: not where the writer starts on the snapshot while it is copied)."""
 
 
 def with_setting(module: Any, name: str, value: Any, save: Callable[[int], Timing]) -> Callable[[int], Timing]:
@@ -174,17 +178,19 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
     def single(name: str) -> Callable[[int], Timing]:
         store = CheckpointStore(directory / name, keep_last=1)
         closers.append(store.close)
-        return lambda step: (store.save(state, step).seconds, None)
+        return lambda step: (store.save(state, step).seconds, None, False)
 
     def single_async(name: str) -> Callable[[int], Timing]:
         store = CheckpointStore(directory / name, keep_last=1)
         closers.append(store.close)
 
         def save(step: int) -> Timing:
+            from mgpu.state.single import store as store_module
+
             blocked = timed(lambda: store.save_async(state, step))
             saved = store.wait()
             assert saved is not None
-            return saved.seconds, blocked
+            return saved.seconds, blocked, not store_module.PIPELINED_SNAPSHOT
         return save
 
     def sharded(name: str, async_save: bool = False) -> Callable[[int], Timing]:
@@ -196,14 +202,14 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
             blocked = timed(lambda: saver.save_objects({"model": module}, step, "bench", wait=not async_save))
             if async_save and saver.settle() is not None:
                 raise RuntimeError("the background sharded save failed")
-            return ledger_seconds(), blocked if async_save else None
+            return ledger_seconds(), blocked if async_save else None, async_save
         return save
 
     def plain(name: str, source: memoryview, **options: Any) -> Callable[[int], Timing]:
         def write(step: int) -> Timing:
             seconds = sum(plain_write(directory / f"{name}.bin", source, **options))
             (directory / f"{name}.bin").unlink()
-            return seconds, None
+            return seconds, None, False
         return write
 
     forms = {"single": single("single"), "single_async": single_async("single_async"), "sharded": sharded("sharded"),
@@ -230,6 +236,11 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
         forms["plain_direct_4k"] = plain("plain_direct_4k", aligned_copy(data, huge_pages=False), direct=True)
         forms["single_4k"] = with_setting(direct_io, "HUGE_PAGES", False, single("single_4k"))
         forms["sharded_4k"] = with_setting(direct_io, "HUGE_PAGES", False, sharded("sharded_4k"))
+    if args.ab_pipeline:
+        from mgpu.state.single import store as store_module
+
+        forms["single_async_copied_first"] = with_setting(store_module, "PIPELINED_SNAPSHOT", False,
+                                                          single_async("single_async_copied_first"))
     if args.ab_stager:
         from mgpu.state.sharded import checkpointer as sharded_module
 
@@ -294,6 +305,8 @@ def main() -> None:
                         help="also the background save with its snapshot copied into the buffers (no in-place writes)")
     parser.add_argument("--ab-huge-pages", action="store_true",
                         help="also an O_DIRECT plain write and saves from 4 KiB pages (direct_io.HUGE_PAGES off)")
+    parser.add_argument("--ab-pipeline", action="store_true",
+                        help="also the periodic single-file save with its snapshot copied before the write starts")
     parser.add_argument("--ab-stager", action="store_true",
                         help="also the periodic sharded save with a new DCP stager per save (REUSE_STAGER off)")
     parser.add_argument("--ab-busy-core", action="store_true",
@@ -333,6 +346,7 @@ def main() -> None:
         requests: dict[str, list[float]] = {form: [] for form in forms}
         removal: dict[str, list[float]] = {form: [] for form in forms}
         blocked: dict[str, list[float]] = {form: [] for form in forms}
+        phased: dict[str, list[bool]] = {form: [] for form in forms}
         counters = device_writes(directory)
         points.append(reference_point(directory, data, aligned))
         for step in range(1, args.repeats + 1):
@@ -351,6 +365,7 @@ def main() -> None:
                 durable[form].append(reported[0][0])
                 if reported[0][1] is not None:
                     blocked[form].append(reported[0][1])
+                phased[form].append(reported[0][2])
                 around[form].append((points[-2], points[-1]))
             print(f"repeat {step}: reference {total / points[-1].faster_s / 1e9:.2f} GB/s, " + ", ".join(
                 f"{k} {total / v[-1] / 1e9:.2f} GB/s" for k, v in times.items()), flush=True)
@@ -363,7 +378,7 @@ def main() -> None:
                 return [(a + b) / 2 / s for a, b, s in pairs if a is not None and b is not None]
 
             faster = ratios(lambda p: p.faster_s, seconds)
-            writes = [whole - held for whole, held in zip(durable[form], blocked[form])]
+            writes = [whole - held for whole, held in zip(durable[form], blocked[form])] if all(phased[form]) else []
             rows.append({"form": form, "bytes": total, "best_gb_s": total / min(seconds) / 1e9,
                          "median_gb_s": total / median(seconds) / 1e9, "first_gb_s": total / seconds[0] / 1e9,
                          "ratio_best": max(faster),
@@ -375,7 +390,9 @@ def main() -> None:
                          "ratio_durable_best": max(ratios(lambda p: p.faster_s, durable[form])),
                          "request_kib": round(median(requests[form]), 1) if requests[form] else None,
                          "removal_s": round(median(removal[form]), 3),
-                         **(_after_snapshot(ratios(lambda p: p.faster_s, writes), blocked[form]) if writes else {}),
+                         **(_after_snapshot(ratios(lambda p: p.faster_s, writes), blocked[form]) if writes else
+                            {"blocked_s": round(median(blocked[form]), 4),
+                             "blocked_all_s": [round(b, 3) for b in blocked[form]]} if blocked[form] else {}),
                          "all_s": [round(s, 3) for s in seconds]})
         why = _why(points, total)
         print(f"why: {why}")
@@ -389,7 +406,7 @@ def main() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-def _after_snapshot(ratios: list[float], blocked: list[float]) -> dict[str, float]:
+def _after_snapshot(ratios: list[float], blocked: list[float]) -> dict[str, Any]:
     """A background save's two parts apart: the loop blocked (the snapshot), and the write after it against the disk."""
     return {"blocked_s": round(median(blocked), 4), "blocked_all_s": [round(b, 3) for b in blocked], "write_ratio_best": max(ratios), "write_ratio": median(ratios)}
 

@@ -9,7 +9,10 @@ import errno
 import mmap
 import os
 import random
+import threading
+import time
 from pathlib import Path
+from typing import Any
 import pytest
 import torch
 
@@ -272,6 +275,95 @@ def test_a_background_save_writes_its_snapshots_big_tensors_in_place(tmp_path: P
     store.save(state, 2)  # the caller's own tensors: copied, never written from where they are
     assert big.data_ptr() % ALIGN == 0 and addresses and big.data_ptr() not in addresses
     store.close()
+
+
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "copied-first"])
+def test_a_background_saves_writer_starts_on_the_first_buffers_while_the_rest_are_copied(
+        pipelined: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer waits per buffer for save_async's copy (mgpu.state.single.host_copy.CopyGate), not for the whole
+    snapshot: the copy is held after the first tensor, and that tensor's bytes still reach the disk. Copied first
+    (PIPELINED_SNAPSHOT off, the form before), nothing is written until the copy ends."""
+    monkeypatch.setattr(checkpoint_module, "PIPELINED_SNAPSHOT", pipelined)
+    addresses = _writes_from(monkeypatch)
+    held, copied_first = threading.Event(), threading.Event()
+    real_copy = checkpoint_module.copy_snapshot
+
+    def copy_held(copies: list[tuple[torch.Tensor, torch.Tensor]], done: Any) -> None:
+        real_copy(copies[:1], done)
+        copied_first.set()
+        assert held.wait(30)
+        real_copy(copies[1:], lambda index: done(index + 1))
+
+    monkeypatch.setattr(checkpoint_module, "copy_snapshot", copy_held)
+    state = {name: torch.randn(IN_PLACE_BYTES // 4 * 2) for name in ("a", "b", "c")}  # 2 MiB each, in place
+    store = CheckpointStore(tmp_path / "checkpoints")
+    saving = threading.Thread(target=store.save_async, args=(state, 1))
+    saving.start()
+    try:
+        assert copied_first.wait(30)
+        deadline = time.monotonic() + (10 if pipelined else 2)
+        while time.monotonic() < deadline and not addresses:
+            time.sleep(0.01)
+        assert bool(addresses) == pipelined, addresses  # the first tensor written while the others wait
+    finally:
+        held.set()
+        saving.join(30)
+    saved = store.wait()
+    assert saved is not None
+    loaded = torch.load(saved.path / "state.pt", weights_only=True)
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    store.close()
+
+
+def test_a_copy_that_fails_fails_its_save_and_the_next_one_is_written(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    real_copy = checkpoint_module.copy_snapshot
+
+    def broken(copies: list[tuple[torch.Tensor, torch.Tensor]], done: Any) -> None:
+        real_copy(copies[:1], done)
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    state = {name: torch.randn(IN_PLACE_BYTES // 4 * 2) for name in ("a", "b")}
+    store = CheckpointStore(tmp_path / "checkpoints")
+    outcomes: list[Any] = []
+    monkeypatch.setattr(checkpoint_module, "copy_snapshot", broken)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        store.save_async(state, 1, on_done=outcomes.append)
+    monkeypatch.setattr(checkpoint_module, "copy_snapshot", real_copy)
+    outcome = store.settle()  # a writer that had taken it failed at the buffer never filled; else never written
+    assert outcome is None or isinstance(outcome, BaseException)
+    assert all(isinstance(o, BaseException) for o in outcomes)
+    assert store.list_steps() == []
+    store.save_async(state, 2)
+    saved = store.wait()
+    assert saved is not None and store.list_steps() == [2]
+    loaded = torch.load(saved.path / "state.pt", weights_only=True)
+    assert all(torch.equal(loaded[name], state[name]) for name in state)
+    store.close()
+
+
+def test_the_copy_gate_holds_a_writer_per_buffer_and_passes_other_memory() -> None:
+    from mgpu.state.single.host_copy import CopyGate
+
+    buffers = [torch.zeros(1024), torch.zeros(2048)]
+    gate = CopyGate([(buffer, buffer) for buffer in buffers])
+    gate(12345, 8)  # no buffer's memory: passes
+    address = buffers[1].data_ptr() + 100
+    waiting = threading.Thread(target=gate, args=(address, 64))
+    waiting.start()
+    waiting.join(0.2)
+    assert waiting.is_alive()  # buffer 1 not filled
+    gate.mark(0)
+    waiting.join(0.2)
+    assert waiting.is_alive()  # another buffer's mark does not let it through
+    gate.mark(1)
+    waiting.join(10)
+    assert not waiting.is_alive()
+    gate.fail(ValueError("copy failed"))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        gate(buffers[0].data_ptr(), 4)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        gate.wait_all()
 
 
 def test_a_save_that_cannot_map_its_buffers_leaks_no_descriptor_and_goes_through_the_page_cache(

@@ -33,7 +33,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mgpu.state.files.digest import ChunkDigest
 
@@ -130,9 +130,10 @@ def _give_back(views: list[memoryview]) -> None:
                 spare.append(view)
 
 
-def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False) -> "DirectFile | None":
-    """A new file at `path` written with O_DIRECT, or None where this system or filesystem refuses it (`in_place`:
-    see DirectFile)."""
+def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False,
+                gate: Callable[[int, int], None] | None = None) -> "DirectFile | None":
+    """A new file at `path` written with O_DIRECT, or None where this system or filesystem refuses it (`in_place`,
+    `gate`: see DirectFile)."""
     if not _O_DIRECT:
         return None
     try:
@@ -142,7 +143,7 @@ def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False) ->
             return None
         raise
     try:
-        return DirectFile(fd, algorithm, in_place=in_place)  # it owns `fd` now, and closed it if it raised
+        return DirectFile(fd, algorithm, in_place=in_place, gate=gate)  # it owns `fd` now, closed if it raised
     except OSError as error:  # its buffers could not be mapped (ENOMEM): the page cache needs none of them
         _log.warning("%s: no memory for the O_DIRECT write buffers (%s): written through the page cache", path,
                      error.strerror or error)
@@ -159,10 +160,13 @@ class DirectFile(io.RawIOBase):
     the close (a snapshot of its own, not torch.save's temporary copy of a GPU storage). Then a page-aligned piece
     of IN_PLACE_BYTES or more at an aligned file offset (torch.save's storages, with mgpu.state.files.zip_options'
     page_aligned_storages) is digested and written from there, in one request with the buffer before it: one
-    pass over memory fewer, a copy the size of the state."""
+    pass over memory fewer, a copy the size of the state.
+
+    `gate(address, nbytes)`: called before the caller's memory is read (copied or handed over), it returns once
+    those bytes are ready (a snapshot still being copied: mgpu.state.single.host_copy.CopyGate) or raises."""
 
     def __init__(self, fd: int, algorithm: str = "crc32", buffer_bytes: int = BUFFER_BYTES, depth: int = DEPTH,
-                 in_place: bool = False) -> None:
+                 in_place: bool = False, gate: Callable[[int, int], None] | None = None) -> None:
         super().__init__()
         self.error: OSError | None = None
         try:
@@ -175,7 +179,7 @@ class DirectFile(io.RawIOBase):
             os.close(fd)
             io.RawIOBase.close(self)
             raise
-        self.fd, self.digest, self.in_place = fd, ChunkDigest(algorithm), in_place
+        self.fd, self.digest, self.in_place, self.gate = fd, ChunkDigest(algorithm), in_place, gate
         self._size = 0  # bytes written by the caller
         self._offset = 0  # file offset of the current buffer's first byte (aligned)
         self._fill = 0  # bytes in the current buffer
@@ -195,6 +199,8 @@ class DirectFile(io.RawIOBase):
         self._raise_error()
         view = memoryview(data).cast("B")
         source, left, capacity = _address(view) if view.nbytes else 0, view.nbytes, len(self._current)
+        if self.gate is not None and left:
+            self.gate(source, left)
         if self.in_place and left >= IN_PLACE_BYTES and source % ALIGN == 0 and self._fill % ALIGN == 0:
             whole = left - left % ALIGN
             self._hand_over(self._fill, view[:whole])

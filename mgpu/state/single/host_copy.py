@@ -1,22 +1,28 @@
 """The host copy a background save writes from: every tensor of a state copied to CPU memory (pinned where it comes
-from a GPU, into buffers kept from the last copy), and that pinned memory given back to the system when freed."""
+from a GPU, into buffers kept from the last copy), and that pinned memory given back to the system when freed. The
+copy can be planned first and filled after (`plan_snapshot`, `copy_snapshot`), with a `CopyGate` that a writer of
+the snapshot waits on per buffer: the write of the first tensors then starts while the rest are still copied."""
 
 from __future__ import annotations
 
+import bisect
 import copy
 import logging
 import math
-from typing import Any, TypeVar
+import threading
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from mgpu.state.files.direct_io import ALIGN, IN_PLACE_BYTES, aligned_buffer
 
-__all__ = ["release_pinned_cache", "snapshot_to_cpu"]
+__all__ = ["CopyGate", "copy_snapshot", "plan_snapshot", "release_pinned_cache", "snapshot_to_cpu"]
 
 log = logging.getLogger("mgpu.state.single.store")
 
 T = TypeVar("T")
+Copy = tuple[torch.Tensor, torch.Tensor]
+"""One buffer of a snapshot and the tensor it copies: (destination on the host, source)."""
 
 
 def release_pinned_cache() -> None:
@@ -62,8 +68,17 @@ def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None 
     which costs more than the copy itself for a large state. The caller must not reuse `staging`
     while an earlier snapshot taken with it is still being written.
     """
+    result, copies = plan_snapshot(obj, staging)
+    copy_snapshot(copies)
+    return result
+
+
+def plan_snapshot(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> tuple[T, list[Copy]]:
+    """snapshot_to_cpu's result with its buffers in place (reused from `staging` or allocated) but not yet filled,
+    and the copies that fill them, in the order they are reached (`copy_snapshot`). A tensor that is not strided
+    (sparse) is copied here."""
     memo: dict[int, torch.Tensor] = {}
-    devices: set[torch.device] = set()
+    copies: list[Copy] = []
 
     def copy_tensor(tensor: torch.Tensor, path: tuple[Any, ...]) -> torch.Tensor:
         tensor = tensor.detach()
@@ -71,15 +86,14 @@ def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None 
         if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype or tensor.layout != torch.strided:
             if tensor.layout != torch.strided:
                 return tensor.to("cpu", copy=True)
-            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised below. (cudaHostAlloc
+            # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised after. (cudaHostAlloc
             # returns page-aligned memory, which the O_DIRECT file writes in place; where not, it copies it.)
             kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if tensor.is_cuda \
                 else _page_aligned_empty(tensor.shape, tensor.dtype)
             if staging is not None:
                 staging[path] = kept
-        if tensor.is_cuda:
-            devices.add(tensor.device)
-        return kept.copy_(tensor, non_blocking=tensor.is_cuda)
+        copies.append((kept, tensor))
+        return kept
 
     def walk(value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
@@ -98,7 +112,69 @@ def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None 
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return copy.deepcopy(value)
 
-    result = walk(obj, ())
+    return walk(obj, ()), copies
+
+
+def copy_snapshot(copies: list[Copy], done: Callable[[int], None] = lambda index: None) -> None:
+    """Fill a planned snapshot's buffers: a host tensor's at once, each then reported (`done(index)`); a GPU
+    tensor's issued without blocking and all reported once their devices are synchronised."""
+    devices: set[torch.device] = set()
+    on_device: list[int] = []
+    for index, (kept, tensor) in enumerate(copies):
+        if tensor.is_cuda:
+            devices.add(tensor.device)
+            on_device.append(index)
+            kept.copy_(tensor, non_blocking=True)
+        else:
+            kept.copy_(tensor)
+            done(index)
     for device in devices:
         torch.cuda.synchronize(device)
-    return result
+    for index in on_device:
+        done(index)
+
+
+class CopyGate:
+    """Which buffers of a planned snapshot are filled: a writer about to read `nbytes` at `address` waits until the
+    buffer holding them is (`__call__`; memory outside every buffer passes). `fail(error)`: every wait, now and
+    after, raises it (the copy failed: the write must not go on with a half-filled buffer)."""
+
+    def __init__(self, copies: list[Copy]) -> None:
+        spans = sorted((kept.untyped_storage().data_ptr(), kept.untyped_storage().nbytes(), index)
+                       for index, (kept, _) in enumerate(copies))
+        self._starts = [start for start, _, _ in spans]
+        self._spans = spans
+        self._filled = [False] * len(copies)
+        self._error: BaseException | None = None
+        self._changed = threading.Condition()
+
+    def mark(self, index: int) -> None:
+        with self._changed:
+            self._filled[index] = True
+            self._changed.notify_all()
+
+    def fail(self, error: BaseException) -> None:
+        with self._changed:
+            self._error = error
+            self._changed.notify_all()
+
+    def __call__(self, address: int, nbytes: int) -> None:
+        at = bisect.bisect_right(self._starts, address) - 1
+        if at < 0:
+            return
+        start, size, index = self._spans[at]
+        if address >= start + size:
+            return
+        with self._changed:
+            while not self._filled[index] and self._error is None:
+                self._changed.wait()
+            if self._error is not None:
+                raise RuntimeError(f"the snapshot's copy failed: {self._error}") from self._error
+
+    def wait_all(self) -> None:
+        """Until every buffer is filled (a writer that cannot wait per buffer)."""
+        with self._changed:
+            while not all(self._filled) and self._error is None:
+                self._changed.wait()
+            if self._error is not None:
+                raise RuntimeError(f"the snapshot's copy failed: {self._error}") from self._error
