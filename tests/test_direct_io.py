@@ -315,6 +315,24 @@ def test_a_background_saves_writer_starts_on_the_first_buffers_while_the_rest_ar
     store.close()
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "copied-first"])
+def test_each_snapshot_buffer_is_copied_once(pipelined: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(checkpoint_module, "PIPELINED_SNAPSHOT", pipelined)
+    real_copy, copied = checkpoint_module.copy_snapshot, []
+
+    def counting(copies: list[tuple[torch.Tensor, torch.Tensor]], done: Any) -> None:
+        copied.extend(kept.data_ptr() for kept, _ in copies)
+        real_copy(copies, done)
+
+    monkeypatch.setattr(checkpoint_module, "copy_snapshot", counting)
+    state = {name: torch.randn(1024) for name in ("a", "b", "c")}
+    store = CheckpointStore(tmp_path / "checkpoints")
+    store.save_async(state, 1)
+    assert store.wait() is not None
+    assert len(copied) == len(set(copied)) == 3
+    store.close()
+
+
 def test_a_copy_that_fails_fails_its_save_and_the_next_one_is_written(tmp_path: Path,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     real_copy = checkpoint_module.copy_snapshot

@@ -189,6 +189,7 @@ class CheckpointStore(StepDirectories):
         gate = CopyGate(copies)
         if not PIPELINED_SNAPSHOT:
             copy_snapshot(copies, gate.mark)
+            copies = []  # filled: nothing is left for after the queueing
         # In a box the writer empties: the job's own reference to the snapshot lasts no longer than the write.
         job = _Queued([snapshot], step, is_best, extra, started, on_done, staging, gate)
         del snapshot
