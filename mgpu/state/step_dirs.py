@@ -25,6 +25,11 @@ PRUNED = "pruned-"
 """The label of a pruned step's temporary name (`.tmp-pruned-step_...`): deleted in the background wherever found."""
 
 
+def _delete_claimed(path: Path) -> None:
+    """Delete a claimed temporary path in the background (mgpu.state.files.removal); its claim ends with it."""
+    remove_later(path, done=functools.partial(release, path))
+
+
 class StepDirectories:
     """The checkpoints of one run in `directory`: the newest `keep_last` complete ones kept, plus `latest` and
     `best`."""
@@ -89,7 +94,7 @@ class StepDirectories:
                 except BaseException:
                     release(trash)
                     raise
-                remove_later(trash, done=functools.partial(release, trash))
+                _delete_claimed(trash)
         self.remove_stale_tmp()
 
     def remove_stale_tmp(self) -> None:
@@ -104,7 +109,7 @@ class StepDirectories:
                 continue
             if entry.name.startswith(TMP_PREFIX + PRUNED):
                 claim(entry)
-                remove_later(entry, done=functools.partial(release, entry))
+                _delete_claimed(entry)
             else:
                 remove_path(entry)
 

@@ -8,8 +8,8 @@ the requeue that follows it) and kept a periodic writer from the next save. Here
 At the interpreter's exit, what is queued is given at most EXIT_WAIT_S to finish: a trainer's whole exit work has a
 second (mgpu.stop.process_exit), and the other atexit handlers come after this one. What is left then stays behind
 under its temporary name, and the next save's stale-file cleanup (mgpu.state.step_dirs) hands it back here. A kill
-leaves the same. The thread is a daemon: it holds no exit past that wait, and it runs only in os calls (no C++
-below it).
+leaves the same. The thread is a daemon: it holds no exit past that wait (the interpreter stops it where
+it is), and it runs only in os calls (no C++ below it).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ EXIT_WAIT_S = 0.4
 _queue: "queue.Queue[tuple[Path, Callable[[], None]]]" = queue.Queue()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
-_stopping = threading.Event()
 
 
 def remove_later(path: Path, done: Callable[[], None] = lambda: None) -> None:
@@ -64,8 +63,7 @@ def _run() -> None:
     while True:
         path, done = _queue.get()
         try:
-            if not _stopping.is_set():
-                _delete(path)
+            _delete(path)
         except OSError as error:
             log.warning("could not remove the old checkpoint %s: %s", path, error)
         finally:
@@ -76,36 +74,23 @@ def _run() -> None:
 
 
 def _delete(path: Path) -> None:
-    """A tree deleted file by file, each a short os call: the exit's wait ends between two of them."""
-    if path.is_symlink() or not path.is_dir():
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            pass
-        return
-    for entry in os.scandir(path):
-        if _stopping.is_set():
-            return
-        _delete(Path(entry.path))
-    if _stopping.is_set():
-        return
     try:
-        os.rmdir(path)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
     except FileNotFoundError:
         pass
-    except OSError:
-        shutil.rmtree(path, ignore_errors=True)  # a file that appeared meanwhile
 
 
 def _forget_in_child() -> None:
     """A forked child (a DataLoader worker) deletes nothing of its parent's queue, and its exit waits for none."""
-    global _queue, _lock, _thread, _stopping
-    _queue, _lock, _thread, _stopping = queue.Queue(), threading.Lock(), None, threading.Event()
+    global _queue, _lock, _thread
+    _queue, _lock, _thread = queue.Queue(), threading.Lock(), None
 
 
 def _at_exit() -> None:
     if not wait_removed(EXIT_WAIT_S):
-        _stopping.set()
         log.info("old checkpoints still being removed at exit: left for the next save's cleanup")
 
 

@@ -163,18 +163,15 @@ class CopyGate:
         if at < 0:
             return
         start, size, index = self._spans[at]
-        if address >= start + size:
-            return
-        with self._changed:
-            while not self._filled[index] and self._error is None:
-                self._changed.wait()
-            if self._error is not None:
-                raise RuntimeError(f"the snapshot's copy failed: {self._error}") from self._error
+        if address < start + size:
+            self._wait(lambda: self._filled[index])
 
     def wait_all(self) -> None:
         """Until every buffer is filled (a writer that cannot wait per buffer)."""
+        self._wait(lambda: all(self._filled))
+
+    def _wait(self, ready: Callable[[], bool]) -> None:
         with self._changed:
-            while not all(self._filled) and self._error is None:
-                self._changed.wait()
+            self._changed.wait_for(lambda: ready() or self._error is not None)
             if self._error is not None:
                 raise RuntimeError(f"the snapshot's copy failed: {self._error}") from self._error
