@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from mgpu.cluster.environment import ProcessEnv, detect_environment
 from mgpu.errors import MgpuError
+from mgpu.parallel.gloo_threads import settle_at_exit
 
 __all__ = [
     "DEFAULT_INIT_TIMEOUT",
@@ -211,6 +212,7 @@ def process_group(env: ProcessEnv | None = None, timeout: timedelta = DEFAULT_IN
     except (dist.DistStoreError, dist.DistNetworkError) as error:
         raise MgpuError(_rendezvous_failure(env, timeout, error, wait_setting)) from None
     _groups_formed += 1
+    settle_at_exit()  # a group's gloo workers, done before the interpreter finalizes (mgpu.parallel.gloo_threads)
     try:
         yield DistContext(env=env, device=device, backend=backend)
     finally:

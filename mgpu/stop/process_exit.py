@@ -32,6 +32,8 @@ import threading
 import time
 from typing import Callable, NoReturn
 
+from mgpu.parallel import gloo_threads
+
 __all__ = ["EXIT_WITHIN_S", "exit_process", "run_and_exit", "skip_collection_at_exit"]
 
 EXIT_WITHIN_S = 1.0
@@ -84,6 +86,7 @@ def exit_process(code: object, within_s: float = EXIT_WITHIN_S) -> NoReturn:
     command that owns its process, once its outcome is recorded (see the module docstring)."""
     status = exit_code_of(code)
     _flush()
+    gloo_threads.skip()  # no finalization follows: its atexit wait for gloo's workers is not needed
     late = finish_exit_work(within_s)
     if late:
         try:  # the handlers may have shut logging down already: a plain line on stderr
