@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+from mgpu.parallel import gloo_threads
 from mgpu.parallel.fsdp import shard
 from mgpu.record.ledger import Ledger
 from mgpu.state.sharded.checkpointer import ShardedCheckpointer
@@ -63,6 +64,7 @@ def equal(a: Any, b: Any) -> bool:
 def main() -> None:
     mode, directory = sys.argv[1], Path(sys.argv[2])
     dist.init_process_group("gloo")
+    gloo_threads.settle_at_exit()  # FSDP's mesh keeps the group past its destruction
     rank, world = dist.get_rank(), dist.get_world_size()
     model, optimizer = build()
     checkpointer = ShardedCheckpointer(directory / "checkpoints", rank, world, Ledger(None, None, 0), keep_last=3,

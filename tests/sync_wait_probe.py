@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from mgpu.parallel import gloo_threads
 from mgpu.parallel.sync_wait import SyncWait
 
 SLEEP_S = 0.1
@@ -28,6 +29,7 @@ if __name__ == "__main__":
     out = Path(sys.argv[1])
     device = torch.device(sys.argv[2] if len(sys.argv) > 2 else "cpu")
     dist.init_process_group("gloo")
+    gloo_threads.settle_at_exit()  # a DDP model keeps the group past its destruction
     rank = dist.get_rank()
     torch.manual_seed(0)
     for where in ("forward", "backward"):
