@@ -14,6 +14,11 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
 - `sharded`: `ShardedCheckpointer.save_objects(wait=True)` (the stop's) of a module holding the same N bytes (a gloo
   world of 1);
 - `sharded_async`: `save_objects` then `settle` (a periodic one: the host copy staged, the write in a thread);
+- `peer_snapshot`: the periodic saves' hand-written peer (bench/disk_speed.snapshot_write): the same bytes copied
+  into page-aligned memory kept between saves, 64 MiB at a time, each chunk written with O_DIRECT by a second thread
+  as soon as it is copied, then fsync. A periodic save must copy what it writes while training goes on; this is that
+  copy and that write with nothing else (no format, no checksum). `single_async` and `sharded_async` each give
+  `vs_peer` (the peer's time to durable over the save's, per repeat, median; 1.0: as fast) and `vs_peer_best`;
 - with `--ab-direct`, also `single_buffered` and `sharded_buffered`: the saves through the page cache
   (mgpu.state.single.store.DIRECT_IO off), into stores of their own;
 - with `--ab-in-place`, also `single_async_copied`: the background save with its snapshot copied into the
@@ -73,7 +78,8 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import ROOT, median, report  # noqa: E402
-from bench.disk_speed import Point, aligned_copy, dirty_settings, plain_write, reference_point  # noqa: E402
+from bench.disk_speed import (Point, aligned_copy, dirty_settings, plain_write, reference_point,  # noqa: E402
+                               snapshot_write)
 
 def build_module(total_bytes: int) -> Any:
     """A module of fp32 parameters holding `total_bytes` in all (pieces of 64 MiB: a model's big matrices)."""
@@ -205,6 +211,18 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
             return ledger_seconds(), blocked if async_save else None, async_save
         return save
 
+    def peer_snapshot(name: str) -> Callable[[int], Timing]:
+        snapshot = aligned_copy(data)  # kept from one save to the next, as a periodic save's snapshot buffers are
+
+        def save(step: int) -> Timing:
+            from mgpu.state.files.removal import remove_later
+
+            path = directory / f"{name}-{step}.bin"
+            whole, copy = snapshot_write(path, data, snapshot)
+            remove_later(path)  # in the background, as a save's pruning is: `removal_s`, outside the form's time
+            return whole, copy, False
+        return save
+
     def plain(name: str, source: memoryview, **options: Any) -> Callable[[int], Timing]:
         def write(step: int) -> Timing:
             seconds = sum(plain_write(directory / f"{name}.bin", source, **options))
@@ -213,7 +231,7 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
         return write
 
     forms = {"single": single("single"), "single_async": single_async("single_async"), "sharded": sharded("sharded"),
-             "sharded_async": sharded("sharded_async", async_save=True)}
+             "sharded_async": sharded("sharded_async", async_save=True), "peer_snapshot": peer_snapshot("peer")}
     if args.ab_direct:
         from mgpu.state.single import store as checkpoint_module
 
@@ -393,6 +411,7 @@ def main() -> None:
                          **(_after_snapshot(ratios(lambda p: p.faster_s, writes), blocked[form]) if writes else
                             {"blocked_s": round(median(blocked[form]), 4),
                              "blocked_all_s": [round(b, 3) for b in blocked[form]]} if blocked[form] else {}),
+                         **(_against_peer(durable[form], durable["peer_snapshot"]) if form in PERIODIC else {}),
                          "all_s": [round(s, 3) for s in seconds]})
         why = _why(points, total)
         print(f"why: {why}")
@@ -404,6 +423,16 @@ def main() -> None:
             dist.destroy_process_group()
             os.unlink(store_file.name)  # (made just before the group)
         shutil.rmtree(directory, ignore_errors=True)
+
+
+PERIODIC = ("single_async", "sharded_async")
+"""The periodic saves, each also held against `peer_snapshot` (bench/disk_speed.snapshot_write)."""
+
+
+def _against_peer(form: list[float], peer: list[float]) -> dict[str, float]:
+    """A periodic save against the hand-written snapshot + write of the same bytes, to durable: per repeat (the two
+    run one after the other), median, and best of each against best of the other (1.0: as fast as the peer)."""
+    return {"vs_peer": median([p / f for f, p in zip(form, peer)]), "vs_peer_best": min(peer) / min(form)}
 
 
 def _after_snapshot(ratios: list[float], blocked: list[float]) -> dict[str, Any]:
