@@ -84,14 +84,13 @@ machine, so the others' collectives still outlast the verdict."""
 LOOK_SLACK_S = 30.0  # margin for a loaded machine between the watchdog's verdict and the collective's timeout
 EVIDENCE_S = 10.0  # beyond waiting for the others' heartbeats: stacks, the ledger event
 TEARDOWN_S = 60.0
+"""Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
 LAST_WORDS_AFTER_S = 2.0
 """A stop signal this long ago (or two median steps, if longer) and the step it came in still runs: say the last
 words (a peer died; srun's SIGKILL follows its SIGTERM after KillWait, 30 s by default, 5 s on the test cluster)."""
-"""Allowance for the process group's teardown once training is over (`Watchdog.teardown`)."""
 ENDED_TEARDOWN_S = 5.0
 """The same once the run's outcome is recorded (checkpoint, ledger, loggers): cutting it short loses nothing,
 and Slurm's KillWait (often 5-30 s after a stop's signal) is near."""
-EVAL_PHASES = ("eval", "agree")
 CHECKPOINT_PHASES = ("checkpoint", "write", "checkpoint-wait")
 MAX_ALLOWANCE_S = 86_400.0
 """No allowance, and no collective timeout derived from one, is longer (mgpu.state.save_budget.MAX_ALLOWANCE_S): a
