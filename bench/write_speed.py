@@ -2,6 +2,7 @@
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
                                 [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager] [--ab-pipeline]
+                                [--ab-staging]
                                 [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
@@ -31,6 +32,9 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
   copied before the writer takes it (mgpu.state.single.store.PIPELINED_SNAPSHOT off: the form before);
 - with `--ab-stager`, also `sharded_async_fresh_stager`: the periodic sharded save with a new DCP stager per save
   (mgpu.state.sharded.checkpointer.REUSE_STAGER off: what a save does where CUDA is, and did everywhere before);
+- with `--ab-staging`, also `sharded_async_staged_first`: the periodic sharded save with DCP's DefaultStager, which
+  copies the whole state before the writer starts (mgpu.state.sharded.checkpointer.PIPELINED_STAGING off: the form
+  before);
 - with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
   core (no memory traffic): how much CPU beside a write slows this disk. On the CI VM it did, 1.5-2.4x: the
   "disk" is the host copying guest memory, so a save's own copy and checksum cost it more than their CPU time;
@@ -264,6 +268,11 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
 
         forms["sharded_async_fresh_stager"] = with_setting(sharded_module, "REUSE_STAGER", False,
                                                            sharded("sharded_async_fresh_stager", async_save=True))
+    if args.ab_staging:
+        from mgpu.state.sharded import checkpointer as sharded_module
+
+        forms["sharded_async_staged_first"] = with_setting(sharded_module, "PIPELINED_STAGING", False,
+                                                           sharded("sharded_async_staged_first", async_save=True))
     if args.ab_busy_core:
         forms["plain_direct_busy"] = _beside_a_busy_core(plain("plain_direct_busy", aligned_copy(data), direct=True))
     if args.ab_zlib:
@@ -327,6 +336,9 @@ def main() -> None:
                         help="also the periodic single-file save with its snapshot copied before the write starts")
     parser.add_argument("--ab-stager", action="store_true",
                         help="also the periodic sharded save with a new DCP stager per save (REUSE_STAGER off)")
+    parser.add_argument("--ab-staging", action="store_true",
+                        help="also the periodic sharded save with its host copy made before the write starts "
+                             "(PIPELINED_STAGING off)")
     parser.add_argument("--ab-busy-core", action="store_true",
                         help="also the O_DIRECT plain write with another process spinning on one core")
     parser.add_argument("--ab-zlib", action="store_true",
@@ -425,7 +437,7 @@ def main() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-PERIODIC = ("single_async", "sharded_async")
+PERIODIC = ("single_async", "sharded_async", "single_async_copied_first", "sharded_async_staged_first")
 """The periodic saves, each also held against `peer_snapshot` (bench/disk_speed.snapshot_write)."""
 
 

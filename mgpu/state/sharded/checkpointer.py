@@ -17,9 +17,10 @@ unpickles anything but tensors, numbers, strings and DCP's own metadata classes 
 process reads a whole sharded checkpoint with mgpu.state.sharded.export). DCP reshards the models and
 optimizers onto any world size; a rank the saved run did not have gets a fresh, derived RNG stream.
 
-`async_save`: dcp.async_save copies the state to host memory before `save_objects` returns (a save is a
-snapshot of its step: nothing the loop does afterwards, an EMA's in-place update included, changes what is
-written) and writes that copy in a thread; at most one save is in flight.
+`async_save`: the state is copied to host memory before `save_objects` returns (a save is a snapshot of its step:
+nothing the loop does afterwards, an EMA's in-place update included, changes what is written) and that copy is
+written in a thread; without CUDA the writer starts on each tensor as soon as its copy is made
+(mgpu.state.sharded.staging); at most one save is in flight.
 
 Every save's collectives wait `wait_s` at most (the save's group's timeout), and a save that failed on any rank
 never leaves its group to the next: the ranks agree at the start of each save (one gather on the training
@@ -54,6 +55,7 @@ from mgpu.state.loadable import check_loadable
 from mgpu.state.single import store as _checkpoint
 from mgpu.state.sharded.filesystem import DigestingFileSystem
 from mgpu.state.sharded.find import find_latest
+from mgpu.state.sharded.staging import PipelinedStager, next_stager
 from mgpu.state.sharded.format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
                                        rank_file, read_meta, split_objects, sync_buffers, to_bytes, verify_rank)
 from mgpu.fsutil import fsync_all, fsync_path, write_durably
@@ -70,6 +72,10 @@ log = logging.getLogger("mgpu.train")
 REUSE_STAGER = True
 """Where CUDA is not available, one asynchronous-save stager (and its host copy's buffers) for the checkpointer's
 life; False: a new one per save, as where CUDA is (a bench's A/B)."""
+
+PIPELINED_STAGING = True
+"""Where CUDA is not available, a periodic save's writer starts while its host copy is still being made
+(mgpu.state.sharded.staging); False: DCP's DefaultStager copies it all first (a bench's A/B)."""
 
 
 # ---------------------------------------------------------------------------------------------- the checkpointer
@@ -225,7 +231,8 @@ class ShardedCheckpointer:
                   else MarkingWriter(job.tmp, on_written=arrivals.mark, **options))
         # The manifest's checksums, no re-read; DCP's torch.save into these streams without its zip CRC32s.
         writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST, zip_crc32=_checkpoint.ZIP_CRC32,
-                                        direct=_checkpoint.DIRECT_IO)
+                                        direct=_checkpoint.DIRECT_IO,
+                                        gate=self._stager if isinstance(self._stager, PipelinedStager) else None)
         return writer
 
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
@@ -237,28 +244,17 @@ class ShardedCheckpointer:
         return self._finish(job, error)
 
     def _write_async(self, state: dict[str, Any], job: "_Job") -> None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-        cuda = torch.cuda.is_available()
-        # Where CUDA is, a stager for every save: reused, torch's DefaultStager fails each save after its first on
-        # CUDA tensors (KeyError: <class 'type'> in its deepcopy dispatch; torch 2.11 on an H100, pinned or not).
-        # Elsewhere one for the checkpointer's life: it keeps the host copy's buffers (by source storage) for the
-        # next save, which copies into memory already mapped instead of faulting in a new copy of the state (a
-        # fault per 4 KiB: 1 GiB staged in ~0.35 s fresh, ~0.07 s reused on the CI machine).
-        if self._stager is not None and (cuda or not REUSE_STAGER):
-            self._stager.close()
-            self._stager = None
-        if self._stager is None:
-            # Staged before dcp.async_save returns (not in a thread that only the next forward or optimizer step
-            # waited for): a module changed without its own forward (an EMA, a momentum teacher, p.data.clamp_())
-            # was written half old, half new. A non-blocking device copy is synchronized before the return too.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+        self._stager = next_stager(self._stager, torch.cuda.is_available(), REUSE_STAGER, PIPELINED_STAGING)
         response = dcp.async_save(state, storage_writer=self._writer(job, staged=True),
                                   process_group=self.group, async_stager=self._stager)
         staging = getattr(response, "staging_completion", None)
         if staging is not None:  # (not with synchronous staging; kept so that no torch version tears a save)
             staging.result()
+        if isinstance(self._stager, PipelinedStager):  # planned only: filled now, DCP's writer taking each buffer
+            try:
+                self._stager.copy()
+            except Exception as error:  # noqa: BLE001  (the write waiting on it fails: its outcome names this)
+                job.copy_error = f"the host copy failed: {type(error).__name__}: {one_line(error)}"
         upload = getattr(response, "upload_completion", response)
         job.blocked_s = time.monotonic() - job.called  # staged: the loop goes on from here
         self._thread = threading.Thread(target=self._background, args=(upload, job), daemon=False,
@@ -270,7 +266,7 @@ class ShardedCheckpointer:
         try:
             upload.result()
         except BaseException as failure:  # noqa: BLE001
-            error = self._naming_late(job, failure)
+            error = job.copy_error or self._naming_late(job, failure)
         try:
             self._outcome = self._finish(job, error)
         except BaseException as failure:  # noqa: BLE001  (a peer gone mid-save: reported, never a silent success)
@@ -434,6 +430,7 @@ class _Job:
         self.started, self.common, self.pieces, self.called = started, common, pieces, called
         self.blocked_s: float | None = None  # an asynchronous save's time holding the loop (to its staging's end)
         self.digests: dict[str, dict[str, Any]] = {}  # file name -> checksum, recorded while DCP wrote it
+        self.copy_error: str | None = None  # a pipelined host copy's failure (the write waiting on it failed too)
 
 
 def _os_cause(error: BaseException) -> OSError | None:

@@ -73,10 +73,13 @@ def snapshot_to_cpu(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None 
     return result
 
 
-def plan_snapshot(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None) -> tuple[T, list[Copy]]:
+def plan_snapshot(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = None,
+                  aligned: bool = True) -> tuple[T, list[Copy]]:
     """snapshot_to_cpu's result with its buffers in place (reused from `staging` or allocated) but not yet filled,
     and the copies that fill them, in the order they are reached (`copy_snapshot`). A tensor that is not strided
-    (sparse) is copied here."""
+    (sparse) is copied here. A DTensor (on a CPU mesh) becomes one of the same mesh and placements around a buffer
+    for its local shard. `aligned`: a host tensor's buffer of IN_PLACE_BYTES or more in page-aligned memory on huge
+    pages, which an O_DIRECT file writes in place (False: torch's allocator, for a writer that copies anyway)."""
     memo: dict[int, torch.Tensor] = {}
     copies: list[Copy] = []
 
@@ -89,7 +92,8 @@ def plan_snapshot(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = 
             # Pinned host memory makes a device-to-host copy fast and asynchronous; synchronised after. (cudaHostAlloc
             # returns page-aligned memory, which the O_DIRECT file writes in place; where not, it copies it.)
             kept = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True) if tensor.is_cuda \
-                else _page_aligned_empty(tensor.shape, tensor.dtype)
+                else _page_aligned_empty(tensor.shape, tensor.dtype) if aligned \
+                else torch.empty(tensor.shape, dtype=tensor.dtype)
             if staging is not None:
                 staging[path] = kept
         copies.append((kept, tensor))
@@ -98,7 +102,7 @@ def plan_snapshot(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = 
     def walk(value: Any, path: tuple[Any, ...]) -> Any:
         if isinstance(value, torch.Tensor):
             if id(value) not in memo:
-                memo[id(value)] = copy_tensor(value, path)
+                memo[id(value)] = copy_tensor(value, path) if not _is_dtensor(value) else _local_copy(value, path)
             return memo[id(value)]
         if isinstance(value, dict):
             out = copy.copy(value)
@@ -112,7 +116,21 @@ def plan_snapshot(obj: T, staging: dict[tuple[Any, ...], torch.Tensor] | None = 
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return copy.deepcopy(value)
 
+    def _local_copy(dtensor: Any, path: tuple[Any, ...]) -> Any:
+        # A sharded save's DTensor: its local shard copied, wrapped again with the same mesh and placements. from_local
+        # moves the shard to the mesh's device: only a CPU mesh's DTensor is planned so (mgpu.state.sharded.staging).
+        from torch.distributed.tensor import DTensor
+
+        if dtensor.device_mesh.device_type != "cpu":
+            raise ValueError(f"a snapshot plans DTensors on a CPU mesh only, not {dtensor.device_mesh.device_type}")
+        return DTensor.from_local(copy_tensor(dtensor.to_local(), path), dtensor.device_mesh, dtensor.placements,
+                                  run_check=False, shape=dtensor.shape, stride=dtensor.stride())
+
     return walk(obj, ()), copies
+
+
+def _is_dtensor(value: torch.Tensor) -> bool:
+    return type(value).__name__ == "DTensor" and hasattr(value, "device_mesh")
 
 
 def copy_snapshot(copies: list[Copy], done: Callable[[int], None] = lambda index: None) -> None:
