@@ -52,7 +52,8 @@ which runs in the background after the call returns (mgpu.state.files.removal), 
 and form, so that no write shares the disk with it (the references' own files are unlinked outside their time too);
 for a background save (`single_async`, `sharded_async`) its two parts apart: `blocked_s`, the loop blocked (the
 snapshot to host memory; each repeat's: `blocked_all_s`), and `write_ratio` (best: `write_ratio_best`), the write after it, to durable, against the
-disk (not for a save whose writer starts while its snapshot is still copied: `single_async`, its two parts overlap);
+disk (not for a save whose writer starts while its snapshot is still copied: `single_async`, and `sharded_async`
+without CUDA; their two parts overlap);
 `first_gb_s`: the first repeat's rate, the process's first save of that form (what a fresh process pays once:
 imports, buffers faulted in); `request_kib`: the mean size of the write requests the device took during the form
 (/sys/dev/block/M:N/stat; other processes' writes included), median. The rows `reference_buffered` and
@@ -212,7 +213,10 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
             blocked = timed(lambda: saver.save_objects({"model": module}, step, "bench", wait=not async_save))
             if async_save and saver.settle() is not None:
                 raise RuntimeError("the background sharded save failed")
-            return ledger_seconds(), blocked if async_save else None, async_save
+            from mgpu.state.sharded.staging import PipelinedStager
+
+            phased = async_save and not isinstance(saver._stager, PipelinedStager)  # a pipelined copy overlaps its write
+            return ledger_seconds(), blocked if async_save else None, phased
         return save
 
     def peer_snapshot(name: str) -> Callable[[int], Timing]:
