@@ -56,7 +56,12 @@ def test_a_rank_30_percent_slower_is_named_with_its_node_and_the_same_job_unpert
 
     board = EventAccumulator(str(slowed / "tensorboard"), size_guidance={"scalars": 0}).Reload()
     assert board.Scalars("ranks/slowest_rank")[-1].value == 1
-    assert 1.2 <= board.Scalars("ranks/slowest_factor")[-1].value <= 1.45
+    # The factor of each log interval, as the ledger's progress events hold it, one point per interval; ~1.3 over the
+    # run. One interval alone is a measurement on a loaded 2-core machine: CI saw the last one at 1.175.
+    logged = {e["step"]: e["ranks"]["slowest"]["factor"] for e in events(slowed, "progress") if "ranks" in e}
+    factors = {point.step: point.value for point in board.Scalars("ranks/slowest_factor")}
+    assert factors.keys() == logged.keys() and all(factors[at] == pytest.approx(logged[at]) for at in logged), factors
+    assert 1.2 <= sorted(factors.values())[len(factors) // 2] <= 1.45, factors
     assert board.Scalars("ranks/stragglers")[-1].value == 1
 
     assert events(unperturbed, "straggler") == [], events(unperturbed, "straggler")
