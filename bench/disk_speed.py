@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mgpu.fsutil import fsync_path
+
 __all__ = ["CHUNK", "Point", "aligned_copy", "dirty_settings", "plain_write", "reference_point", "snapshot_write"]
 
 CHUNK = 64 << 20
@@ -55,11 +57,7 @@ def plain_write(path: Path, data: memoryview, writeback: bool = False, direct: b
         os.fsync(fd)
     finally:
         os.close(fd)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_path(path.parent, directory=True)
     return written - started, time.perf_counter() - written
 
 
@@ -102,11 +100,7 @@ def snapshot_write(path: Path, source: memoryview, snapshot: memoryview, chunk: 
         os.fsync(fd)
     finally:
         os.close(fd)
-    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_path(path.parent, directory=True)
     return time.perf_counter() - started, copy_done - started
 
 

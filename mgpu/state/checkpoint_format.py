@@ -17,7 +17,6 @@ import json
 import os
 import re
 import secrets
-import shutil
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ import torch
 
 from mgpu.errors import MgpuError
 from mgpu.state.files.digest import mismatch
+from mgpu.state.files.removal import remove_path
 
 __all__ = ["BEST", "FORMAT", "LATEST", "META_FILE", "STATE_FILE", "STEP_DIR", "TMP_PREFIX", "CheckpointError",
            "CheckpointSuperseded", "CheckpointWriteError", "InvalidCheckpoint", "LoadedCheckpoint", "NewerFormat",
@@ -162,16 +162,6 @@ def checksum_mismatch(path: Path, meta: dict[str, Any]) -> str | None:
     if sha != meta["sha256"]:
         return f"{path} has sha256 {sha[:16]}..., {META_FILE} says {meta['sha256'][:16]}... (corrupted)"
     return None
-
-
-def remove_path(path: Path) -> None:
-    try:
-        if path.is_dir() and not path.is_symlink():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
-    except FileNotFoundError:
-        pass
 
 
 def active_claims() -> set[Path]:

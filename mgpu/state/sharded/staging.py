@@ -29,8 +29,6 @@ __all__ = ["PipelinedStager", "next_stager"]
 class PipelinedStager:
     """DCP's `AsyncStager` protocol: `stage` plans (and returns the state that will be written), `copy` fills."""
 
-    _synchronize_after_execute = False  # (DCP's own staging synchronization: the copy is `copy`'s, below)
-
     def __init__(self) -> None:
         self._staging: dict[tuple[Any, ...], torch.Tensor] = {}
         self._copies: list[Copy] = []
@@ -38,6 +36,7 @@ class PipelinedStager:
 
     @property
     def should_synchronize_after_execute(self) -> bool:
+        """No: DCP's own staging synchronization has nothing to wait for (the copy is `copy`'s)."""
         return False
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
