@@ -2,7 +2,7 @@
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
                                 [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager] [--ab-pipeline]
-                                [--ab-staging]
+                                [--ab-staging] [--ab-digest]
                                 [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
@@ -35,6 +35,10 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
 - with `--ab-staging`, also `sharded_async_staged_first`: the periodic sharded save with DCP's DefaultStager, which
   copies the whole state before the writer starts (mgpu.state.sharded.checkpointer.PIPELINED_STAGING off: the form
   before);
+- with `--ab-digest`, also `single_digest_thread`, `sharded_digest_thread` and `sharded_async_digest_thread`: the
+  saves that copy their bytes into the O_DIRECT buffers with each full buffer digested by a thread of its own, read
+  back from memory (mgpu.state.files.direct_io.DIGEST_AS_COPIED off: the form before), not by the copying thread from
+  the cache; into stores of their own;
 - with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
   core (no memory traffic): how much CPU beside a write slows this disk. On the CI VM it did, 1.5-2.4x: the
   "disk" is the host copying guest memory, so a save's own copy and checksum cost it more than their CPU time;
@@ -277,6 +281,15 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
 
         forms["sharded_async_staged_first"] = with_setting(sharded_module, "PIPELINED_STAGING", False,
                                                            sharded("sharded_async_staged_first", async_save=True))
+    if args.ab_digest:
+        from mgpu.state.files import direct_io
+
+        forms["single_digest_thread"] = with_setting(direct_io, "DIGEST_AS_COPIED", False,
+                                                     single("single_digest_thread"))
+        forms["sharded_digest_thread"] = with_setting(direct_io, "DIGEST_AS_COPIED", False,
+                                                      sharded("sharded_digest_thread"))
+        forms["sharded_async_digest_thread"] = with_setting(
+            direct_io, "DIGEST_AS_COPIED", False, sharded("sharded_async_digest_thread", async_save=True))
     if args.ab_busy_core:
         forms["plain_direct_busy"] = _beside_a_busy_core(plain("plain_direct_busy", aligned_copy(data), direct=True))
     if args.ab_zlib:
@@ -343,6 +356,9 @@ def main() -> None:
     parser.add_argument("--ab-staging", action="store_true",
                         help="also the periodic sharded save with its host copy made before the write starts "
                              "(PIPELINED_STAGING off)")
+    parser.add_argument("--ab-digest", action="store_true",
+                        help="also the saves that copy into the O_DIRECT buffers with each full buffer digested by a "
+                             "thread of its own (DIGEST_AS_COPIED off)")
     parser.add_argument("--ab-busy-core", action="store_true",
                         help="also the O_DIRECT plain write with another process spinning on one core")
     parser.add_argument("--ab-zlib", action="store_true",
@@ -441,7 +457,8 @@ def main() -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
-PERIODIC = ("single_async", "sharded_async", "single_async_copied_first", "sharded_async_staged_first")
+PERIODIC = ("single_async", "sharded_async", "single_async_copied_first", "sharded_async_staged_first",
+            "sharded_async_digest_thread")
 """The periodic saves, each also held against `peer_snapshot` (bench/disk_speed.snapshot_write)."""
 
 

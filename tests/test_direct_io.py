@@ -242,6 +242,41 @@ def test_a_page_aligned_piece_is_written_from_the_callers_memory_only_if_it_stay
     assert (source in addresses) == in_place
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_copied_bytes_are_digested_by_the_copying_thread_piece_by_piece(in_place: bool, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # Read back right after the copy, from the cache: not by a second thread once the buffer is full, from memory.
+    # A file writing in place keeps its digest thread, and with it the bytes' order.
+    from mgpu.state.files import digest, direct_io
+
+    monkeypatch.setattr(direct_io, "DIGEST_PIECE", ALIGN)
+    updates: list[tuple[str, int]] = []
+    update = digest.ChunkDigest.update
+
+    def recorded(self: digest.ChunkDigest, data: Any) -> None:
+        updates.append((threading.current_thread().name, memoryview(data).nbytes))
+        update(self, data)
+
+    monkeypatch.setattr(digest.ChunkDigest, "update", recorded)
+    _, big = aligned_buffer(IN_PLACE_BYTES)
+    big[:] = random.Random(4).randbytes(len(big))
+    data = random.Random(5).randbytes(3 * _SMALL + 5)
+    opened = _direct(tmp_path / "state.pt")
+    file = DirectFile(os.dup(opened.fd), buffer_bytes=_SMALL, in_place=in_place)
+    opened.close()
+    for piece in (data, big, data):
+        file.write(piece)
+    file.close()
+    made = list(updates)  # (before this test's own digest below)
+    assert (tmp_path / "state.pt").read_bytes() == data + bytes(big) + data
+    assert file.digest.entry() == digest_bytes(data + bytes(big) + data)
+    if in_place:
+        assert made and all(name.startswith("mgpu-direct-digest") for name, _ in made)
+    else:
+        assert {name for name, _ in made} == {threading.current_thread().name}
+        assert max(size for _, size in made) <= ALIGN
+
+
 def test_a_short_write_resumes_where_it_stopped_across_the_pieces(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     _writes_from(monkeypatch, limit=5000)  # (a plain file: unaligned resumptions are fine without O_DIRECT)

@@ -5,11 +5,12 @@ A buffered write costs the writing thread a copy into the page cache plus the ke
 under the write speed of an NVMe drive, and a stream of memory traffic that slows a training step which shares the
 memory bus (bench/periodic_saves.py). It also evicts what the page cache held, a dataset's files included. Written
 with O_DIRECT, the bytes go from a few aligned buffers straight to the device: the writing thread copies each
-piece into a buffer (a memmove, outside the GIL), and of each full buffer one thread computes the digest while
-another writes it, as the next one fills (the way DeepNVMe and FastPersist write). The buffers are on huge pages
+piece into a buffer (a memmove, outside the GIL) and digests it there while it is still in the CPU's cache, and
+another thread writes each full buffer as the next one fills (the way DeepNVMe and FastPersist write). The buffers are on huge pages
 (`aligned_buffer`): the device takes a request of physically contiguous pieces, and from scattered 4 KiB pages its
 requests were an eighth of the size. A caller whose memory stays put until the close (a background save's own
-snapshot) has its page-aligned pieces written from where they are, without the copy (`in_place`).
+snapshot) has its page-aligned pieces written from where they are, without the copy (`in_place`), and digested by a
+third thread while they are written.
 
 O_DIRECT needs the buffer's address, the file offset and the length aligned to the device's block: every write
 here is a whole buffer at an aligned offset, except the last, which is padded with zeros and then cut back to the
@@ -52,6 +53,12 @@ DEPTH = 3
 IN_PLACE_BYTES = 1 << 20
 """A file told its caller's memory stays put (`in_place`) writes a page-aligned piece of at least this many bytes
 that falls at an aligned file offset straight from that memory, not copied into a buffer first."""
+DIGEST_AS_COPIED = True
+"""Whether the bytes a file copies into its buffers are digested by the copying thread right after each piece's copy
+(at most DIGEST_PIECE bytes: read back from the cache), not by the digest thread once the buffer is full (read back
+from memory). One pass over memory fewer: on the CI machine a GiB's stop save went from 0.83 to 0.91 of the disk's
+speed (median of 8, bench/write_speed.py --ab-digest). Off: a bench's A/B."""
+DIGEST_PIECE = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 HUGE_PAGES = True
 """Whether the buffers ask for transparent huge pages (`aligned_buffer`); off, they are 4 KiB pages (a bench's A/B)."""
@@ -152,15 +159,16 @@ def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False,
 
 class DirectFile(io.RawIOBase):
     """A write-only O_DIRECT file (`fd`, which it owns and closes) that digests what it writes (`digest`:
-    mgpu.state.files.digest's record, complete once closed). Each full buffer is digested in one thread and written
-    in another while the caller fills the next. The first OSError of the writes below is kept (`error`) and
+    mgpu.state.files.digest's record, complete once closed). The caller's thread copies each piece into a buffer and
+    digests it (DIGEST_AS_COPIED); each full buffer is written by another thread while the caller fills the next. The first OSError of the writes below is kept (`error`) and
     raised again by the next write or the close: torch's zip writer would swallow it.
 
     `in_place`: the caller promises that the memory of every piece it writes stays allocated and unchanged until
     the close (a snapshot of its own, not torch.save's temporary copy of a GPU storage). Then a page-aligned piece
     of IN_PLACE_BYTES or more at an aligned file offset (torch.save's storages, with mgpu.state.files.zip_options'
-    page_aligned_storages) is digested and written from there, in one request with the buffer before it: one
-    pass over memory fewer, a copy the size of the state.
+    page_aligned_storages) is written from there, in one request with the buffer before it, and digested by a
+    thread of its own (the caller's thread goes on to the next piece): one pass over memory fewer, a copy the size of
+    the state. The digest keeps the bytes' order: such a file's buffers are digested by that thread too.
 
     `gate(address, nbytes)`: called before the caller's memory is read (copied or handed over), it returns once
     those bytes are ready (a snapshot still being copied: mgpu.state.single.host_copy.CopyGate) or raises."""
@@ -185,9 +193,13 @@ class DirectFile(io.RawIOBase):
         self._fill = 0  # bytes in the current buffer
         self._free = list(self._buffers)
         # (buffer or None where only the caller's memory went, digested, written), oldest first
-        self._in_flight: collections.deque[tuple[memoryview | None, Future[None], Future[None]]] = collections.deque()
-        # One thread each, so the digest keeps the bytes' order and the file's writes stay sequential.
-        self._digester = ThreadPoolExecutor(1, thread_name_prefix="mgpu-direct-digest")
+        self._in_flight: collections.deque[tuple[memoryview | None, Future[None] | None, Future[None]]] = \
+            collections.deque()
+        # One thread each, so the digest keeps the bytes' order and the file's writes stay sequential; a digest
+        # thread only where pieces are written in place (every other byte is digested as it is copied).
+        self._digest_as_copied = DIGEST_AS_COPIED and not in_place
+        self._digester = None if self._digest_as_copied else \
+            ThreadPoolExecutor(1, thread_name_prefix="mgpu-direct-digest")
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="mgpu-direct-write")
         self._current = self._free.pop()
         self._current_address = _address(self._current)
@@ -207,8 +219,10 @@ class DirectFile(io.RawIOBase):
             source += whole
             left -= whole
         while left:
-            count = min(left, capacity - self._fill)
+            count = min(left, capacity - self._fill, DIGEST_PIECE if self._digest_as_copied else left)
             ctypes.memmove(self._current_address + self._fill, source, count)  # outside the GIL
+            if self._digest_as_copied:
+                self.digest.update(self._current[self._fill:self._fill + count])
             self._fill += count
             source += count
             left -= count
@@ -225,7 +239,7 @@ class DirectFile(io.RawIOBase):
         borrowed = [then] if then is not None else []
         pieces = ([self._current[:length]] if length else []) + borrowed  # written: the padding included
         digested = ([self._current[:self._fill]] if length else []) + borrowed  # digested: the bytes written to it
-        self._in_flight.append((buffer, self._digester.submit(self._digest, digested),
+        self._in_flight.append((buffer, self._digester.submit(self._digest, digested) if self._digester else None,
                                 self._writer.submit(self._write_pieces, pieces, self._offset)))
         self._offset += sum(piece.nbytes for piece in pieces)
         if buffer is not None:
@@ -242,7 +256,8 @@ class DirectFile(io.RawIOBase):
 
     def _settle_oldest(self) -> None:
         buffer, digested, written = self._in_flight.popleft()
-        digested.result()
+        if digested is not None:
+            digested.result()
         try:
             written.result()
         except OSError as error:
@@ -310,7 +325,8 @@ class DirectFile(io.RawIOBase):
             self._raise_error()
             os.ftruncate(self.fd, self._size)
         finally:
-            self._digester.shutdown()
+            if self._digester is not None:
+                self._digester.shutdown()
             self._writer.shutdown()
             os.close(self.fd)
             # (Both threads have finished: no write reads a buffer any more.)
