@@ -1,9 +1,10 @@
-"""Evaluation: what a task's metrics must look like (checked at start, on two samples), and one pass over
-the eval set on every rank, with the task's values summed over batches and ranks (mgpu.train.metrics.Sums)."""
+"""Evaluation: what a task's metrics must look like (checked at start, on two samples), one pass over the eval set
+on every rank, with the task's values summed over batches and ranks (mgpu.train.metrics.Sums), and whether an
+evaluation is the best so far and early stopping's patience is spent."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -13,7 +14,11 @@ from mgpu.parallel.distributed import all_reduce, broadcast_object
 from mgpu.errors import MgpuError
 from mgpu.train.metrics import Sums
 
-__all__ = ["EvalInterrupted", "check_metrics", "evaluate"]
+if TYPE_CHECKING:
+    from mgpu.config.schema import EvalConfig
+    from mgpu.state.train_state import Progress
+
+__all__ = ["EvalInterrupted", "check_metrics", "evaluate", "track_best"]
 
 
 class EvalInterrupted(Exception):
@@ -81,3 +86,20 @@ def evaluate(model: nn.Module, batches: Iterable[Any], common: int, metrics: Cal
     totals = all_reduce(vector).tolist()
     values = sums.compute(totals) if sums.layout else None
     return broadcast_object(values) if world > 1 else values  # type: ignore[return-value]  # rank 0's values, pickled: the same type
+
+
+def track_best(progress: Progress, metrics: Mapping[str, float], cfg: EvalConfig) -> tuple[bool, bool]:
+    """An evaluation's `metrics` against the best so far by eval.metric (in eval.mode, by more than eval.min_delta):
+    `progress`'s best (best_metric, best_metrics, best_step at its step) and evaluations without improvement
+    updated. Returns (improved, early stopping's patience spent: eval.early_stopping_patience evaluations in a
+    row without improvement)."""
+    p, value = progress, metrics[cfg.metric]
+    improved = p.best_metric is None or (
+        value < p.best_metric - cfg.min_delta if cfg.mode == "min" else value > p.best_metric + cfg.min_delta)
+    if improved:
+        p.best_metric, p.evals_without_improvement = value, 0
+        p.best_metrics, p.best_step = dict(metrics), p.step
+    else:
+        p.evals_without_improvement += 1
+    patience = cfg.early_stopping_patience
+    return improved, patience is not None and p.evals_without_improvement >= patience

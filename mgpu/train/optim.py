@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedule from the config."""
+"""Optimizer and learning-rate schedule: the task's own where it brings one, else the config's."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from mgpu.config.loading import OptimConfig, ScheduleConfig
+from mgpu.errors import MgpuError
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_factor"]
+__all__ = ["build_optimizer", "build_scheduler", "lr_factor", "optimizer_for", "scheduler_for"]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, distributed: bool) -> torch.optim.Optimizer:
@@ -50,3 +51,30 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: ScheduleConfig, total
                     ) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR stepped once per optimizer step; its state (the step count) is checkpointed."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+
+
+def optimizer_for(own: Any, task_name: str, model: nn.Module, cfg: OptimConfig,
+                  distributed: bool) -> torch.optim.Optimizer:
+    """`own`, the task's optimizer (parameter groups, any torch.optim class: `Task.optimizer`), else the config's."""
+    if own is None:
+        return build_optimizer(model, cfg, distributed=distributed)
+    if not isinstance(own, torch.optim.Optimizer):
+        raise MgpuError(f"{task_name}.optimizer() returned {type(own).__name__}, not a torch.optim.Optimizer")
+    if cfg.zero:
+        raise MgpuError(f"optim.zero=true but {task_name}.optimizer() brings its own optimizer: shard it with "
+                        f"torch's ZeroRedundancyOptimizer in the task, or set optim.zero=false")
+    return own
+
+
+def scheduler_for(own: Any, task_name: str, optimizer: torch.optim.Optimizer, cfg: ScheduleConfig,
+                  total_steps: int) -> Any:
+    """`own`, the task's LR schedule (a scheduler, or a function of the step giving the lr factor:
+    `Task.scheduler`), else the config's."""
+    if own is None:
+        return build_scheduler(optimizer, cfg, total_steps)
+    if callable(own) and not hasattr(own, "state_dict"):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, own)
+    if not (hasattr(own, "step") and hasattr(own, "state_dict")):
+        raise MgpuError(f"{task_name}.scheduler() returned {type(own).__name__}: return an LR "
+                        f"scheduler, a function of the step (the lr factor), or None")
+    return own

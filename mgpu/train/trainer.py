@@ -20,21 +20,21 @@ from pathlib import Path
 from typing import Any, Iterator, Literal, Mapping
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
 from mgpu.state.single.store import LoadedCheckpoint
 from mgpu.config.loading import Config, config_to_dict, dump_config, flatten_config, grad_accum_for
 from mgpu.config.resume_compat import check_resume_compatible
-from mgpu.data.sampling import MicroBatch, eval_shard, plan_for
+from mgpu.data.sampling import eval_shard, plan_for
 from mgpu.errors import MgpuError
-from mgpu.train.evaluation import EvalInterrupted, check_metrics, evaluate
+from mgpu.train.evaluation import EvalInterrupted, check_metrics, evaluate, track_best
 from mgpu.parallel.ema import EMA
-from mgpu.parallel.fsdp import local_grads, no_sync, plain, weights_fingerprint
+from mgpu.parallel.fsdp import no_sync, plain, weights_fingerprint
 from mgpu.train.log_window import LogWindow
+from mgpu.train.loss_scaling import backward_per_sample, backward_summed, mean_over_units
 from mgpu.train.metrics import LossSum
-from mgpu.train.optim import build_optimizer, build_scheduler
+from mgpu.train.optim import optimizer_for, scheduler_for
 from mgpu.parallel.precision import resolve_precision
 from mgpu.record.reporting import Reporter, TaskLog, format_metrics
 from mgpu.record.stragglers import rank_scalars
@@ -110,7 +110,9 @@ class Trainer:
             self.model = session.wrap(self.model, parallel="fsdp", shard_hook=task.shard)
         # once: asking CUDA every step would cost each step
         self.precision = resolve_precision(cfg.train.precision, self.device, warn=self.is_main)
-        self.optimizer = self._optimizer()
+        name = type(task).__name__
+        self.optimizer = optimizer_for(task.optimizer(self.model), name, self.model, cfg.optim,
+                                       distributed=self.world > 1)
         # After FSDP2's wrap (the average is sharded like the parameters it follows), before the load (it resumes).
         self.ema = EMA(self.model, cfg.train.ema_decay) if cfg.train.ema_decay is not None else None
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.precision == torch.float16)
@@ -118,7 +120,8 @@ class Trainer:
         self.progress, override = self._resume_point(loaded)
         self.total_steps = self._total_steps()
         self._check_batch_norm_batches()
-        self.scheduler = self._scheduler()
+        self.scheduler = scheduler_for(task.scheduler(self.optimizer, self.total_steps), name, self.optimizer,
+                                       cfg.schedule, self.total_steps)
         self._check_eval_metric()  # before the run counts as started (load): a broken metric leaves no trace
         if loaded is None:
             seed_everything(cfg.train.seed + self.rank)
@@ -162,31 +165,6 @@ class Trainer:
         if self.precision == torch.float32:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.precision)
-
-    def _optimizer(self) -> torch.optim.Optimizer:
-        """The task's optimizer (parameter groups, any torch.optim class), else the config's."""
-        own = self.task.optimizer(self.model)
-        if own is None:
-            return build_optimizer(self.model, self.cfg.optim, distributed=self.world > 1)
-        name = type(self.task).__name__
-        if not isinstance(own, torch.optim.Optimizer):
-            raise MgpuError(f"{name}.optimizer() returned {type(own).__name__}, not a torch.optim.Optimizer")
-        if self.cfg.optim.zero:
-            raise MgpuError(f"optim.zero=true but {name}.optimizer() brings its own optimizer: shard it with "
-                            f"torch's ZeroRedundancyOptimizer in the task, or set optim.zero=false")
-        return own
-
-    def _scheduler(self) -> Any:
-        """The task's LR schedule (a scheduler, or a function of the step giving the lr factor), else the config's."""
-        own = self.task.scheduler(self.optimizer, self.total_steps)
-        if own is None:
-            return build_scheduler(self.optimizer, self.cfg.schedule, self.total_steps)
-        if callable(own) and not hasattr(own, "state_dict"):
-            return torch.optim.lr_scheduler.LambdaLR(self.optimizer, own)
-        if not (hasattr(own, "step") and hasattr(own, "state_dict")):
-            raise MgpuError(f"{type(self.task).__name__}.scheduler() returned {type(own).__name__}: return an LR "
-                            f"scheduler, a function of the step (the lr factor), or None")
-        return own
 
     def _objects(self) -> dict[str, Any]:
         """What a checkpoint of this run holds (mgpu.state.train_state adds every rank's RNG state)."""
@@ -332,50 +310,15 @@ class Trainer:
                     out, Mapping) else (out, {})
                 self.beat("backward")
                 if isinstance(loss, LossSum):
-                    weight, reduction = self._backward_summed(loss, mb, weight, last)
+                    weight, reduction = backward_summed(loss, mb, weight, last, self.world, self.device, self.scaler,
+                                                        self.window)
                 else:
-                    self._backward_per_sample(loss, mb, total)
+                    backward_per_sample(loss, mb, total, self.world, self.scaler, self.window, type(self.task).__name__)
             if extras:
                 self.window.add_metrics(extras, mb.real, type(self.task).__name__)
         if weight is not None:
-            if reduction is not None:
-                reduction.wait()
-            # DDP averaged the summed losses' gradients over ranks: world / units makes it the mean over every unit.
-            factor = torch.where(weight > 0, self.world / weight.clamp(min=1e-300), torch.zeros_like(weight))
-            grads = local_grads(self.model)  # a sharded gradient's local part: the factor is the same everywhere
-            for dtype in {g.dtype for g in grads}:
-                torch._foreach_mul_([g for g in grads if g.dtype == dtype], factor.to(dtype))
+            mean_over_units(self.model, weight, self.world, reduction)
         return total
-
-    def _backward_summed(self, loss: LossSum, mb: MicroBatch, weight: torch.Tensor | None,
-                         last: bool) -> tuple[torch.Tensor, Any]:
-        """Backward of a LossSum (a sum over units such as tokens, and their count). Returns the step's units on
-        this rank so far and, at the step's last micro-batch, their sum over the ranks in flight (None before)."""
-        kept = 1.0 if mb.real else 0.0  # a rank left without samples trains on a padding one: weight 0
-        summed = loss.total.float() * kept
-        units = torch.as_tensor(loss.weight, dtype=torch.float64, device=self.device) * kept
-        weight = units if weight is None else weight + units
-        reduction = None
-        if last and self.world > 1:  # the step's units on all ranks, summed while backward runs
-            weight = weight.clone()
-            reduction = dist.all_reduce(weight, async_op=True)
-        self.scaler.scale(summed).backward()
-        self.window.loss_sum += summed.detach()
-        self.window.loss_count += units
-        return weight, reduction
-
-    def _backward_per_sample(self, loss: Any, mb: MicroBatch, total: int) -> None:
-        """Backward of a per-sample loss, scaled so that DDP's average over ranks is the step's exact mean."""
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 1 or loss.shape[0] != len(mb.indices):
-            shape = list(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise MgpuError(f"{type(self.task).__name__}.loss must return one loss per sample (shape "
-                            f"[{len(mb.indices)}]) or a mgpu.train.metrics.LossSum, got {shape}")
-        real = loss[:mb.real].float()
-        # DDP averages gradients over ranks: scaling by world/total makes that average the exact
-        # mean over every real sample of the step, however unevenly the samples were split.
-        self.scaler.scale(real.sum() * (self.world / total)).backward()
-        self.window.loss_sum += real.detach().sum()  # float64 accumulator: promoted in place, no extra op
-        self.window.loss_count += mb.real
 
     def _clip_gradients(self) -> None:
         """Unscaled gradients, clipped to train.clip_grad_norm; their norm kept for the log line."""
@@ -480,14 +423,7 @@ class Trainer:
         metrics = self.evaluate()
         p.eval_pending = False
         self._last_eval, self._last_metrics = p.step, metrics
-        value = metrics[cfg.metric]
-        improved = p.best_metric is None or (
-            value < p.best_metric - cfg.min_delta if cfg.mode == "min" else value > p.best_metric + cfg.min_delta)
-        if improved:
-            p.best_metric, p.evals_without_improvement = value, 0
-            p.best_metrics, p.best_step = dict(metrics), p.step
-        else:
-            p.evals_without_improvement += 1
+        improved, exhausted = track_best(p, metrics, cfg)
         self.reporter.scalars(p.step, metrics, "eval")
         self.reporter.flush_texts(p.step)  # what the task logged as text during the evaluation
         best = "  (best)" if improved else f"  (best {cfg.metric} {p.best_metric:.4g} at step {p.best_step})"
@@ -496,12 +432,11 @@ class Trainer:
             self.ledger.write("evaluated", step=p.step, metrics=metrics, best=improved)
         if improved and self.cfg.checkpoint.keep_best:
             self._save("best", is_best=True)
-        patience = cfg.early_stopping_patience
-        if patience is not None and p.evals_without_improvement >= patience:
+        if exhausted:
             if self.is_main:
                 self.ledger.write("early_stopped", step=p.step, metric=cfg.metric, best=p.best_metric)
-            self.reporter.line(f"early stopping at step {p.step}: {cfg.metric} did not improve in {patience} "
-                               f"evaluations (best {p.best_metric:.4g})")
+            self.reporter.line(f"early stopping at step {p.step}: {cfg.metric} did not improve in "
+                               f"{cfg.early_stopping_patience} evaluations (best {p.best_metric:.4g})")
             return True
         return False
 
