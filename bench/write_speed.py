@@ -2,7 +2,7 @@
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
                                 [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager] [--ab-pipeline]
-                                [--ab-staging] [--ab-digest]
+                                [--ab-staging] [--ab-digest] [--ab-no-checksum]
                                 [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
@@ -39,6 +39,9 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
   saves that copy their bytes into the O_DIRECT buffers with each full buffer digested by a thread of its own, read
   back from memory (mgpu.state.files.direct_io.DIGEST_AS_COPIED off: the form before), not by the copying thread from
   the cache; into stores of their own;
+- with `--ab-no-checksum`, also `single_no_checksum`, `single_async_no_checksum` and `sharded_async_no_checksum`:
+  the saves with their CRC-32 replaced by a function that reads nothing (their recorded checksums are wrong: timed,
+  never loaded), into stores of their own: the checksum's share of a save's time on this machine;
 - with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
   core (no memory traffic): how much CPU beside a write slows this disk. On the CI VM it did, 1.5-2.4x: the
   "disk" is the host copying guest memory, so a save's own copy and checksum cost it more than their CPU time;
@@ -290,6 +293,17 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
                                                       sharded("sharded_digest_thread"))
         forms["sharded_async_digest_thread"] = with_setting(
             direct_io, "DIGEST_AS_COPIED", False, sharded("sharded_async_digest_thread", async_save=True))
+    if args.ab_no_checksum:
+        from mgpu.state.files import digest
+
+        def unread(data: Any, value: int = 0) -> int:
+            return 0
+
+        forms["single_no_checksum"] = with_setting(digest, "crc32", unread, single("single_no_checksum"))
+        forms["single_async_no_checksum"] = with_setting(digest, "crc32", unread,
+                                                         single_async("single_async_no_checksum"))
+        forms["sharded_async_no_checksum"] = with_setting(
+            digest, "crc32", unread, sharded("sharded_async_no_checksum", async_save=True))
     if args.ab_busy_core:
         forms["plain_direct_busy"] = _beside_a_busy_core(plain("plain_direct_busy", aligned_copy(data), direct=True))
     if args.ab_zlib:
@@ -359,6 +373,8 @@ def main() -> None:
     parser.add_argument("--ab-digest", action="store_true",
                         help="also the saves that copy into the O_DIRECT buffers with each full buffer digested by a "
                              "thread of its own (DIGEST_AS_COPIED off)")
+    parser.add_argument("--ab-no-checksum", action="store_true",
+                        help="also the saves with a CRC-32 that reads nothing (the checksum's share)")
     parser.add_argument("--ab-busy-core", action="store_true",
                         help="also the O_DIRECT plain write with another process spinning on one core")
     parser.add_argument("--ab-zlib", action="store_true",
@@ -458,7 +474,7 @@ def main() -> None:
 
 
 PERIODIC = ("single_async", "sharded_async", "single_async_copied_first", "sharded_async_staged_first",
-            "sharded_async_digest_thread")
+            "sharded_async_digest_thread", "single_async_no_checksum", "sharded_async_no_checksum")
 """The periodic saves, each also held against `peer_snapshot` (bench/disk_speed.snapshot_write)."""
 
 
