@@ -2,7 +2,7 @@
 
     python bench/write_speed.py [--mb 1024] [--repeats 3] [--dir DIR] [--ab-writeback] [--ab-direct] [--ab-in-place]
                                 [--ab-huge-pages] [--ab-zlib] [--ab-busy-core] [--ab-stager] [--ab-pipeline]
-                                [--ab-staging] [--ab-digest] [--ab-no-checksum]
+                                [--ab-staging] [--ab-digest] [--ab-no-checksum] [--ab-sharded-in-place]
                                 [--profile]
 
 One process, one directory (`--dir`, default a temporary one under the working directory: the filesystem a run's
@@ -42,6 +42,9 @@ repeat, in this order, each from its call to durable (fsync'd, renamed):
 - with `--ab-no-checksum`, also `single_no_checksum`, `single_async_no_checksum` and `sharded_async_no_checksum`:
   the saves with their CRC-32 replaced by a function that reads nothing (their recorded checksums are wrong: timed,
   never loaded), into stores of their own: the checksum's share of a save's time on this machine;
+- with `--ab-sharded-in-place`, also `sharded_async_copied`: the periodic sharded save with its staged tensors in
+  torch's memory, each copied again into the O_DIRECT file's buffers (mgpu.state.sharded.staging.IN_PLACE off: the
+  form before), not written from the stager's page-aligned buffers;
 - with `--ab-busy-core`, also `plain_direct_busy`: the O_DIRECT plain write with another process spinning on one
   core (no memory traffic): how much CPU beside a write slows this disk. On the CI VM it did, 1.5-2.4x: the
   "disk" is the host copying guest memory, so a save's own copy and checksum cost it more than their CPU time;
@@ -304,6 +307,11 @@ def _forms(args: argparse.Namespace, directory: Path, module: Any, state: dict[s
                                                          single_async("single_async_no_checksum"))
         forms["sharded_async_no_checksum"] = with_setting(
             digest, "crc32", unread, sharded("sharded_async_no_checksum", async_save=True))
+    if args.ab_sharded_in_place:
+        from mgpu.state.sharded import staging
+
+        forms["sharded_async_copied"] = with_setting(staging, "IN_PLACE", False,
+                                                     sharded("sharded_async_copied", async_save=True))
     if args.ab_busy_core:
         forms["plain_direct_busy"] = _beside_a_busy_core(plain("plain_direct_busy", aligned_copy(data), direct=True))
     if args.ab_zlib:
@@ -375,6 +383,9 @@ def main() -> None:
                              "thread of its own (DIGEST_AS_COPIED off)")
     parser.add_argument("--ab-no-checksum", action="store_true",
                         help="also the saves with a CRC-32 that reads nothing (the checksum's share)")
+    parser.add_argument("--ab-sharded-in-place", action="store_true",
+                        help="also the periodic sharded save with its staged tensors copied into the O_DIRECT buffers "
+                             "(staging.IN_PLACE off)")
     parser.add_argument("--ab-busy-core", action="store_true",
                         help="also the O_DIRECT plain write with another process spinning on one core")
     parser.add_argument("--ab-zlib", action="store_true",
@@ -474,7 +485,8 @@ def main() -> None:
 
 
 PERIODIC = ("single_async", "sharded_async", "single_async_copied_first", "sharded_async_staged_first",
-            "sharded_async_digest_thread", "single_async_no_checksum", "sharded_async_no_checksum")
+            "sharded_async_digest_thread", "single_async_no_checksum", "sharded_async_no_checksum",
+            "sharded_async_copied")
 """The periodic saves, each also held against `peer_snapshot` (bench/disk_speed.snapshot_write)."""
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mgpu.record.ledger import Ledger
-from mgpu.state.files.direct_io import DirectFile
+from mgpu.state.files.direct_io import DirectFile, _address
 from mgpu.state.sharded import checkpointer as sharded_module
 from mgpu.state.sharded import staging
 from mgpu.state.sharded.checkpointer import ShardedCheckpointer
@@ -141,3 +141,47 @@ def test_the_stager_is_mgpus_own_only_where_pipelined(pipelined: bool, group: No
     assert saver.settle() is None
     assert isinstance(saver._stager, staging.PipelinedStager) is pipelined
     saver.close()
+
+
+class BigAndSmall(nn.Module):
+    """Two tensors an O_DIRECT file writes in place, and forty it copies (under IN_PLACE_BYTES each)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Parameter(torch.randn(3 * MIB // 4))
+        self.other = nn.Parameter(torch.randn(2 * MIB // 4 + 5))
+        self.small = nn.ParameterList([nn.Parameter(torch.randn(7 + n)) for n in range(40)])
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_a_periodic_sharded_save_writes_its_staged_big_tensors_in_place_and_pads_only_those(
+        in_place: bool, group: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stager's page-aligned buffers of the big tensors are what the write requests read (no copy into the
+    O_DIRECT file's buffers); the small tensors' archives are not padded to pages; the shard loads back the same.
+    `copied` (staging.IN_PLACE off, the form before) is the control: no staged buffer is written from."""
+    monkeypatch.setattr(staging, "IN_PLACE", in_place)
+    sources: list[int] = []
+    real_pwrite = DirectFile._pwrite
+
+    def recording(self: DirectFile, pieces: list[memoryview], offset: int) -> int:
+        sources.extend(_address(piece) for piece in pieces)
+        return real_pwrite(self, pieces, offset)
+
+    monkeypatch.setattr(DirectFile, "_pwrite", recording)
+    model = BigAndSmall()
+    saver = ShardedCheckpointer(tmp_path / "checkpoints", 0, 1, Ledger(None, None, 0), async_save=True)
+    saver.save_objects({"model": model}, 1, "periodic")
+    assert saver.settle() is None
+    stager = saver._stager
+    assert isinstance(stager, staging.PipelinedStager)
+    buffers = {kept.data_ptr(): kept.nbytes for kept in stager._staging.values()}
+    big = [address for address, size in buffers.items() if size >= 2 * MIB]
+    assert len(big) == 2
+    written_from = [address for address in big if address in sources]
+    assert written_from == (big if in_place else [])
+    saver.close()
+    shard = sum(path.stat().st_size for path in (tmp_path / "checkpoints" / "step_00000001").glob("*.distcp"))
+    tensors = sum(p.nbytes for p in model.parameters())
+    assert shard < tensors + 40 * 2048 + 64 * 1024  # a page-padded small archive alone takes 20 KiB or so
+    saved = consolidate(tmp_path / "checkpoints" / "step_00000001")["model"]
+    assert all(torch.equal(saved[name], value.detach()) for name, value in model.state_dict().items())

@@ -137,7 +137,11 @@ def _give_back(views: list[memoryview]) -> None:
                 spare.append(view)
 
 
-def open_direct(path: Path, algorithm: str = "crc32", in_place: bool = False,
+InPlace = Callable[[int, int], bool]
+"""Whether the caller's `nbytes` at `address` stay allocated and unchanged until the file's close."""
+
+
+def open_direct(path: Path, algorithm: str = "crc32", in_place: bool | InPlace = False,
                 gate: Callable[[int, int], None] | None = None) -> "DirectFile | None":
     """A new file at `path` written with O_DIRECT, or None where this system or filesystem refuses it (`in_place`,
     `gate`: see DirectFile)."""
@@ -164,7 +168,9 @@ class DirectFile(io.RawIOBase):
     raised again by the next write or the close: torch's zip writer would swallow it.
 
     `in_place`: the caller promises that the memory of every piece it writes stays allocated and unchanged until
-    the close (a snapshot of its own, not torch.save's temporary copy of a GPU storage). Then a page-aligned piece
+    the close (True: a snapshot of its own, not torch.save's temporary copy of a GPU storage), or says of which
+    memory it does (a function of the address and size: a snapshot's buffers, not the temporary copy DCP makes of a
+    tensor that is not its storage's whole). Then a page-aligned piece
     of IN_PLACE_BYTES or more at an aligned file offset (torch.save's storages, with mgpu.state.files.zip_options'
     page_aligned_storages) is written from there, in one request with the buffer before it, and digested by a
     thread of its own (the caller's thread goes on to the next piece): one pass over memory fewer, a copy the size of
@@ -174,7 +180,7 @@ class DirectFile(io.RawIOBase):
     those bytes are ready (a snapshot still being copied: mgpu.state.single.host_copy.CopyGate) or raises."""
 
     def __init__(self, fd: int, algorithm: str = "crc32", buffer_bytes: int = BUFFER_BYTES, depth: int = DEPTH,
-                 in_place: bool = False, gate: Callable[[int, int], None] | None = None) -> None:
+                 in_place: bool | InPlace = False, gate: Callable[[int, int], None] | None = None) -> None:
         super().__init__()
         self.error: OSError | None = None
         try:
@@ -187,7 +193,8 @@ class DirectFile(io.RawIOBase):
             os.close(fd)
             io.RawIOBase.close(self)
             raise
-        self.fd, self.digest, self.in_place, self.gate = fd, ChunkDigest(algorithm), in_place, gate
+        self.fd, self.digest, self.gate = fd, ChunkDigest(algorithm), gate
+        self.in_place: InPlace | None = (lambda address, nbytes: True) if in_place is True else in_place or None
         self._size = 0  # bytes written by the caller
         self._offset = 0  # file offset of the current buffer's first byte (aligned)
         self._fill = 0  # bytes in the current buffer
@@ -213,7 +220,8 @@ class DirectFile(io.RawIOBase):
         source, left, capacity = _address(view) if view.nbytes else 0, view.nbytes, len(self._current)
         if self.gate is not None and left:
             self.gate(source, left)
-        if self.in_place and left >= IN_PLACE_BYTES and source % ALIGN == 0 and self._fill % ALIGN == 0:
+        if self.in_place is not None and left >= IN_PLACE_BYTES and source % ALIGN == 0 and self._fill % ALIGN == 0 \
+                and self.in_place(source, left - left % ALIGN):
             whole = left - left % ALIGN
             self._hand_over(self._fill, view[:whole])
             source += whole

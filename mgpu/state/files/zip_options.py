@@ -20,12 +20,14 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.serialization
 
-__all__ = ["PAGE", "available", "holds_storage_of", "page_aligned_storages", "without_zip_crc32"]
+__all__ = ["PAGE", "align_next_saves", "available", "holds_storage_of", "next_saves_aligned", "page_aligned_storages",
+           "without_zip_crc32"]
 
 PAGE = 4096
 """The storage alignment inside `page_aligned_storages()`: O_DIRECT's (mgpu.state.files.direct_io.ALIGN)."""
 
 _local = threading.local()
+_SET = ":set"  # a thread's setting by align_next_saves, beside its blocks' count
 _lock = threading.Lock()
 
 
@@ -41,7 +43,7 @@ def _install(name: str, override: Any) -> bool:
         original: Callable[[], Any] = current
 
         def getter() -> Any:
-            return override if getattr(_local, name, 0) > 0 else original()
+            return override if getattr(_local, name, 0) > 0 or getattr(_local, name + _SET, False) else original()
 
         getter.__name__ = name
         getter.__doc__ = original.__doc__
@@ -81,6 +83,21 @@ def page_aligned_storages(enabled: bool = True) -> Iterator[None]:
     the file's start (torch's default: 64); a no-op with a torch that has no such setting, or `enabled=False`."""
     with _scoped("_get_storage_alignment", PAGE, enabled):
         yield
+
+
+def align_next_saves(enabled: bool) -> None:
+    """torch.save called by this thread from now on starts every storage at a multiple of PAGE (`enabled`), or at
+    torch's alignment again (False): for a writer that decides per saved object, where no block can span both the
+    decision and the save (DCP's planner resolves a tensor, its writer then saves it: mgpu.state.sharded.staging)."""
+    if _install("_get_storage_alignment", PAGE):
+        setattr(_local, "_get_storage_alignment" + _SET, enabled)
+
+
+def next_saves_aligned() -> bool:
+    """Whether this thread's torch.save calls start every storage at a multiple of PAGE (a block, or
+    `align_next_saves`)."""
+    name = "_get_storage_alignment"
+    return getattr(_local, name, 0) > 0 or bool(getattr(_local, name + _SET, False))
 
 
 def holds_storage_of(state: Any, nbytes: int | None = None) -> bool:

@@ -55,7 +55,7 @@ from mgpu.state.loadable import check_loadable
 from mgpu.state.single import store as _checkpoint
 from mgpu.state.sharded.filesystem import DigestingFileSystem
 from mgpu.state.sharded.find import find_latest
-from mgpu.state.sharded.staging import PipelinedStager, next_stager
+from mgpu.state.sharded.staging import AligningPlanner, PipelinedStager, next_stager
 from mgpu.state.sharded.format import (COMMON, FORMAT, KIND, common_state, dcp_state, file_entry, manifest_name,
                                        rank_file, read_meta, split_objects, sync_buffers, to_bytes, verify_rank)
 from mgpu.fsutil import fsync_all, fsync_path, write_durably
@@ -230,9 +230,10 @@ class ShardedCheckpointer:
         writer = (FileSystemWriter(job.tmp, **options) if arrivals is None
                   else MarkingWriter(job.tmp, on_written=arrivals.mark, **options))
         # The manifest's checksums, no re-read; DCP's torch.save into these streams without its zip CRC32s.
+        # The gate: a staged save's copy, still being made (the stop's save writes the live state: nothing to wait for).
+        pipelined = staged and isinstance(self._stager, PipelinedStager)
         writer.fs = DigestingFileSystem(job.digests, _checkpoint.DIGEST, zip_crc32=_checkpoint.ZIP_CRC32,
-                                        direct=_checkpoint.DIRECT_IO,
-                                        gate=self._stager if isinstance(self._stager, PipelinedStager) else None)
+                                        direct=_checkpoint.DIRECT_IO, gate=self._stager if pipelined else None)
         return writer
 
     def _write_now(self, state: dict[str, Any], job: "_Job") -> str | None:
@@ -245,8 +246,9 @@ class ShardedCheckpointer:
 
     def _write_async(self, state: dict[str, Any], job: "_Job") -> None:
         self._stager = next_stager(self._stager, torch.cuda.is_available(), REUSE_STAGER, PIPELINED_STAGING)
-        response = dcp.async_save(state, storage_writer=self._writer(job, staged=True),
-                                  process_group=self.group, async_stager=self._stager)
+        response = dcp.async_save(state, storage_writer=self._writer(job, staged=True), process_group=self.group,
+                                  async_stager=self._stager,
+                                  planner=AligningPlanner() if isinstance(self._stager, PipelinedStager) else None)
         staging = getattr(response, "staging_completion", None)
         if staging is not None:  # (not with synchronous staging; kept so that no torch version tears a save)
             staging.result()

@@ -11,6 +11,10 @@ returns once every buffer is filled, so the save is still a snapshot of its step
 `save_objects` returns is written. A copy that fails fails the write that waits on it; the save then fails as any
 write does.
 
+The buffers of big tensors are page-aligned (huge pages where granted), and each is written from where it is, not
+copied again into the O_DIRECT file's buffers: `AligningPlanner` has DCP's writer save each big tensor's archive with
+its storage at a page-aligned offset, and the `DigestingFileSystem` starts every archive at one (`ItemAlignedStream`).
+
 Where CUDA is, DCP's DefaultStager stays (a GPU's copy to pinned memory and its DTensors on a CUDA mesh are not
 planned here). `next_stager` chooses a save's stager.
 """
@@ -20,10 +24,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from mgpu.state.files.direct_io import IN_PLACE_BYTES
+from mgpu.state.files.zip_options import align_next_saves
 from mgpu.state.single.host_copy import Copy, CopyGate, copy_snapshot, plan_snapshot
 
-__all__ = ["PipelinedStager", "next_stager"]
+__all__ = ["AligningPlanner", "IN_PLACE", "PipelinedStager", "next_stager"]
+
+IN_PLACE = True
+"""Whether a staged save's big tensors are written from the stager's buffers (off: buffers in torch's memory, each
+copied again into the O_DIRECT file's, the form before; a bench's A/B)."""
 
 
 class PipelinedStager:
@@ -42,9 +53,7 @@ class PipelinedStager:
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         if self._copies and self._gate is not None:  # planned, never copied: its save failed before (a writer waiting
             self._gate.fail(RuntimeError("the save was given up before its copy"))  # on it stops)
-        # torch's own memory, not page-aligned huge pages: DCP's archives put no tensor at an aligned file offset, so
-        # the O_DIRECT file copies each into its buffers anyway (mappings of its own would buy nothing).
-        staged, self._copies = plan_snapshot(state_dict, self._staging, aligned=False)
+        staged, self._copies = plan_snapshot(state_dict, self._staging, aligned=IN_PLACE)  # (then written in place)
         self._gate = CopyGate(self._copies)
         return staged
 
@@ -67,6 +76,11 @@ class PipelinedStager:
         if self._gate is not None:
             self._gate(address, nbytes)
 
+    def holds(self, address: int, nbytes: int) -> bool:
+        """Whether the `nbytes` at `address` are in this save's buffers (kept until the write ends: written in
+        place)."""
+        return IN_PLACE and self._gate is not None and self._gate.holds(address, nbytes)
+
     def wait_all(self) -> None:
         """A writer that cannot wait per buffer: until the whole copy is done."""
         if self._gate is not None:
@@ -78,6 +92,20 @@ class PipelinedStager:
     def close(self) -> None:
         self._staging.clear()
         self._copies, self._gate = [], None
+
+
+class AligningPlanner(DefaultSavePlanner):
+    """DCP's default save planner, which tells its writer's thread, as it hands over each tensor, whether to save
+    that tensor's archive with its storage at a page-aligned offset: only a storage an O_DIRECT file would write in
+    place (IN_PLACE_BYTES or more). Every record of an aligned archive is padded to a page, 20 KiB or so a tensor:
+    worth it for the big ones only. DCP's plain loader (a staged save's, without CUDA) resolves each tensor right
+    before its writer saves it, in the same thread."""
+
+    def resolve_data(self, write_item: Any) -> Any:
+        data = super().resolve_data(write_item)
+        align_next_saves(IN_PLACE and isinstance(data, torch.Tensor)
+                         and data.untyped_storage().nbytes() >= IN_PLACE_BYTES)
+        return data
 
 
 def next_stager(current: Any, cuda: bool, reuse: bool = True, pipelined: bool = True) -> Any:

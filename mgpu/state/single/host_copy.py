@@ -184,6 +184,15 @@ class CopyGate:
         if address < start + size:
             self._wait(lambda: self._filled[index])
 
+    def holds(self, address: int, nbytes: int) -> bool:
+        """Whether the `nbytes` at `address` lie inside one of the snapshot's buffers (memory that stays put until
+        the write ends: mgpu.state.files.direct_io writes it in place)."""
+        at = bisect.bisect_right(self._starts, address) - 1
+        if at < 0:
+            return False
+        start, size, _ = self._spans[at]
+        return address + nbytes <= start + size
+
     def wait_all(self) -> None:
         """Until every buffer is filled (a writer that cannot wait per buffer)."""
         self._wait(lambda: all(self._filled))

@@ -325,7 +325,8 @@ class CheckpointStore(StepDirectories):
             self._writer(state, path)
             fsync_path(path)
             return digest_file(path, DIGEST)
-        direct = open_direct(path, DIGEST, in_place=snapshot is not None, gate=snapshot) if DIRECT_IO else None
+        direct = open_direct(path, DIGEST, in_place=snapshot.holds if snapshot is not None else False,
+                             gate=snapshot) if DIRECT_IO else None
         if direct is None and snapshot is not None:
             snapshot.wait_all()  # the page cache's file, from here on
         if direct is not None:
