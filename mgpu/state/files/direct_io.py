@@ -56,8 +56,8 @@ that falls at an aligned file offset straight from that memory, not copied into 
 DIGEST_AS_COPIED = True
 """Whether the bytes a file copies into its buffers are digested by the copying thread right after each piece's copy
 (at most DIGEST_PIECE bytes: read back from the cache), not by the digest thread once the buffer is full (read back
-from memory). One pass over memory fewer: on the CI machine a GiB's stop save went from 0.83 to 0.91 of the disk's
-speed (median of 8, bench/write_speed.py --ab-digest). Off: a bench's A/B."""
+from memory). One pass over memory fewer: on the CI machine a GiB's stop save went from 0.85 to 0.91 of the disk's
+speed (median of 5, bench/write_speed.py --ab-digest: write_speed_digest.json). Off: a bench's A/B."""
 DIGEST_PIECE = 1 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 HUGE_PAGES = True
