@@ -57,6 +57,36 @@ def _task_frame(error: BaseException, target: str) -> str | None:
     return f"{os.path.relpath(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
+def hang_behind(error: BaseException, cfg: Config, env: ProcessEnv | None = None) -> dict[str, Any] | None:
+    """This attempt's `hang` event when `error` only says that a peer went away (gloo's `Connection closed by
+    peer`: mgpu.run.recovery.peer_consequence). The watchdog ends a hung rank only after every live rank wrote its
+    stacks, and the hang is in the ledger before that rank exits; a rank whose collective then fails is part of that
+    hang, not a failure of its own task code. None otherwise, or where the ledger cannot be read."""
+    from mgpu.record.ledger import read_ledger
+    from mgpu.record.rundir import RunDir
+    from mgpu.run.recovery import peer_consequence
+    from mgpu.run.unanswered import this_attempt
+
+    if not peer_consequence(error):
+        return None
+    try:
+        env = env or detect_environment()
+        attempt = this_attempt(read_ledger(RunDir.of(cfg.run).ledger), env.job_id, env.restart_count)
+    except (MgpuError, OSError):
+        return None
+    return next((dict(e) for e in reversed(attempt) if e.get("event") == "hang"), None)
+
+
+def hang_note(hang: dict[str, Any], code: int) -> str:
+    """The one line of a rank whose collective failed because the watchdog ended a hung peer."""
+    ranks = [str(rank) for rank in hang.get("ranks") or []]
+    phases = hang.get("phases") or {}
+    where = ", ".join(f"rank {rank} in {phases.get(rank, 'an unknown phase')}" for rank in ranks) or "a rank"
+    return (f"{where} hung after step {hang.get('step')} (the watchdog's verdict: the run's ledger holds its "
+            f"evidence); this rank's collective failed as the hung rank was ended, not by the task's code: exit "
+            f"{code}, as the hung rank's, so that the job comes back as after a hang")
+
+
 def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = None) -> str:
     """The one line under a failure's traceback: where it came from, and what happens to the job now."""
     from mgpu.record.ledger import read_ledger
@@ -88,7 +118,8 @@ def failure_note(error: BaseException, cfg: Config, env: ProcessEnv | None = Non
 def cli_exit_code(load: Callable[[], Config], config_path: str | None, prog: str) -> int:
     """A rank's job as a command runs it (jobs/train.py, `jobs/submit.py --cluster local`): bad input or a full
     disk is one line and exit 2; a stop that stays down, one line with the resume command and exit 3; a
-    failure, its traceback, then one line saying what happens now, exit 1; else 0."""
+    collective failed because the watchdog ended a hung peer, one line naming the hang and exit 4 (as the hung
+    rank's); a failure, its traceback, then one line saying what happens now, exit 1; else 0."""
     import traceback
 
     from mgpu.errors import exit_with
@@ -104,6 +135,12 @@ def cli_exit_code(load: Callable[[], Config], config_path: str | None, prog: str
         return stopped.code
     except Exception as error:  # not the user's input: keep the traceback, then say what it means
         traceback.print_exc()
+        hang = hang_behind(error, cfg) if cfg is not None else None
+        if hang is not None:
+            from mgpu.stop.watchdog import HANG_EXIT_CODE
+
+            print(f"{prog}: {hang_note(hang, HANG_EXIT_CODE)}", file=sys.stderr, flush=True)
+            return HANG_EXIT_CODE
         note = failure_note(error, cfg) if cfg is not None else f"{type(error).__name__} while reading the config"
         print(f"{prog}: {note}", file=sys.stderr, flush=True)
         return 1
