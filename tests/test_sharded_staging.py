@@ -6,11 +6,10 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from mgpu.record.ledger import Ledger
@@ -20,18 +19,9 @@ from mgpu.state.sharded import staging
 from mgpu.state.sharded.checkpointer import ShardedCheckpointer
 from mgpu.state.sharded.export import consolidate
 from mgpu.state.single.host_copy import copy_snapshot, plan_snapshot
+from tests.test_sharded import group  # noqa: F401  (the fixture: a gloo world of one)
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def group(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # set by torch's first optimizer otherwise
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_a_planned_dtensor_is_one_of_the_same_placements_around_its_local_shards_buffer(group: None) -> None:
