@@ -6,11 +6,11 @@ under the write speed of an NVMe drive, and a stream of memory traffic that slow
 memory bus (bench/periodic_saves.py). It also evicts what the page cache held, a dataset's files included. Written
 with O_DIRECT, the bytes go from a few aligned buffers straight to the device: the writing thread copies each
 piece into a buffer (a memmove, outside the GIL) and digests it there while it is still in the CPU's cache, and
-another thread writes each full buffer as the next one fills (the way DeepNVMe and FastPersist write). The buffers are on huge pages
-(`aligned_buffer`): the device takes a request of physically contiguous pieces, and from scattered 4 KiB pages its
-requests were an eighth of the size. A caller whose memory stays put until the close (a background save's own
-snapshot) has its page-aligned pieces written from where they are, without the copy (`in_place`), and digested by a
-third thread while they are written.
+another thread writes each full buffer as the next one fills (the way DeepNVMe and FastPersist write). The buffers
+are on huge pages (`aligned_buffer`): the device takes a request of physically contiguous pieces, and from scattered
+4 KiB pages its requests were an eighth of the size. A caller whose memory stays put until the close (a background
+save's own snapshot) has its page-aligned pieces written from where they are, without the copy (`in_place`), and
+digested by a third thread while they are written.
 
 O_DIRECT needs the buffer's address, the file offset and the length aligned to the device's block: every write
 here is a whole buffer at an aligned offset, except the last, which is padded with zeros and then cut back to the
@@ -164,8 +164,9 @@ def open_direct(path: Path, algorithm: str = "crc32", in_place: bool | InPlace =
 class DirectFile(io.RawIOBase):
     """A write-only O_DIRECT file (`fd`, which it owns and closes) that digests what it writes (`digest`:
     mgpu.state.files.digest's record, complete once closed). The caller's thread copies each piece into a buffer and
-    digests it (DIGEST_AS_COPIED); each full buffer is written by another thread while the caller fills the next. The first OSError of the writes below is kept (`error`) and
-    raised again by the next write or the close: torch's zip writer would swallow it.
+    digests it (DIGEST_AS_COPIED); each full buffer is written by another thread while the caller fills the next.
+    The first OSError of the writes below is kept (`error`) and raised again by the next write or the close: torch's
+    zip writer would swallow it.
 
     `in_place`: the caller promises that the memory of every piece it writes stays allocated and unchanged until
     the close (True: a snapshot of its own, not torch.save's temporary copy of a GPU storage), or says of which
